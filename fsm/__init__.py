@@ -1,0 +1,38 @@
+"""kvtier's verified core: the lifecycle state machines and the tiered radix prefix cache.
+
+Pure Python and sans-I/O: it never imports torch or numba, never waits and never copies
+bytes. It turns scheduler calls into lifecycle triggers and returns
+:class:`TransferCommand` records; it takes :class:`Completion` records back as events.
+"""
+
+from .errors import (
+    CapacityError,
+    ConfigError,
+    DuplicateCompletion,
+    GuardRejected,
+    IllegalTransition,
+    InvariantViolation,
+    KvtierError,
+    LifecycleError,
+    UnknownOperation,
+)
+from .records import CacheGroupSpec, ComponentSpec, Completion, Direction, Family, GroupTransfer, TransferCommand
+
+__all__ = [
+    "CacheGroupSpec",
+    "CapacityError",
+    "ComponentSpec",
+    "Completion",
+    "ConfigError",
+    "Direction",
+    "DuplicateCompletion",
+    "Family",
+    "GroupTransfer",
+    "GuardRejected",
+    "IllegalTransition",
+    "InvariantViolation",
+    "KvtierError",
+    "LifecycleError",
+    "TransferCommand",
+    "UnknownOperation",
+]

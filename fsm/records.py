@@ -1,0 +1,256 @@
+"""Frozen records that cross the boundary between the core (``kvtier.fsm``) and the
+transfer engine (``kvtier.transfer``) or the engine embedding kvtier.
+
+Units: pages are counted in whole pages of one cache group; page ids are ``int``
+indices into that group's pool (device or host); tokens are token positions; bytes
+are bytes. Layers are model layer indices (0-based, the model's own numbering).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = [
+    "Family",
+    "Direction",
+    "ComponentSpec",
+    "CacheGroupSpec",
+    "GroupTransfer",
+    "TransferCommand",
+    "Completion",
+]
+
+
+class Family(str, enum.Enum):
+    """What a cache group's pages hold.
+
+    ``HISTORY``: replayable prefix KV; any page-aligned prefix of it can be reused.
+    ``STATE``: continuation-only state (sliding-window KV, compressor residue), valid
+    only at the exact token position it was taken at (invariant 15).
+    """
+
+    HISTORY = "history"
+    STATE = "state"
+
+
+class Direction(str, enum.Enum):
+    """Which way a transfer moves bytes."""
+
+    WRITEBACK = "writeback"  #: device to host (D2H)
+    LOADBACK = "loadback"  #: host to device (H2D)
+
+
+def _positive_int(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{owner}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentSpec:
+    """One tensor per layer of a cache group.
+
+    Components of a group share the group's page ids but differ in bytes per page
+    (DeepSeek V4's ratio-4 compressed group carries the compressed KV and the indexer
+    keys under the same page ids; source_system.md 1.1-1.2).
+
+    Attributes:
+        name: component name, unique within the group (e.g. ``"kv"``, ``"indexer_k"``).
+        page_bytes: bytes of one page of this component in one layer.
+    """
+
+    name: str
+    page_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"component name must be a non-empty str, got {self.name!r}")
+        _positive_int(f"component {self.name!r}", "page_bytes", self.page_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroupSpec:
+    """A cache group: pages of one geometry, shared by a set of layers.
+
+    Attributes:
+        name: unique group name (e.g. ``"v4.c4a.compressed_kv"``).
+        family: :class:`Family` (``history`` or ``state``).
+        rows: entries per page.
+        stride: tokens covered by one entry; tokens per page = ``rows * stride``.
+        layers: model layer indices that use this group (sorted, unique, non-empty).
+        components: one or more :class:`ComponentSpec` (tensors per layer sharing page ids).
+        window: for ``state`` groups, the window in tokens the continuation state must
+            cover (e.g. the sliding window); ``None`` for ``history`` groups.
+
+    Raises:
+        ConfigError: on any invalid field, naming the group, the field and the value.
+    """
+
+    name: str
+    family: Family
+    rows: int
+    stride: int
+    layers: tuple[int, ...]
+    components: tuple[ComponentSpec, ...]
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"cache group name must be a non-empty str, got {self.name!r}")
+        owner = f"cache group {self.name!r}"
+        try:
+            object.__setattr__(self, "family", Family(self.family))
+        except ValueError:
+            raise ConfigError(f"{owner}: family must be 'history' or 'state', got {self.family!r}") from None
+        _positive_int(owner, "rows", self.rows)
+        _positive_int(owner, "stride", self.stride)
+        layers = tuple(self.layers)
+        if not layers or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
+            raise ConfigError(f"{owner}: layers must be a non-empty sequence of ints >= 0, got {self.layers!r}")
+        if list(layers) != sorted(set(layers)):
+            raise ConfigError(f"{owner}: layers must be sorted and unique, got {self.layers!r}")
+        object.__setattr__(self, "layers", layers)
+        components = tuple(self.components)
+        if not components or not all(isinstance(c, ComponentSpec) for c in components):
+            raise ConfigError(f"{owner}: components must be a non-empty sequence of ComponentSpec, "
+                              f"got {self.components!r}")
+        names = [c.name for c in components]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{owner}: component names must be unique, got {names}")
+        object.__setattr__(self, "components", components)
+        if self.family is Family.STATE:
+            _positive_int(owner, "window (tokens, required for state groups)", self.window)
+        elif self.window is not None:
+            raise ConfigError(f"{owner}: window is only for state groups, got {self.window!r}")
+
+    @property
+    def tokens_per_page(self) -> int:
+        """Tokens covered by one page: ``rows * stride``."""
+        return self.rows * self.stride
+
+    @property
+    def layer_page_bytes(self) -> int:
+        """Bytes of one page in one layer, summed over components."""
+        return sum(c.page_bytes for c in self.components)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer and component of the group."""
+        return self.layer_page_bytes * len(self.layers)
+
+    @property
+    def state_pages(self) -> int:
+        """For a state group, pages that hold the continuation state at a position:
+        ``ceil(window / tokens_per_page)``; 0 for history groups."""
+        if self.window is None:
+            return 0
+        return math.ceil(self.window / self.tokens_per_page)
+
+
+def _page_ids(owner: str, name: str, value: object) -> tuple[int, ...]:
+    ids = tuple(value)  # type: ignore[call-overload]
+    for p in ids:
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ConfigError(f"{owner}: {name} must hold page ids (ints >= 0), got {p!r}")
+    return ids
+
+
+@dataclass(frozen=True, slots=True)
+class GroupTransfer:
+    """The pages of one cache group that one operation moves.
+
+    Attributes:
+        group: cache group name.
+        src_pages: source page ids (device pages for a writeback, host pages for a loadback).
+        dst_pages: destination page ids, same length; ``src_pages[i]`` goes to ``dst_pages[i]``.
+    """
+
+    group: str
+    src_pages: tuple[int, ...]
+    dst_pages: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        owner = f"transfer of group {self.group!r}"
+        src = _page_ids(owner, "src_pages", self.src_pages)
+        dst = _page_ids(owner, "dst_pages", self.dst_pages)
+        if len(src) != len(dst):
+            raise ConfigError(f"{owner}: {len(src)} source pages but {len(dst)} destination pages")
+        object.__setattr__(self, "src_pages", src)
+        object.__setattr__(self, "dst_pages", dst)
+
+    @property
+    def pages(self) -> int:
+        """Number of pages moved."""
+        return len(self.src_pages)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferCommand:
+    """One writeback or loadback the core asks the transfer engine to run.
+
+    Attributes:
+        op_id: unique operation id (per core instance, increasing).
+        direction: :class:`Direction` (writeback = D2H, loadback = H2D).
+        transfers: per cache group, the page pairs to copy.
+        layers: model layers to move, ascending; every layer of every group involved
+            unless the command says otherwise.
+        request_id: the request that owns the operation (its loadback, or the writeback
+            of its own pages on finish or retract), or ``None`` when tree nodes own it
+            (write-through of pages already published).
+        node_ids: the radix nodes whose pages move.
+        deadline_step: scheduler step after which the core fails the operation
+            (invariant 7), or ``None`` for no deadline.
+    """
+
+    op_id: int
+    direction: Direction
+    transfers: tuple[GroupTransfer, ...]
+    layers: tuple[int, ...]
+    request_id: str | None = None
+    node_ids: tuple[int, ...] = ()
+    deadline_step: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "direction", Direction(self.direction))
+        object.__setattr__(self, "transfers", tuple(self.transfers))
+        layers = tuple(self.layers)
+        if list(layers) != sorted(set(layers)):
+            raise ConfigError(f"op {self.op_id}: layers must be sorted and unique, got {self.layers!r}")
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "node_ids", tuple(self.node_ids))
+
+    @property
+    def pages(self) -> int:
+        """Pages moved, summed over groups."""
+        return sum(t.pages for t in self.transfers)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What happened to an operation on one rank.
+
+    A completion with ``layer=None`` is the operation's acknowledgement on that rank:
+    sent exactly once per rank, after the last layer's event. A completion with a layer
+    (loadbacks only) says that layers up to and including ``layer`` are complete on that
+    rank; it never acknowledges.
+
+    Attributes:
+        op_id: the operation's id (:attr:`TransferCommand.op_id`).
+        rank: tensor-parallel rank that reports it (0-based).
+        ok: ``True`` for success, ``False`` for failure.
+        layer: for a layer completion, the highest complete model layer; ``None`` for the ack.
+    """
+
+    op_id: int
+    rank: int = 0
+    ok: bool = True
+    layer: int | None = None
+
+    @property
+    def is_ack(self) -> bool:
+        """True for the acknowledgement (the completion without a layer)."""
+        return self.layer is None
