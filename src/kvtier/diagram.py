@@ -1,0 +1,107 @@
+"""Draw the lifecycles of the spec with ``transitions``' GraphMachine.
+
+Text formats (``dot``, ``mermaid``) need only the Python ``graphviz`` package; ``svg``
+and ``png`` also need the Graphviz ``dot`` binary (``apt-get install graphviz``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.fsm.spec import INTERNAL, LifecycleSpec, load_spec
+
+__all__ = ["FORMATS", "TEXT_FORMATS", "render", "write_diagrams", "check_diagrams", "DiagramError"]
+
+FORMATS = ("dot", "mermaid", "svg", "png")
+TEXT_FORMATS = ("dot", "mermaid")
+_SUFFIX = {"dot": ".dot", "mermaid": ".mmd", "svg": ".svg", "png": ".png"}
+
+
+class DiagramError(RuntimeError):
+    """Rendering failed (e.g. the Graphviz ``dot`` binary is missing)."""
+
+
+def _graph_machine(spec: LifecycleSpec, engine: str) -> object:
+    from transitions.extensions.diagrams import GraphMachine
+
+    machine = GraphMachine(
+        states=list(spec.state_names), initial=spec.initial, auto_transitions=False,
+        show_conditions=True, graph_engine=engine, title=f"kvtier {spec.title} lifecycle",
+    )
+    for t in spec.transitions:
+        machine.add_transition(
+            t.event, t.source, t.source if t.dest == INTERNAL else t.dest,
+            conditions=[g.name for g in t.guards if not g.negated],
+            unless=[g.name for g in t.guards if g.negated],
+        )
+    return machine
+
+
+def render(lifecycle: str, fmt: str) -> bytes:
+    """One lifecycle (``"node"`` or ``"request"``) as ``fmt`` (one of :data:`FORMATS`).
+
+    Returns:
+        The file content (UTF-8 text for ``dot``/``mermaid``).
+
+    Raises:
+        ValueError: unknown lifecycle or format.
+        DiagramError: ``svg``/``png`` without the Graphviz ``dot`` binary.
+    """
+    spec = load_spec()
+    specs = {s.name: s for s in spec.lifecycles}
+    if lifecycle not in specs:
+        raise ValueError(f"unknown lifecycle {lifecycle!r}; expected one of {sorted(specs)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown diagram format {fmt!r}; expected one of {FORMATS}")
+    if fmt == "mermaid":
+        machine = _graph_machine(specs[lifecycle], "mermaid")
+        text: str = machine.get_graph().draw(None)  # type: ignore[attr-defined]
+        return (text.rstrip("\n") + "\n").encode()
+    machine = _graph_machine(specs[lifecycle], "graphviz")
+    graph = machine.get_graph()  # type: ignore[attr-defined]
+    if fmt == "dot":
+        return (str(graph.source).rstrip("\n") + "\n").encode()
+    import graphviz
+
+    try:
+        data: bytes = graph.pipe(format=fmt)
+    except graphviz.ExecutableNotFound as exc:
+        raise DiagramError(
+            f"rendering {fmt} needs the Graphviz 'dot' binary, which is not installed "
+            "(Debian/Ubuntu: apt-get install graphviz; macOS: brew install graphviz); "
+            "the text formats dot and mermaid work without it"
+        ) from exc
+    return data
+
+
+def _path(out_dir: Path, lifecycle: str, fmt: str) -> Path:
+    return out_dir / f"{lifecycle}{_SUFFIX[fmt]}"
+
+
+def write_diagrams(out_dir: Path, formats: tuple[str, ...]) -> list[Path]:
+    """Write every lifecycle in every format to ``out_dir``; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for lc in ("node", "request"):
+        for fmt in formats:
+            path = _path(out_dir, lc, fmt)
+            path.write_bytes(render(lc, fmt))
+            written.append(path)
+    return written
+
+
+def check_diagrams(out_dir: Path) -> list[str]:
+    """Compare the committed text diagrams with what the spec generates now.
+
+    Returns:
+        One line per stale or missing file (empty when everything is current).
+    """
+    problems = []
+    for lc in ("node", "request"):
+        for fmt in TEXT_FORMATS:
+            path = _path(out_dir, lc, fmt)
+            if not path.exists():
+                problems.append(f"{path}: missing (run: kvtier diagram --out {out_dir})")
+            elif path.read_bytes() != render(lc, fmt):
+                problems.append(f"{path}: differs from the spec (run: kvtier diagram --out {out_dir})")
+    return problems

@@ -1,0 +1,44 @@
+"""Plain subjects for driving the raw lifecycle machines in tests.
+
+Each guard of the spec maps to the attribute that decides it and the values that make
+it true or false; a test fails if the spec gains a guard missing here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# guard name -> (attribute, value making the guard true, value making it false)
+GUARD_ATTRS: dict[str, dict[str, tuple[str, Any, Any]]] = {
+    "node": {
+        "parent_on_host": ("parent_on_host", True, False),
+        "parent_on_device": ("parent_on_device", True, False),
+        "parent_readable": ("parent_readable", True, False),
+        "unlocked": ("lock_ref", 0, 1),
+        "unborrowed": ("borrow_ref", 0, 2),
+        "unpinned": ("host_pin", 0, 1),
+        "has_device_child": ("has_device_child", True, False),
+        "has_host_child": ("has_host_child", True, False),
+    },
+    "request": {
+        "has_loadback": ("has_loadback", True, False),
+        "has_own_writeback": ("has_own_writeback", True, False),
+        "settled": ("settled", True, False),
+    },
+}
+
+
+class Subject:
+    """A subject with a ``state`` and every guard attribute of one lifecycle."""
+
+    __slots__ = ("state", "label", "__dict__")
+
+    def __init__(self, lifecycle: str, state: str, values: dict[str, bool] | None = None) -> None:
+        self.state = state
+        self.label = "s1"
+        for guard, (attr, true_value, false_value) in GUARD_ATTRS[lifecycle].items():
+            want = (values or {}).get(guard, False)
+            setattr(self, attr, true_value if want else false_value)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": self.state, **vars(self)}
