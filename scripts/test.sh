@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run the whole kvtier test suite, installing what the tests need first.
+# Kernels run under the Numba CUDA simulator (set before Python starts).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
+python -c "import torch" 2>/dev/null || pip install -q -c .ci/constraints.txt torch==2.13.0
+pip install -q -c .ci/constraints.txt -e '.[test,testing]' build
+command -v dot >/dev/null || { (apt-get install -y -qq --no-install-recommends graphviz \
+  || (apt-get update -qq && apt-get install -y -qq --no-install-recommends graphviz)) >/dev/null 2>&1 \
+  || echo "note: Graphviz 'dot' not installed; svg/png rendering tests will be skipped"; }
+export NUMBA_ENABLE_CUDASIM=1
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-kvtier-ci}
+python -m pytest -q -p no:cacheprovider --timeout=900 -m "not gpu and not kernelcompile" "$@"
