@@ -1,0 +1,192 @@
+"""The backend interface, events, and the choice of a backend.
+
+A backend moves the bytes of a :class:`~kvtier.transfer.plan.ChunkPlan` between the
+pools and gives back events the engine polls. Backends: ``"numba"`` (zero-copy
+Numba-CUDA kernels, :mod:`.backend_numba`), ``"torch"`` (one ``copy_`` per contiguous
+run on side streams, :mod:`.backend_torch`), ``"cpu"`` (index copies on CPU tensors,
+:mod:`.backend_cpu`) and ``"fake-async"`` (the CPU backend whose copies complete only
+when a test says so, :mod:`.fake_async`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvtier.fsm import ConfigError, Direction
+
+from .errors import BackendUnavailable
+
+if TYPE_CHECKING:
+    from .plan import ChunkPlan, FlushPlan, Planner
+    from .pools import DevicePool, HostPool
+
+__all__ = ["TransferEvent", "DoneEvent", "ChunkCounts", "Backend", "BACKENDS", "choose_backend",
+           "make_backend", "simulator_enabled"]
+
+#: Backend names accepted by :func:`make_backend` (plus ``"auto"``).
+BACKENDS = ("numba", "torch", "cpu", "fake-async")
+
+
+class TransferEvent(Protocol):
+    """A point in a transfer stream that the engine polls."""
+
+    def done(self) -> bool:
+        """True once everything issued before the event has finished (never blocks).
+
+        Raises whatever the device reported for work before the event (the engine
+        turns it into failed completions)."""
+        ...
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure of the work before this event, once :meth:`done` (fake mode)."""
+        ...
+
+
+class DoneEvent:
+    """An event that is complete from the start (synchronous backends).
+
+    Attributes:
+        t: ``time.perf_counter()`` at creation (seconds), for timing synchronous work.
+    """
+
+    __slots__ = ("_error", "t")
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self.t = time.perf_counter()
+
+    def done(self) -> bool:
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCounts:
+    """What issuing one chunk cost on the host side.
+
+    Attributes:
+        copy_calls: copy API calls made (``copy_``, ``index_copy_``).
+        kernel_launches: kernel launches.
+        thread_blocks: thread blocks of the largest launch (0 without kernels).
+    """
+
+    copy_calls: int = 0
+    kernel_launches: int = 0
+    thread_blocks: int = 0
+
+
+class Backend(ABC):
+    """Moves bytes; one instance serves one engine (one rank).
+
+    The engine calls :meth:`bind` once, then per flush and direction :meth:`begin`,
+    :meth:`run_chunk` and :meth:`record` per chunk; :meth:`wait` for
+    ``wait_layer``; :meth:`elapsed` for statistics.
+    """
+
+    #: Backend name as accepted by :func:`make_backend`.
+    name: str = "?"
+    host: HostPool
+    device: DevicePool
+    planner: Planner
+
+    def bind(self, host: HostPool, device: DevicePool, planner: Planner) -> None:
+        """Attach the pools; raise :class:`BackendUnavailable` if they do not fit."""
+        self.host = host
+        self.device = device
+        self.planner = planner
+
+    def preflight(self, plans: list[FlushPlan]) -> None:
+        """Check a flush before anything is issued (the fake-async backend checks
+        hazards here). Default: nothing."""
+
+    def begin(self, direction: Direction) -> TransferEvent:
+        """Order the direction's stream after the compute stream; return a start event."""
+        return DoneEvent()
+
+    @abstractmethod
+    def run_chunk(self, direction: Direction, plan: FlushPlan, chunk: ChunkPlan,
+                  op_ids: tuple[int, ...]) -> ChunkCounts:
+        """Issue the chunk's copies on the direction's stream (may return before they run)."""
+
+    def record(self, direction: Direction) -> TransferEvent:
+        """An event after everything issued so far on the direction's stream."""
+        return DoneEvent()
+
+    def wait(self, event: TransferEvent) -> None:
+        """Make the current (compute) stream wait for ``event``."""
+
+    def elapsed(self, start: TransferEvent, end: TransferEvent) -> float | None:
+        """Seconds between two completed events of one stream, if the backend times them."""
+        return None
+
+    def synchronize(self) -> None:
+        """Block until every issued copy has finished (tests, benchmarks)."""
+
+    def describe(self) -> dict[str, object]:
+        """Settings reported in the statistics."""
+        return {"name": self.name}
+
+
+def simulator_enabled() -> bool:
+    """True when Numba's CUDA simulator is on. Reads ``numba.config`` if numba is
+    already imported, else the ``NUMBA_ENABLE_CUDASIM`` environment variable (so
+    deciding does not import numba)."""
+    numba = sys.modules.get("numba")
+    cfg = getattr(numba, "config", None) if numba is not None else None
+    if cfg is not None and hasattr(cfg, "ENABLE_CUDASIM"):
+        return bool(cfg.ENABLE_CUDASIM)
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0").strip() not in ("", "0")
+
+
+def choose_backend(device_is_cuda: bool) -> str:
+    """The automatic choice: ``"cpu"`` without a CUDA device pool; with one, ``"numba"``
+    when numba-cuda imports and the simulator is off, else ``"torch"``. Never
+    ``"numba"`` under the simulator (where ``cuda.is_available()`` is true)."""
+    import torch
+
+    if not device_is_cuda or not torch.cuda.is_available():
+        return "cpu"
+    if simulator_enabled():
+        return "torch"
+    try:
+        from . import kernels  # noqa: F401  (imports numba-cuda)
+    except Exception:  # pragma: no cover - depends on the machine
+        return "torch"
+    return "numba"
+
+
+def make_backend(name: str, device_is_cuda: bool, **options: object) -> Backend:
+    """Build a backend by name (``"auto"``, ``"numba"``, ``"torch"``, ``"cpu"``,
+    ``"fake-async"``), passing ``options`` to its constructor.
+
+    Raises:
+        ConfigError: unknown name or options.
+        BackendUnavailable: the backend cannot run here.
+    """
+    if name == "auto":
+        name = choose_backend(device_is_cuda)
+    try:
+        if name == "cpu":
+            from .backend_cpu import CpuBackend
+            return CpuBackend(**options)  # type: ignore[arg-type]
+        if name == "fake-async":
+            from .fake_async import FakeAsyncBackend
+            return FakeAsyncBackend(**options)  # type: ignore[arg-type]
+        if name == "torch":
+            from .backend_torch import TorchBackend
+            return TorchBackend(**options)  # type: ignore[arg-type]
+        if name == "numba":
+            from .backend_numba import NumbaBackend
+            return NumbaBackend(**options)  # type: ignore[arg-type]
+    except TypeError as e:
+        raise ConfigError(f"backend {name!r}: bad options {sorted(options)}: {e}") from None
+    raise BackendUnavailable(f"backend must be one of {('auto',) + BACKENDS}, got {name!r}")

@@ -1,0 +1,411 @@
+"""The transfer engine: queue commands, flush them, poll completions.
+
+One engine per rank (world size 1 per engine). All methods run on the caller's (the
+scheduler's) thread; completions are collected by polling events, never by callbacks
+from another thread.
+
+Typical use::
+
+    engine = TransferEngine(specs, HostPool(specs, 4096), DevicePool.allocate(specs, 1024))
+    engine.submit(command)            # queue (validated now)
+    engine.flush()                    # issue: loadbacks first, in layer chunks
+    ...
+    engine.wait_layer(op_id, layer)   # before the forward pass reads that layer
+    for c in engine.poll_completions():
+        core.on_completion(c)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.fsm import (
+    CacheGroupSpec,
+    Completion,
+    ConfigError,
+    Direction,
+    TransferCommand,
+    UnknownOperation,
+)
+
+from .backend import Backend, TransferEvent, make_backend
+from .errors import TransferError
+from .layers import LayerCounter, OpLayers
+from .plan import FlushPlan, Planner, layers_for
+from .pools import DevicePool, HostPool, _Pool
+from .stats import DirectionStats, TransferStats
+
+__all__ = ["TransferEngine"]
+
+log = logging.getLogger("kvtier.transfer")
+
+
+@dataclass(eq=False)
+class _Flight:
+    direction: Direction
+    plan: FlushPlan
+    counter: LayerCounter
+    ops: list[OpLayers] = field(default_factory=list)
+    start: TransferEvent | None = None
+    issued_at: float = 0.0
+    stats: DirectionStats = field(default_factory=DirectionStats)
+
+
+class TransferEngine:
+    """Executes :class:`TransferCommand` records between a host and a device pool.
+
+    Args:
+        specs: the cache groups; must equal the pools' specs.
+        host: host (L2) pool; source of loadbacks, destination of writebacks.
+        device: device (L1) pool.
+        backend: ``"auto"`` (default: ``"numba"`` on a real GPU with numba-cuda, else
+            ``"torch"`` with CUDA, ``"cpu"`` without; never ``"numba"`` under the
+            CUDA simulator), a backend name (``"numba"``, ``"torch"``, ``"cpu"``,
+            ``"fake-async"``) or a :class:`Backend` instance.
+        backend_options: keyword arguments for the named backend's constructor (e.g.
+            ``{"blocks": 8, "threads": 1024}`` for ``"numba"``).
+        rank: this engine's tensor-parallel rank, put into every completion.
+        chunk_layers: model layers per loadback chunk (default 4).
+        plan_cache_size: whole plans kept for re-use (LRU, default 16; 0 disables).
+        log_interval_s: at most one DEBUG statistics line per this many seconds.
+
+    Raises:
+        ConfigError: specs that differ from the pools', bad options.
+        BackendUnavailable: the backend cannot run with these pools on this machine.
+    """
+
+    def __init__(self, specs: Sequence[CacheGroupSpec], host: HostPool, device: DevicePool,
+                 backend: str | Backend = "auto", *, backend_options: Mapping[str, Any] | None = None,
+                 rank: int = 0, chunk_layers: int = 4, plan_cache_size: int = 16,
+                 log_interval_s: float = 10.0) -> None:
+        if isinstance(specs, CacheGroupSpec):
+            specs = [specs]
+        by_name = {s.name: s for s in specs}
+        if not isinstance(host, HostPool):
+            raise ConfigError(f"host must be a HostPool, got {type(host).__name__}")
+        if not isinstance(device, DevicePool):
+            raise ConfigError(f"device must be a DevicePool, got {type(device).__name__}")
+        for label, pool in (("host", host), ("device", device)):
+            if pool.specs != by_name:
+                raise ConfigError(f"the {label} pool was built for cache groups {sorted(pool.specs)}, "
+                                  f"which differ from the engine's specs {sorted(by_name)}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ConfigError(f"rank must be an int >= 0, got {rank!r}")
+        self.specs = by_name
+        self.host = host
+        self.device = device
+        self.rank = rank
+        self.planner = Planner(list(by_name.values()), host, device, chunk_layers=chunk_layers,
+                               plan_cache_size=plan_cache_size)
+        if isinstance(backend, Backend):
+            if backend_options:
+                raise ConfigError("backend_options are only for a backend given by name")
+            self.backend = backend
+        elif isinstance(backend, str):
+            self.backend = make_backend(backend, device.device.type == "cuda", **dict(backend_options or {}))
+        else:
+            raise ConfigError(f"backend must be a name or a Backend, got {backend!r}")
+        self.backend.bind(host, device, self.planner)
+        self._queue: dict[Direction, list[TransferCommand]] = {d: [] for d in Direction}
+        self._op_layers: dict[int, set[int]] = {}
+        self._flights: list[_Flight] = []
+        self._inflight: dict[int, tuple[_Flight, OpLayers]] = {}
+        self._ready: list[Completion] = []
+        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._stats = TransferStats(log_interval_s)
+
+    # -- submit ---------------------------------------------------------------------------
+    def submit(self, command: TransferCommand) -> None:
+        """Queue a command for the next :meth:`flush`. Validates it now.
+
+        Raises:
+            ConfigError: not a TransferCommand; op id already queued or in flight; an
+                unknown cache group; a page id outside its pool; pages of a group none
+                of whose layers the command moves. Nothing is queued then.
+        """
+        if not isinstance(command, TransferCommand):
+            raise ConfigError(f"submit() takes a TransferCommand, got {type(command).__name__}")
+        op = command.op_id
+        if isinstance(op, bool) or not isinstance(op, int):
+            raise ConfigError(f"op_id must be an int, got {op!r}")
+        if op in self._op_layers:
+            raise ConfigError(f"op {op} is already queued or in flight on rank {self.rank}")
+        src_pool, dst_pool = self._sides(command.direction)
+        src_label, dst_label = ("host", "device") if command.direction is Direction.LOADBACK else ("device", "host")
+        op_layers: set[int] = set()
+        for t in command.transfers:
+            spec = self.specs.get(t.group)
+            if spec is None:
+                raise ConfigError(f"op {op}: unknown cache group {t.group!r}; known: {sorted(self.specs)}")
+            if not t.src_pages:
+                continue
+            layers = layers_for(command, spec)
+            if not layers:
+                raise ConfigError(f"op {op}: moves pages of cache group {t.group!r} but none of its layers "
+                                  f"{list(spec.layers)} is in the command's layers {list(command.layers)}")
+            s, d = self.planner.arrays(t)
+            for label, pool, arr in ((src_label, src_pool, s), (dst_label, dst_pool, d)):
+                n = pool.pages(t.group)
+                hi = int(arr.max())
+                if hi >= n:
+                    raise ConfigError(f"op {op}: {label} page {hi} of cache group {t.group!r} is out of range: "
+                                      f"the {label} pool has {n} pages (ids 0..{n - 1})")
+            op_layers.update(layers)
+        self._queue[command.direction].append(command)
+        self._op_layers[op] = op_layers
+
+    def _sides(self, direction: Direction) -> tuple[_Pool, _Pool]:
+        if direction is Direction.LOADBACK:
+            return self.host, self.device
+        return self.device, self.host
+
+    # -- flush ----------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Issue every queued command: loadbacks first (merged, in layer chunks, on the
+        loadback stream), then writebacks (merged, one chunk, on the writeback stream),
+        each stream ordered after the current (compute) stream. Returns without waiting.
+
+        A copy that raises fails its operations (``Completion(ok=False)`` from
+        :meth:`poll_completions`), never the caller.
+
+        Raises:
+            HazardError: fake-async backend only: the flush would touch pages that a
+                pending copy on the other stream uses; nothing was issued and the
+                commands stay queued.
+        """
+        work = [(d, self._queue[d]) for d in (Direction.LOADBACK, Direction.WRITEBACK) if self._queue[d]]
+        if not work:
+            return
+        plans: list[tuple[Direction, list[TransferCommand], FlushPlan | BaseException]] = []
+        for direction, cmds in work:
+            try:
+                plans.append((direction, cmds, self.planner.plan(direction, cmds)))
+            except Exception as e:  # a planning bug must not crash the scheduler
+                log.exception("transfer: planning %d %s ops failed", len(cmds), direction.value)
+                plans.append((direction, cmds, e))
+        self.backend.preflight([p for _, _, p in plans if isinstance(p, FlushPlan)])  # may raise HazardError
+        for direction, _ in work:
+            self._queue[direction] = []
+        self._stats.begin_flush()
+        for direction, cmds, plan in plans:
+            if isinstance(plan, FlushPlan):
+                self._issue(direction, cmds, plan)
+            else:
+                for c in cmds:
+                    self._fail_now(c.op_id)
+
+    def _fail_now(self, op_id: int) -> None:
+        self._ready.append(Completion(op_id, self.rank, False))
+        self._op_layers.pop(op_id, None)
+        self._remember(op_id)
+
+    def _issue(self, direction: Direction, cmds: list[TransferCommand], plan: FlushPlan) -> None:
+        for i, reason in plan.rejected.items():
+            log.warning("transfer: op %d rejected: %s", cmds[i].op_id, reason)
+            self._fail_now(cmds[i].op_id)
+        ok_cmds = [c for i, c in enumerate(cmds) if i not in plan.rejected]
+        if not ok_cmds:
+            return
+        flight = _Flight(direction, plan, LayerCounter(len(plan.chunks)), issued_at=time.perf_counter())
+        chunk_layers = [c.layers for c in plan.chunks]
+        for c in ok_cmds:
+            if direction is Direction.LOADBACK:
+                ol = OpLayers.build(c.op_id, self._op_layers[c.op_id], chunk_layers)
+            else:
+                ol = OpLayers(c.op_id, [])
+            flight.ops.append(ol)
+            self._inflight[c.op_id] = (flight, ol)
+        ds = DirectionStats(flushes=1, ops=len(ok_cmds), pages=plan.pages, spans=plan.spans)
+        flight.stats = ds
+        self._flights.append(flight)
+        if plan.chunks:
+            self._issue_chunks(flight, tuple(c.op_id for c in ok_cmds))
+        self._stats.issued(direction, ds)
+
+    def _issue_chunks(self, flight: _Flight, op_ids: tuple[int, ...]) -> None:
+        direction, plan, counter, ds = flight.direction, flight.plan, flight.counter, flight.stats
+        try:
+            flight.start = self.backend.begin(direction)
+        except Exception as e:
+            log.exception("transfer: starting %s on the %s stream failed", op_ids, direction.value)
+            counter.error = e
+            return
+        for chunk in plan.chunks:
+            try:
+                counts = self.backend.run_chunk(direction, plan, chunk, op_ids)
+                ev = self.backend.record(direction)
+            except Exception as e:
+                log.exception("transfer: %s chunk %d of ops %s failed", direction.value, chunk.index, op_ids)
+                counter.error = e
+                try:  # the ack waits for whatever was issued before the failure
+                    counter.events.append(self.backend.record(direction))
+                except Exception:
+                    pass
+                return
+            counter.events.append(ev)
+            counter.issued_chunks += 1
+            ds.chunks += 1
+            ds.tensor_refs += chunk.tensor_refs
+            ds.rows += chunk.rows
+            ds.copy_calls += counts.copy_calls
+            ds.kernel_launches += counts.kernel_launches
+            ds.bytes += chunk.nbytes
+
+    # -- completions ------------------------------------------------------------------------
+    def poll_completions(self) -> list[Completion]:
+        """Collect what has finished, without blocking.
+
+        For each loadback op: one ``Completion(layer=L)`` per completed chunk holding
+        any of its layers (``L`` = its last layer in that chunk), in order; then, after
+        the last chunk, exactly one acknowledgement (``layer=None``). Writebacks get the
+        acknowledgement only. A failed copy gives ``ok=False`` acknowledgements, sent
+        only once nothing issued for the op is still running.
+        """
+        out = self._ready
+        self._ready = []
+        keep: list[_Flight] = []
+        for flight in self._flights:
+            c = flight.counter
+            c.poll()
+            ok = c.ok_chunks
+            for op in flight.ops:
+                while op.reported < len(op.chunks) and op.chunks[op.reported][0] < ok:
+                    out.append(Completion(op.op_id, self.rank, True, op.chunks[op.reported][2]))
+                    op.reported += 1
+            if not c.finished:
+                keep.append(flight)
+                continue
+            success = c.error is None
+            for op in flight.ops:
+                out.append(Completion(op.op_id, self.rank, success))
+                op.acked = True
+                self._inflight.pop(op.op_id, None)
+                self._op_layers.pop(op.op_id, None)
+                self._remember(op.op_id)
+            self._account(flight, success)
+        self._flights = keep
+        self._stats.maybe_log()
+        return out
+
+    def _account(self, flight: _Flight, success: bool) -> None:
+        secs: float | None = None
+        events = flight.counter.events
+        if success and flight.start is not None and events:
+            try:
+                secs = self.backend.elapsed(flight.start, events[-1])
+            except Exception:
+                secs = None
+        failed = 0 if success else len(flight.ops)
+        self._stats.timed(flight.direction, flight.stats, flight.stats.bytes if secs is not None else 0,
+                          secs or 0.0, failed)
+
+    def _remember(self, op_id: int) -> None:
+        self._finished[op_id] = None
+        if len(self._finished) > 4096:
+            self._finished.popitem(last=False)
+
+    # -- layer waits --------------------------------------------------------------------------
+    def wait_layer(self, op_id: int, layer: int) -> None:
+        """Make the current stream wait until ``layer`` of loadback ``op_id`` is loaded
+        (the chunk holding the op's last layer <= ``layer``). No-op when the op is
+        already acknowledged or moves no layer <= ``layer``.
+
+        Fake-async backend: raises :class:`NotReadyError` if that chunk is pending
+        (or completes it, with ``on_wait="complete"``).
+
+        Raises:
+            ConfigError: ``op_id`` is a writeback.
+            TransferError: ``op_id`` is queued but not flushed yet.
+            UnknownOperation: ``op_id`` is neither queued, in flight, nor among the last
+                4096 finished operations.
+        """
+        entry = self._inflight.get(op_id)
+        if entry is None:
+            if op_id in self._finished:
+                return
+            if op_id in self._op_layers:
+                raise TransferError(f"wait_layer: op {op_id} is queued but not flushed; call flush() first")
+            raise UnknownOperation(f"wait_layer: op {op_id} is not queued, in flight, or recently finished "
+                                   f"on rank {self.rank}")
+        flight, ol = entry
+        if flight.direction is not Direction.LOADBACK:
+            raise ConfigError(f"wait_layer: op {op_id} is a {flight.direction.value}; only loadbacks have layers")
+        ci = ol.chunk_for(layer)
+        c = flight.counter
+        if ci is None or ci >= c.issued_chunks:
+            return  # nothing to wait for, or never issued (the op will fail)
+        self.backend.wait(c.events[ci])
+
+    # -- misc -------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Block until every issued copy finished (fake-async: complete them all)."""
+        self.backend.synchronize()
+
+    def clear_plan_cache(self) -> None:
+        """Forget cached plans and address tables (benchmarks time plan building this way)."""
+        self.planner.clear()
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Op ids issued and not yet acknowledged."""
+        return tuple(self._inflight)
+
+    @property
+    def queued(self) -> tuple[int, ...]:
+        """Op ids submitted and not yet flushed."""
+        return tuple(c.op_id for d in Direction for c in self._queue[d])
+
+    def stats(self) -> dict[str, Any]:
+        """Statistics as a plain dict: ``backend`` (name and settings), ``rank``,
+        ``flushes``, ``last_flush`` and ``cumulative`` (per direction: flushes, ops,
+        failed_ops, pages, spans, tensor_refs, rows, copy_calls, kernel_launches, chunks,
+        bytes, timed_bytes, seconds, gbps), ``plan_cache`` (hits and misses of whole
+        plans and of address tables), ``queued`` and ``in_flight`` op counts."""
+        d: dict[str, Any] = {"backend": self.backend.describe(), "rank": self.rank,
+                             "chunk_layers": self.planner.chunk_layers}
+        d.update(self._stats.as_dict())
+        d["plan_cache"] = dict(self.planner.counters)
+        d["queued"] = len(self.queued)
+        d["in_flight"] = len(self._inflight)
+        return d
+
+    # -- page access for tests and tools ----------------------------------------------------------
+    def _pool(self, side: str) -> _Pool:
+        if side == "host":
+            return self.host
+        if side == "device":
+            return self.device
+        raise ConfigError(f"side must be 'host' or 'device', got {side!r}")
+
+    def read_pages(self, side: str, group: str, component: str, layer: int,
+                   pages: Sequence[int]) -> torch.Tensor:
+        """A copy of pages of one region: uint8 ``[len(pages), page_bytes]`` on the
+        pool's device. The fake-async backend raises :class:`PoisonedReadError` if a
+        pending copy still writes any of them."""
+        check = getattr(self.backend, "check_read", None)
+        if check is not None:
+            check(side, group, layer, pages)
+        region = self._pool(side).region(group, component, layer)
+        idx = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=region.device)
+        return region.index_select(0, idx)
+
+    def write_pages(self, side: str, group: str, component: str, layer: int,
+                    pages: Sequence[int], data: torch.Tensor) -> None:
+        """Overwrite pages of one region with ``data`` (uint8 ``[len(pages), page_bytes]``).
+        The fake-async backend raises :class:`HazardError` if a pending copy still reads
+        or writes any of them."""
+        check = getattr(self.backend, "check_write", None)
+        if check is not None:
+            check(side, group, layer, pages)
+        region = self._pool(side).region(group, component, layer)
+        idx = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=region.device)
+        region.index_copy_(0, idx, data.to(region.device, torch.uint8))
+

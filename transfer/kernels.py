@@ -1,0 +1,246 @@
+"""Numba-CUDA copy kernels: the only module of kvtier that imports ``numba.cuda``.
+
+One kernel, :func:`copy_table`, serves both directions: an H2D scatter (host pages to
+device slots) and a D2H gather are the same byte copy driven by a table of
+``(source byte offset, destination byte offset, bytes)`` rows, int64 ``[rows, 3]``.
+Offsets are relative to one array view per side; with unified virtual addressing a
+view from the lowest address of a pool reaches every region of it, pinned host memory
+included (zero-copy: the kernel reads or writes host memory directly over the link).
+
+The kernel is *persistent* and *grid-stride*, so any grid is correct: a team of up to
+32 threads (a warp on the GPU) takes rows in turn (row ``team``, then ``team +
+teams``, ...). Within a row, where source and destination are equally aligned modulo
+16, each lane copies 16-byte words with four loads in flight before storing (after a
+byte head up to the alignment, before a byte tail); equally aligned modulo 4, 4-byte
+words; otherwise bytes. Rows are pre-split into pieces (default 16 KiB) so that work
+spreads over all teams.
+
+Before numba-cuda is imported, numpy gets ``np.row_stack = np.vstack`` if it lacks it:
+numpy 2.5 removed ``row_stack`` and numba-cuda 0.30.4 still registers an overload for it
+(seen on the H200 machine; ``../shared/reference/ecosystem.md`` 3.1).
+
+Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the 16-byte accesses are plain
+Python on a uint32 view; on the GPU they are one ``ld.global.v4.u32`` /
+``st.global.v4.u32`` each (a Numba intrinsic emitting an aligned ``<4 x i32>`` load).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+if not hasattr(np, "row_stack"):  # numpy >= 2.5; must precede the numba-cuda import
+    np.row_stack = np.vstack
+
+import numba  # noqa: E402
+from numba import cuda  # noqa: E402
+
+__all__ = [
+    "SIMULATOR",
+    "MAX_THREADS",
+    "copy_table",
+    "launch_copy",
+    "external_stream",
+    "span_arrays",
+    "device_array",
+    "kernel_signatures",
+]
+
+#: True when numba runs the CUDA simulator (kernels are Python; no real GPU).
+SIMULATOR: bool = bool(numba.config.ENABLE_CUDASIM)
+
+#: Largest block the kernel is compiled for (``launch_bounds``; caps registers at 64).
+MAX_THREADS = 1024
+
+if SIMULATOR:
+
+    def ld16(a: Any, w: Any) -> tuple[Any, Any, Any, Any]:
+        """16-byte word ``w`` of uint32 array ``a`` (simulator: four 4-byte reads)."""
+        i = 4 * w
+        return (a[i], a[i + 1], a[i + 2], a[i + 3])
+
+    def st16(a: Any, w: Any, v: tuple[Any, Any, Any, Any]) -> None:
+        """Store a 16-byte word (simulator: four 4-byte writes)."""
+        i = 4 * w
+        a[i] = v[0]
+        a[i + 1] = v[1]
+        a[i + 2] = v[2]
+        a[i + 3] = v[3]
+
+    _JIT_OPTS: dict[str, Any] = {}
+
+else:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.core.extending import intrinsic
+
+    def _vec_ptr(context: Any, builder: Any, aryty: Any, ary: Any, w: Any) -> Any:
+        arr = context.make_array(aryty)(context, builder, ary)
+        base = builder.bitcast(arr.data, ir.PointerType(ir.IntType(32)))
+        p = builder.gep(base, [builder.mul(w, ir.Constant(w.type, 4))])
+        return builder.bitcast(p, ir.PointerType(ir.VectorType(ir.IntType(32), 4)))
+
+    @intrinsic
+    def ld16(typingctx: Any, a: Any, w: Any) -> Any:  # pragma: no cover - GPU/compile only
+        """Load 16-byte word ``w`` of uint32 array ``a`` (one aligned vector load)."""
+        sig = types.UniTuple(types.uint32, 4)(a, w)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            ptr = _vec_ptr(context, builder, signature.args[0], args[0], args[1])
+            v = builder.load(ptr, align=16)
+            tup = context.get_constant_undef(signature.return_type)
+            for k in range(4):
+                tup = builder.insert_value(tup, builder.extract_element(v, ir.Constant(ir.IntType(32), k)), k)
+            return tup
+
+        return sig, codegen
+
+    @intrinsic
+    def st16(typingctx: Any, a: Any, w: Any, v: Any) -> Any:  # pragma: no cover - GPU/compile only
+        """Store a 4-tuple of uint32 as 16-byte word ``w`` of ``a`` (one aligned vector store)."""
+        sig = types.void(a, w, v)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            vec = ir.Constant(ir.VectorType(ir.IntType(32), 4), ir.Undefined)
+            for k in range(4):
+                vec = builder.insert_element(vec, builder.extract_value(args[2], k), ir.Constant(ir.IntType(32), k))
+            ptr = _vec_ptr(context, builder, signature.args[0], args[0], args[1])
+            builder.store(vec, ptr, align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    _JIT_OPTS = {"launch_bounds": MAX_THREADS}
+
+
+@cuda.jit(**_JIT_OPTS)
+def copy_table(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: Any) -> None:
+    """Copy every row of ``table`` (int64 ``[rows, 3]``: source byte offset into
+    ``src8``, destination byte offset into ``dst8``, bytes). ``src32``/``dst32`` are
+    uint32 views of the same memory as ``src8``/``dst8`` (byte offset ``4*i`` is word
+    ``i``). Any grid is correct; teams of ``min(32, blockDim.x)`` threads share a row.
+
+    (One function on purpose: Numba device functions compile for the current device,
+    which ``cuda.compile_ptx`` on a machine without a GPU does not have.)"""
+    bdim = cuda.blockDim.x
+    team = bdim if bdim < 32 else 32
+    tid = cuda.blockIdx.x * bdim + cuda.threadIdx.x
+    lane = tid % team
+    teams = (cuda.gridDim.x * bdim) // team
+    r = tid // team
+    while r < rows:
+        s = table[r, 0]
+        d = table[r, 1]
+        n = table[r, 2]
+        if (s & 15) == (d & 15):
+            w = 16
+        elif (s & 3) == (d & 3):
+            w = 4
+        else:
+            w = 1
+        head = (w - (s & (w - 1))) & (w - 1)
+        if head > n:
+            head = n
+        words = (n - head) // w
+        body_end = head + words * w
+        k = lane
+        while k < head:  # bytes up to the alignment
+            dst8[d + k] = src8[s + k]
+            k += team
+        if w == 16:
+            sw = (s + head) >> 4
+            dw = (d + head) >> 4
+            j = lane
+            while j + 3 * team < words:  # four 16-byte loads in flight per lane
+                a = ld16(src32, sw + j)
+                b = ld16(src32, sw + j + team)
+                c = ld16(src32, sw + j + 2 * team)
+                e = ld16(src32, sw + j + 3 * team)
+                st16(dst32, dw + j, a)
+                st16(dst32, dw + j + team, b)
+                st16(dst32, dw + j + 2 * team, c)
+                st16(dst32, dw + j + 3 * team, e)
+                j += 4 * team
+            while j < words:
+                st16(dst32, dw + j, ld16(src32, sw + j))
+                j += team
+        elif w == 4:
+            sw = (s + head) >> 2
+            dw = (d + head) >> 2
+            j = lane
+            while j < words:
+                dst32[dw + j] = src32[sw + j]
+                j += team
+        else:
+            k = head + lane
+            while k < body_end:
+                dst8[d + k] = src8[s + k]
+                k += team
+        k = body_end + lane
+        while k < n:  # bytes after the last whole word
+            dst8[d + k] = src8[s + k]
+            k += team
+        r += teams
+
+
+def launch_copy(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: int,
+                blocks: int, threads: int, stream: Any = 0) -> None:
+    """Launch :func:`copy_table` on ``blocks`` x ``threads`` (threads <= 1024) on ``stream``."""
+    copy_table[blocks, threads, stream](src32, dst32, src8, dst8, table, rows)
+
+
+def external_stream(ptr: int) -> Any:
+    """A Numba stream wrapping a CUDA stream handle (e.g. ``torch_stream.cuda_stream``)."""
+    return cuda.external_stream(ptr)
+
+
+class _Span:
+    """An object exposing ``__cuda_array_interface__`` for ``nbytes`` bytes at ``ptr``."""
+
+    def __init__(self, ptr: int, nbytes: int, typestr: str, itemsize: int, owner: object) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes // itemsize,),
+            "strides": None,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def span_arrays(ptr: int, nbytes: int, owner: object) -> tuple[Any, Any]:
+    """(uint32 view, uint8 view) Numba device arrays of ``nbytes`` at ``ptr`` (16-byte
+    aligned; device memory or mapped pinned host memory). ``owner`` is kept alive by
+    the views; nothing is copied or synchronised."""
+    if ptr % 16 or nbytes % 16:
+        raise ValueError(f"span must be 16-byte aligned, got ptr={ptr:#x} nbytes={nbytes}")
+    u32 = cuda.as_cuda_array(_Span(ptr, nbytes, "<u4", 4, owner), sync=False)
+    u8 = cuda.as_cuda_array(_Span(ptr, nbytes, "|u1", 1, owner), sync=False)
+    return u32, u8
+
+
+def device_array(obj: Any) -> Any:
+    """A Numba view of a CUDA tensor (or any ``__cuda_array_interface__`` object).
+
+    Under the simulator: a NumPy array wrapped without a copy, so that several views of
+    one buffer (the uint8 and uint32 views a launch takes) alias as they do on a GPU
+    (the simulator copies plain NumPy arguments in and out one by one, and the last
+    copy-out would win)."""
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(obj)
+    return cuda.as_cuda_array(obj, sync=False)
+
+
+def kernel_signatures() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
+    """Every kernel as ``name -> (python function, signature, compile options)`` for
+    ``cuda.compile_ptx`` (the CI compile check for sm_90)."""
+    from numba.core import types as t
+
+    u32 = t.Array(t.uint32, 1, "C")
+    u8 = t.Array(t.uint8, 1, "C")
+    table = t.Array(t.int64, 2, "C")
+    sig = (u32, u32, u8, u8, table, t.int64)
+    return {"copy_table": (copy_table.py_func, sig, dict(_JIT_OPTS))}

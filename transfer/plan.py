@@ -1,0 +1,366 @@
+"""Coalesced transfer plans and their caches.
+
+All commands of one direction queued in one flush are merged per (group, layers):
+page pairs de-duplicated and sorted by (source, destination), contiguous runs (both
+source and destination advancing by one page) found. A destination page that two
+different source pages would write is a conflict: every command holding such a pair
+is rejected (it fails; the others go on). The plan is cut into layer chunks (a
+loadback in chunks of ``chunk_layers`` model layers, so the forward pass can start
+on early layers; a writeback in one chunk), and each chunk lists its *tensor refs*,
+one per (group, component, layer).
+
+Two caches: the per-(direction, group, layers) *address tables* (region byte offsets
+and page sizes: they do not change between flushes) are built once; and whole plans,
+keyed by the identity of the commands' :class:`GroupTransfer` objects, are kept in a
+small LRU, so resubmitting the same transfer objects re-uses the coalesced plan and
+whatever a backend cached on its chunks (e.g. the Numba backend's device-side table).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvtier.fsm import CacheGroupSpec, ConfigError, Direction, GroupTransfer, TransferCommand
+
+from .pools import DevicePool, HostPool
+
+__all__ = ["GroupPlan", "ChunkRef", "ChunkPlan", "FlushPlan", "Planner", "layers_for"]
+
+I64 = npt.NDArray[np.int64]
+
+#: Default largest piece (bytes) of one table row; longer runs are split so that the
+#: work spreads over all warps of a persistent kernel.
+DEFAULT_PIECE_BYTES = 16384
+
+
+def layers_for(command: TransferCommand, spec: CacheGroupSpec) -> tuple[int, ...]:
+    """Layers of ``spec`` that ``command`` moves: all of the group's layers when
+    ``command.layers`` is empty, else those also in ``command.layers``."""
+    if not command.layers:
+        return spec.layers
+    wanted = set(command.layers)
+    return tuple(layer for layer in spec.layers if layer in wanted)
+
+
+@dataclass(eq=False)
+class GroupPlan:
+    """The merged page pairs of one (group, layers) in one flush.
+
+    Attributes:
+        group: cache group name.
+        layers: model layers moved for this group (ascending).
+        src, dst: int64 ``[pages]`` page ids, unique pairs sorted by (src, dst).
+        run_src, run_dst, run_len: int64 ``[spans]``: contiguous runs (``run_len``
+            pages from ``run_src`` to ``run_dst``).
+    """
+
+    group: str
+    layers: tuple[int, ...]
+    src: I64
+    dst: I64
+    run_src: I64
+    run_dst: I64
+    run_len: I64
+    _torch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def pages(self) -> int:
+        """Page pairs (after de-duplication)."""
+        return int(self.src.shape[0])
+
+    @property
+    def spans(self) -> int:
+        """Contiguous runs."""
+        return int(self.run_len.shape[0])
+
+    def index_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(src, dst) as CPU int64 tensors (cached)."""
+        if not self._torch:
+            self._torch["src"] = torch.from_numpy(self.src)
+            self._torch["dst"] = torch.from_numpy(self.dst)
+        return self._torch["src"], self._torch["dst"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One tensor pair a chunk copies: (group, component, layer) on both sides."""
+
+    group_index: int
+    group: str
+    component: str
+    layer: int
+    page_bytes: int
+
+
+@dataclass(eq=False)
+class ChunkPlan:
+    """The copies of one layer chunk (one kernel launch for the Numba backend).
+
+    Attributes:
+        index: chunk number within the flush (0-based, issue order).
+        layers: model layers whose refs this chunk copies (ascending).
+        refs: tensor refs, grouped by group plan.
+        pages: page pairs summed over the refs' groups (each group counted once).
+        spans: contiguous runs summed likewise.
+        rows: copy descriptors = sum over refs of its group's spans.
+        nbytes: bytes copied.
+        cache: scratch space for backends (e.g. a device-side table), kept with the plan.
+    """
+
+    index: int
+    layers: tuple[int, ...]
+    refs: tuple[ChunkRef, ...]
+    pages: int
+    spans: int
+    rows: int
+    nbytes: int
+    cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def tensor_refs(self) -> int:
+        """Number of (group, component, layer) tensor pairs."""
+        return len(self.refs)
+
+
+@dataclass(eq=False)
+class FlushPlan:
+    """Everything one direction of one flush copies.
+
+    Attributes:
+        direction: writeback (D2H) or loadback (H2D).
+        groups: merged pairs per (group, layers).
+        chunks: layer chunks in issue order (empty when nothing is copied).
+        rejected: index into the flush's command list -> why it was rejected.
+    """
+
+    direction: Direction
+    groups: tuple[GroupPlan, ...]
+    chunks: tuple[ChunkPlan, ...]
+    rejected: dict[int, str]
+
+    @property
+    def pages(self) -> int:
+        return sum(g.pages for g in self.groups)
+
+    @property
+    def spans(self) -> int:
+        return sum(g.spans for g in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+
+def _runs(src: I64, dst: I64) -> tuple[I64, I64, I64]:
+    n = src.shape[0]
+    if n == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return e, e, e
+    brk = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), brk))
+    ends = np.concatenate((brk, np.array([n], dtype=np.int64)))
+    return src[starts], dst[starts], (ends - starts).astype(np.int64)
+
+
+class Planner:
+    """Builds :class:`FlushPlan` objects for one pair of pools, with caches.
+
+    Args:
+        specs: the cache groups (same as the pools').
+        host, device: the pools.
+        chunk_layers: model layers per loadback chunk (default 4).
+        plan_cache_size: whole plans kept (LRU; 0 disables).
+    """
+
+    def __init__(self, specs: Sequence[CacheGroupSpec], host: HostPool, device: DevicePool, *,
+                 chunk_layers: int = 4, plan_cache_size: int = 16) -> None:
+        if isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers <= 0:
+            raise ConfigError(f"chunk_layers must be a positive int, got {chunk_layers!r}")
+        if isinstance(plan_cache_size, bool) or not isinstance(plan_cache_size, int) or plan_cache_size < 0:
+            raise ConfigError(f"plan_cache_size must be an int >= 0, got {plan_cache_size!r}")
+        self.specs = {s.name: s for s in specs}
+        self.host = host
+        self.device = device
+        self.chunk_layers = chunk_layers
+        self.plan_cache_size = plan_cache_size
+        self._arrays: OrderedDict[int, tuple[GroupTransfer, I64, I64]] = OrderedDict()
+        self._plans: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], FlushPlan]] = OrderedDict()
+        self._addr: dict[tuple[Direction, str, tuple[int, ...]], tuple[I64, I64, I64]] = {}
+        self.counters = {"plan_hits": 0, "plan_misses": 0, "address_hits": 0, "address_misses": 0}
+
+    # -- conversions --------------------------------------------------------------------
+    def arrays(self, transfer: GroupTransfer) -> tuple[I64, I64]:
+        """(src, dst) page ids of a transfer as int64 arrays (cached by identity)."""
+        hit = self._arrays.get(id(transfer))
+        if hit is not None and hit[0] is transfer:
+            self._arrays.move_to_end(id(transfer))
+            return hit[1], hit[2]
+        src = np.array(transfer.src_pages, dtype=np.int64)
+        dst = np.array(transfer.dst_pages, dtype=np.int64)
+        self._arrays[id(transfer)] = (transfer, src, dst)
+        if len(self._arrays) > 4096:
+            self._arrays.popitem(last=False)
+        return src, dst
+
+    def clear(self) -> None:
+        """Drop every cache (address tables, plans, converted page lists)."""
+        self._arrays.clear()
+        self._plans.clear()
+        self._addr.clear()
+
+    # -- planning -----------------------------------------------------------------------
+    def plan(self, direction: Direction, commands: Sequence[TransferCommand]) -> FlushPlan:
+        """Merge ``commands`` (all of ``direction``, already validated) into a plan."""
+        ident = tuple((c.layers, tuple(c.transfers)) for c in commands)
+        key = (direction, tuple((c.layers, tuple(id(t) for t in c.transfers)) for c in commands))
+        if self.plan_cache_size:
+            hit = self._plans.get(key)
+            if hit is not None and all(
+                    a[0] == b[0] and all(x is y for x, y in zip(a[1], b[1]))
+                    for a, b in zip(hit[0], ident)):
+                self._plans.move_to_end(key)
+                self.counters["plan_hits"] += 1
+                return hit[1]
+        self.counters["plan_misses"] += 1
+        plan = self._build(direction, commands, set())
+        if plan.rejected:
+            plan = self._build(direction, commands, set(plan.rejected), plan.rejected)
+        if self.plan_cache_size:
+            self._plans[key] = (ident, plan)
+            if len(self._plans) > self.plan_cache_size:
+                self._plans.popitem(last=False)
+        return plan
+
+    def _build(self, direction: Direction, commands: Sequence[TransferCommand], skip: set[int],
+               rejected: dict[int, str] | None = None) -> FlushPlan:
+        parts: dict[tuple[str, tuple[int, ...]], list[tuple[int, I64, I64]]] = {}
+        for ci, cmd in enumerate(commands):
+            if ci in skip:
+                continue
+            for t in cmd.transfers:
+                if not t.src_pages:
+                    continue
+                layers = layers_for(cmd, self.specs[t.group])
+                s, d = self.arrays(t)
+                parts.setdefault((t.group, layers), []).append((ci, s, d))
+        found: dict[int, str] = {}
+        groups: list[GroupPlan] = []
+        for (g, layers), items in parts.items():
+            src = np.concatenate([s for _, s, _ in items])
+            dst = np.concatenate([d for _, _, d in items])
+            pair = (src << 32) | dst
+            uniq = np.unique(pair)
+            us = uniq >> 32
+            ud = uniq & 0xFFFFFFFF
+            sd = np.sort(ud)
+            dup = sd[1:] == sd[:-1]
+            if dup.any():
+                bad = np.unique(sd[1:][dup])
+                for ci, _, d in items:
+                    hit = np.intersect1d(d, bad)
+                    if hit.size:
+                        found.setdefault(ci, f"destination page {int(hit[0])} of cache group {g!r} is also "
+                                             f"written from another source page in the same flush")
+                continue
+            rs, rd, rl = _runs(us, ud)
+            groups.append(GroupPlan(g, layers, us, ud, rs, rd, rl))
+        if found and rejected is None:
+            return FlushPlan(direction, (), (), found)
+        chunks = self._chunks(direction, groups)
+        return FlushPlan(direction, tuple(groups), chunks, dict(rejected or {}))
+
+    def _chunks(self, direction: Direction, groups: list[GroupPlan]) -> tuple[ChunkPlan, ...]:
+        all_layers = sorted({layer for g in groups for layer in g.layers})
+        if not all_layers:
+            return ()
+        step = self.chunk_layers if direction is Direction.LOADBACK else len(all_layers)
+        chunks: list[ChunkPlan] = []
+        for i in range(0, len(all_layers), step):
+            layers = tuple(all_layers[i:i + step])
+            lset = set(layers)
+            refs: list[ChunkRef] = []
+            pages = spans = rows = nbytes = 0
+            for gi, g in enumerate(groups):
+                glayers = [layer for layer in g.layers if layer in lset]
+                if not glayers:
+                    continue
+                pages += g.pages
+                spans += g.spans
+                for layer in glayers:
+                    for comp in self.specs[g.group].components:
+                        refs.append(ChunkRef(gi, g.group, comp.name, layer, comp.page_bytes))
+                        rows += g.spans
+                        nbytes += g.pages * comp.page_bytes
+            chunks.append(ChunkPlan(len(chunks), layers, tuple(refs), pages, spans, rows, nbytes))
+        return tuple(chunks)
+
+    # -- address tables -------------------------------------------------------------------
+    def _address(self, direction: Direction, group: GroupPlan,
+                 refs: Sequence[ChunkRef]) -> tuple[I64, I64, I64]:
+        key = (direction, group.group, tuple(r.layer for r in refs))
+        hit = self._addr.get(key)
+        if hit is not None:
+            self.counters["address_hits"] += 1
+            return hit
+        self.counters["address_misses"] += 1
+        src_pool, dst_pool = ((self.host, self.device) if direction is Direction.LOADBACK
+                              else (self.device, self.host))
+        so = np.array([src_pool.region_offset(r.group, r.component, r.layer) for r in refs], dtype=np.int64)
+        do = np.array([dst_pool.region_offset(r.group, r.component, r.layer) for r in refs], dtype=np.int64)
+        pb = np.array([r.page_bytes for r in refs], dtype=np.int64)
+        self._addr[key] = (so, do, pb)
+        return so, do, pb
+
+    def table(self, plan: FlushPlan, chunk: ChunkPlan, piece_bytes: int = DEFAULT_PIECE_BYTES) -> I64:
+        """The chunk's copy table over both pools' unified address spans.
+
+        Returns an int64 array ``[rows, 3]``: (source byte offset from the source pool's
+        ``base_ptr``, destination byte offset from the destination pool's ``base_ptr``,
+        bytes), one row per contiguous run per tensor ref, runs longer than
+        ``piece_bytes`` split into pieces (cached on the chunk).
+        """
+        key = ("table", piece_bytes)
+        cached = chunk.cache.get(key)
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
+        out: list[I64] = []
+        by_group: dict[int, list[ChunkRef]] = {}
+        for r in chunk.refs:
+            by_group.setdefault(r.group_index, []).append(r)
+        for gi, refs in by_group.items():
+            g = plan.groups[gi]
+            so, do, pb = self._address(plan.direction, g, refs)
+            s = (so[:, None] + g.run_src[None, :] * pb[:, None]).reshape(-1)
+            d = (do[:, None] + g.run_dst[None, :] * pb[:, None]).reshape(-1)
+            n = (g.run_len[None, :] * pb[:, None]).reshape(-1)
+            out.append(np.stack((s, d, n), axis=1))
+        rows = np.concatenate(out) if out else np.zeros((0, 3), dtype=np.int64)
+        table = split_rows(rows, piece_bytes)
+        chunk.cache[key] = table
+        return table
+
+
+def split_rows(rows: I64, piece_bytes: int) -> I64:
+    """Split rows (src, dst, nbytes) longer than ``piece_bytes`` (a positive multiple
+    of 16) into pieces of at most ``piece_bytes``; returns a C-contiguous int64 array."""
+    if piece_bytes <= 0 or piece_bytes % 16:
+        raise ConfigError(f"piece_bytes must be a positive multiple of 16, got {piece_bytes!r}")
+    n = rows[:, 2]
+    k = (n + piece_bytes - 1) // piece_bytes
+    if rows.shape[0] == 0 or int(k.max()) <= 1:
+        return np.ascontiguousarray(rows, dtype=np.int64)
+    idx = np.repeat(np.arange(rows.shape[0]), k)
+    first = np.repeat(np.cumsum(k) - k, k)
+    within = (np.arange(idx.shape[0]) - first) * piece_bytes
+    out = np.empty((idx.shape[0], 3), dtype=np.int64)
+    out[:, 0] = rows[idx, 0] + within
+    out[:, 1] = rows[idx, 1] + within
+    out[:, 2] = np.minimum(piece_bytes, n[idx] - within)
+    return out
