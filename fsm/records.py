@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -151,12 +152,13 @@ class CacheGroupSpec:
         return math.ceil(self.window / self.tokens_per_page)
 
 
-def _page_ids(owner: str, name: str, value: object) -> tuple[int, ...]:
-    ids = tuple(value)  # type: ignore[call-overload]
-    for p in ids:
+def _page_ids(owner: str, name: str, value: Iterable[object]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for p in value:
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ConfigError(f"{owner}: {name} must hold page ids (ints >= 0), got {p!r}")
-    return ids
+        ids.append(p)
+    return tuple(ids)
 
 
 @dataclass(frozen=True, slots=True)

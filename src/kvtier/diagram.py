@@ -7,6 +7,7 @@ and ``png`` also need the Graphviz ``dot`` binary (``apt-get install graphviz``)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 from kvtier.fsm.spec import INTERNAL, LifecycleSpec, load_spec
 
@@ -21,7 +22,9 @@ class DiagramError(RuntimeError):
     """Rendering failed (e.g. the Graphviz ``dot`` binary is missing)."""
 
 
-def _graph_machine(spec: LifecycleSpec, engine: str) -> object:
+def _graph(spec: LifecycleSpec, engine: Literal["graphviz", "mermaid"]) -> Any:
+    """The lifecycle drawn by a GraphMachine: a ``graphviz.Digraph`` for the ``graphviz``
+    engine, transitions' mermaid graph (``draw(None)`` gives the text) for ``mermaid``."""
     from transitions.extensions.diagrams import GraphMachine
 
     machine = GraphMachine(
@@ -34,7 +37,8 @@ def _graph_machine(spec: LifecycleSpec, engine: str) -> object:
             conditions=[g.name for g in t.guards if not g.negated],
             unless=[g.name for g in t.guards if g.negated],
         )
-    return machine
+    # The machine is its own model; transitions adds ``get_graph`` to it at run time.
+    return getattr(machine, "get_graph")()
 
 
 def render(lifecycle: str, fmt: str) -> bytes:
@@ -54,14 +58,12 @@ def render(lifecycle: str, fmt: str) -> bytes:
     if fmt not in FORMATS:
         raise ValueError(f"unknown diagram format {fmt!r}; expected one of {FORMATS}")
     if fmt == "mermaid":
-        machine = _graph_machine(specs[lifecycle], "mermaid")
-        text: str = machine.get_graph().draw(None)  # type: ignore[attr-defined]
+        text: str = _graph(specs[lifecycle], "mermaid").draw(None)
         return (text.rstrip("\n") + "\n").encode()
-    machine = _graph_machine(specs[lifecycle], "graphviz")
-    graph = machine.get_graph()  # type: ignore[attr-defined]
+    graph = _graph(specs[lifecycle], "graphviz")
     if fmt == "dot":
         return (str(graph.source).rstrip("\n") + "\n").encode()
-    import graphviz
+    import graphviz  # type: ignore[import-untyped]  # (no py.typed up to 0.21)
 
     try:
         data: bytes = graph.pipe(format=fmt)
