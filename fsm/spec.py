@@ -128,7 +128,7 @@ def _parse_lifecycle(name: str, raw: dict[str, Any]) -> LifecycleSpec:
                 rows.append(TransitionSpec(str(t["event"]), src, str(t["dest"]), refs, str(t.get("doc", ""))))
         spec = LifecycleSpec(name, str(raw["title"]), str(raw["description"]), str(raw["subject"]),
                              str(raw["initial"]), states, tuple(rows), guards)
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"{where}: malformed ({exc!r})") from exc
     names = set(spec.state_names)
     if spec.initial not in names:
@@ -164,11 +164,17 @@ def parse_spec(text: str) -> Specification:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"spec: not valid TOML: {exc}") from exc
+    try:
+        version = int(raw["version"])
+        node, request = raw["node"], raw["request"]
+        invariants = {k: str(v["statement"]) for k, v in raw["invariants"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"spec: malformed ({exc!r})") from exc
     return Specification(
-        version=int(raw["version"]),
-        node=_parse_lifecycle("node", raw["node"]),
-        request=_parse_lifecycle("request", raw["request"]),
-        invariants={k: str(v["statement"]) for k, v in raw["invariants"].items()},
+        version=version,
+        node=_parse_lifecycle("node", node),
+        request=_parse_lifecycle("request", request),
+        invariants=invariants,
     )
 
 

@@ -1,0 +1,245 @@
+"""The project's shape and packaging rules (issue 2, "Layout and packaging").
+
+- imports: inside a package relative, across packages ``kvtier.``-absolute; nothing
+  imports ``fsm``, ``transfer`` or ``spec`` as top-level modules; ``fsm/`` never
+  imports torch or numba;
+- nothing can shadow a mapped package (``src/kvtier/fsm*``, a root-level ``kvtier/``);
+- ``import kvtier``, ``kvtier.fsm`` and building the command line load neither torch,
+  numba nor hypothesis (checked in a fresh interpreter);
+- every subpackage on disk is listed in pyproject and every data file is shipped;
+- pytest runs with ``--import-mode=importlib`` from ``tests/``.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
+
+#: import name -> folder, as mapped by setuptools ``package-dir``.
+MAPPED = {"kvtier": "src/kvtier", "kvtier.fsm": "fsm", "kvtier.transfer": "transfer", "kvtier.spec": "spec"}
+#: folders whose Python files are scanned (the mapped packages plus tests and benchmarks).
+SCANNED = ("fsm", "transfer", "src/kvtier", "tests", "bench")
+#: names that exist only as folders of this repository, never as importable top-level modules.
+FORBIDDEN_TOP_LEVEL = {"fsm", "transfer", "spec"}
+#: modules that ``import kvtier`` / ``kvtier.fsm`` / ``kvtier --help`` must not load.
+HEAVY = ("torch", "numba", "hypothesis")
+
+
+def _py_files(folder: str) -> Iterator[Path]:
+    for path in sorted((REPO / folder).rglob("*.py")):
+        if "__pycache__" not in path.parts:
+            yield path
+
+
+def _owner(module: str) -> str | None:
+    """The mapped package (longest prefix of :data:`MAPPED`) that ``module`` belongs to."""
+    best = None
+    for pkg in MAPPED:
+        if (module == pkg or module.startswith(pkg + ".")) and (best is None or len(pkg) > len(best)):
+            best = pkg
+    return best
+
+
+def _dotted(path: Path, repo: Path) -> tuple[str, str] | None:
+    """(mapped package owning ``path``, dotted name of the package ``path`` sits in), or
+    ``None`` for tests/ and bench/."""
+    for pkg, folder in sorted(MAPPED.items(), key=lambda kv: -len(kv[1])):
+        root = repo / folder
+        if root in path.parents:
+            return pkg, ".".join((pkg, *path.parent.relative_to(root).parts))
+    return None
+
+
+def _relative_target(node: ast.ImportFrom, package: str) -> list[str] | None:
+    """The modules a relative import names (its base, then base.name for each name), or
+    ``None`` when it climbs above the top-level package."""
+    parts = package.split(".")
+    if node.level - 1 >= len(parts):
+        return None
+    base = ".".join(parts[: len(parts) - (node.level - 1)])
+    if node.module:
+        base = f"{base}.{node.module}"
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
+def _import_problems(path: Path, repo: Path = REPO) -> list[str]:
+    rel = path.relative_to(repo)
+    where = _dotted(path, repo)
+    problems = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(rel))):
+        line = f"{rel}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            if where is None:
+                problems.append(f"{line}: relative import outside a kvtier package")
+                continue
+            targets = _relative_target(node, where[1])
+            if targets is None:
+                problems.append(f"{line}: relative import climbs above the kvtier package")
+                continue
+            crossed = next((t for t in targets if _owner(t) != where[0]), None)
+            if crossed is not None:
+                problems.append(f"{line}: relative import of {crossed} crosses from {where[0]} "
+                                f"into {_owner(crossed)}; use a kvtier.-absolute import")
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            targets = [node.module]
+        else:
+            continue
+        for target in targets:
+            top = target.split(".")[0]
+            if top in FORBIDDEN_TOP_LEVEL:
+                problems.append(f"{line}: imports {target!r} as a top-level module; "
+                                f"use kvtier.{target}")
+            if where is not None and _owner(target) == where[0]:
+                problems.append(f"{line}: absolute import {target!r} inside its own package "
+                                f"{where[0]}; use a relative import")
+            if where is not None and where[0] == "kvtier.fsm" and top in ("torch", "numba"):
+                problems.append(f"{line}: fsm/ imports {top} (the core is pure Python)")
+    return problems
+
+
+def test_scanned_folders_hold_the_code() -> None:
+    files = {f.relative_to(REPO).parts[0] for folder in SCANNED for f in _py_files(folder)}
+    assert {"fsm", "transfer", "src", "tests"} <= files
+
+
+def test_imports_respect_package_boundaries() -> None:
+    problems = [p for folder in SCANNED for f in _py_files(folder) for p in _import_problems(f)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("source, problem", [
+    ("import fsm\n", "'fsm' as a top-level module"),
+    ("from transfer import engine\n", "'transfer' as a top-level module"),
+    ("from fsm.records import Completion\n", "'fsm.records' as a top-level module"),
+    ("import spec.lifecycle\n", "'spec.lifecycle' as a top-level module"),
+    ("from ..fsm import records\n", "crosses from kvtier into kvtier.fsm"),
+    ("from .. import fsm\n", "crosses from kvtier into kvtier.fsm"),
+    ("from .profiles import x\n", None),
+    ("from kvtier.fsm import records\n", None),
+    ("from ... import x\n", "climbs above"),
+    ("from kvtier.cli import main\n", "inside its own package kvtier"),
+])
+def test_the_import_scan_catches(tmp_path: Path, source: str, problem: str | None) -> None:
+    """The scanner itself, on a file in src/kvtier/testing/ (problem None: allowed)."""
+    target = tmp_path / "src" / "kvtier" / "testing" / "bad.py"
+    target.parent.mkdir(parents=True)
+    target.write_text(source)
+    problems = _import_problems(target, tmp_path)
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problem in problems[0], problems
+
+
+@pytest.mark.parametrize("folder, source, problem", [
+    ("fsm", "def f():\n    import torch\n", "fsm/ imports torch (the core is pure Python)"),
+    ("fsm", "from numba import cuda\n", "fsm/ imports numba (the core is pure Python)"),
+    ("transfer", "from ..fsm import ConfigError\n", "crosses from kvtier.transfer into kvtier"),
+    ("transfer", "from kvtier.transfer.plan import x\n", "inside its own package kvtier.transfer"),
+    ("tests", "from .helpers import x\n", "relative import outside a kvtier package"),
+    ("bench", "import transfer.engine\n", "'transfer.engine' as a top-level module"),
+])
+def test_the_import_scan_catches_elsewhere(tmp_path: Path, folder: str, source: str,
+                                           problem: str) -> None:
+    target = tmp_path / folder / "bad.py"
+    target.parent.mkdir()
+    target.write_text(source)
+    problems = _import_problems(target, tmp_path)
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_nothing_shadows_a_mapped_package() -> None:
+    facade = REPO / "src" / "kvtier"
+    shadows = [p.name for p in facade.iterdir()
+               if any(fnmatch.fnmatch(p.name, f"{n}*") for n in FORBIDDEN_TOP_LEVEL)]
+    assert not shadows, f"src/kvtier/ holds {shadows}: it would shadow kvtier.fsm/transfer/spec"
+    assert not (REPO / "kvtier").exists(), "a root-level kvtier/ shadows the installed package"
+
+
+def test_import_kvtier_and_cli_load_no_heavy_module() -> None:
+    code = (
+        "import json, pkgutil, sys\n"
+        "import kvtier, kvtier.fsm, kvtier.cli\n"
+        "for m in pkgutil.walk_packages(kvtier.fsm.__path__, 'kvtier.fsm.'):\n"
+        "    __import__(m.name)\n"
+        "kvtier.cli.build_parser()\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO, timeout=60)
+    loaded = json.loads(out.stdout)
+    fsm_modules = {f"kvtier.fsm.{p.stem}" for p in (REPO / "fsm").glob("*.py") if p.stem != "__init__"}
+    assert fsm_modules | {"kvtier.cli", "kvtier.fsm"} <= set(loaded)
+    heavy = [m for m in loaded if m in HEAVY or m.startswith(tuple(h + "." for h in HEAVY))
+             or m.startswith("numba_cuda")]
+    assert heavy == [], f"loaded: {heavy}"
+    assert "kvtier.transfer" not in loaded, "the facade must import kvtier.transfer lazily"
+
+
+def test_spec_ships_as_package_data() -> None:
+    spec = resources.files("kvtier.spec")
+    assert spec.joinpath("lifecycle.toml").read_text(encoding="utf-8").lstrip().startswith("#")
+    assert spec.joinpath("README.md").is_file()
+    assert resources.files("kvtier").joinpath("py.typed").is_file()
+
+
+def _subpackages_on_disk() -> set[str]:
+    found = set()
+    for pkg, folder in MAPPED.items():
+        root = REPO / folder
+        for init in root.rglob("__init__.py"):
+            parts = init.parent.relative_to(root).parts
+            found.add(".".join((pkg, *parts)))
+    return found
+
+
+def test_pyproject_maps_and_lists_every_subpackage() -> None:
+    assert SETUPTOOLS["package-dir"] == MAPPED
+    listed = set(SETUPTOOLS["packages"])
+    on_disk = _subpackages_on_disk()
+    assert listed == on_disk, (f"unlisted in pyproject: {sorted(on_disk - listed)}; "
+                               f"listed but absent: {sorted(listed - on_disk)}")
+
+
+def test_every_folder_with_python_code_is_a_package() -> None:
+    """A folder of .py files without __init__.py would be left out of the wheel."""
+    missing = sorted({str(f.parent.relative_to(REPO)) for pkg, folder in MAPPED.items()
+                      for f in _py_files(folder) if not (f.parent / "__init__.py").exists()})
+    assert not missing, f"folders without __init__.py: {missing}"
+
+
+def test_every_data_file_is_shipped() -> None:
+    """Each non-Python file in a package folder matches that package's package-data globs."""
+    data = SETUPTOOLS.get("package-data", {})
+    unshipped = []
+    for pkg in _subpackages_on_disk():
+        owner = _owner(pkg)
+        assert owner is not None
+        folder = REPO / MAPPED[owner] / Path(*pkg.split(".")[len(owner.split(".")):])
+        for f in folder.iterdir():
+            if f.is_file() and f.suffix not in (".py", ".pyc") \
+                    and not any(fnmatch.fnmatch(f.name, g) for g in data.get(pkg, ())):
+                unshipped.append(str(f.relative_to(REPO)))
+    assert not unshipped, f"package files missing from [tool.setuptools.package-data]: {unshipped}"
+
+
+def test_pytest_configuration() -> None:
+    ini = PYPROJECT["tool"]["pytest"]["ini_options"]
+    assert "--import-mode=importlib" in ini["addopts"].split()
+    assert ini["testpaths"] == ["tests"]

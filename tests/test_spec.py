@@ -1,0 +1,165 @@
+"""The spec loader (kvtier.fsm.spec): bad specs are refused with a ConfigError naming the
+problem; the shipped spec names the 15 reference invariants; its prose (spec/README.md)
+names every state, event, guard and invariant of the TOML."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvtier.fsm import ConfigError
+from kvtier.fsm.spec import INTERNAL, load_spec, parse_spec, spec_text
+
+INVARIANTS_MD = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "invariants.md"
+
+#: invariants.md number -> (its bold title, the spec's name for it)
+REFERENCE_INVARIANTS = {
+    1: ("Root-closed host set.", "root_closed_host"),
+    2: ("Host copy means acknowledged host data.", "host_means_acked"),
+    3: ("Writeback sources are immutable until the acknowledgement.", "writeback_source_immutable"),
+    4: ("Loadback sources are pinned until the acknowledgement.", "loadback_source_pinned"),
+    5: ("Locks and pins are counts with receipts.", "counts_with_receipts"),
+    6: ("Splits preserve ownership.", "split_preserves_ownership"),
+    7: ("Every started operation ends exactly once.", "operation_ends_once"),
+    8: ("Abort and retract release exactly once, after fencing.", "release_once_after_fence"),
+    9: ("Host eviction only from host leaves.", "host_evict_leaves"),
+    10: ("Failure is never reported as success.", "failure_not_success"),
+    11: ("Admission is atomic and live.", "atomic_admission"),
+    12: ("Loaded data equals written data.", "loaded_equals_written"),
+    13: ("Conservation.", "conservation"),
+    14: ("Borrowed pages stay.", "borrowed_pages_stay"),
+    15: ("Exact continuation state.", "exact_continuation_state"),
+}
+#: invariants kvtier adds to the reference list.
+EXTRA_INVARIANTS = {"state_matches_resources"}
+
+
+def _lifecycle(name: str) -> str:
+    return f'''
+[{name}]
+title = "T"
+description = "D"
+subject = "{name}"
+initial = "a"
+
+[{name}.states.a]
+description = "A"
+
+[{name}.states.b]
+description = "B"
+resources = ["pages"]
+
+[[{name}.transitions]]
+event = "go"
+source = ["a"]
+dest = "b"
+guards = ["ok"]
+
+[[{name}.transitions]]
+event = "stay"
+source = ["a", "b"]
+dest = "="
+
+[{name}.guards.ok]
+doc = "G"
+'''
+
+
+MINIMAL = ("version = 1\n" + _lifecycle("node") + _lifecycle("request")
+           + '\n[invariants.x]\nstatement = "S"\n')
+
+
+def test_minimal_spec_parses() -> None:
+    spec = parse_spec(MINIMAL)
+    assert spec.version == 1 and spec.invariants == {"x": "S"}
+    node = spec.node
+    assert node.state_names == ("a", "b") and node.initial == "a"
+    assert node.states[1].resources == ("pages",)
+    assert node.events == ("go", "stay")
+    assert [(t.event, t.source, t.dest, t.target) for t in node.transitions] == [
+        ("go", "a", "b", "b"), ("stay", "a", INTERNAL, "a"), ("stay", "b", INTERNAL, "b")]
+    assert node.transitions[0].guards[0].label == "ok"
+    assert node.guards == {"ok": "G"}
+
+
+def _node_only(old: str, new: str) -> str:
+    """MINIMAL with the first occurrence (in [node]) of ``old`` replaced."""
+    assert old in MINIMAL
+    return MINIMAL.replace(old, new, 1)
+
+
+DUPLICATE = ('[[node.transitions]]\nevent = "go"\nsource = ["a"]\ndest = "a"\nguards = ["ok"]\n'
+             '\n[[node.transitions]]')
+
+
+@pytest.mark.parametrize("text, message", [
+    (_node_only('source = ["a"]', 'source = ["zz"]'), r"spec \[node\]: event 'go' has undeclared source 'zz'"),
+    (_node_only('dest = "b"', 'dest = "zz"'), r"spec \[node\]: event 'go' has undeclared dest 'zz'"),
+    (_node_only('guards = ["ok"]', 'guards = ["!nope"]'), r"spec \[node\]: event 'go' uses undeclared guard 'nope'"),
+    (_node_only('initial = "a"', 'initial = "zz"'), r"spec \[node\]: initial state 'zz' is not declared"),
+    (_node_only("[[node.transitions]]", DUPLICATE), r"spec \[node\]: duplicate transition 'go' from 'a'"),
+    (_node_only("[node.guards.ok]", '[node.guards.spare]\ndoc = "unused"\n\n[node.guards.ok]'),
+     r"spec \[node\]: guards declared but never used: \['spare'\]"),
+    (_node_only('title = "T"\n', ""), r"spec \[node\]: malformed \(KeyError\('title'\)\)"),
+    (_node_only('description = "A"\n', ""), r"spec \[node\]: malformed \(KeyError\('description'\)\)"),
+    (MINIMAL.replace('[[request.transitions]]\nevent = "go"\nsource = ["a"]\ndest = "b"',
+                     '[[request.transitions]]\nevent = "go"\nsource = ["q"]\ndest = "b"'),
+     r"spec \[request\]: event 'go' has undeclared source 'q'"),
+    (MINIMAL + "[broken\n", r"spec: not valid TOML"),
+    (MINIMAL.replace("version = 1\n", ""), r"spec: malformed \(KeyError\('version'\)\)"),
+    (MINIMAL.split("\n[request]")[0] + '\n[invariants.x]\nstatement = "S"\n',
+     r"spec: malformed \(KeyError\('request'\)\)"),
+    (MINIMAL.replace('statement = "S"', 'text = "S"'), r"spec: malformed \(KeyError\('statement'\)\)"),
+])
+def test_bad_specs_are_refused_naming_the_problem(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_spec(text)
+
+
+def test_shipped_spec_is_consistent() -> None:
+    spec = load_spec()
+    assert spec is load_spec()  # parsed once
+    assert spec.version == 1
+    assert spec.node.initial == "new" and spec.request.initial == "waiting"
+    assert set(spec.node.state_names) >= {"device", "writing", "backed", "host", "loading", "removed"}
+    assert set(spec.request.state_names) >= {"waiting", "loading", "running", "finishing", "finished",
+                                             "retracting", "retracted", "aborting", "aborted"}
+
+
+def test_shipped_invariants_cover_the_reference_list() -> None:
+    names = set(load_spec().invariants)
+    mapped = {name for _, name in REFERENCE_INVARIANTS.values()}
+    assert len(mapped) == 15
+    assert names == mapped | EXTRA_INVARIANTS, (f"missing: {sorted(mapped - names)}; "
+                                                f"unexplained: {sorted(names - mapped - EXTRA_INVARIANTS)}")
+    assert all(statement.strip() for statement in load_spec().invariants.values())
+
+
+@pytest.mark.skipif(not INVARIANTS_MD.exists(), reason="shared reference absent")
+def test_reference_titles_match_the_mapping() -> None:
+    titles = dict(re.findall(r"^(\d+)\. \*\*(.+?)\*\*", INVARIANTS_MD.read_text(), flags=re.M))
+    assert {int(k): v for k, v in titles.items()} == {k: t for k, (t, _) in REFERENCE_INVARIANTS.items()}
+
+
+def _toml_names() -> dict[str, set[str]]:
+    spec = load_spec()
+    return {
+        "state": {s for lc in spec.lifecycles for s in lc.state_names},
+        "event": {e for lc in spec.lifecycles for e in lc.events},
+        "guard": {g for lc in spec.lifecycles for g in lc.guards},
+        "invariant": set(spec.invariants),
+    }
+
+
+def test_prose_names_every_state_event_guard_and_invariant() -> None:
+    prose = spec_text("README.md")
+    quoted = set(re.findall(r"`!?([a-z_]+)`", prose))
+    missing = {kind: sorted(names - quoted) for kind, names in _toml_names().items() if names - quoted}
+    assert not missing, f"spec/README.md does not name (in backquotes): {missing}"
+
+
+def test_prose_invariant_table_is_in_reference_order() -> None:
+    rows = re.findall(r"^\| (\d+) \| `([a-z_]+)` \|", spec_text("README.md"), flags=re.M)
+    assert [(int(n), name) for n, name in rows] == [(k, name) for k, (_, name) in REFERENCE_INVARIANTS.items()]
