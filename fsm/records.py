@@ -152,13 +152,23 @@ class CacheGroupSpec:
         return math.ceil(self.window / self.tokens_per_page)
 
 
-def _page_ids(owner: str, name: str, value: Iterable[object]) -> tuple[int, ...]:
+def _index(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{owner}: {name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _indices(owner: str, name: str, value: Iterable[object], what: str = "ints >= 0") -> tuple[int, ...]:
     ids: list[int] = []
     for p in value:
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
-            raise ConfigError(f"{owner}: {name} must hold page ids (ints >= 0), got {p!r}")
+            raise ConfigError(f"{owner}: {name} must hold {what}, got {p!r}")
         ids.append(p)
     return tuple(ids)
+
+
+def _page_ids(owner: str, name: str, value: Iterable[object]) -> tuple[int, ...]:
+    return _indices(owner, name, value, "page ids (ints >= 0)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,13 +227,26 @@ class TransferCommand:
     deadline_step: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "direction", Direction(self.direction))
-        object.__setattr__(self, "transfers", tuple(self.transfers))
-        layers = tuple(self.layers)
+        _index("transfer command", "op_id", self.op_id)
+        owner = f"op {self.op_id}"
+        try:
+            object.__setattr__(self, "direction", Direction(self.direction))
+        except ValueError:
+            raise ConfigError(f"{owner}: direction must be 'writeback' or 'loadback', "
+                              f"got {self.direction!r}") from None
+        transfers = tuple(self.transfers)
+        if not all(isinstance(t, GroupTransfer) for t in transfers):
+            raise ConfigError(f"{owner}: transfers must be GroupTransfer records, got {self.transfers!r}")
+        object.__setattr__(self, "transfers", transfers)
+        layers = _indices(owner, "layers", self.layers, "layer indices (ints >= 0)")
         if list(layers) != sorted(set(layers)):
-            raise ConfigError(f"op {self.op_id}: layers must be sorted and unique, got {self.layers!r}")
+            raise ConfigError(f"{owner}: layers must be sorted and unique, got {self.layers!r}")
         object.__setattr__(self, "layers", layers)
-        object.__setattr__(self, "node_ids", tuple(self.node_ids))
+        if self.request_id is not None and not isinstance(self.request_id, str):
+            raise ConfigError(f"{owner}: request_id must be a str or None, got {self.request_id!r}")
+        object.__setattr__(self, "node_ids", _indices(owner, "node_ids", self.node_ids, "node ids (ints >= 0)"))
+        if self.deadline_step is not None:
+            _index(owner, "deadline_step", self.deadline_step)
 
     @property
     def pages(self) -> int:
