@@ -1,0 +1,156 @@
+"""Radix tree nodes and the receipts that hold them.
+
+A node covers ``len(key)`` cache units (one unit = ``alignment`` tokens). Per history
+group it holds page-id lists covering its units; per state group, at most one
+continuation-state checkpoint (``state_pages`` pages) for exactly its own end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+__all__ = ["Node", "NodeReceipt", "LockReceipt", "DEVICE_READABLE", "DEVICE_RESIDENT", "HOST_VISIBLE"]
+
+#: States whose device pages every request may read.
+DEVICE_READABLE = frozenset({"device", "writing", "backed"})
+#: States that hold device pages (loading ones are readable only by the loading request).
+DEVICE_RESIDENT = DEVICE_READABLE | {"loading"}
+#: States with a visible (acknowledged) host copy.
+HOST_VISIBLE = frozenset({"backed", "host", "loading"})
+
+PageMap = dict[str, list[int]]
+
+
+class Node:
+    """One radix node. Opaque to engines except for the read-only fields below.
+
+    Attributes:
+        node_id: unique id (never reused within a cache).
+        state: node-residency lifecycle state (see spec/lifecycle.toml).
+        key: the node's unit keys (one per cache unit).
+        parent: parent node (``None`` only for the root).
+        children: first unit key -> child.
+        depth: units from the root to the node's end.
+        dev, host, pending: history group -> page ids (device, visible host, pending host
+            reservation) covering the node's units in order.
+        dev_state, host_state, pending_state: state group -> checkpoint page ids at the
+            node's end, or absent.
+        lock_ref: running requests holding the node (path-wise: a lock on a node holds
+            its ancestors too).
+        borrow_ref: requests reading the node's device pages directly.
+        host_pin: pins on the host copy (in-flight loadbacks and requests waiting on them).
+        hit_count: times a request used the node (write_through_selective counts this).
+        last_access: logical clock stamp of the last use (never wall time).
+        wb_op, lb_op: op id of the in-flight writeback / loadback, or ``None``.
+    """
+
+    __slots__ = ("node_id", "state", "key", "parent", "children", "depth", "dev", "host", "pending",
+                 "dev_state", "host_state", "pending_state", "lock_ref", "borrow_ref", "host_pin",
+                 "hit_count", "last_access", "wb_op", "lb_op", "refs", "chunk_checkpoint")
+
+    def __init__(self, node_id: int, key: tuple[Hashable, ...], parent: Node | None) -> None:
+        self.node_id = node_id
+        self.state = "new"
+        self.key = key
+        self.parent = parent
+        self.children: dict[Hashable, Node] = {}
+        self.depth = (parent.depth if parent is not None else 0) + len(key)
+        self.dev: PageMap = {}
+        self.host: PageMap = {}
+        self.pending: PageMap = {}
+        self.dev_state: PageMap = {}
+        self.host_state: PageMap = {}
+        self.pending_state: PageMap = {}
+        self.lock_ref = 0
+        self.borrow_ref = 0
+        self.host_pin = 0
+        self.hit_count = 0
+        self.last_access = 0
+        self.wb_op: int | None = None
+        self.lb_op: int | None = None
+        self.refs: set[int] = set()  # ids of NodeReceipts that list this node
+        self.chunk_checkpoint = False  # checkpoint left by an intermediate prefill chunk
+
+    @property
+    def label(self) -> int:
+        return self.node_id
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"<node {self.node_id} {self.state} depth={self.depth} units={len(self.key)}>"
+
+    # -- guard inputs (kvtier.fsm.guards) -------------------------------------------
+    @property
+    def parent_on_host(self) -> bool:
+        """Parent is the root, has a visible host copy, or is written back by the same op."""
+        p = self.parent
+        assert p is not None
+        if p.parent is None or p.state in HOST_VISIBLE:
+            return True
+        return p.state == "writing" and p.wb_op is not None and p.wb_op == self.wb_op
+
+    @property
+    def parent_on_device(self) -> bool:
+        p = self.parent
+        assert p is not None
+        return p.parent is None or p.state in DEVICE_RESIDENT
+
+    @property
+    def parent_readable(self) -> bool:
+        p = self.parent
+        assert p is not None
+        return p.parent is None or p.state in DEVICE_READABLE
+
+    @property
+    def has_device_child(self) -> bool:
+        return any(c.state in DEVICE_RESIDENT for c in self.children.values())
+
+    @property
+    def has_host_child(self) -> bool:
+        return any(c.state in HOST_VISIBLE or c.state == "writing" for c in self.children.values())
+
+    def path(self) -> list[Node]:
+        """This node and its ancestors up to (excluding) the root, deepest first."""
+        out = []
+        n: Node | None = self
+        while n is not None and n.parent is not None:
+            out.append(n)
+            n = n.parent
+        return out
+
+
+class NodeReceipt:
+    """A pin or borrow taken on an explicit list of nodes; released exactly once.
+
+    Splits insert the new prefix fragment into every receipt that lists the split node.
+    """
+
+    __slots__ = ("receipt_id", "kind", "nodes", "owner", "released")
+
+    def __init__(self, receipt_id: int, kind: str, nodes: list[Node], owner: str | None) -> None:
+        self.receipt_id = receipt_id
+        self.kind = kind  # "pin" or "borrow"
+        self.nodes = nodes
+        self.owner = owner
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} receipt {self.receipt_id} owner={self.owner!r} nodes={[n.node_id for n in self.nodes]}>"
+
+
+class LockReceipt:
+    """A device lock on a node and all its ancestors; released exactly once."""
+
+    __slots__ = ("receipt_id", "node", "owner", "released")
+
+    def __init__(self, receipt_id: int, node: Node, owner: str | None) -> None:
+        self.receipt_id = receipt_id
+        self.node = node
+        self.owner = owner
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"<lock receipt {self.receipt_id} owner={self.owner!r} node={self.node.node_id}>"
