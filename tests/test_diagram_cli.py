@@ -1,0 +1,116 @@
+"""``kvtier diagram`` and the command line: what is written equals ``render``; ``--check``
+catches stale or missing committed diagrams; rendering without Graphviz says how to
+install it; ``kvtier --help`` and ``python -m kvtier --help`` work."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.diagram import DiagramError, render
+from kvtier.fsm.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = REPO / "diagrams"
+TEXT_FILES = ("node.dot", "node.mmd", "request.dot", "request.mmd")
+needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz 'dot' not installed")
+
+
+def test_diagram_writes_text_formats_equal_to_render(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--format", "dot", "--format", "mermaid", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(TEXT_FILES)
+    for lc in ("node", "request"):
+        assert (tmp_path / f"{lc}.dot").read_bytes() == render(lc, "dot")
+        assert (tmp_path / f"{lc}.mmd").read_bytes() == render(lc, "mermaid")
+    printed = capsys.readouterr().out.split()
+    assert sorted(Path(p).name for p in printed) == sorted(TEXT_FILES)
+
+
+def test_dot_shows_every_event_and_guard() -> None:
+    spec = load_spec()
+    for lc in spec.lifecycles:
+        for fmt in ("dot", "mermaid"):
+            text = render(lc.name, fmt).decode()
+            assert all(e in text for e in lc.events), (lc.name, fmt)
+            assert all(g.label in text for t in lc.transitions for g in t.guards), (lc.name, fmt)
+    node_dot = render("node", "dot").decode()
+    assert 'backed -> host [label="demote [unlocked & unborrowed & !has_device_child]"]' in node_dot
+    assert "!has_host_child" in node_dot
+    assert 'waiting -> loading [label="schedule [has_loadback]"]' in render("request", "dot").decode()
+
+
+def test_check_passes_on_the_committed_diagrams(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--check", "--out", str(COMMITTED)]) == 0
+    assert "match the spec" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", TEXT_FILES)
+def test_check_names_an_altered_file(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "d"
+    shutil.copytree(COMMITTED, out)
+    (out / name).write_text((out / name).read_text() + "%% edited by hand\n")
+    assert main(["diagram", "--check", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"{out / name}: differs from the spec (run: kvtier diagram --out {out})"]
+
+
+def test_check_names_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "d"
+    shutil.copytree(COMMITTED, out)
+    (out / "request.mmd").unlink()
+    assert main(["diagram", "--check", "--out", str(out)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{out / 'request.mmd'}: missing (run: kvtier diagram --out {out})"]
+
+
+def test_check_of_an_empty_folder_names_all_four(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--check", "--out", str(tmp_path)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [Path(line.split(":")[0]).name for line in lines] == list(TEXT_FILES)
+
+
+@needs_dot
+def test_svg_renders_with_graphviz(tmp_path: Path) -> None:
+    assert main(["diagram", "--format", "svg", "--out", str(tmp_path)]) == 0
+    svg = (tmp_path / "node.svg").read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg and "demote" in svg
+
+
+def test_svg_without_dot_binary_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with pytest.raises(DiagramError, match=r"needs the Graphviz 'dot' binary.*apt-get install graphviz"):
+        render("node", "svg")
+    assert main(["diagram", "--format", "svg", "--out", str(tmp_path / "d")]) == 2
+    assert "apt-get install graphviz" in capsys.readouterr().err
+    # the text formats need no binary
+    assert main(["diagram", "--format", "dot", "--out", str(tmp_path / "d")]) == 0
+
+
+def test_render_rejects_unknown_lifecycle_and_format() -> None:
+    with pytest.raises(ValueError, match="unknown lifecycle 'tree'"):
+        render("tree", "dot")
+    with pytest.raises(ValueError, match="unknown diagram format 'jpeg'"):
+        render("node", "jpeg")
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    assert "diagram" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    [str(Path(sys.executable).with_name("kvtier")), "--help"],
+    [sys.executable, "-m", "kvtier", "--help"],
+], ids=["kvtier", "python -m kvtier"])
+def test_help_lists_diagram(argv: list[str], tmp_path: Path) -> None:
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: kvtier") and "diagram" in out.stdout
