@@ -109,8 +109,9 @@ class FakeAsyncMachine(RuleBasedStateMachine):
                 return True
         return False
 
-    def _pending_write(self, side: str, page: int) -> bool:
-        return any((side, page) in self._access(j.stream, j.ops)[1] for s in self.streams.values() for j in s)
+    def _pending_write(self, side: str, page: int, layer: int) -> bool:
+        return any(layer in j.layers and (side, page) in self._access(j.stream, j.ops)[1]
+                   for s in self.streams.values() for j in s)
 
     # -- rules -------------------------------------------------------------------------------
     @rule(direction=st.sampled_from([L, W]), data=st.data())
@@ -217,7 +218,7 @@ class FakeAsyncMachine(RuleBasedStateMachine):
     @rule(side=st.sampled_from(["host", "device"]), layer=st.sampled_from(LAYERS), data=st.data())
     def read(self, side: str, layer: int, data: st.DataObject) -> None:
         page = data.draw(st.integers(0, (HOST_PAGES if side == "host" else DEV_PAGES) - 1))
-        if self._pending_write(side, page):
+        if self._pending_write(side, page, layer):
             with pytest.raises(PoisonedReadError):
                 self.engine.read_pages(side, "kv", "k", layer, [page])
         else:
