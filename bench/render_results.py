@@ -1,0 +1,166 @@
+"""Render the transfer section of bench/RESULTS.md from the newest committed JSON.
+
+Only the text between ``<!-- transfer:begin -->`` and ``<!-- transfer:end -->`` is
+replaced (other sections belong to other benchmarks); the markers are added under a
+``## Transfer engine`` heading if missing.
+
+    python bench/render_results.py            # rewrite bench/RESULTS.md
+    python bench/render_results.py --check    # exit 1 if RESULTS.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_MD = os.path.join(HERE, "RESULTS.md")
+BEGIN, END = "<!-- transfer:begin -->", "<!-- transfer:end -->"
+
+
+def newest_json(results_dir: str = os.path.join(HERE, "results")) -> str | None:
+    files = sorted(glob.glob(os.path.join(results_dir, "transfer-*.json")))
+    return files[-1] if files else None
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _pct(x: float | None, ceiling: float | None) -> str:
+    if x is None or not ceiling:
+        return "-"
+    return f"{100 * x / ceiling:.0f} %"
+
+
+def _mark(ok: bool | None) -> str:
+    return "-" if ok is None else ("met" if ok else "**missed**")
+
+
+def render(data: dict[str, Any], source: str) -> str:
+    c = data.get("ceilings", {})
+    h2d_c, d2h_c, both_c = c.get("h2d"), c.get("d2h"), c.get("both")
+    s = data.get("settings", {})
+    lines = [
+        f"Run of {data['date']} on {data['gpu']} ({data['sm_count']} SMs), commit `{data['commit']}`, "
+        f"from `{source}`.",
+        "",
+        f"Command: `{data['command']}`",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(data.get("versions", {}).items())) + ".",
+        "",
+        f"Numba backend: {s.get('blocks')} thread blocks x {s.get('threads')} threads per launch "
+        f"(at most {s.get('blocks')} of {data['sm_count']} SMs per direction), one launch per layer chunk "
+        f"({s.get('chunk_layers')} layers; {s.get('layers')} layers per transfer, so loadbacks take "
+        f"{max(1, s.get('layers', 1) // max(1, s.get('chunk_layers', 1)))} launches and writebacks 1), "
+        f"rows split at {s.get('piece_bytes')} B. Scattered random pages, about "
+        f"{s.get('target_bytes_per_transfer', 0) / 2**20:.0f} MiB per transfer; medians of {s.get('reps')} "
+        f"repetitions after a warm-up.",
+        "",
+        f"Pinned contiguous copy ceiling, same run: H2D {_f(h2d_c)} GB/s, D2H {_f(d2h_c)} GB/s, "
+        f"both directions at once {_f(both_c)} GB/s.",
+        "",
+        "GB/s and % of the same run's ceiling. *kernel*: device time from the flush's first event to its last "
+        "chunk's event (table upload and all launches). *submit->ack*: wall time from `submit` to the "
+        "acknowledgement from `poll_completions`; *cold*: every plan cache cleared (plan building "
+        "included), *warm*: new page lists, address tables cached, *replay*: the same transfer objects (whole "
+        "plan and device table cached).",
+        "",
+        "| pages | MB | H2D kernel | H2D submit->ack cold / warm / replay | D2H kernel | D2H submit->ack "
+        "cold / warm / replay | both ways kernel | both ways submit->ack | launches (H2D/D2H) | torch backend "
+        "H2D | one copy_ per page | kernel / loop | correct |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    targets: list[tuple[str, str, bool | None, bool | None]] = []
+    for r in data.get("configs", []):
+        h, d, b = r["h2d"], r["d2h"], r["both"]
+        loop = r.get("loop", {}).get("gbps")
+        speedup = h["kernel_gbps"] / loop if loop else None
+        lines.append(
+            f"| {r['name']} x {r['pages']} x {r['layers']} layers | {r['bytes'] / 1e6:.0f} | "
+            f"{_f(h['kernel_gbps'])} ({_pct(h['kernel_gbps'], h2d_c)}) | "
+            f"{_f(h['cold_gbps'])} / {_f(h['warm_gbps'])} / {_f(h['replay_gbps'])} ({_pct(h['replay_gbps'], h2d_c)}) | "
+            f"{_f(d['kernel_gbps'])} ({_pct(d['kernel_gbps'], d2h_c)}) | "
+            f"{_f(d['cold_gbps'])} / {_f(d['warm_gbps'])} / {_f(d['replay_gbps'])} ({_pct(d['replay_gbps'], d2h_c)}) | "
+            f"{_f(b['kernel_gbps'])} ({_pct(b['kernel_gbps'], both_c)}) | "
+            f"{_f(b['replay_gbps'])} ({_pct(b['replay_gbps'], both_c)}) | "
+            f"{h['kernel_launches']} / {d['kernel_launches']} | {_f(r['torch_h2d']['replay_gbps'], 2)} | "
+            f"{_f(loop, 2)} | {_f(speedup, 0)}x | {'yes' if r.get('correct') else '**NO**'} |")
+        one_way = 0.8 if r["name"].startswith("1 KiB") else 0.9
+        for label, key in (("kernel", "kernel_gbps"), ("submit->ack replay", "replay_gbps"),
+                           ("submit->ack warm", "warm_gbps")):
+            ok1 = None if not (h2d_c and d2h_c) else (h[key] >= one_way * h2d_c and d[key] >= one_way * d2h_c)
+            okb = None
+            if key != "warm_gbps" and both_c:
+                okb = b["kernel_gbps" if key == "kernel_gbps" else "replay_gbps"] >= 0.9 * both_c
+            targets.append((r["name"], f"{label} (one way >= {one_way:.0%})", ok1, okb))
+        targets.append((r["name"], "kernel >= 5x one copy_ per page", None if speedup is None else speedup >= 5, None))
+    lines += ["", "Targets (issue 5), per page size:", "",
+              "| pages | measure | one way | both ways |", "| --- | --- | --- | --- |"]
+    for name, label, ok1, okb in targets:
+        lines.append(f"| {name} | {label} | {_mark(ok1)} | {_mark(okb)} |")
+    sweep = data.get("blocks_sweep", [])
+    if sweep:
+        lines += ["", "Thread blocks (H2D, kernel / submit->ack replay, GB/s):", "",
+                  "| pages | " + " | ".join(f"{x['blocks']} x {x['threads']}" for x in sweep
+                                             if x['config'] == sweep[0]['config']) + " |",
+                  "| --- |" + " --- |" * sum(1 for x in sweep if x['config'] == sweep[0]['config'])]
+        for cfg in dict.fromkeys(x["config"] for x in sweep):
+            row = [f"{_f(x['h2d_kernel_gbps'])} / {_f(x['h2d_replay_gbps'])}" for x in sweep if x["config"] == cfg]
+            lines.append(f"| {cfg} | " + " | ".join(row) + " |")
+    gt = data.get("gpu_tests")
+    if gt:
+        lines += ["", f"GPU tests (`pytest -m gpu tests/transfer/test_transfer_gpu.py`, same call): {gt['passed']} "
+                      f"passed, {gt['failures'] + gt['errors']} failed, {gt['skipped']} skipped in {gt['time_s']} s"
+                  + (f"; failed: {', '.join(gt['failed_tests'])}" if gt.get("failed_tests") else "") + "."]
+    san = data.get("sanitizer")
+    if san:
+        lines += ["", f"`{san['tool']}` over the kernels (`python bench/transfer.py --sanitize`: random small "
+                      f"transfers, one-launch and per-bucket paths, odd page sizes): ERROR SUMMARY "
+                      f"{san['error_summary']}, workload checks passed: {'yes' if san['workload_ok'] else 'no'}."]
+    if data.get("errors"):
+        lines += ["", f"Errors during the run: {len(data['errors'])} (see the JSON)."]
+    return "\n".join(lines) + "\n"
+
+
+def updated(md: str, body: str) -> str:
+    block = f"{BEGIN}\n{body}{END}"
+    if BEGIN in md and END in md:
+        a, b = md.index(BEGIN), md.index(END) + len(END)
+        return md[:a] + block + md[b:]
+    if "## Transfer engine" not in md:
+        md = md.rstrip("\n") + ("\n\n" if md.strip() else "# Benchmark results\n\n") + "## Transfer engine\n\n"
+    i = md.index("## Transfer engine") + len("## Transfer engine\n")
+    return md[:i] + "\n" + block + "\n" + md[i:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--results", default=RESULTS_MD)
+    args = ap.parse_args()
+    src = newest_json()
+    if src is None:
+        print("no bench/results/transfer-*.json", file=sys.stderr)
+        return 1
+    with open(src, encoding="utf-8") as f:
+        data = json.load(f)
+    body = render(data, os.path.relpath(src, os.path.dirname(HERE)))
+    old = open(args.results, encoding="utf-8").read() if os.path.exists(args.results) else ""
+    new = updated(old, body)
+    if args.check:
+        if new != old:
+            print(f"{args.results} is out of date: run python bench/render_results.py", file=sys.stderr)
+            return 1
+        return 0
+    with open(args.results, "w", encoding="utf-8") as f:
+        f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

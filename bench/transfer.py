@@ -1,0 +1,439 @@
+"""Transfer engine benchmark (GPU): scattered pages through the public flush path.
+
+Measures, in one process: the pinned contiguous copy ceiling (H2D, D2H, both at once),
+then for scattered random pages of 1, 4, 16, 64 KiB, 37,440 B and a DeepSeek V4 mix of
+per-layer page sizes, each way and both at once:
+
+- ``kernel``: device time from the flush's start event to its last chunk's event
+  (CUDA events on the transfer stream: table upload + every launch);
+- ``submit->ack``: wall time from ``submit`` to the acknowledgement returned by
+  ``poll_completions``, three ways: ``cold`` (every plan cache cleared, fresh
+  GroupTransfer objects: plan building included), ``warm`` (address tables cached,
+  fresh GroupTransfer objects: the steady state of a server) and ``replay`` (the same
+  GroupTransfer objects again: the whole plan, device table included, is cached);
+- the ``torch`` backend (one ``copy_`` per contiguous run) and a plain loop of one
+  ``copy_`` per page, for comparison; a thread-block sweep of the Numba kernel.
+
+Writes one JSON file (raw numbers, environment, commit, GPU test and sanitizer
+summaries when given). ``bench/render_results.py`` turns it into the table of
+``bench/RESULTS.md``.
+
+    python bench/transfer.py --out results.json [--commit SHA] [--gpu-junit X.xml] [--sanitizer-log S.log]
+    python bench/transfer.py --sanitize     # small workload for compute-sanitizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.fsm import CacheGroupSpec, ComponentSpec, Direction, GroupTransfer, TransferCommand
+from kvtier.transfer import DevicePool, HostPool, TransferEngine
+
+L, W = Direction.LOADBACK, Direction.WRITEBACK
+MiB = 1 << 20
+TARGET_BYTES = 256 * MiB  # per transfer, per direction
+LAYERS = 8
+
+
+def _one(name: str, page_bytes: int) -> list[CacheGroupSpec]:
+    return [CacheGroupSpec(name, "history", 64, 1, tuple(range(LAYERS)), (ComponentSpec("kv", page_bytes),))]
+
+
+def dsv4_specs() -> list[CacheGroupSpec]:
+    """DeepSeek V4 per-layer page sizes (source_system.md 1.2: head_dim 512, rope 64,
+    MXFP4 indexer): 8 layers, ratio-4 on even and ratio-128 on odd layers."""
+    even, odd, every = tuple(range(0, LAYERS, 2)), tuple(range(1, LAYERS, 2)), tuple(range(LAYERS))
+    return [
+        CacheGroupSpec("v4.swa_kv", "state", 64, 1, every, (ComponentSpec("kv", 37440),), window=128),
+        CacheGroupSpec("v4.c4a.compressed_kv", "history", 64, 4, even,
+                       (ComponentSpec("kv", 37440), ComponentSpec("indexer_k", 4352))),
+        CacheGroupSpec("v4.c128a.compressed_kv", "history", 2, 128, odd, (ComponentSpec("kv", 1728),)),
+        CacheGroupSpec("v4.c4a.compressor_state", "state", 4, 1, even, (ComponentSpec("state", 32768),), window=8),
+        CacheGroupSpec("v4.c128a.compressor_state", "state", 8, 1, odd, (ComponentSpec("state", 32768),),
+                       window=128),
+        CacheGroupSpec("v4.c4a.indexer_compressor_state", "state", 4, 1, even, (ComponentSpec("state", 8192),),
+                       window=8),
+    ]
+
+
+CONFIGS: list[tuple[str, list[CacheGroupSpec]]] = [
+    ("1 KiB", _one("kv", 1024)),
+    ("4 KiB", _one("kv", 4096)),
+    ("16 KiB", _one("kv", 16384)),
+    ("64 KiB", _one("kv", 65536)),
+    ("37,440 B", _one("kv", 37440)),
+    ("DeepSeek V4 mix", dsv4_specs()),
+]
+
+
+def _events_ms(fn: Any, reps: int, stream: torch.cuda.Stream | None = None) -> list[float]:
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e))
+    return out
+
+
+def ceilings(reps: int) -> dict[str, Any]:
+    n = 512 * MiB
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host.random_(0, 256)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host2 = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev2 = torch.empty(n, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def h2d() -> None:
+        dev.copy_(host, non_blocking=True)
+
+    def d2h() -> None:
+        host2.copy_(dev2, non_blocking=True)
+
+    def both() -> None:
+        cur = torch.cuda.current_stream()
+        s1.wait_stream(cur)
+        s2.wait_stream(cur)
+        with torch.cuda.stream(s1):
+            dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host2.copy_(dev2, non_blocking=True)
+        cur.wait_stream(s1)
+        cur.wait_stream(s2)
+
+    res: dict[str, Any] = {"bytes": n}
+    for name, fn, nbytes in (("h2d", h2d, n), ("d2h", d2h, n), ("both", both, 2 * n)):
+        fn()
+        ms = _events_ms(fn, reps)
+        res[name] = nbytes / (statistics.median(ms) / 1e3) / 1e9
+        res[name + "_samples_gbps"] = [nbytes / (m / 1e3) / 1e9 for m in ms]
+    assert torch.equal(dev[:4096].cpu(), host[:4096])
+    del host, host2, dev, dev2
+    return res
+
+
+class Setup:
+    """Pools and commands of one configuration: loadback and writeback use disjoint
+    pages, so the two may run at once."""
+
+    def __init__(self, specs: list[CacheGroupSpec], seed: int = 0) -> None:
+        self.specs = specs
+        per_page = sum(s.page_bytes for s in specs)  # all layers and components
+        self.n = max(1, TARGET_BYTES // per_page)
+        pages = 2 * self.n
+        self.host = HostPool(specs, pages, reserve_bytes=1 << 30)
+        self.dev = DevicePool.allocate(specs, pages, "cuda")
+        assert self.host.buffer is not None and self.dev.buffer is not None
+        self.host.buffer.random_(0, 256)
+        self.dev.buffer.random_(0, 256)
+        rng = np.random.default_rng(seed)
+        self.lb: dict[str, tuple[list[int], list[int]]] = {}
+        self.wb: dict[str, tuple[list[int], list[int]]] = {}
+        for s in specs:
+            hp, dp = rng.permutation(pages), rng.permutation(pages)
+            self.lb[s.name] = (hp[: self.n].tolist(), dp[: self.n].tolist())
+            self.wb[s.name] = (dp[self.n:].tolist(), hp[self.n:].tolist())
+        self.bytes = self.n * per_page
+        self.op = 0
+
+    def transfers(self, direction: Direction) -> tuple[GroupTransfer, ...]:
+        src = self.lb if direction is L else self.wb
+        return tuple(GroupTransfer(g, tuple(s), tuple(d)) for g, (s, d) in src.items())
+
+    def command(self, direction: Direction, transfers: tuple[GroupTransfer, ...]) -> TransferCommand:
+        self.op += 1
+        return TransferCommand(self.op, direction, transfers, ())
+
+    def check(self) -> bool:
+        """Every page of both transfers landed (compares whole regions' moved pages)."""
+        ok = True
+        for s in self.specs:
+            for layer in s.layers:
+                for c in s.components:
+                    h, d = self.host.region(s.name, c.name, layer), self.dev.region(s.name, c.name, layer)
+                    hs, dd = (torch.tensor(x, device="cuda") for x in self.lb[s.name])
+                    ok &= bool(torch.equal(d.index_select(0, dd), h.index_select(0, hs.cpu()).cuda()))
+                    ds, hd = (torch.tensor(x, device="cuda") for x in self.wb[s.name])
+                    ok &= bool(torch.equal(h.index_select(0, hd.cpu()).cuda(), d.index_select(0, ds)))
+        return ok
+
+
+def run_once(eng: TransferEngine, cmds: list[TransferCommand]) -> float:
+    """Submit, flush, poll until every op is acknowledged; wall seconds."""
+    t0 = time.perf_counter()
+    for c in cmds:
+        eng.submit(c)
+    eng.flush()
+    want = {c.op_id for c in cmds}
+    while want:
+        for comp in eng.poll_completions():
+            if comp.layer is None:
+                assert comp.ok, comp
+                want.discard(comp.op_id)
+    return time.perf_counter() - t0
+
+
+def kernel_seconds(eng: TransferEngine, direction: Direction) -> float:
+    return float(eng.stats()["last_flush"][direction.value]["seconds"])
+
+
+def measure_direction(setup: Setup, eng: TransferEngine, direction: Direction, reps: int) -> dict[str, Any]:
+    same = setup.transfers(direction)
+    run_once(eng, [setup.command(direction, same)])  # warm-up (JIT, allocator)
+    res: dict[str, Any] = {}
+    for mode in ("cold", "warm", "replay"):
+        walls, kern = [], []
+        for _ in range(reps):
+            if mode == "cold":
+                eng.clear_plan_cache()
+            t = same if mode == "replay" else setup.transfers(direction)
+            torch.cuda.synchronize()
+            walls.append(run_once(eng, [setup.command(direction, t)]))
+            kern.append(kernel_seconds(eng, direction))
+        res[mode + "_gbps"] = setup.bytes / statistics.median(walls) / 1e9
+        res[mode + "_samples_gbps"] = [setup.bytes / w / 1e9 for w in walls]
+        res[mode + "_kernel_gbps"] = setup.bytes / statistics.median(kern) / 1e9
+    last = eng.stats()["last_flush"][direction.value]
+    res["kernel_gbps"] = res["replay_kernel_gbps"]
+    res.update({k: last[k] for k in ("chunks", "kernel_launches", "copy_calls", "rows", "tensor_refs", "pages",
+                                     "spans", "bytes")})
+    return res
+
+
+def measure_both(setup: Setup, eng: TransferEngine, reps: int) -> dict[str, Any]:
+    lb, wb = setup.transfers(L), setup.transfers(W)
+    run_once(eng, [setup.command(L, lb), setup.command(W, wb)])
+    walls, dev = [], []
+    streams = getattr(eng.backend, "streams")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        cmds = [setup.command(L, lb), setup.command(W, wb)]
+        for c in cmds:
+            eng.submit(c)
+        eng.flush()
+        cur = torch.cuda.current_stream()
+        cur.wait_stream(streams.stream(L))
+        cur.wait_stream(streams.stream(W))
+        end.record()
+        want = {c.op_id for c in cmds}
+        while want:
+            for comp in eng.poll_completions():
+                if comp.layer is None:
+                    want.discard(comp.op_id)
+        walls.append(time.perf_counter() - t0)
+        end.synchronize()
+        dev.append(start.elapsed_time(end) / 1e3)
+    total = 2 * setup.bytes
+    return {"replay_gbps": total / statistics.median(walls) / 1e9,
+            "kernel_gbps": total / statistics.median(dev) / 1e9,
+            "replay_samples_gbps": [total / w / 1e9 for w in walls]}
+
+
+def per_page_loop(setup: Setup, max_copies: int = 8192) -> dict[str, Any]:
+    """One ``copy_`` per page per layer from Python (the baseline the issue names)."""
+    stream = torch.cuda.Stream()
+    pairs = []
+    for s in setup.specs:
+        src, dst = setup.lb[s.name]
+        for layer in s.layers:
+            for c in s.components:
+                h, d = setup.host.region(s.name, c.name, layer), setup.dev.region(s.name, c.name, layer)
+                pairs += [(d[j], h[i]) for i, j in zip(src, dst)]
+    pairs = pairs[:max_copies]
+    nbytes = sum(int(d.numel()) for d, _ in pairs)
+
+    def go() -> None:
+        with torch.cuda.stream(stream):
+            for d, h in pairs:
+                d.copy_(h, non_blocking=True)
+        stream.synchronize()
+
+    go()
+    walls = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        go()
+        walls.append(time.perf_counter() - t0)
+    return {"gbps": nbytes / statistics.median(walls) / 1e9, "copies": len(pairs), "bytes": nbytes}
+
+
+def bench_config(name: str, specs: list[CacheGroupSpec], reps: int, blocks: int, threads: int) -> dict[str, Any]:
+    setup = Setup(specs)
+    out: dict[str, Any] = {"name": name, "groups": len(specs),
+                           "tensors_per_layer_max": max(len(s.components) for s in specs),
+                           "page_bytes": sorted({c.page_bytes for s in specs for c in s.components}),
+                           "pages": setup.n, "layers": LAYERS, "bytes": setup.bytes}
+    eng = TransferEngine(specs, setup.host, setup.dev, "numba",
+                         backend_options={"blocks": blocks, "threads": threads})
+    out["h2d"] = measure_direction(setup, eng, L, reps)
+    out["d2h"] = measure_direction(setup, eng, W, reps)
+    out["both"] = measure_both(setup, eng, reps)
+    eng.synchronize()
+    out["correct"] = setup.check()
+    out["plan_cache"] = eng.stats()["plan_cache"]
+    out["thread_blocks"] = blocks
+    out["threads"] = threads
+    teng = TransferEngine(specs, setup.host, setup.dev, "torch")
+    t = measure_direction(setup, teng, L, max(2, reps // 2))
+    out["torch_h2d"] = {k: t[k] for k in ("replay_gbps", "kernel_gbps", "copy_calls")}
+    out["loop"] = per_page_loop(setup)
+    return out
+
+
+def blocks_sweep(reps: int) -> list[dict[str, Any]]:
+    out = []
+    for name, specs in (("4 KiB", _one("kv", 4096)), ("37,440 B", _one("kv", 37440))):
+        setup = Setup(specs, seed=1)
+        for blocks, threads in ((4, 1024), (8, 512), (8, 1024), (16, 1024), (32, 1024), (132, 256)):
+            eng = TransferEngine(specs, setup.host, setup.dev, "numba",
+                                 backend_options={"blocks": blocks, "threads": threads})
+            r = measure_direction(setup, eng, L, reps)
+            out.append({"config": name, "blocks": blocks, "threads": threads,
+                        "h2d_kernel_gbps": r["kernel_gbps"], "h2d_replay_gbps": r["replay_gbps"]})
+        del setup
+    return out
+
+
+def junit_summary(path: str) -> dict[str, Any]:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    total["time_s"] = round(sum(float(s.get("time", 0)) for s in suites), 1)
+    total["passed"] = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    failed = [c.get("name") for s in suites for c in s.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    total["failed_tests"] = failed[:20]
+    return total
+
+
+def sanitizer_summary(path: str) -> dict[str, Any]:
+    text = open(path, encoding="utf-8", errors="replace").read()
+    m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    ok = "sanitize workload ok" in text
+    return {"tool": "compute-sanitizer --tool memcheck", "error_summary": [int(x) for x in m],
+            "workload_ok": ok, "tail": text.strip().splitlines()[-3:] if text.strip() else []}
+
+
+def sanitize_workload() -> None:
+    """Small transfers of every kind, checked, for compute-sanitizer (memcheck)."""
+    from kvtier.transfer.scenarios import (check_pools, check_protocol, random_commands, random_pools,
+                                           random_specs, reference)
+
+    for seed, opts, registered in ((1, {}, False), (2, {}, True), (3, {"address_view": False}, True),
+                                   (4, {"blocks": 2, "threads": 64, "piece_bytes": 32}, True)):
+        rng = np.random.default_rng(seed)
+        specs = random_specs(rng)
+        host, dev = random_pools(rng, specs, registered, device="cuda")
+        eng = TransferEngine(specs, host, dev, "numba", backend_options=opts, chunk_layers=2)
+        cmds = random_commands(rng, specs, host, dev)
+        want = reference(specs, host, dev, cmds)
+        for c in cmds:
+            eng.submit(c)
+        eng.flush()
+        eng.synchronize()
+        comps = eng.poll_completions()
+        check_protocol(cmds, comps)
+        check_pools(host, dev, want)
+    print("sanitize workload ok")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="transfer.json")
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--command", default=" ".join(sys.argv))
+    ap.add_argument("--gpu-junit")
+    ap.add_argument("--sanitizer-log")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1024)
+    ap.add_argument("--sanitize", action="store_true", help="run the small sanitizer workload and exit")
+    args = ap.parse_args()
+    if args.sanitize:
+        sanitize_workload()
+        return 0
+    import numba
+
+    props = torch.cuda.get_device_properties(0)
+    result: dict[str, Any] = {
+        "schema": 1,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+        "commit": args.commit,
+        "command": args.command,
+        "gpu": torch.cuda.get_device_name(0),
+        "sm_count": props.multi_processor_count,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "numba": numba.__version__,
+                     "numpy": np.__version__, "cuda": torch.version.cuda},
+        "settings": {"blocks": args.blocks, "threads": args.threads, "reps": args.reps, "layers": LAYERS,
+                     "target_bytes_per_transfer": TARGET_BYTES, "chunk_layers": 4, "piece_bytes": 16384},
+        "errors": [],
+    }
+    try:
+        import importlib.metadata as md
+        result["versions"]["numba_cuda"] = md.version("numba-cuda")
+    except Exception:
+        pass
+    t0 = time.time()
+    try:
+        result["ceilings"] = ceilings(args.reps)
+        print(f"ceilings: H2D {result['ceilings']['h2d']:.1f}  D2H {result['ceilings']['d2h']:.1f}  "
+              f"both {result['ceilings']['both']:.1f} GB/s", flush=True)
+    except Exception:
+        result["errors"].append(traceback.format_exc())
+    result["configs"] = []
+    for name, specs in CONFIGS:
+        try:
+            r = bench_config(name, specs, args.reps, args.blocks, args.threads)
+            result["configs"].append(r)
+            print(f"{name:>16}: H2D kernel {r['h2d']['kernel_gbps']:.1f} cold {r['h2d']['cold_gbps']:.1f} "
+                  f"warm {r['h2d']['warm_gbps']:.1f} replay {r['h2d']['replay_gbps']:.1f} | D2H kernel "
+                  f"{r['d2h']['kernel_gbps']:.1f} replay {r['d2h']['replay_gbps']:.1f} | both "
+                  f"{r['both']['kernel_gbps']:.1f}/{r['both']['replay_gbps']:.1f} | torch "
+                  f"{r['torch_h2d']['replay_gbps']:.2f} loop {r['loop']['gbps']:.2f} | ok {r['correct']}",
+                  flush=True)
+        except Exception:
+            result["errors"].append(f"{name}: " + traceback.format_exc())
+            print(result["errors"][-1], flush=True)
+        torch.cuda.empty_cache()
+    try:
+        result["blocks_sweep"] = blocks_sweep(args.reps)
+    except Exception:
+        result["errors"].append("blocks sweep: " + traceback.format_exc())
+    if args.gpu_junit:
+        try:
+            result["gpu_tests"] = junit_summary(args.gpu_junit)
+        except Exception:
+            result["errors"].append("gpu junit: " + traceback.format_exc())
+    if args.sanitizer_log:
+        try:
+            result["sanitizer"] = sanitizer_summary(args.sanitizer_log)
+        except Exception:
+            result["errors"].append("sanitizer log: " + traceback.format_exc())
+    result["bench_seconds"] = round(time.time() - t0, 1)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1, sort_keys=True)
+    print(f"wrote {args.out}; errors: {len(result['errors'])}")
+    return 0 if not result["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
