@@ -105,13 +105,18 @@ def render(data: dict[str, Any], source: str) -> str:
         lines.append(f"| {name} | {label} | {_mark(ok1)} | {_mark(okb)} |")
     sweep = data.get("blocks_sweep", [])
     if sweep:
-        lines += ["", "Thread blocks (H2D, kernel / submit->ack replay, GB/s):", "",
-                  "| pages | " + " | ".join(f"{x['blocks']} x {x['threads']}" for x in sweep
-                                             if x['config'] == sweep[0]['config']) + " |",
-                  "| --- |" + " --- |" * sum(1 for x in sweep if x['config'] == sweep[0]['config'])]
+        first = [x for x in sweep if x["config"] == sweep[0]["config"]]
+        lines += ["", "Thread blocks x threads per launch (kernel GB/s; H2D alone, and both directions at once with "
+                      "that many blocks per direction):", "",
+                  "| pages | measure | " + " | ".join(f"{x['blocks']} x {x['threads']}" for x in first) + " |",
+                  "| --- | --- |" + " --- |" * len(first)]
         for cfg in dict.fromkeys(x["config"] for x in sweep):
-            row = [f"{_f(x['h2d_kernel_gbps'])} / {_f(x['h2d_replay_gbps'])}" for x in sweep if x["config"] == cfg]
-            lines.append(f"| {cfg} | " + " | ".join(row) + " |")
+            rows = [x for x in sweep if x["config"] == cfg]
+            lines.append(f"| {cfg} | H2D | " + " | ".join(
+                f"{_f(x['h2d_kernel_gbps'])} ({_pct(x['h2d_kernel_gbps'], h2d_c)})" for x in rows) + " |")
+            if all("both_kernel_gbps" in x for x in rows):
+                lines.append(f"| {cfg} | both ways | " + " | ".join(
+                    f"{_f(x['both_kernel_gbps'])} ({_pct(x['both_kernel_gbps'], both_c)})" for x in rows) + " |")
     gt = data.get("gpu_tests")
     if gt:
         lines += ["", f"GPU tests (`pytest -m gpu tests/transfer/test_transfer_gpu.py`, same call): {gt['passed']} "
@@ -121,7 +126,8 @@ def render(data: dict[str, Any], source: str) -> str:
     if san:
         lines += ["", f"`{san['tool']}` over the kernels (`python bench/transfer.py --sanitize`: random small "
                       f"transfers, one-launch and per-bucket paths, odd page sizes): ERROR SUMMARY "
-                      f"{san['error_summary']}, workload checks passed: {'yes' if san['workload_ok'] else 'no'}."]
+                      f"{san['error_summary']}, memory errors {san.get('memory_errors', '-')}, workload checks "
+                      f"passed: {'yes' if san['workload_ok'] else 'no'}."]
     if data.get("errors"):
         lines += ["", f"Errors during the run: {len(data['errors'])} (see the JSON)."]
     return "\n".join(lines) + "\n"

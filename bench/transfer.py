@@ -307,8 +307,10 @@ def blocks_sweep(reps: int) -> list[dict[str, Any]]:
             eng = TransferEngine(specs, setup.host, setup.dev, "numba",
                                  backend_options={"blocks": blocks, "threads": threads})
             r = measure_direction(setup, eng, L, reps)
+            b = measure_both(setup, eng, reps)
             out.append({"config": name, "blocks": blocks, "threads": threads,
-                        "h2d_kernel_gbps": r["kernel_gbps"], "h2d_replay_gbps": r["replay_gbps"]})
+                        "h2d_kernel_gbps": r["kernel_gbps"], "h2d_replay_gbps": r["replay_gbps"],
+                        "both_kernel_gbps": b["kernel_gbps"], "both_replay_gbps": b["replay_gbps"]})
         del setup
     return out
 
@@ -329,8 +331,11 @@ def sanitizer_summary(path: str) -> dict[str, Any]:
     text = open(path, encoding="utf-8", errors="replace").read()
     m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
     ok = "sanitize workload ok" in text
-    return {"tool": "compute-sanitizer --tool memcheck", "error_summary": [int(x) for x in m],
-            "workload_ok": ok, "tail": text.strip().splitlines()[-3:] if text.strip() else []}
+    memory = len(re.findall(r"^========= (Invalid|Out-of-range|Misaligned|Uninitialized)", text, re.M))
+    api = len(re.findall(r"^========= Program hit CUDA_ERROR", text, re.M))
+    return {"tool": "compute-sanitizer --tool memcheck --report-api-errors no", "error_summary": [int(x) for x in m],
+            "memory_errors": memory, "api_errors_reported": api, "workload_ok": ok,
+            "tail": text.strip().splitlines()[-3:] if text.strip() else []}
 
 
 def sanitize_workload() -> None:

@@ -330,18 +330,23 @@ class Planner:
         cached = chunk.cache.get(key)
         if cached is not None:
             return cached  # type: ignore[no-any-return]
-        out: list[I64] = []
         by_group: dict[int, list[ChunkRef]] = {}
         for r in chunk.refs:
             by_group.setdefault(r.group_index, []).append(r)
+        total = sum(len(refs) * plan.groups[gi].spans for gi, refs in by_group.items())
+        rows = np.empty((total, 3), dtype=np.int64)
+        at = 0
         for gi, refs in by_group.items():
             g = plan.groups[gi]
             so, do, pb = self._address(plan.direction, g, refs)
-            s = (so[:, None] + g.run_src[None, :] * pb[:, None]).reshape(-1)
-            d = (do[:, None] + g.run_dst[None, :] * pb[:, None]).reshape(-1)
-            n = (g.run_len[None, :] * pb[:, None]).reshape(-1)
-            out.append(np.stack((s, d, n), axis=1))
-        rows = np.concatenate(out) if out else np.zeros((0, 3), dtype=np.int64)
+            n_rows = len(refs) * g.spans
+            block = rows[at:at + n_rows].reshape(len(refs), g.spans, 3)
+            np.multiply(g.run_src[None, :], pb[:, None], out=block[:, :, 0])
+            block[:, :, 0] += so[:, None]
+            np.multiply(g.run_dst[None, :], pb[:, None], out=block[:, :, 1])
+            block[:, :, 1] += do[:, None]
+            np.multiply(g.run_len[None, :], pb[:, None], out=block[:, :, 2])
+            at += n_rows
         table = split_rows(rows, piece_bytes)
         chunk.cache[key] = table
         return table
@@ -353,9 +358,9 @@ def split_rows(rows: I64, piece_bytes: int) -> I64:
     if piece_bytes <= 0 or piece_bytes % 16:
         raise ConfigError(f"piece_bytes must be a positive multiple of 16, got {piece_bytes!r}")
     n = rows[:, 2]
-    k = (n + piece_bytes - 1) // piece_bytes
-    if rows.shape[0] == 0 or int(k.max()) <= 1:
+    if rows.shape[0] == 0 or int(n.max()) <= piece_bytes:
         return np.ascontiguousarray(rows, dtype=np.int64)
+    k = (n + piece_bytes - 1) // piece_bytes
     idx = np.repeat(np.arange(rows.shape[0]), k)
     first = np.repeat(np.cumsum(k) - k, k)
     within = (np.arange(idx.shape[0]) - first) * piece_bytes
