@@ -961,8 +961,8 @@ class TieredPrefixCache:
             for g, pages in itertools.chain(n.dev.items(), n.dev_state.items()):
                 need[g] = need.get(g, 0) + len(pages)
         short = {g: k - self.host[g].free for g, k in need.items() if k > self.host[g].free}
-        if short:
-            self.evict_host(short, protect=run)
+        if short:  # never the run's ancestors: their host copies are what the run hangs from (invariant 1)
+            self.evict_host(short, protect=[*run, *run[0].path()])
         if any(k > self.host[g].free for g, k in need.items()):
             return None
         op_id = next(self._op_ids)
