@@ -850,8 +850,16 @@ class TieredPrefixCache:
         joined = list(match.joined_nodes)
         stale = [n.node_id for n in host_nodes if n.state != "host" or n.node_id not in self._nodes]
         stale += [n.node_id for n in joined if n.state != "loading"]
+        # the hit must still hang together: a split or a demotion since the match breaks the chain
+        prev = match.device_node
+        if prev is not self.root and (prev.state not in DEVICE_READABLE or prev.node_id not in self._nodes):
+            stale.append(prev.node_id)
+        for n in sorted(joined + host_nodes, key=lambda x: x.depth):
+            if n.parent is not prev:
+                stale.append(n.node_id)
+            prev = n
         if stale:
-            raise KvtierError(f"load: match is stale (nodes {stale} changed state since the match)")
+            raise KvtierError(f"load: match is stale (nodes {stale} changed state or were split since the match)")
         terminal = match.terminal
         pin = self._take("pin", joined + host_nodes, owner)
         protect = match.device_node.path()
