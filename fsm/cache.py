@@ -677,7 +677,8 @@ class TieredPrefixCache:
             if self.host is not None and self.policy is WritePolicy.WRITE_THROUGH:
                 self._wb_queue[node.node_id] = node
         for g in self._history:
-            rest = own[g][done * self._ppu[g]:]
+            # only the caller's own pages: canonical pages of a loading node stay the tree's
+            rest = [p for p in own[g][done * self._ppu[g]:] if p in self._external[g]]
             if rest:
                 kept[g] = rest
         if ckpt:
