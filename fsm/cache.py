@@ -613,6 +613,10 @@ class TieredPrefixCache:
                 raise ConfigError(f"insert: checkpoint of {g!r} needs {self._state_pages[g]} pages, got {len(p)}")
         if ckpt and set(ckpt) != set(self._state):
             raise ConfigError(f"insert: a checkpoint needs every state group {self._state}, got {sorted(ckpt)}")
+        for g in itertools.chain(self._history, ckpt):
+            table = own.get(g, []) + ckpt.get(g, [])
+            if len(set(table)) != len(table):
+                raise ConfigError(f"insert: the page table of group {g!r} lists a page twice")
         path = self._walk(key)
         # validate: every page is the canonical one for its position or the caller's own
         pos = 0
@@ -830,7 +834,8 @@ class TieredPrefixCache:
         return freed
 
     def _host_victim(self, n: Node, keep: set[int]) -> bool:
-        return n.state in ("host", "backed") and n.host_pin == 0 and not n.has_host_child and id(n) not in keep
+        return (n.state in ("host", "backed") and n.host_pin == 0 and not n.has_host_child
+                and id(n) not in keep and (n.state == "backed" or n.lock_ref == 0))
 
     # ------------------------------------------------------------------ loadback
     def load(self, match: MatchResult, owner: str | None = None, *, evict: bool = True) -> LoadResult:
