@@ -320,14 +320,14 @@ class TieredPrefixCache:
         Raises:
             KvtierError: a page is not the caller's (tree-owned, free, or unknown); nothing freed.
         """
-        pages = {g: list(p) for g, p in pages.items()}
-        for g, ps in pages.items():
+        lists = {g: list(p) for g, p in pages.items()}
+        for g, ps in lists.items():
             if g not in self._external:
                 raise ConfigError(f"free_device: unknown cache group {g!r}")
             bad = [p for p in ps if p not in self._external[g]]
             if bad or len(set(ps)) != len(ps):
                 raise KvtierError(f"free_device: pages {bad or ps} of group {g!r} are not held by a caller")
-        for g, ps in pages.items():
+        for g, ps in lists.items():
             self._external[g].difference_update(ps)
             self.device[g].release(ps)
 
@@ -626,9 +626,9 @@ class TieredPrefixCache:
             for g in self._history:
                 span = own[g][lo * self._ppu[g]:pos * self._ppu[g]]
                 canon = n.dev.get(g, [])
-                for j, p in enumerate(span):
-                    if not (p in self._external[g] or (j < len(canon) and canon[j] == p)):
-                        raise ConfigError(f"insert: page {p} of group {g!r} at unit {lo} is neither the "
+                for j, page in enumerate(span):
+                    if not (page in self._external[g] or (j < len(canon) and canon[j] == page)):
+                        raise ConfigError(f"insert: page {page} of group {g!r} at unit {lo} is neither the "
                                           f"caller's nor node {n.node_id}'s")
         for g, ps in itertools.chain(
                 ((g, own[g][pos * self._ppu[g]:]) for g in self._history), ckpt.items()):
@@ -691,9 +691,8 @@ class TieredPrefixCache:
             else:
                 for g, p in ckpt.items():
                     kept.setdefault(g, []).extend(p)
-        table = self.device_pages(last) if last is not self.root else {g: [] for g in self._history}
-        table = {g: table[g] for g in self._history}
-        return InsertResult(last, done, table, duplicates, kept, tuple(created))
+        full = self.device_pages(last)
+        return InsertResult(last, done, {g: full[g] for g in self._history}, duplicates, kept, tuple(created))
 
     def _adopt_checkpoint(self, node: Node, ckpt: PageMap, duplicates: PageMap, chunk: bool) -> None:
         if self._has_checkpoint(node.dev_state):

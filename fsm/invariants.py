@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .errors import InvariantViolation
+from .pages import PageAllocator
 from .node import DEVICE_READABLE, DEVICE_RESIDENT, HOST_VISIBLE, Node
 from .records import Direction
 
@@ -123,21 +124,22 @@ def check_cache(cache: TieredPrefixCache) -> None:
         if n.borrow_ref != borrows.get(n.node_id, 0):
             raise _fail("counts_with_receipts", n, f"borrow count {n.borrow_ref} but {borrows.get(n.node_id, 0)} receipts")
         _check_node_resources(cache, n)
-        p = n.parent
-        assert p is not None
-        if (n.state in HOST_VISIBLE or n.state == "writing") and p.parent is not None:
-            ok = p.state in HOST_VISIBLE or (p.state == "writing" and n.state == "writing" and p.wb_op == n.wb_op)
+        up = n.parent
+        assert up is not None
+        if (n.state in HOST_VISIBLE or n.state == "writing") and up.parent is not None:
+            ok = up.state in HOST_VISIBLE or (up.state == "writing" and n.state == "writing" and up.wb_op == n.wb_op)
             if not ok:
-                raise _fail("root_closed_host", n, f"parent {p.node_id} is {p.state}")
-        if n.state in DEVICE_RESIDENT and p.parent is not None and p.state not in DEVICE_RESIDENT:
-            raise _fail("state_matches_resources", n, f"device set not root-closed: on device under parent {p.node_id} in {p.state}")
-        if n.state in DEVICE_READABLE and p.parent is not None and p.state not in DEVICE_READABLE:
-            raise _fail("state_matches_resources", n, f"readable under unreadable parent {p.node_id} in {p.state}")
+                raise _fail("root_closed_host", n, f"parent {up.node_id} is {up.state}")
+        if n.state in DEVICE_RESIDENT and up.parent is not None and up.state not in DEVICE_RESIDENT:
+            raise _fail("state_matches_resources", n, f"device set not root-closed: on device under parent {up.node_id} in {up.state}")
+        if n.state in DEVICE_READABLE and up.parent is not None and up.state not in DEVICE_READABLE:
+            raise _fail("state_matches_resources", n, f"readable under unreadable parent {up.node_id} in {up.state}")
     _check_conservation(cache, seen)
 
 
 def _check_conservation(cache: TieredPrefixCache, nodes: dict[int, Node]) -> None:
-    pools = [("device", cache.device, ("dev", "dev_state"))]
+    pools: list[tuple[str, dict[str, PageAllocator], tuple[str, ...]]] = [
+        ("device", cache.device, ("dev", "dev_state"))]
     if cache.host is not None:
         pools.append(("host", cache.host, ("host", "host_state", "pending", "pending_state")))
     for pool, allocs, attrs in pools:

@@ -54,7 +54,7 @@ class Node:
         self.key = key
         self.parent = parent
         self.children: dict[Hashable, Node] = {}
-        self.depth = (parent.depth if parent is not None else 0) + len(key)
+        self.depth: int = (parent.depth if parent is not None else 0) + len(key)
         self.dev: PageMap = {}
         self.host: PageMap = {}
         self.pending: PageMap = {}
