@@ -1,0 +1,253 @@
+"""Completions and receipts (issue 3, "Completions"; invariants 5, 7): acknowledgement
+only after every rank and success only if all succeeded, per-rank layer progress,
+duplicate and unknown completions refused without change, deadlines failing the
+operation and absorbing the late real completion, and receipts released exactly once."""
+
+from __future__ import annotations
+
+import pytest
+from core_helpers import ack, free, h1, put, snapshot, state
+
+from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation
+from kvtier.fsm.ops import LayerProgress, Settled
+from kvtier.fsm.records import Completion, Direction
+
+
+def tp2(**kw):
+    return TieredPrefixCache(h1(), 8, 8, world_size=2, **kw)
+
+
+def loading(c: TieredPrefixCache):
+    a = put(c, "ab").node
+    ack(c, c.writeback(a))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    lr = c.load(c.match("ab"), "r1")
+    c.check_invariants()
+    return a, lr
+
+
+def test_world_size_validation():
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ConfigError):
+            TieredPrefixCache(h1(), 4, 4, world_size=bad)
+    for bad in (0, -3, 1.5):
+        with pytest.raises(ConfigError):
+            TieredPrefixCache(h1(), 4, 4, op_deadline_steps=bad)
+
+
+def test_ack_only_after_every_rank():
+    c = tp2()
+    a = put(c, "ab").node
+    cmd = c.writeback(a)
+    assert c.complete(Completion(cmd.op_id, rank=1)) == []
+    c.check_invariants()
+    assert a.state == "writing" and free(c, "host") == {"kv": 6}
+    out = c.complete(Completion(cmd.op_id, rank=0))
+    c.check_invariants()
+    assert out == [Settled(cmd.op_id, Direction.WRITEBACK, True, None, (a.node_id,), False)]
+    assert a.state == "backed"
+
+
+def test_success_only_if_every_rank_succeeded():
+    c = tp2()
+    a = put(c, "ab").node
+    cmd = c.writeback(a)
+    assert c.complete(Completion(cmd.op_id, rank=0, ok=False)) == []
+    assert a.state == "writing"
+    (s,) = c.complete(Completion(cmd.op_id, rank=1, ok=True))
+    c.check_invariants()
+    assert (s.ok, a.state, a.host, free(c, "host")) == (False, "device", {}, {"kv": 8})
+
+
+def test_layer_progress_per_rank():
+    c = tp2()
+    a, lr = loading(c)
+    op = lr.command.op_id
+    assert c.complete(Completion(op, rank=0, layer=0)) == []
+    assert c.complete(Completion(op, rank=1, layer=1)) == [LayerProgress(op, 0)]
+    assert c.complete(Completion(op, rank=0, layer=1)) == [LayerProgress(op, 1)]
+    c.check_invariants()
+    assert a.state == "loading"
+    before = snapshot(c)
+    with pytest.raises(DuplicateCompletion):
+        c.complete(Completion(op, rank=0, layer=1))
+    with pytest.raises(DuplicateCompletion):
+        c.complete(Completion(op, rank=1, layer=1))
+    with pytest.raises(ConfigError):
+        c.complete(Completion(op, rank=0, layer=2))  # the model has 2 layers
+    with pytest.raises(ConfigError):
+        c.complete(Completion(op, rank=2))
+    assert snapshot(c) == before
+    assert c.complete(Completion(op, rank=0)) == []
+    with pytest.raises(DuplicateCompletion):
+        c.complete(Completion(op, rank=0, layer=0))  # after that rank's ack
+    (s,) = c.complete(Completion(op, rank=1))
+    assert s.ok and a.state == "backed"
+    c.check_invariants()
+
+
+def test_failed_layer_fails_the_operation():
+    c = tp2()
+    a, lr = loading(c)
+    op = lr.command.op_id
+    assert c.complete(Completion(op, rank=0, layer=0, ok=False)) == []
+    assert c.complete(Completion(op, rank=1, layer=0)) == [LayerProgress(op, 0)]
+    (s,) = ack(c, op)
+    assert not s.ok and a.state == "host" and free(c) == {"kv": 8}
+
+
+def test_layer_completion_on_a_writeback_is_refused():
+    c = tp2()
+    cmd = c.writeback(put(c, "ab").node)
+    before = snapshot(c)
+    with pytest.raises(ConfigError):
+        c.complete(Completion(cmd.op_id, rank=0, layer=0))
+    assert snapshot(c) == before
+
+
+def test_duplicate_ack_changes_nothing():
+    c = tp2()
+    cmd = c.writeback(put(c, "ab").node)
+    c.complete(Completion(cmd.op_id, rank=0))
+    before = snapshot(c)
+    with pytest.raises(DuplicateCompletion):
+        c.complete(Completion(cmd.op_id, rank=0))
+    with pytest.raises(DuplicateCompletion):
+        c.complete(Completion(cmd.op_id, rank=0, ok=False))
+    assert snapshot(c) == before
+    c.check_invariants()
+
+
+def test_unknown_and_settled_operations():
+    c = TieredPrefixCache(h1(), 8, 8)
+    before = snapshot(c)
+    with pytest.raises(UnknownOperation, match="never issued"):
+        c.complete(Completion(42))
+    assert snapshot(c) == before
+    cmd = c.writeback(put(c, "ab").node)
+    ack(c, cmd)
+    before = snapshot(c)
+    with pytest.raises(UnknownOperation, match="already settled"):
+        c.complete(Completion(cmd.op_id))
+    assert snapshot(c) == before
+    c.check_invariants()
+    # without a host tier there are no operations at all
+    with pytest.raises(UnknownOperation):
+        TieredPrefixCache(h1(), 4, None).complete(Completion(1))
+
+
+def test_deadline_fails_writeback_and_absorbs_late_completions():
+    c = tp2(op_deadline_steps=2)
+    a = put(c, "ab").node
+    cmd = c.writeback(a)
+    assert cmd.deadline_step == 2
+    assert c.complete(Completion(cmd.op_id, rank=0)) == []
+    assert c.advance_step() == [] and c.advance_step() == []
+    c.check_invariants()
+    (s,) = c.advance_step()
+    c.check_invariants()
+    assert s == Settled(cmd.op_id, Direction.WRITEBACK, False, None, (a.node_id,), True)
+    assert (a.state, a.host, a.pending, free(c, "host")) == ("device", {}, {}, {"kv": 8})
+    assert (c.stats.expired_ops, c.stats.writeback_failures) == (1, 1)
+    before = snapshot(c)
+    assert c.complete(Completion(cmd.op_id, rank=1)) == []  # the late real one: absorbed, counted
+    assert c.complete(Completion(cmd.op_id, rank=0)) == []
+    assert snapshot(c) == before and c.stats.absorbed_late_completions == 2
+    assert c.advance_step() == []  # it ends exactly once
+    c.check_invariants()
+
+
+def test_deadline_fails_loadback():
+    c = TieredPrefixCache(h1(), 8, 8, op_deadline_steps=1)
+    a = put(c, "ab").node
+    c.advance_step(3)
+    ack(c, c.writeback(a))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    lr = c.load(c.match("ab"), "r1")
+    assert lr.command.deadline_step == 4
+    assert c.advance_step() == []
+    (s,) = c.advance_step()
+    assert (s.ok, s.expired, s.direction, s.request_id) == (False, True, Direction.LOADBACK, "r1")
+    assert (a.state, a.dev, a.host_pin, free(c)) == ("host", {}, 1, {"kv": 8})
+    c.check_invariants()
+    assert c.complete(Completion(lr.command.op_id, layer=1)) == []
+    assert c.stats.absorbed_late_completions == 1
+    c.release(lr.pin)
+    c.unlock(lr.lock)
+    c.check_invariants()
+
+
+def test_completion_after_the_request_let_go_still_settles():
+    c = TieredPrefixCache(h1(), 8, 8)
+    a, lr = loading(c)
+    c.release(lr.pin)  # the request is gone (aborted) before the ack
+    c.unlock(lr.lock)
+    c.check_invariants()
+    assert (a.state, a.host_pin) == ("loading", 1)  # the operation's own pin remains
+    (s,) = ack(c, lr.command)
+    assert (s.ok, s.request_id, a.state, a.host_pin) == (True, "r1", "backed", 0)
+    assert c.evict_host({"kv": 2}) == {"kv": 2}
+    c.check_invariants()
+
+
+# ---------------------------------------------------------------------- receipts
+def test_receipts_release_exactly_once():
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    ack(c, c.writeback(a))
+    lk = c.lock(a, "r1")
+    b = c.borrow([a], "r1")
+    p = c.pin([a], "r1")
+    assert (a.lock_ref, a.borrow_ref, a.host_pin) == (1, 1, 1)
+    c.unlock(lk)
+    c.release(b)
+    c.release(p)
+    c.check_invariants()
+    before = snapshot(c)
+    with pytest.raises(KvtierError):
+        c.unlock(lk)
+    with pytest.raises(KvtierError):
+        c.release(b)
+    with pytest.raises(KvtierError):
+        c.release(p)
+    assert snapshot(c) == before
+    assert (a.lock_ref, a.borrow_ref, a.host_pin) == (0, 0, 0)
+    # a receipt of another cache is refused too
+    other = TieredPrefixCache(h1(), 8, 8)
+    o = put(other, "ab").node
+    olk = other.lock(o)
+    with pytest.raises(KvtierError):
+        c.unlock(olk)
+    assert o.lock_ref == 1 and a.lock_ref == 0
+    c.check_invariants()
+
+
+def test_counts_with_several_receipts():
+    c = TieredPrefixCache(h1(), 8, 8)
+    ra = put(c, "ab")
+    rb = put(c, "abcd", ra.pages)
+    locks = [c.lock(rb.node, f"r{i}") for i in range(3)]
+    assert (ra.node.lock_ref, rb.node.lock_ref) == (3, 3)
+    c.unlock(locks[1])
+    assert (ra.node.lock_ref, rb.node.lock_ref) == (2, 2)
+    for lk in (locks[0], locks[2]):
+        c.unlock(lk)
+    c.check_invariants()
+    assert (ra.node.lock_ref, rb.node.lock_ref) == (0, 0)
+
+
+def test_pin_and_borrow_refuse_wrong_nodes():
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    before = snapshot(c)
+    with pytest.raises(KvtierError):
+        c.pin([a])  # no host copy
+    assert snapshot(c) == before
+    ack(c, c.writeback(a))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    before = snapshot(c)
+    with pytest.raises(KvtierError):
+        c.borrow([a])  # no device pages
+    assert snapshot(c) == before and state(c) == {a.node_id: "host"}
+    c.check_invariants()

@@ -1,0 +1,251 @@
+"""Eviction (issue 3, "Eviction"; invariants 9, 14, 15 of source_system.md 3.1): device
+eviction in LRU order with a total tie-break, demote vs drop, locked and borrowed nodes
+never evicted, host eviction only from unpinned host leaves (source tests 15-17), both
+returning exactly what they freed and terminating when nothing is evictable."""
+
+from __future__ import annotations
+
+import pytest
+from core_helpers import ack, free, h1, h2, put, src, state
+
+from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm.errors import CapacityError, ConfigError
+
+
+def three_leaves():
+    c = TieredPrefixCache(h1(), 8, 8)
+    x = put(c, "x").node
+    y = put(c, "y").node
+    z = put(c, "z").node
+    return c, x, y, z
+
+
+def test_device_eviction_is_lru():
+    c, x, y, z = three_leaves()
+    c.unlock(c.lock(x))  # x is now the most recent
+    assert c.evict_device({"kv": 1}) == {"kv": 1}
+    c.check_invariants()
+    assert state(c) == {x.node_id: "device", z.node_id: "device"}
+    assert c.evict_device({"kv": 1}) == {"kv": 1}
+    assert state(c) == {x.node_id: "device"}
+    assert c.stats.device_evictions == 2 and free(c) == {"kv": 7}
+
+
+def test_device_eviction_tie_break_is_total():
+    c, x, y, z = three_leaves()
+    for n in (x, y, z):
+        n.last_access = 5  # a tie on the clock
+    c.check_invariants()
+    assert c.evict_device({"kv": 1}) == {"kv": 1}
+    assert state(c) == {y.node_id: "device", z.node_id: "device"}  # lowest node id
+    # deeper first on equal stamps
+    c2 = TieredPrefixCache(h1(), 8, 8)
+    r = put(c2, "p")
+    deep = put(c2, "pq", r.pages).node
+    shallow = put(c2, "s").node
+    r.node.last_access = deep.last_access = shallow.last_access = 9
+    assert c2.evict_device({"kv": 1}) == {"kv": 1}
+    assert state(c2) == {r.node.node_id: "device", shallow.node_id: "device"}
+    c2.check_invariants()
+
+
+def history(c: TieredPrefixCache) -> list:
+    out = []
+    ra = put(c, "ab")
+    put(c, "abc", ra.pages)
+    put(c, "abd", ra.pages)
+    rx = put(c, "xy")
+    ack(c, c.writeback(rx.node))
+    c.unlock(c.lock(ra.node))
+    out.append(c.evict_device({"kv": 3}))
+    out.append(sorted((n.node_id, n.state, tuple(n.dev.get("kv", ()))) for n in c.nodes()))
+    out.append(c.alloc_device({"kv": 4}))
+    out.append(sorted((n.node_id, n.state) for n in c.nodes()))
+    return out
+
+
+def test_same_history_same_decisions():
+    runs = [history(TieredPrefixCache(h1(), 6, 8)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    # and exactly: leaves C (stamp 2) and D (stamp 3) dropped, then X (stamp 4, backed)
+    # demoted; A (stamp 6, after the lock) stays
+    assert runs[0] == [
+        {"kv": 4},
+        [(1, "device", (0, 1)), (4, "host", ())],
+        {"kv": [5, 4, 3, 2]},
+        [(1, "device"), (4, "host")],
+    ]
+
+
+def test_backed_demoted_device_dropped():
+    c = TieredPrefixCache(h1(), 8, 8)
+    b = put(c, "ab").node
+    ack(c, c.writeback(b))
+    d = put(c, "cd").node
+    assert c.evict_device({"kv": 4}) == {"kv": 4}
+    c.check_invariants()
+    assert state(c) == {b.node_id: "host"}  # d was dropped, b demoted
+    assert (b.dev, b.host) == ({}, {"kv": [0, 1]}) and d.state == "removed"
+    assert (c.stats.demotions, c.stats.device_evictions) == (1, 1)
+
+
+def test_chain_eviction_reaches_parents_after_children():
+    c = TieredPrefixCache(h1(), 8, None)
+    ra = put(c, "ab")
+    rb = put(c, "abcd", ra.pages)
+    c.unlock(c.lock(rb.node))
+    assert c.evict_device({"kv": 3}) == {"kv": 4}  # B (2 pages) then A (2 pages)
+    assert c.nodes() == [] and free(c) == {"kv": 8}
+    c.check_invariants()
+
+
+def test_locked_and_borrowed_never_evicted_and_eviction_terminates():
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    b = put(c, "cd").node
+    ack(c, c.writeback(b))
+    lk = c.lock(a)
+    rcpt = c.borrow([b])
+    assert c.evict_device({"kv": 8}) == {"kv": 0}
+    assert c.alloc_device({"kv": 4}) == {"kv": [4, 5, 6, 7]}
+    with pytest.raises(CapacityError):
+        c.alloc_device({"kv": 1})
+    c.check_invariants()
+    assert state(c) == {a.node_id: "device", b.node_id: "backed"}
+    c.release(rcpt)
+    assert c.evict_device({"kv": 8}) == {"kv": 2}  # only b (demoted); a still locked
+    c.unlock(lk)
+    assert c.evict_device({"kv": 8}) == {"kv": 2}
+    assert c.evict_device({"kv": 8}) == {"kv": 0}
+    c.check_invariants()
+
+
+def test_locked_child_protects_parent_path():
+    c = TieredPrefixCache(h1(), 8, None)
+    ra = put(c, "ab")
+    rb = put(c, "abcd", ra.pages)
+    lk = c.lock(rb.node)
+    assert (ra.node.lock_ref, rb.node.lock_ref) == (1, 1)
+    assert c.evict_device({"kv": 4}) == {"kv": 0}
+    c.unlock(lk)
+    c.check_invariants()
+
+
+def test_eviction_returns_checkpoint_pages_too():
+    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, None)
+    put(c, "ab", ckpt=True)
+    assert c.evict_device({"fh": 1}) == {"fh": 2, "swa": 4}
+    assert free(c) == {"fh": 4, "swa": 8}
+    c.check_invariants()
+
+
+def test_eviction_multi_group_need():
+    c = TieredPrefixCache(h2(), {"a": 8, "b": 4}, None)
+    x = put(c, "x").node
+    put(c, "y")
+    assert c.evict_device({"b": 1}) == {"a": 2, "b": 1}
+    assert [n.key for n in c.nodes()] == [("y",)] and x.state == "removed"
+    assert c.evict_device({"a": 0, "b": 0}) == {"a": 0, "b": 0}
+    assert c.evict_device({}) == {"a": 0, "b": 0}
+    with pytest.raises(ConfigError):
+        c.evict_device({"nope": 1})
+    with pytest.raises(ConfigError):
+        c.evict_device({"a": -1})
+    c.check_invariants()
+
+
+# ---------------------------------------------------------------------- host eviction
+def test_host_eviction_frees_history_and_state_pages():
+    # source test 15: KVHostEvictReleasesPagedCacheHostSnapshotPages
+    c = TieredPrefixCache(src(), {"fh": 2, "swa": 4}, {"fh": 2, "swa": 4})
+    a = put(c, "a", ckpt=True).node
+    ack(c, c.writeback(a))
+    assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
+    assert free(c, "host") == {"fh": 1, "swa": 0}
+    assert c.evict_host({"fh": 1}) == {"fh": 1, "swa": 4}
+    assert free(c, "host") == {"fh": 2, "swa": 4} and c.nodes() == []
+    assert c.stats.host_evictions == 1
+    c.check_invariants()
+
+
+def test_host_eviction_only_from_host_leaves():
+    c = TieredPrefixCache(h1(), 8, 8)
+    ra = put(c, "ab")
+    rb = put(c, "abcd", ra.pages)
+    ack(c, c.writeback(rb.node))
+    assert c.evict_device({"kv": 4}) == {"kv": 4}
+    a, b = ra.node, rb.node
+    a.last_access, b.last_access = 1, 100  # the parent is older, but not a leaf
+    assert c.evict_host({"kv": 1}) == {"kv": 2}
+    c.check_invariants()
+    assert state(c) == {a.node_id: "host"}
+    m = c.match("abcd")
+    assert (m.host_nodes, m.host_units) == ((a,), 2)
+
+
+def test_backed_node_sheds_host_copy_and_stays_on_device():
+    c = TieredPrefixCache(h1(), 8, 8)
+    ra = put(c, "ab")
+    rb = put(c, "abcd", ra.pages)
+    ack(c, c.writeback(ra.node))
+    assert c.evict_host({"kv": 8}) == {"kv": 2}
+    c.check_invariants()
+    assert (ra.node.state, ra.node.dev, ra.node.host) == ("device", {"kv": [0, 1]}, {})
+    assert c.stats.host_drops == 1 and c.match("abcd").device_units == 4
+    assert rb.node.state == "device"
+
+
+def test_host_eviction_skips_pinned_and_terminates():
+    c = TieredPrefixCache(h1(), 8, 8)
+    x = put(c, "x").node
+    y = put(c, "y").node
+    for n in (x, y):
+        ack(c, c.writeback(n))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    pin = c.pin([x], "r1")
+    assert c.evict_host({"kv": 8}) == {"kv": 1}
+    assert state(c) == {x.node_id: "host"}
+    assert c.evict_host({"kv": 8}) == {"kv": 0}
+    c.check_invariants()
+    c.release(pin)
+    assert c.evict_host({"kv": 8}) == {"kv": 1}
+    assert c.nodes() == [] and free(c, "host") == {"kv": 8}
+    c.check_invariants()
+
+
+def test_host_eviction_is_lru_and_protects():
+    c = TieredPrefixCache(h1(), 8, 8)
+    nodes = [put(c, k).node for k in "pqr"]
+    for n in nodes:
+        ack(c, c.writeback(n))
+    c.unlock(c.lock(nodes[0]))
+    assert c.evict_host({"kv": 1}, protect=[nodes[1]]) == {"kv": 1}
+    assert [n.state for n in nodes] == ["backed", "backed", "device"]
+    assert c.evict_host({"kv": 1}) == {"kv": 1}
+    assert [n.state for n in nodes] == ["backed", "device", "device"]  # q (stamp 2) before p (stamp 5)
+    c.check_invariants()
+
+
+def test_no_host_tier_host_eviction_is_empty():
+    c = TieredPrefixCache(h1(), 4, None)
+    put(c, "ab")
+    assert c.evict_host({"kv": 4}) == {}
+    c.check_invariants()
+
+
+def test_host_eviction_skips_a_locked_host_node():
+    # after a failed loadback the request still holds its lock on the (host) terminal
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    ack(c, c.writeback(a))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    lr = c.load(c.match("ab"), "r1")
+    ack(c, lr.command, ok=False)
+    c.release(lr.pin)
+    assert (a.state, a.host_pin, a.lock_ref) == ("host", 0, 1)
+    assert c.evict_host({"kv": 2}) == {"kv": 0}
+    c.check_invariants()
+    c.unlock(lr.lock)
+    assert c.evict_host({"kv": 2}) == {"kv": 2}
+    assert c.nodes() == []
+    c.check_invariants()

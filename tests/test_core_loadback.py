@@ -1,0 +1,297 @@
+"""Loadback (issue 3, "Loadback"; invariants 4, 10, 11): all-or-nothing device
+allocation, the host pin held until the acknowledgement, joining a loadback in flight,
+failure freeing the destination pages and shortening the match, and stale matches
+(source tests 10, 11, 18)."""
+
+from __future__ import annotations
+
+import pytest
+from core_helpers import ack, free, h1, h2, put, snapshot, src, state
+
+from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm.errors import CapacityError, KvtierError
+from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.ops import LayerProgress
+from kvtier.fsm.records import CacheGroupSpec, Completion, ComponentSpec, Direction, Family
+
+
+def pairs(cmd):
+    return [(t.group, t.src_pages, t.dst_pages) for t in cmd.transfers]
+
+
+def demoted(units: int = 4, host_units: int = 8, key: str = "abcd"):
+    """h1 cache: one node ``key`` written back and demoted (host pages 0..n-1)."""
+    c = TieredPrefixCache(h1(), units, host_units)
+    r = put(c, key)
+    ack(c, c.writeback(r.node))
+    assert c.evict_device({"kv": len(key)}) == {"kv": len(key)}
+    c.poll_commands()
+    c.check_invariants()
+    return c, r.node
+
+
+def test_loadback_pins_until_ack_and_returns_device_pages():
+    c, a = demoted()
+    m = c.match("abcd")
+    lr = c.load(m, "r1")
+    c.check_invariants()
+    cmd = lr.command
+    assert (cmd.direction, cmd.request_id, cmd.node_ids, cmd.layers) == (Direction.LOADBACK, "r1", (a.node_id,), (0, 1))
+    # the freed pages 0-3 come back reversed (released last, handed out first)
+    assert pairs(cmd) == [("kv", (0, 1, 2, 3), (3, 2, 1, 0))]
+    assert lr.op_ids == (cmd.op_id,) and lr.device_pages == {"kv": [3, 2, 1, 0]}
+    # source test 10: the forward pass's page ids are the transfer's destinations
+    assert lr.device_pages["kv"] == list(cmd.transfers[0].dst_pages)
+    assert (a.state, a.lb_op, a.host_pin, a.lock_ref) == ("loading", cmd.op_id, 2, 1)
+    assert free(c) == {"kv": 0} and free(c, "host") == {"kv": 4}
+    assert c.poll_commands() == [cmd]
+    # invariant 4: host eviction skips the loading (pinned) node
+    assert c.evict_host({"kv": 4}) == {"kv": 0}
+    assert c.evict_device({"kv": 4}) == {"kv": 0}
+    c.check_invariants()
+    (s,) = ack(c, cmd)
+    assert (s.ok, s.direction, s.request_id, s.node_ids) == (True, Direction.LOADBACK, "r1", (a.node_id,))
+    assert (a.state, a.host_pin, a.lb_op, a.dev, a.host) == ("backed", 1, None, {"kv": [3, 2, 1, 0]}, {"kv": [0, 1, 2, 3]})
+    assert c.evict_host({"kv": 4}) == {"kv": 0}  # still the caller's pin
+    c.release(lr.pin)
+    c.unlock(lr.lock)
+    c.check_invariants()
+    assert (a.host_pin, a.lock_ref) == (0, 0)
+    assert c.match("abcd").device_units == 4
+    assert (c.stats.loadbacks, c.stats.pages_loaded) == (1, 4)
+
+
+def test_loadback_under_a_device_prefix():
+    c = TieredPrefixCache(h1(), 8, 8)
+    ra = put(c, "ab")
+    rb = put(c, "abcd", ra.pages)
+    ack(c, c.writeback(rb.node))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    assert state(c) == {ra.node.node_id: "backed", rb.node.node_id: "host"}
+    m = c.match("abcdef")
+    lr = c.load(m, "r1")
+    c.check_invariants()
+    assert pairs(lr.command) == [("kv", (2, 3), (3, 2))] and lr.device_pages == {"kv": [0, 1, 3, 2]}
+    assert ra.node.lock_ref == 1 and ra.node.host_pin == 0 and rb.node.host_pin == 2
+    ack(c, lr.command)
+    c.release(lr.pin)
+    c.unlock(lr.lock)
+    c.check_invariants()
+
+
+def test_load_is_all_or_nothing_on_device_pages():
+    # h2: group "a" has room, group "b" does not; nothing is allocated, pinned or changed
+    c = TieredPrefixCache(h2(), {"a": 8, "b": 2}, {"a": 8, "b": 4})
+    r = put(c, "xy")
+    ack(c, c.writeback(r.node))
+    assert c.evict_device({"a": 4}) == {"a": 4, "b": 2}
+    blocker = c.alloc_device({"b": 1})
+    m = c.match("xy")
+    before = snapshot(c)
+    with pytest.raises(CapacityError) as exc:
+        c.load(m, "r1")
+    assert (exc.value.pool, exc.value.group, exc.value.needed, exc.value.free) == ("device", "b", 2, 1)
+    assert snapshot(c) == before and r.node.host_pin == 0
+    c.check_invariants()
+    c.free_device(blocker)
+    lr = c.load(m, "r1")
+    # b: page 1 went to the blocker and back, so it is handed out first
+    assert pairs(lr.command) == [("a", (0, 1, 2, 3), (3, 2, 1, 0)), ("b", (0, 1), (1, 0))]
+    c.check_invariants()
+
+
+def test_load_evicts_other_nodes_but_never_the_hit():
+    c = TieredPrefixCache(h1(), 4, 8)
+    ra = put(c, "ab")
+    rb = put(c, "abcd", ra.pages)
+    ack(c, c.writeback(rb.node))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}  # B demoted
+    other = put(c, "z")  # device only, fills the device but 1 page
+    m = c.match("abcd")
+    assert (m.device_node, m.host_nodes) == (ra.node, (rb.node,))
+    with pytest.raises(CapacityError):
+        c.load(m, "r1", evict=False)
+    lr = c.load(m, "r1")
+    c.check_invariants()
+    assert other.node.node_id not in {n.node_id for n in c.nodes()}  # dropped for room
+    assert ra.node.state == "backed" and rb.node.state == "loading"
+    assert lr.device_pages["kv"][:2] == [0, 1]
+
+
+def test_second_request_joins_the_loadback_in_flight():
+    c, a = demoted()
+    lr1 = c.load(c.match("abcd"), "r1")
+    m2 = c.match("abcd")
+    assert (m2.device_node, m2.host_nodes, m2.joined_nodes, m2.terminal, m2.host_units) == (c.root, (), (a,), a, 4)
+    lr2 = c.load(m2, "r2")
+    c.check_invariants()
+    assert lr2.command is None and lr2.op_ids == (lr1.command.op_id,)
+    assert lr2.pin is not lr1.pin and lr2.pin.owner == "r2" and lr2.lock.owner == "r2"
+    assert lr2.device_pages == lr1.device_pages == {"kv": [3, 2, 1, 0]}
+    assert (a.host_pin, a.lock_ref, c.stats.loadbacks, c.stats.joined_loadbacks) == (3, 2, 1, 1)
+    assert free(c) == {"kv": 0} and len(c.operations()) == 1
+    ack(c, lr1.command)
+    assert (a.state, a.host_pin) == ("backed", 2)
+    for lr in (lr1, lr2):
+        c.release(lr.pin)
+        c.unlock(lr.lock)
+        c.check_invariants()
+    assert (a.host_pin, a.lock_ref) == (0, 0)
+
+
+def test_join_then_split_keeps_every_pin():
+    c, a = demoted()
+    lr1 = c.load(c.match("abcd"), "r1")
+    lr2 = c.load(c.match("abcd"), "r2")
+    c.match("abx")  # splits the loading node
+    c.check_invariants()
+    p = a.parent
+    assert (p.state, p.lb_op, p.host_pin, a.host_pin) == ("loading", lr1.command.op_id, 3, 3)
+    assert lr2.pin.nodes == [p, a]
+    (s,) = ack(c, lr1.command)
+    assert s.node_ids == (p.node_id, a.node_id)
+    assert (p.state, a.state, p.host_pin, a.host_pin) == ("backed", "backed", 2, 2)
+    for lr in (lr1, lr2):
+        c.release(lr.pin)
+        c.unlock(lr.lock)
+    c.check_invariants()
+    assert (p.host_pin, a.host_pin, p.lock_ref, a.lock_ref) == (0, 0, 0, 0)
+
+
+def test_failed_loadback_frees_destination_unpins_and_shortens_match():
+    c = TieredPrefixCache(h1(), 8, 8)
+    ra = put(c, "ab")
+    rb = put(c, "abcd", ra.pages)
+    ack(c, c.writeback(rb.node))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    dev_free = free(c)
+    lr = c.load(c.match("abcd"), "r1")
+    assert free(c) == {"kv": dev_free["kv"] - 2}
+    (s,) = ack(c, lr.command, ok=False)
+    assert (s.ok, s.expired, s.node_ids) == (False, False, (rb.node.node_id,))
+    b = rb.node
+    assert (b.state, b.dev, b.host, b.lb_op, b.host_pin) == ("host", {}, {"kv": [2, 3]}, None, 1)
+    assert free(c) == dev_free and c.stats.loadback_failures == 1
+    c.check_invariants()
+    # invariant 10: the request recomputes from the last valid prefix (the device part)
+    m = c.match("abcd")
+    assert (m.device_node, m.device_units) == (ra.node, 2)
+    c.release(lr.pin)
+    c.unlock(lr.lock)
+    c.check_invariants()
+    assert b.host_pin == 0
+
+
+def test_layer_progress_then_ack():
+    c, a = demoted()
+    lr = c.load(c.match("abcd"), "r1")
+    op = lr.command.op_id
+    assert c.complete(Completion(op, layer=0)) == [LayerProgress(op, 0)]
+    c.check_invariants()
+    assert a.state == "loading"
+    assert c.complete(Completion(op, layer=1)) == [LayerProgress(op, 1)]
+    (s,) = ack(c, lr.command)
+    assert s.ok and a.state == "backed"
+
+
+def test_loadback_with_checkpoint_loads_history_and_state():
+    # source test 18: writeback ack, demote, same tokens -> loadback with fh and swa pairs
+    c = TieredPrefixCache(src(), {"fh": 2, "swa": 8}, {"fh": 2, "swa": 8})
+    r = put(c, "a", ckpt=True)
+    ack(c, c.writeback(r.node))
+    assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
+    assert free(c) == {"fh": 2, "swa": 8}
+    host_free = free(c, "host")
+    m = c.match("a", "state_recovery")
+    lr = c.load(m, "r1")
+    c.check_invariants()
+    assert pairs(lr.command) == [("fh", (0,), (0,)), ("swa", (0, 1, 2, 3), (3, 2, 1, 0))]
+    assert lr.device_pages == {"fh": [0], "swa": [3, 2, 1, 0]}
+    assert free(c, "host") == host_free and free(c) == {"fh": 1, "swa": 4}
+    # the loading terminal's checkpoint counts for a joining state_recovery hit
+    m2 = c.match("a", "state_recovery")
+    assert (m2.joined_nodes, m2.host_units) == ((r.node,), 1)
+    ack(c, lr.command, ok=False)
+    assert (r.node.dev, r.node.dev_state, free(c)) == ({}, {}, {"fh": 2, "swa": 8})
+    c.release(lr.pin)
+    c.unlock(lr.lock)
+    c.check_invariants()
+    lr = c.load(c.match("a", "state_recovery"), "r2")
+    ack(c, lr.command)
+    c.release(lr.pin)
+    c.unlock(lr.lock)
+    c.check_invariants()
+    assert (r.node.state, r.node.dev_state) == ("backed", {"swa": [0, 1, 2, 3]})
+    assert c.match("a", "state_recovery").device_units == 1
+
+
+def test_history_only_loaded_prefix_extends_on_device():
+    # source test 11: host hit of 4 tokens, loadback, extend to 8 tokens -> device hit 8, 2 pages
+    fh = CacheGroupSpec("fh", Family.HISTORY, 4, 1, (0, 1), (ComponentSpec("kv", 16),))
+    c = TieredPrefixCache(CacheLayout("fh", (fh,), 2), 4, 4)
+    r = put(c, "a")
+    ack(c, c.writeback(r.node))
+    assert c.evict_device({"fh": 1}) == {"fh": 1}
+    m = c.match("ab")
+    assert (m.host_units, m.hit_tokens) == (1, 4)
+    lr = c.load(m, "r1")
+    ack(c, lr.command)
+    res = put(c, "ab", lr.device_pages)
+    c.release(lr.pin)
+    c.unlock(lr.lock)
+    c.check_invariants()
+    m = c.match("ab")
+    assert (m.device_units, m.device_tokens, c.device_pages(m.device_node)) == (2, 8, {"fh": [0, 1]})
+    assert res.pages == {"fh": [0, 1]}
+
+
+def test_load_refuses_no_host_hit():
+    c = TieredPrefixCache(h1(), 4, 4)
+    put(c, "ab")
+    with pytest.raises(KvtierError):
+        c.load(c.match("ab"))
+    with pytest.raises(KvtierError):
+        c.load(c.match("zz"))
+
+
+def test_load_refuses_a_match_made_stale_by_a_split():
+    c, a = demoted()
+    m = c.match("abcd")
+    c.match("abx")  # another request's match splits the host node
+    c.check_invariants()
+    before = snapshot(c)
+    with pytest.raises(KvtierError, match="stale"):
+        c.load(m, "r1")
+    assert snapshot(c) == before
+    c.check_invariants()
+    lr = c.load(c.match("abcd"), "r1")
+    assert lr.command.node_ids == (a.parent.node_id, a.node_id)
+    c.check_invariants()
+
+
+def test_load_refuses_a_match_made_stale_by_a_demotion():
+    c = TieredPrefixCache(h1(), 8, 8)
+    ra = put(c, "ab")
+    rb = put(c, "abcd", ra.pages)
+    ack(c, c.writeback(rb.node))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    m = c.match("abcd")
+    assert m.device_node is ra.node
+    assert c.evict_device({"kv": 2}) == {"kv": 2}  # the device part is demoted too
+    before = snapshot(c)
+    with pytest.raises(KvtierError, match="stale"):
+        c.load(m, "r1")
+    assert snapshot(c) == before
+    c.check_invariants()
+
+
+def test_load_refuses_a_match_whose_nodes_changed_state():
+    c, a = demoted()
+    m = c.match("abcd")
+    lr = c.load(m, "r1")
+    with pytest.raises(KvtierError, match="stale"):
+        c.load(m, "r2")  # A is loading now: the match must be redone (and would join)
+    ack(c, lr.command)
+    c.release(lr.pin)
+    c.unlock(lr.lock)
+    c.check_invariants()

@@ -1,0 +1,246 @@
+"""Write policies and writebacks (issue 3, "Write policies"; invariants 1-3, 11):
+write_through, write_through_selective (threshold 2), write_back (eviction queues the
+writeback and frees nothing now), a child queued until its parent's acknowledgement,
+a parent's failure dropping the child's queued writeback, and failure freeing the
+reservation, publishing nothing and keeping the device pages (source tests 3, 4, 16, 17, 20)."""
+
+from __future__ import annotations
+
+import pytest
+from core_helpers import ack, free, h1, put, snapshot, src, state
+
+from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm.errors import CapacityError, ConfigError
+from kvtier.fsm.records import Direction
+
+
+def pairs(cmd):
+    return [(t.group, t.src_pages, t.dst_pages) for t in cmd.transfers]
+
+
+def test_policy_validation():
+    with pytest.raises(ConfigError):
+        TieredPrefixCache(h1(), 4, 4, policy="write_sometimes")
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError):
+            TieredPrefixCache(h1(), 4, 4, write_threshold=bad)
+    assert TieredPrefixCache(h1(), 4, 4).write_threshold == 2
+    assert TieredPrefixCache(h1(), 4, 4).policy.value == "write_through_selective"
+
+
+def test_write_through_child_waits_for_parent_ack():
+    c = TieredPrefixCache(h1(), 8, 8, policy="write_through")
+    ra = put(c, "ab")
+    a = ra.node
+    assert c.queued_writebacks() == [a.node_id]
+    (cmd_a,) = c.issue_writebacks()
+    c.check_invariants()
+    assert (cmd_a.direction, cmd_a.request_id, cmd_a.node_ids, pairs(cmd_a)) == (
+        Direction.WRITEBACK, None, (a.node_id,), [("kv", (0, 1), (0, 1))])
+    assert cmd_a.layers == (0, 1) and cmd_a.deadline_step is None
+    b = put(c, "abc", ra.pages).node
+    assert c.queued_writebacks() == [b.node_id]
+    assert c.issue_writebacks() == []  # parent still writing
+    assert (b.state, c.queued_writebacks()) == ("device", [b.node_id])
+    (settled,) = ack(c, cmd_a)
+    assert (settled.op_id, settled.ok, settled.node_ids, settled.request_id, settled.expired) == (
+        cmd_a.op_id, True, (a.node_id,), None, False)
+    assert a.state == "backed" and a.host == {"kv": [0, 1]}
+    (cmd_b,) = c.issue_writebacks()
+    c.check_invariants()
+    assert (b.state, pairs(cmd_b), c.queued_writebacks()) == ("writing", [("kv", (2,), (2,))], [])
+    assert c.poll_commands() == [cmd_a, cmd_b] and c.poll_commands() == []
+    ack(c, cmd_b)
+    assert state(c) == {a.node_id: "backed", b.node_id: "backed"}
+    assert free(c, "host") == {"kv": 5} and free(c) == {"kv": 5}
+    assert (c.stats.writebacks, c.stats.pages_written) == (2, 3)
+
+
+def test_parent_writeback_failure_drops_queued_child():
+    c = TieredPrefixCache(h1(), 8, 8, policy="write_through")
+    ra = put(c, "ab")
+    (cmd_a,) = c.issue_writebacks()
+    b = put(c, "abc", ra.pages).node
+    assert c.queued_writebacks() == [b.node_id]
+    (settled,) = ack(c, cmd_a, ok=False)
+    assert not settled.ok
+    assert c.queued_writebacks() == [] and c.issue_writebacks() == []  # invariant 1
+    assert state(c) == {ra.node.node_id: "device", b.node_id: "device"}
+    assert free(c, "host") == {"kv": 8} and c.stats.writeback_failures == 1
+    c.check_invariants()
+
+
+def test_write_through_selective_threshold():
+    c = TieredPrefixCache(h1(), 8, 8)  # threshold 2
+    r = put(c, "ab")
+    assert c.queued_writebacks() == [] and r.node.hit_count == 0
+    c.unlock(c.lock(r.node))
+    assert (r.node.hit_count, c.queued_writebacks()) == (1, [])
+    c.check_invariants()
+    lk = c.lock(r.node)
+    assert (r.node.hit_count, c.queued_writebacks()) == (2, [r.node.node_id])
+    (cmd,) = c.issue_writebacks()
+    assert pairs(cmd) == [("kv", (0, 1), (0, 1))] and r.node.state == "writing"
+    c.check_invariants()
+    c.unlock(lk)
+    ack(c, cmd)
+    assert r.node.state == "backed"
+    c3 = TieredPrefixCache(h1(), 8, 8, write_threshold=3)
+    r3 = put(c3, "ab")
+    for _ in range(2):
+        c3.unlock(c3.lock(r3.node))
+    assert c3.queued_writebacks() == []
+    c3.unlock(c3.lock(r3.node))
+    assert c3.queued_writebacks() == [r3.node.node_id]
+    c3.check_invariants()
+
+
+def test_selective_queues_parent_and_child_parent_first():
+    c = TieredPrefixCache(h1(), 8, 8)
+    ra = put(c, "ab")
+    rb = put(c, "abc", ra.pages)
+    c.unlock(c.lock(rb.node))
+    c.unlock(c.lock(rb.node))
+    assert c.queued_writebacks() == sorted([ra.node.node_id, rb.node.node_id])
+    (cmd_a,) = c.issue_writebacks()
+    assert cmd_a.node_ids == (ra.node.node_id,)
+    ack(c, cmd_a)
+    (cmd_b,) = c.issue_writebacks()
+    assert cmd_b.node_ids == (rb.node.node_id,)
+    ack(c, cmd_b)
+    c.check_invariants()
+
+
+def test_write_back_eviction_queues_and_frees_nothing_now():
+    c = TieredPrefixCache(h1(), 4, 8, policy="write_back")
+    a = put(c, "ab").node
+    b = put(c, "cd").node
+    assert c.queued_writebacks() == [] and free(c) == {"kv": 0}
+    before_free = free(c)
+    with pytest.raises(CapacityError):
+        c.alloc_device({"kv": 1})
+    c.check_invariants()
+    assert free(c) == before_free and state(c) == {a.node_id: "device", b.node_id: "device"}
+    assert c.queued_writebacks() == [a.node_id, b.node_id]
+    assert c.evict_device({"kv": 4}) == {"kv": 0}
+    cmds = c.issue_writebacks()
+    assert [pairs(x) for x in cmds] == [[("kv", (0, 1), (0, 1))], [("kv", (2, 3), (2, 3))]]
+    for cmd in cmds:
+        ack(c, cmd)
+    # now eviction demotes the oldest: A
+    assert c.alloc_device({"kv": 1}) == {"kv": [1]}
+    c.check_invariants()
+    assert state(c) == {a.node_id: "host", b.node_id: "backed"}
+    assert c.stats.demotions == 1 and c.external_pages("kv") == frozenset({1})
+
+
+def test_request_writeback_of_a_chain_is_one_operation():
+    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    ra = put(c, "ab")
+    rb = put(c, "abc", ra.pages)
+    cmd = c.writeback(rb.node, "r1")
+    c.check_invariants()
+    assert (cmd.request_id, cmd.node_ids, pairs(cmd)) == (
+        "r1", (ra.node.node_id, rb.node.node_id), [("kv", (0, 1, 2), (0, 1, 2))])
+    (settled,) = ack(c, cmd)
+    assert (settled.request_id, settled.node_ids, settled.ok) == ("r1", (ra.node.node_id, rb.node.node_id), True)
+    assert state(c) == {ra.node.node_id: "backed", rb.node.node_id: "backed"}
+    assert c.writeback(rb.node, "r1") is None  # nothing left to write
+
+
+def test_request_writeback_behind_an_inflight_one_is_queued():
+    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    ra = put(c, "ab")
+    cmd_a = c.writeback(ra.node)
+    rb = put(c, "abc", ra.pages)
+    assert c.writeback(rb.node, "r1") is None
+    assert (rb.node.state, c.queued_writebacks()) == ("device", [rb.node.node_id])
+    c.check_invariants()
+    ack(c, cmd_a)
+    (cmd_b,) = c.issue_writebacks()
+    assert cmd_b.node_ids == (rb.node.node_id,) and cmd_b.request_id is None
+    ack(c, cmd_b)
+    c.check_invariants()
+
+
+def test_failed_writeback_frees_reservation_publishes_nothing_keeps_device():
+    # source tests 4 and 20
+    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    a = put(c, "a", ckpt=True).node
+    dev_before = free(c)
+    cmd = c.writeback(a)
+    assert free(c, "host") == {"fh": 3, "swa": 4}
+    (settled,) = ack(c, cmd, ok=False)
+    assert (settled.ok, settled.expired) == (False, False)
+    assert (a.state, a.pending, a.pending_state, a.host, a.host_state) == ("device", {}, {}, {}, {})
+    assert (a.dev, a.dev_state) == ({"fh": [0]}, {"swa": [0, 1, 2, 3]})
+    assert free(c, "host") == {"fh": 4, "swa": 8} and free(c) == dev_before
+    assert c.operations() == {}
+    # a same-prefix request gets a device hit and no loadback
+    m = c.match("a")
+    assert (m.device_units, m.needs_loadback) == (1, False)
+    # the host has nothing: dropping the device copy leaves nothing to match
+    assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
+    c.check_invariants()
+    assert c.match("a").host_units == 0 and c.nodes() == []
+
+
+def test_writeback_with_host_full_changes_nothing():
+    c = TieredPrefixCache(h1(), 8, 1, policy="write_back")
+    r = put(c, "ab")
+    before = snapshot(c)
+    assert c.writeback(r.node) is None
+    assert snapshot(c) == before
+    c.check_invariants()
+
+
+def test_writeback_does_not_evict_the_parent_host_copy():
+    # the parent is the only host leaf; evicting it for the child would break invariant 1
+    c = TieredPrefixCache(h1(), 8, 1, policy="write_back")
+    ra = put(c, "a")
+    ack(c, c.writeback(ra.node))
+    assert free(c, "host") == {"kv": 0}
+    rb = put(c, "ab", ra.pages)
+    before = snapshot(c)
+    assert c.writeback(rb.node) is None
+    c.check_invariants()
+    assert snapshot(c) == before
+    assert (ra.node.state, rb.node.state) == ("backed", "device")
+    c.issue_writebacks()
+    c.check_invariants()
+
+
+def test_host_eviction_for_writeback_skips_pinned_nodes():
+    # source test 16: HostWriteBackPrunesOnlyUnpinnedPagedCacheHostSnapshots
+    c = TieredPrefixCache(h1(), 8, 2, policy="write_back")
+    rx = put(c, "xy")
+    ack(c, c.writeback(rx.node))
+    assert free(c, "host") == {"kv": 0}
+    ry = put(c, "zw")
+    pin = c.pin([rx.node], "r1")
+    before = snapshot(c)
+    assert c.writeback(ry.node) is None
+    assert snapshot(c) == before  # nothing pruned, no pending reservation
+    c.check_invariants()
+    c.release(pin)
+    cmd = c.writeback(ry.node)
+    c.check_invariants()
+    assert (rx.node.state, rx.node.host, ry.node.state, ry.node.pending) == (
+        "device", {}, "writing", {"kv": [1, 0]})
+    assert pairs(cmd) == [("kv", (2, 3), (1, 0))] and c.stats.host_drops == 1
+
+
+def test_host_eviction_frees_several_snapshots_for_one_allocation():
+    # source test 17: two 1-page host snapshots pruned for one 2-page writeback
+    c = TieredPrefixCache(h1(), 8, 2, policy="write_back")
+    r1 = put(c, "p")
+    r2 = put(c, "q")
+    ack(c, c.writeback(r1.node))
+    ack(c, c.writeback(r2.node))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    assert state(c) == {r1.node.node_id: "host", r2.node.node_id: "host"}
+    r3 = put(c, "st")
+    cmd = c.writeback(r3.node)
+    c.check_invariants()
+    assert state(c) == {r3.node.node_id: "writing"} and c.stats.host_evictions == 2
+    assert sorted(cmd.transfers[0].dst_pages) == [0, 1]
