@@ -15,7 +15,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.fsm import ConfigError, Direction
 
@@ -164,7 +164,7 @@ def choose_backend(device_is_cuda: bool) -> str:
     return "numba"
 
 
-def make_backend(name: str, device_is_cuda: bool, **options: object) -> Backend:
+def make_backend(name: str, device_is_cuda: bool, **options: Any) -> Backend:
     """Build a backend by name (``"auto"``, ``"numba"``, ``"torch"``, ``"cpu"``,
     ``"fake-async"``), passing ``options`` to its constructor.
 
@@ -177,16 +177,16 @@ def make_backend(name: str, device_is_cuda: bool, **options: object) -> Backend:
     try:
         if name == "cpu":
             from .backend_cpu import CpuBackend
-            return CpuBackend(**options)  # type: ignore[arg-type]
+            return CpuBackend(**options)
         if name == "fake-async":
             from .fake_async import FakeAsyncBackend
-            return FakeAsyncBackend(**options)  # type: ignore[arg-type]
+            return FakeAsyncBackend(**options)
         if name == "torch":
             from .backend_torch import TorchBackend
-            return TorchBackend(**options)  # type: ignore[arg-type]
+            return TorchBackend(**options)
         if name == "numba":
             from .backend_numba import NumbaBackend
-            return NumbaBackend(**options)  # type: ignore[arg-type]
+            return NumbaBackend(**options)
     except TypeError as e:
         raise ConfigError(f"backend {name!r}: bad options {sorted(options)}: {e}") from None
     raise BackendUnavailable(f"backend must be one of {('auto',) + BACKENDS}, got {name!r}")

@@ -25,7 +25,7 @@ class CudaEvent:
         self.event = event
 
     def done(self) -> bool:
-        return bool(self.event.query())
+        return bool(self.event.query())  # type: ignore[no-untyped-call]
 
     @property
     def error(self) -> BaseException | None:
@@ -43,12 +43,12 @@ class CudaStreams:
     def __init__(self, device: torch.device, timing: bool = True) -> None:
         self.device = device
         self.timing = timing
-        lo, hi = torch.cuda.Stream.priority_range()
+        lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
         # CUDA: lower numbers are higher priorities; priority_range() is (least, greatest)
         high, low = min(lo, hi), max(lo, hi)
         self.streams = {
-            Direction.LOADBACK: torch.cuda.Stream(device=device, priority=high),
-            Direction.WRITEBACK: torch.cuda.Stream(device=device, priority=low),
+            Direction.LOADBACK: torch.cuda.Stream(device=device, priority=high),  # type: ignore[no-untyped-call]
+            Direction.WRITEBACK: torch.cuda.Stream(device=device, priority=low),  # type: ignore[no-untyped-call]
         }
 
     def stream(self, direction: Direction) -> torch.cuda.Stream:
@@ -61,7 +61,7 @@ class CudaStreams:
         return self.record(direction)
 
     def record(self, direction: Direction) -> CudaEvent:
-        ev = torch.cuda.Event(enable_timing=self.timing)
+        ev = torch.cuda.Event(enable_timing=self.timing)  # type: ignore[no-untyped-call]
         ev.record(self.streams[direction])
         return CudaEvent(ev)
 

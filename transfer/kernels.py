@@ -33,8 +33,11 @@ import numpy as np
 if not hasattr(np, "row_stack"):  # numpy >= 2.5; must precede the numba-cuda import
     np.row_stack = np.vstack
 
-import numba  # noqa: E402
-from numba import cuda  # noqa: E402
+import importlib  # noqa: E402
+
+# numba has no type information: the modules are typed Any here (mypy --strict).
+numba: Any = importlib.import_module("numba")
+cuda: Any = importlib.import_module("numba.cuda")
 
 __all__ = [
     "SIMULATOR",
@@ -53,14 +56,17 @@ SIMULATOR: bool = bool(numba.config.ENABLE_CUDASIM)
 #: Largest block the kernel is compiled for (``launch_bounds``; caps registers at 64).
 MAX_THREADS = 1024
 
+ld16: Any
+st16: Any
+
 if SIMULATOR:
 
-    def ld16(a: Any, w: Any) -> tuple[Any, Any, Any, Any]:
+    def _sim_ld16(a: Any, w: Any) -> tuple[Any, Any, Any, Any]:
         """16-byte word ``w`` of uint32 array ``a`` (simulator: four 4-byte reads)."""
         i = 4 * w
         return (a[i], a[i + 1], a[i + 2], a[i + 3])
 
-    def st16(a: Any, w: Any, v: tuple[Any, Any, Any, Any]) -> None:
+    def _sim_st16(a: Any, w: Any, v: tuple[Any, Any, Any, Any]) -> None:
         """Store a 16-byte word (simulator: four 4-byte writes)."""
         i = 4 * w
         a[i] = v[0]
@@ -68,12 +74,13 @@ if SIMULATOR:
         a[i + 2] = v[2]
         a[i + 3] = v[3]
 
+    ld16, st16 = _sim_ld16, _sim_st16
     _JIT_OPTS: dict[str, Any] = {}
 
 else:
-    from llvmlite import ir
-    from numba.core import types
-    from numba.core.extending import intrinsic
+    ir: Any = importlib.import_module("llvmlite.ir")
+    types: Any = importlib.import_module("numba.core.types")
+    intrinsic: Any = importlib.import_module("numba.core.extending").intrinsic
 
     def _vec_ptr(context: Any, builder: Any, aryty: Any, ary: Any, w: Any) -> Any:
         arr = context.make_array(aryty)(context, builder, ary)
@@ -81,8 +88,7 @@ else:
         p = builder.gep(base, [builder.mul(w, ir.Constant(w.type, 4))])
         return builder.bitcast(p, ir.PointerType(ir.VectorType(ir.IntType(32), 4)))
 
-    @intrinsic
-    def ld16(typingctx: Any, a: Any, w: Any) -> Any:  # pragma: no cover - GPU/compile only
+    def _ld16(typingctx: Any, a: Any, w: Any) -> Any:  # pragma: no cover - GPU/compile only
         """Load 16-byte word ``w`` of uint32 array ``a`` (one aligned vector load)."""
         sig = types.UniTuple(types.uint32, 4)(a, w)
 
@@ -96,8 +102,7 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def st16(typingctx: Any, a: Any, w: Any, v: Any) -> Any:  # pragma: no cover - GPU/compile only
+    def _st16(typingctx: Any, a: Any, w: Any, v: Any) -> Any:  # pragma: no cover - GPU/compile only
         """Store a 4-tuple of uint32 as 16-byte word ``w`` of ``a`` (one aligned vector store)."""
         sig = types.void(a, w, v)
 
@@ -111,11 +116,11 @@ else:
 
         return sig, codegen
 
+    ld16, st16 = intrinsic(_ld16), intrinsic(_st16)
     _JIT_OPTS = {"launch_bounds": MAX_THREADS}
 
 
-@cuda.jit(**_JIT_OPTS)
-def copy_table(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: Any) -> None:
+def _copy_table(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: Any) -> None:
     """Copy every row of ``table`` (int64 ``[rows, 3]``: source byte offset into
     ``src8``, destination byte offset into ``dst8``, bytes). ``src32``/``dst32`` are
     uint32 views of the same memory as ``src8``/``dst8`` (byte offset ``4*i`` is word
@@ -184,6 +189,9 @@ def copy_table(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: A
         r += teams
 
 
+copy_table: Any = cuda.jit(**_JIT_OPTS)(_copy_table)
+
+
 def launch_copy(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: int,
                 blocks: int, threads: int, stream: Any = 0) -> None:
     """Launch :func:`copy_table` on ``blocks`` x ``threads`` (threads <= 1024) on ``stream``."""
@@ -228,16 +236,15 @@ def device_array(obj: Any) -> Any:
     (the simulator copies plain NumPy arguments in and out one by one, and the last
     copy-out would win)."""
     if SIMULATOR:
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(obj)
+        sim: Any = importlib.import_module("numba.cuda.simulator.cudadrv.devicearray")
+        return sim.FakeCUDAArray(obj)
     return cuda.as_cuda_array(obj, sync=False)
 
 
 def kernel_signatures() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
     """Every kernel as ``name -> (python function, signature, compile options)`` for
     ``cuda.compile_ptx`` (the CI compile check for sm_90)."""
-    from numba.core import types as t
+    t: Any = importlib.import_module("numba.core.types")
 
     u32 = t.Array(t.uint32, 1, "C")
     u8 = t.Array(t.uint8, 1, "C")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.fsm import CacheGroupSpec, Completion, ComponentSpec, Direction, GroupTransfer, TransferCommand
+from kvtier.fsm import CacheGroupSpec, Completion, ComponentSpec, Direction, Family, GroupTransfer, TransferCommand
 
 from .plan import layers_for
 from .pools import DevicePool, HostPool
@@ -35,7 +35,7 @@ def random_specs(rng: np.random.Generator, max_groups: int = 3) -> list[CacheGro
     for g in range(int(rng.integers(1, max_groups + 1))):
         layers = tuple(sorted(int(x) for x in rng.choice(6, size=int(rng.integers(1, 6)), replace=False)))
         comps = tuple(ComponentSpec(f"c{i}", int(rng.choice(PAGE_SIZES))) for i in range(int(rng.integers(1, 3))))
-        specs.append(CacheGroupSpec(f"g{g}", "history", 4, 1, layers, comps))
+        specs.append(CacheGroupSpec(f"g{g}", Family.HISTORY, 4, 1, layers, comps))
     return specs
 
 

@@ -51,7 +51,7 @@ class DirectionStats:
         return self.timed_bytes / self.seconds / 1e9 if self.seconds > 0 else None
 
     def add(self, other: DirectionStats) -> None:
-        for name in DirectionStats.__slots__:  # type: ignore[attr-defined]
+        for name in DirectionStats.__slots__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, float | int | None]:
