@@ -127,6 +127,7 @@ class LoadResult:
         pin: the caller's pin receipt on the host copies (release it after the ack).
         lock: the caller's lock receipt on the loaded path (release it when done).
         device_pages: history group -> device page ids of the whole hit (device + loaded).
+        extra: group -> the caller's own pages reserved with the loadback (``extra``).
     """
 
     command: TransferCommand | None
@@ -134,6 +135,7 @@ class LoadResult:
     pin: NodeReceipt
     lock: LockReceipt
     device_pages: PageMap
+    extra: PageMap = field(default_factory=dict)
 
 
 @dataclass
@@ -837,13 +839,16 @@ class TieredPrefixCache:
                 and id(n) not in keep and (n.state == "backed" or n.lock_ref == 0))
 
     # ------------------------------------------------------------------ loadback
-    def load(self, match: MatchResult, owner: str | None = None, *, evict: bool = True) -> LoadResult:
+    def load(self, match: MatchResult, owner: str | None = None, *, evict: bool = True,
+             extra: Mapping[str, int] | None = None) -> LoadResult:
         """Load back the host part of ``match`` (all or nothing; invariant 11).
 
         Pins the host copies first (invariant 4), then allocates device pages (evicting
         if allowed), then moves the nodes to ``loading`` and returns the command. Nodes
         already loading are joined: the caller gets its own pin on them and waits for
-        their operation. The caller's lock covers the whole hit.
+        their operation. The caller's lock covers the whole hit. ``extra`` (group -> pages)
+        allocates the caller's own pages in the same all-or-nothing reservation
+        (returned in :attr:`LoadResult.extra`).
 
         Raises:
             KvtierError: no host tier, or ``match`` needs no loadback.
@@ -876,6 +881,10 @@ class TieredPrefixCache:
         if ckpt_node is not None:
             for g in self._state:
                 need[g] = need.get(g, 0) + len(ckpt_node.host_state[g])
+        if extra:
+            self._check_need(extra)
+            for g, k in extra.items():
+                need[g] = need.get(g, 0) + k
         try:
             short = {g: k - self.device[g].free for g, k in need.items() if k > self.device[g].free}
             if short and evict:
@@ -922,8 +931,11 @@ class TieredPrefixCache:
             self.stats.pages_loaded += command.pages
         if joined:
             self.stats.joined_loadbacks += 1
+        own = {g: self.device[g].alloc(k) for g, k in (extra or {}).items() if k > 0}
+        for g, pages in own.items():
+            self._external[g].update(pages)
         lock = self.lock(terminal, owner)
-        return LoadResult(command, tuple(op_ids), pin, lock, self._hit_table(terminal))
+        return LoadResult(command, tuple(op_ids), pin, lock, self._hit_table(terminal), own)
 
     def _hit_table(self, node: Node) -> PageMap:
         return self.device_pages(node)
@@ -1135,6 +1147,18 @@ class TieredPrefixCache:
                 self.stats.loadback_failures += 1
         return Settled(op.op_id, op.direction, ok, op.command.request_id,
                        tuple(n.node_id for n in op.nodes), expired)
+
+    def poison(self, op_id: int) -> None:
+        """Make operation ``op_id`` fail whatever its ranks report (an aborted request's
+        own writeback: possibly-corrupt KV is never published).
+
+        Raises:
+            UnknownOperation: the op is not in flight.
+        """
+        op = self._ops.get(op_id)
+        if op is None:
+            raise UnknownOperation(f"poison: op {op_id} is not in flight")
+        op.ok = False
 
     def advance_step(self, steps: int = 1) -> list[Settled]:
         """Advance the scheduler step; fail every operation whose deadline passed
