@@ -249,6 +249,11 @@ class TieredPrefixCache:
         self._settled: set[int] = set()
         self._wb_queue: dict[int, Node] = {}  # node_id -> node wanting a tree writeback
         self._outbox: list[TransferCommand] = []
+        # lazy LRU heaps of eviction candidates: (lru key, seq, node); stale entries are
+        # skipped when popped (the key no longer matches), so touching a node is O(log n)
+        self._dev_lru: list[tuple[tuple[int, int, int], int, Node]] = []
+        self._host_lru: list[tuple[tuple[int, int, int], int, Node]] = []
+        self._seq = itertools.count()
         self.stats = CacheStats()
 
     # ------------------------------------------------------------------ properties
@@ -287,6 +292,26 @@ class TieredPrefixCache:
     def _trigger(self, node: Node, event: str) -> None:
         self._fire(node, event)
         self.stats.triggers += 1
+        self._touch(node)
+        if node.parent is not None and node.parent.parent is not None:
+            self._touch(node.parent)
+
+    def _touch(self, n: Node) -> None:
+        """Make ``n`` an eviction candidate under its current LRU key."""
+        key = (n.last_access, -n.depth, n.node_id)
+        seq = next(self._seq)
+        heapq.heappush(self._dev_lru, (key, seq, n))
+        heapq.heappush(self._host_lru, (key, seq, n))
+        limit = 4 * len(self._nodes) + 256
+        if len(self._dev_lru) > limit:
+            self._dev_lru = self._rebuilt()
+        if len(self._host_lru) > limit:
+            self._host_lru = self._rebuilt()
+
+    def _rebuilt(self) -> list[tuple[tuple[int, int, int], int, Node]]:
+        heap = [(self._lru_key(n), next(self._seq), n) for n in self._nodes.values()]
+        heapq.heapify(heap)
+        return heap
 
     def _tick(self) -> int:
         self.clock += 1
@@ -377,6 +402,7 @@ class TieredPrefixCache:
         if node.node_id in self._wb_queue:
             self._wb_queue[prefix.node_id] = prefix
         self._nodes[prefix.node_id] = prefix
+        self._touch(prefix)
         self.stats.splits += 1
         return prefix
 
@@ -511,6 +537,7 @@ class TieredPrefixCache:
             n.lock_ref += 1
             n.hit_count += 1
             n.last_access = stamp
+            self._touch(n)
             if (self.host is not None and self.policy is WritePolicy.WRITE_THROUGH_SELECTIVE
                     and n.hit_count >= self.write_threshold and n.state == "device"):
                 self._wb_queue[n.node_id] = n
@@ -531,6 +558,7 @@ class TieredPrefixCache:
         for n in receipt.node.path():
             n.lock_ref -= 1
             n.last_access = stamp
+            self._touch(n)
 
     def _take(self, kind: str, nodes: list[Node], owner: str | None) -> NodeReceipt:
         rid = next(self._ids)
@@ -578,6 +606,7 @@ class TieredPrefixCache:
         for n in receipt.nodes:
             setattr(n, attr, getattr(n, attr) - 1)
             n.refs.discard(receipt.receipt_id)
+            self._touch(n)
 
     # ------------------------------------------------------------------ insert
     def insert(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
@@ -665,6 +694,7 @@ class TieredPrefixCache:
                     if dup:
                         duplicates.setdefault(g, []).extend(dup)
             n.last_access = stamp
+            self._touch(n)
             last = n
             done = hi
         if not stopped and done < units:
@@ -741,11 +771,12 @@ class TieredPrefixCache:
         freed = {g: 0 for g in self.device}
         if not any(n > 0 for n in need.values()):
             return freed
-        heap = [(self._lru_key(n), n) for n in self._nodes.values() if self._device_victim(n)]
-        heapq.heapify(heap)
-        while heap and any(freed[g] < n for g, n in need.items()):
-            _, n = heapq.heappop(heap)
-            if not self._device_victim(n):
+        heap = self._dev_lru
+        while heap and any(freed[g] < k for g, k in need.items()):
+            # A node that is not a victim now is dropped from the heap: whatever makes it
+            # one later (unlock, release, a child leaving, a state change) touches it again.
+            key, _, n = heapq.heappop(heap)
+            if self._nodes.get(n.node_id) is not n or key != self._lru_key(n) or not self._device_victim(n):
                 continue
             parent = n.parent
             if n.state == "backed":
@@ -765,8 +796,6 @@ class TieredPrefixCache:
                 self.stats.device_evictions += 1
             for g, k in got.items():
                 freed[g] += k
-            if parent is not None and parent.parent is not None and self._device_victim(parent):
-                heapq.heappush(heap, (self._lru_key(parent), parent))
         return freed
 
     def _device_victim(self, n: Node) -> bool:
@@ -813,13 +842,17 @@ class TieredPrefixCache:
         if not any(n > 0 for n in need.values()):
             return freed
         keep = {id(n) for n in protect}
-        heap = [(self._lru_key(n), n) for n in self._nodes.values() if self._host_victim(n, keep)]
-        heapq.heapify(heap)
+        heap = self._host_lru
+        spared: list[Node] = []
         while heap and any(freed[g] < k for g, k in need.items()):
-            _, n = heapq.heappop(heap)
+            key, _, n = heapq.heappop(heap)
+            if self._nodes.get(n.node_id) is not n or key != self._lru_key(n):
+                continue
+            if id(n) in keep:
+                spared.append(n)
+                continue
             if not self._host_victim(n, keep):
                 continue
-            parent = n.parent
             got = self._release_host(n)
             if n.state == "host":
                 self._trigger(n, "evict_host")
@@ -830,8 +863,8 @@ class TieredPrefixCache:
                 self.stats.host_drops += 1
             for g, k in got.items():
                 freed[g] += k
-            if parent is not None and parent.parent is not None and self._host_victim(parent, keep):
-                heapq.heappush(heap, (self._lru_key(parent), parent))
+        for n in spared:  # protected this time only: candidates again
+            self._touch(n)
         return freed
 
     def _host_victim(self, n: Node, keep: set[int]) -> bool:
@@ -892,6 +925,7 @@ class TieredPrefixCache:
         finally:
             for n in protect:
                 n.lock_ref -= 1
+                self._touch(n)
         if any(k > self.device[g].free for g, k in need.items()):
             g = next(g for g, k in need.items() if k > self.device[g].free)
             free = self.device[g].free

@@ -65,16 +65,19 @@ class Lifecycle:
                                auto_transitions=False, queued=False, send_event=True)
         for t in spec.transitions:
             self.machine.add_transition(
-                t.event, t.source, t.source if t.dest == INTERNAL else t.dest,
+                t.event, t.source, None if t.dest == INTERNAL else t.dest,
                 conditions=[_condition(self.guards[g.name]) for g in t.guards if not g.negated],
                 unless=[_condition(self.guards[g.name]) for g in t.guards if g.negated],
-                # transitions' own "internal" flag skips callbacks; we have none, so a
-                # reflexive transition behaves the same and keeps the state value.
+                # dest None: a transitions "internal" transition (no exit/enter, cheaper)
             )
         self._events = self.machine.events
         self._table: dict[tuple[str, str], tuple[TransitionSpec, ...]] = {}
         for t in spec.transitions:
             self._table[(t.source, t.event)] = self._table.get((t.source, t.event), ()) + (t,)
+        # (state, event) pairs whose only transition is internal and unguarded: firing them
+        # changes nothing, so fire() returns without entering transitions (same outcome)
+        self._noop = frozenset(k for k, rows in self._table.items()
+                               if len(rows) == 1 and rows[0].dest == INTERNAL and not rows[0].guards)
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -126,8 +129,11 @@ class Lifecycle:
             IllegalTransition, GuardRejected: as :meth:`check`; the subject is unchanged.
         """
         state = subject.state
-        if (state, event) not in self._table:
+        key = (state, event)
+        if key not in self._table:
             raise IllegalTransition(self.name, self.describe(subject), state, event)
+        if key in self._noop:
+            return state
         if not self._events[event].trigger(subject):
             self.check(subject, event)  # raises GuardRejected naming the guards
             raise AssertionError("transitions refused an event whose guards hold")  # pragma: no cover

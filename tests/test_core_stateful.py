@@ -256,6 +256,14 @@ class CoreMachine(RuleBasedStateMachine):
         before = pool[g].free
         freed = c.evict_device({g: n}) if tier == "device" else c.evict_host({g: n})
         assert pool[g].free == before + freed[g], "eviction reported what it freed"
+        if freed[g] < n:  # it stopped early: nothing it may evict is left
+            if tier == "host":
+                left = [x for x in c.nodes() if c._host_victim(x, set())]
+            elif c.policy.value != "write_back":
+                left = [x for x in c.nodes() if c._device_victim(x)]
+            else:
+                left = []
+            assert not left, f"eviction stopped with victims left: {left}"
 
     # -- invariants ------------------------------------------------------------------
     @invariant()

@@ -57,6 +57,8 @@ class Admission:
             any it joined).
         recompute_tokens: with history replay, tokens before ``start_token`` recomputed
             to rebuild continuation state (already excluded from ``hit_tokens``).
+        history_hit_tokens: the history-only bound: tokens a hit would cover if exact
+            continuation state were not required (equals ``hit_tokens`` without state groups).
     """
 
     request_id: str
@@ -68,6 +70,7 @@ class Admission:
     loadback: TransferCommand | None
     wait_ops: tuple[int, ...]
     recompute_tokens: int = 0
+    history_hit_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +120,7 @@ class _Request:
 
     __slots__ = ("request_id", "state", "units", "prompt_tokens", "tokens", "reserved", "canon", "own",
                  "published", "lock", "pins", "ops", "owed_forward", "reason", "has_loadback",
-                 "has_own_writeback", "hit_tokens", "layers", "poisoned", "pending_units", "retract_ckpt")
+                 "has_own_writeback", "hit_tokens", "layers", "poisoned", "pending_units", "retract_ckpt", "room")
 
     def __init__(self, request_id: str, units: list[Hashable], prompt_tokens: int) -> None:
         self.request_id = request_id
@@ -141,6 +144,7 @@ class _Request:
         self.poisoned = False
         self.pending_units = 0
         self.retract_ckpt = False
+        self.room = 0  # tokens the history pages of its table cover (reserve's fast path)
 
     @property
     def label(self) -> str:
@@ -216,6 +220,14 @@ class TieredCache:
         return RequestView(r.request_id, r.state, r.tokens, r.reserved, r.hit_tokens, r.owed_forward,
                            tuple(sorted(r.ops)), r.reason)
 
+    def state(self, request_id: str) -> str:
+        """The request's lifecycle state.
+
+        Raises:
+            KvtierError: unknown request.
+        """
+        return self._get(request_id).state
+
     def requests(self) -> list[RequestView]:
         """Every request the cache still tracks (ended ones are dropped after :meth:`poll`)."""
         return [self.request(k) for k in self._requests]
@@ -277,6 +289,10 @@ class TieredCache:
     def _add_own(self, r: _Request, pages: Mapping[str, list[int]]) -> None:
         for g, p in pages.items():
             r.own.setdefault(g, []).extend(p)
+        self._set_room(r)
+
+    def _set_room(self, r: _Request) -> None:
+        r.room = min((len(r.canon.get(g, ())) + len(r.own.get(g, ()))) * self._tpp[g] for g in self._hist)
 
     # ------------------------------------------------------------------ admission
     def admit(self, request_id: str, units: Sequence[Hashable], prompt_tokens: int,
@@ -313,7 +329,11 @@ class TieredCache:
         if len(units) < full:
             raise ConfigError(f"request {request_id!r}: {prompt_tokens} prompt tokens need {full} unit keys, "
                               f"got {len(units)}")
-        r = self._requests.get(request_id) or _Request(request_id, list(units), prompt_tokens)
+        old = self._requests.get(request_id)
+        if old is not None and old.state in TERMINAL and not old.settled:
+            raise KvtierError(f"request {request_id!r} ended but a forward result is still owed")
+        # an ended request's id may be admitted again before poll() forgets it: a new record
+        r = old if old is not None and old.state not in TERMINAL else _Request(request_id, list(units), prompt_tokens)
         r.units = list(units)
         r.prompt_tokens = prompt_tokens
         self._requests[request_id] = r
@@ -354,15 +374,18 @@ class TieredCache:
             r.pins = [load.pin]
             table = load.device_pages
             r.ops.update(load.op_ids)
+            ops = self.core.operations()
             for op in load.op_ids:
                 self._op_waiters.setdefault(op, set()).add(r.request_id)
-                r.layers[op] = -1
+                # a joined loadback may have completed layers on every rank already
+                r.layers[op] = min(ops[op].layers.get(k, -1) for k in range(self.core.world_size))
         else:
             r.lock = hold
             table = core.device_pages(m.device_node)
         r.canon = {g: list(table[g]) for g in self._hist}
         r.own = {g: list(own.get(g, ())) for g in list(self._hist) + list(self._state_pages)}
         r.published = hit_units
+        self._set_room(r)
         r.tokens = start
         r.hit_tokens = start
         r.reserved = upto
@@ -371,15 +394,18 @@ class TieredCache:
         self._fire(r, event)
         return Admission(r.request_id, start, upto - start, start, m.device_units * self._align,
                          self._table(r), load.command if load is not None else None,
-                         load.op_ids if load is not None else (), m.recompute_tokens)
+                         load.op_ids if load is not None else (), m.recompute_tokens,
+                         m.history_units * self._align)
 
     def reserve(self, request_id: str, tokens: int) -> PageMap | None:
         """Reserve device pages for ``tokens`` more tokens (the next prefill chunk or decode
         step) and count one forward pass owed; all or nothing.
 
         Returns:
-            The request's page table, or ``None`` if pages are short after eviction
-            (nothing changed).
+            The pages newly added to the request's page table (group -> page ids, appended
+            in order; empty when the reserved pages already cover them), or ``None`` if
+            pages are short after eviction (nothing changed). :meth:`page_table` gives
+            the whole table.
 
         Raises:
             KvtierError: unknown request, or not ``running``/``loading``.
@@ -391,15 +417,21 @@ class TieredCache:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ConfigError(f"reserve: tokens must be an int >= 1, got {tokens!r}")
         upto = max(r.reserved, r.tokens + tokens)
+        if upto <= r.room:  # the pages it holds already cover them (most decode steps)
+            r.reserved = upto
+            r.owed_forward += 1
+            return {}
         need = self._need(r, upto, with_state=False)
-        try:
-            pages = self.core.alloc_device(need)
-        except CapacityError:
-            return None
-        self._add_own(r, pages)
+        pages: PageMap = {}
+        if any(need.values()):
+            try:
+                pages = self.core.alloc_device(need)
+            except CapacityError:
+                return None
+            self._add_own(r, pages)
         r.reserved = upto
         r.owed_forward += 1
-        return self._table(r)
+        return pages
 
     # ------------------------------------------------------------------ forward results
     def step_done(self, request_id: str, computed_tokens: int, *, new_units: Sequence[Hashable] = (),
@@ -424,6 +456,11 @@ class TieredCache:
         if r.state in ("running", "loading") and r.tokens + computed_tokens > r.reserved:
             raise ConfigError(f"request {request_id!r}: {computed_tokens} tokens computed but only "
                               f"{r.reserved - r.tokens} reserved")
+        if r.state in TERMINAL:
+            # aborted from waiting or retracted (it held nothing) while a forward pass was
+            # still out: the late result only retires the count
+            r.owed_forward -= 1
+            return
         self._lc.check(r, "forward_result")
         r.units.extend(new_units)
         if r.state in ("running", "loading"):
@@ -431,7 +468,10 @@ class TieredCache:
             r.retract_ckpt = checkpoint
         r.owed_forward -= 1
         if r.state == "running":
-            self._publish(r, checkpoint=checkpoint)
+            # the checkpoint at the prompt's last full unit is kept for later turns of the
+            # conversation; other chunk checkpoints give way to deeper ones
+            at_prompt_end = r.tokens == (r.prompt_tokens // self._align) * self._align
+            self._publish(r, checkpoint=checkpoint, final=at_prompt_end)
         self._fire(r, "forward_result")
 
     def _publish(self, r: _Request, checkpoint: bool, final: bool = False) -> None:
@@ -483,6 +523,9 @@ class TieredCache:
             KvtierError / IllegalTransition: unknown request or not running; nothing changes.
         """
         r = self._get(request_id)
+        if r.state == "running" and r.owed_forward:
+            # forward_result is not allowed in finishing: the request would never settle
+            raise KvtierError(f"request {request_id!r}: finish while {r.owed_forward} forward result(s) are owed")
         self._lc.check(r, "finish") if r.state == "running" else self._lc.fire(r, "finish")
         self._publish(r, checkpoint=r.retract_ckpt, final=True)
         cmd = None
@@ -622,6 +665,7 @@ class TieredCache:
                 for op in list(r.ops):
                     self._op_waiters.get(op, set()).discard(r.request_id)
                 r.ops.clear()
+                r.layers.clear()
                 r.tokens = r.reserved = r.published = 0
                 r.hit_tokens = 0
                 self._fire(r, "loadback_failed")
@@ -661,10 +705,10 @@ class TieredCache:
         commands = tuple(core.poll_commands())
         events = tuple(self._events)
         self._events.clear()
-        for e in events:
-            r = self._requests.get(e.request_id)
-            if r is not None and r.state in TERMINAL and r.settled:
-                del self._requests[e.request_id]
+        # ended requests are forgotten once reported and settled (a late forward result
+        # may settle one after its end was reported)
+        for rid in [k for k, r in self._requests.items() if r.state in TERMINAL and r.settled]:
+            del self._requests[rid]
         return PollResult(commands, events)
 
     def in_flight(self) -> bool:

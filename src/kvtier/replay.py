@@ -1,0 +1,287 @@
+"""Trace replay: push a request trace through the reference scheduler, the tiered cache and
+a transfer backend, for three configurations of the same trace: device cache only,
+device plus host tier, and an unbounded cache (the upper bound).
+
+The exact counts (hit tokens, prefill tokens computed, bytes and pages moved) are the
+headline; times to first token come from the scheduler's cost model and are labelled
+modeled. ``--json`` output: one object per configuration with the fields of
+:class:`ConfigResult` (documented there), plus a ``"setup"`` object.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtier.fsm import ConfigError
+from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.presets import preset
+
+from .costmodel import CostModel
+from .scheduler import Executor, InstantExecutor, ReferenceScheduler, SchedRequest, percentile
+from .tiered import TieredCache
+from .trace import MOONCAKE_BLOCK_TOKENS, Trace
+
+__all__ = ["ReplaySetup", "ConfigResult", "trace_requests", "run_replay", "working_set_units", "format_table"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySetup:
+    """The options of one replay (capacities in cache units of ``layout.alignment`` tokens).
+
+    Attributes:
+        preset: model preset name.
+        device_units: device capacity of the bounded configurations.
+        host_units: host capacity of the device-plus-host configuration.
+        policy: write policy.
+        backend: ``none`` (metadata only), ``cpu``, ``torch`` or ``numba``.
+        byte_scale: bytes per page are divided by this for real copies (at least 64 B kept).
+        limit: requests replayed (``None``: all).
+        seed: seed of anything random (the fingerprints' salt).
+        token_budget: tokens per scheduler step.
+    """
+
+    preset: str = "deepseek-v4"
+    device_units: int = 0
+    host_units: int = 0
+    policy: str = "write_through_selective"
+    backend: str = "none"
+    byte_scale: int = 1024
+    limit: int | None = None
+    seed: int = 0
+    token_budget: int = 8192
+
+
+@dataclass
+class ConfigResult:
+    """One configuration's results (the ``--json`` schema: one object per configuration).
+
+    Attributes:
+        name: ``device-only``, ``device+host`` or ``unbounded``.
+        device_tokens, host_tokens: capacities in tokens (``host_tokens`` 0 without a host tier).
+        requests, finished, aborts: request counts.
+        prompt_tokens: prompt tokens of the replayed requests.
+        hit_tokens, device_hit_tokens, host_hit_tokens: prefix-hit tokens (exact-state hits).
+        history_hit_tokens: the history-only bound (hits if continuation state were not needed).
+        prefill_tokens: prompt (and recomputed) tokens computed.
+        hit_rate: hit_tokens / prompt_tokens.
+        hit_rate_vs_unbounded: hit_tokens / the unbounded configuration's hit_tokens.
+        loadback_bytes, writeback_bytes, loadback_pages, writeback_pages: bytes and pages
+            moved (full model geometry, whatever the byte scale).
+        transfer_s_measured: seconds the backend spent moving (scaled) bytes (0 without one).
+        transfer_s_modeled: the full-geometry bytes at the cost model's link rate.
+        evictions, demotions, loadbacks, writebacks, retractions: counts.
+        ttft_mean_s, ttft_p50_s, ttft_p99_s: modeled time to first token.
+        bookkeeping_s: seconds spent inside kvtier's calls (wall clock).
+        bookkeeping_us_per_request: that per request.
+        lifecycle_triggers: node lifecycle triggers fired.
+        wall_s: wall-clock seconds of the configuration's run.
+        fingerprint_pages_checked: pages read back and checked against their fingerprint.
+    """
+
+    name: str
+    device_tokens: int
+    host_tokens: int
+    requests: int = 0
+    finished: int = 0
+    aborts: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    history_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    hit_rate: float = 0.0
+    hit_rate_vs_unbounded: float = 0.0
+    loadback_bytes: int = 0
+    writeback_bytes: int = 0
+    loadback_pages: int = 0
+    writeback_pages: int = 0
+    transfer_s_measured: float = 0.0
+    transfer_s_modeled: float = 0.0
+    evictions: int = 0
+    demotions: int = 0
+    loadbacks: int = 0
+    writebacks: int = 0
+    retractions: int = 0
+    ttft_mean_s: float = 0.0
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    bookkeeping_s: float = 0.0
+    bookkeeping_us_per_request: float = 0.0
+    lifecycle_triggers: int = 0
+    wall_s: float = 0.0
+    fingerprint_pages_checked: int = 0
+    abort_reasons: dict[str, int] = field(default_factory=dict)
+
+
+def _units_per_block(layout: CacheLayout) -> int:
+    a = layout.alignment
+    if MOONCAKE_BLOCK_TOKENS % a:
+        raise ConfigError(f"preset {layout.name!r}: its alignment of {a} tokens does not divide the trace's "
+                          f"{MOONCAKE_BLOCK_TOKENS}-token blocks")
+    return MOONCAKE_BLOCK_TOKENS // a
+
+
+def trace_requests(trace: Trace, layout: CacheLayout) -> list[SchedRequest]:
+    """The trace's requests with unit keys: block id ``h`` of a 512-token block becomes the
+    units ``(h, 0) .. (h, k-1)`` (k = 512 / alignment); only the prompt's full units are keyed."""
+    k = _units_per_block(layout)
+    a = layout.alignment
+    out = []
+    for tr in trace.requests:
+        full = tr.input_length // a
+        units: list[Hashable] = [(h, j) for h in tr.hash_ids for j in range(k)][:full]
+        out.append(SchedRequest(f"r{tr.index}", tr.arrival_s, tr.input_length, tr.output_length, tuple(units)))
+    return out
+
+
+def working_set_units(trace: Trace, layout: CacheLayout) -> int:
+    """Distinct cache units of the trace's prompts (the unbounded working set)."""
+    k = _units_per_block(layout)
+    root: dict[Any, Any] = {}
+    count = 0
+    a = layout.alignment
+    for tr in trace.requests:
+        node = root
+        units = [(h, j) for h in tr.hash_ids for j in range(k)][: tr.input_length // a]
+        for u in units:
+            nxt = node.get(u)
+            if nxt is None:
+                nxt = node[u] = {}
+                count += 1
+            node = nxt
+    return count
+
+
+def run_config(name: str, requests: Sequence[SchedRequest], layout: CacheLayout, device_units: int,
+               host_units: int | None, setup: ReplaySetup, executor: Executor | None = None,
+               cost: CostModel | None = None, progress: Callable[[int], None] | None = None) -> ConfigResult:
+    """Run one configuration over fresh copies of ``requests``."""
+    cache = TieredCache(layout, device_units, host_units, policy=setup.policy)
+    reqs = [SchedRequest(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.units) for r in requests]
+    sched = ReferenceScheduler(cache, executor, token_budget=setup.token_budget, cost=cost)
+    t0 = time.perf_counter()
+    stats = sched.run(reqs, progress=progress)
+    wall = time.perf_counter() - t0
+    cs = cache.core.stats
+    a = layout.alignment
+    res = ConfigResult(
+        name=name, device_tokens=device_units * a, host_tokens=(host_units or 0) * a, requests=len(reqs),
+        finished=stats.finished, aborts=stats.aborts, prompt_tokens=stats.prompt_tokens,
+        hit_tokens=stats.hit_tokens, device_hit_tokens=stats.device_hit_tokens,
+        host_hit_tokens=stats.host_hit_tokens, history_hit_tokens=stats.history_hit_tokens,
+        prefill_tokens=stats.prefill_tokens,
+        hit_rate=stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0,
+        loadback_bytes=stats.loadback_bytes, writeback_bytes=stats.writeback_bytes,
+        loadback_pages=stats.loadback_pages, writeback_pages=stats.writeback_pages,
+        transfer_s_measured=sched.executor.transfer_seconds(),
+        transfer_s_modeled=sched.cost.transfer_s(stats.loadback_bytes + stats.writeback_bytes),
+        evictions=cs.device_evictions + cs.host_evictions, demotions=cs.demotions, loadbacks=cs.loadbacks,
+        writebacks=cs.writebacks, retractions=stats.retractions,
+        ttft_mean_s=sum(stats.ttft_s) / len(stats.ttft_s) if stats.ttft_s else 0.0,
+        ttft_p50_s=percentile(stats.ttft_s, 0.5), ttft_p99_s=percentile(stats.ttft_s, 0.99),
+        bookkeeping_s=wall, bookkeeping_us_per_request=wall / max(1, len(reqs)) * 1e6,
+        lifecycle_triggers=cs.triggers, wall_s=wall, abort_reasons=dict(stats.abort_reasons),
+    )
+    checked = getattr(sched.executor, "pages_checked", 0)
+    res.fingerprint_pages_checked = int(checked)
+    return res
+
+
+def run_replay(trace: Trace, setup: ReplaySetup, *, executor_factory: Callable[[CacheLayout], Executor] | None = None,
+               progress: Callable[[str, int], Callable[[int], None]] | None = None,
+               cost: CostModel | None = None) -> tuple[list[ConfigResult], dict[str, Any]]:
+    """Replay ``trace`` in the three configurations.
+
+    Returns:
+        The three results (device-only, device+host, unbounded) and a setup summary.
+    """
+    layout = preset(setup.preset)
+    reqs = trace_requests(trace, layout)
+    ws = working_set_units(trace, layout)
+    longest = max((r.prompt_tokens + r.output_tokens) // layout.alignment + 2 for r in reqs) if reqs else 1
+    unbounded = ws + sum((r.prompt_tokens + r.output_tokens) // layout.alignment + 2 for r in reqs)
+    configs: list[tuple[str, int, int | None]] = [
+        ("device-only", setup.device_units, None),
+        ("device+host", setup.device_units, setup.host_units),
+        ("unbounded", max(unbounded, longest), None),
+    ]
+    results = []
+    for name, dev, host in configs:
+        ex = executor_factory(layout) if executor_factory is not None else InstantExecutor()
+        cb = progress(name, len(reqs)) if progress is not None else None
+        results.append(run_config(name, reqs, layout, dev, host, setup, ex, cost, cb))
+    bound = results[-1].hit_tokens
+    for r in results:
+        r.hit_rate_vs_unbounded = r.hit_tokens / bound if bound else 0.0
+    summary = {
+        "preset": layout.name, "alignment_tokens": layout.alignment, "requests": len(reqs),
+        "working_set_units": ws, "working_set_tokens": ws * layout.alignment,
+        "device_tokens": setup.device_units * layout.alignment, "host_tokens": setup.host_units * layout.alignment,
+        "policy": setup.policy, "backend": setup.backend, "byte_scale": setup.byte_scale,
+        "cost_model": (cost or CostModel()).describe(), "state_groups": [g.name for g in layout.state_groups],
+    }
+    return results, summary
+
+
+ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("prompt tokens", "prompt_tokens", lambda v: f"{v:,}"),
+    ("prefix-hit tokens", "hit_tokens", lambda v: f"{v:,}"),
+    ("  from device", "device_hit_tokens", lambda v: f"{v:,}"),
+    ("  from host", "host_hit_tokens", lambda v: f"{v:,}"),
+    ("history-only bound", "history_hit_tokens", lambda v: f"{v:,}"),
+    ("prefill tokens computed", "prefill_tokens", lambda v: f"{v:,}"),
+    ("hit rate", "hit_rate", lambda v: f"{v:.2%}"),
+    ("hit rate vs unbounded", "hit_rate_vs_unbounded", lambda v: f"{v:.2%}"),
+    ("loadback bytes / pages", "loadback", lambda v: v),
+    ("writeback bytes / pages", "writeback", lambda v: v),
+    ("transfer s (measured)", "transfer_s_measured", lambda v: f"{v:.3f}"),
+    ("transfer s (modeled)", "transfer_s_modeled", lambda v: f"{v:.3f}"),
+    ("evictions / demotions", "evict", lambda v: v),
+    ("loadbacks / writebacks", "ops", lambda v: v),
+    ("retractions / aborts", "ra", lambda v: v),
+    ("TTFT mean / p50 / p99 s (modeled)", "ttft", lambda v: v),
+    ("bookkeeping us / request", "bookkeeping_us_per_request", lambda v: f"{v:,.0f}"),
+    ("lifecycle triggers", "lifecycle_triggers", lambda v: f"{v:,}"),
+    ("pages fingerprint-checked", "fingerprint_pages_checked", lambda v: f"{v:,}"),
+]
+
+
+def _cell(r: ConfigResult, key: str, fmt: Callable[[Any], str]) -> str:
+    if key == "loadback":
+        return f"{r.loadback_bytes / 1e9:,.2f} GB / {r.loadback_pages:,}"
+    if key == "writeback":
+        return f"{r.writeback_bytes / 1e9:,.2f} GB / {r.writeback_pages:,}"
+    if key == "evict":
+        return f"{r.evictions:,} / {r.demotions:,}"
+    if key == "ops":
+        return f"{r.loadbacks:,} / {r.writebacks:,}"
+    if key == "ra":
+        return f"{r.retractions:,} / {r.aborts:,}"
+    if key == "ttft":
+        return f"{r.ttft_mean_s:.3f} / {r.ttft_p50_s:.3f} / {r.ttft_p99_s:.3f}"
+    return fmt(getattr(r, key))
+
+
+def format_table(results: Sequence[ConfigResult], summary: dict[str, Any]) -> str:
+    """The replay's table as Markdown-compatible text."""
+    head = ["", *(f"{r.name} ({r.device_tokens:,} dev / {r.host_tokens:,} host tokens)" for r in results)]
+    rows = [head, ["---"] * len(head)]
+    for label, key, fmt in ROWS:
+        rows.append([label, *(_cell(r, key, fmt) for r in results)])
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    notes = [
+        f"preset {summary['preset']} (unit {summary['alignment_tokens']} tokens), {summary['requests']:,} requests, "
+        f"unbounded working set {summary['working_set_tokens']:,} tokens ({summary['working_set_units']:,} units), "
+        f"policy {summary['policy']}, backend {summary['backend']}",
+        f"modeled times: {summary['cost_model']}",
+    ]
+    return "\n".join(lines + [""] + notes)
+
+
+def to_json(results: Sequence[ConfigResult], summary: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` document."""
+    return {"setup": summary, "configurations": [asdict(r) for r in results]}

@@ -1,0 +1,410 @@
+"""The reference scheduler: continuous batching over :class:`TieredCache`, the way an
+engine's scheduler would drive it.
+
+Each step: deliver transfer completions, advance deadlines, schedule decode tokens
+(retracting the newest request when decode pages run out), continue chunked prefills,
+resume retracted requests, admit waiting ones within a token budget, submit the cache's
+transfer commands, run the forward pass (through an :class:`Executor`), report its
+results, finish requests that are done, and abort one deterministic victim when nothing
+could be scheduled, nothing is in flight and every blocked request is short of cache.
+
+Time is modeled (:class:`CostModel`); the cache's decisions never depend on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.fsm import Completion, ConfigError, Direction, TransferCommand
+
+from .costmodel import CostModel
+from .tiered import TieredCache
+
+__all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats"]
+
+
+@dataclass(slots=True, eq=False)
+class SchedRequest:
+    """A request as the reference scheduler sees it.
+
+    Attributes:
+        request_id: unique id.
+        arrival_s: arrival time (seconds).
+        prompt_tokens: prompt length (tokens, >= 1).
+        output_tokens: tokens to generate (>= 1 counted; 0 behaves as 1).
+        units: unit keys of the prompt's full units.
+    """
+
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    units: tuple[Hashable, ...]
+    tokens: int = 0
+    generated: int = 0
+    admitted_order: int = -1
+    first_token_s: float | None = None
+    hit_tokens: int = 0
+    device_hit_tokens: int = 0
+    history_hit_tokens: int = 0
+    computed_tokens: int = 0
+    done: bool = False
+    aborted: str | None = None
+    decode_units: int = 0
+    resume_to: int = 0
+    kv_target: int = 0  # tokens whose KV must exist before it decodes (prompt, or what it had)
+
+    def __post_init__(self) -> None:
+        self.kv_target = self.prompt_tokens
+
+
+class Executor(Protocol):
+    """What runs transfers and forward passes for the scheduler.
+
+    ``submit`` takes the cache's commands; ``collect`` returns every completion that is
+    ready (per layer and final, any order); ``forward`` runs one step's forward pass for
+    ``(request_id, first_token, n_tokens, page_table)`` items after ``wait`` says which
+    loadback layers are ready. The default :class:`InstantExecutor` moves no bytes.
+    """
+
+    def submit(self, commands: Sequence[TransferCommand]) -> None: ...
+
+    def collect(self) -> list[Completion]: ...
+
+    def forward(self, cache: TieredCache, batch: Sequence[tuple[str, int, int]]) -> None: ...
+
+    def transfer_seconds(self) -> float: ...
+
+
+class InstantExecutor:
+    """Metadata only: every transfer completes at the next collect (all layers, every
+    rank), forward passes do nothing."""
+
+    def __init__(self, world_size: int = 1, layer_chunk: int = 4) -> None:
+        self.world_size = world_size
+        self.layer_chunk = layer_chunk
+        self._pending: list[TransferCommand] = []
+
+    def submit(self, commands: Sequence[TransferCommand]) -> None:
+        self._pending.extend(commands)
+
+    def collect(self) -> list[Completion]:
+        out = []
+        for cmd in self._pending:
+            for rank in range(self.world_size):
+                if cmd.direction is Direction.LOADBACK and cmd.layers:
+                    last = cmd.layers[-1]
+                    for i in range(self.layer_chunk - 1, len(cmd.layers), self.layer_chunk):
+                        out.append(Completion(cmd.op_id, rank, True, cmd.layers[i]))
+                    if len(cmd.layers) % self.layer_chunk:
+                        out.append(Completion(cmd.op_id, rank, True, last))
+                out.append(Completion(cmd.op_id, rank, True, None))
+        self._pending.clear()
+        return out
+
+    def forward(self, cache: TieredCache, batch: Sequence[tuple[str, int, int]]) -> None:
+        return None
+
+    def transfer_seconds(self) -> float:
+        return 0.0
+
+
+@dataclass
+class RunStats:
+    """What one scheduler run did (tokens, counts, modeled seconds)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    history_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    retractions: int = 0
+    aborts: int = 0
+    abort_reasons: dict[str, int] = field(default_factory=dict)
+    loadback_bytes: int = 0
+    writeback_bytes: int = 0
+    loadback_pages: int = 0
+    writeback_pages: int = 0
+    modeled_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    finished: int = 0
+
+
+class ReferenceScheduler:
+    """Continuous batching with chunked prefill over a :class:`TieredCache`.
+
+    Args:
+        cache: the cache to drive.
+        executor: runs transfers and forward passes (default: metadata only).
+        token_budget: tokens per step, prefill and decode together (default 8,192).
+        cost: the step-time model (:class:`CostModel`).
+        align_chunks: end a prefill chunk at the prompt's last full unit when the layout
+            has continuation-state groups, so the state there can be checkpointed.
+        unit_bytes: bytes of one unit over the history groups (for byte counts).
+
+    Raises:
+        ConfigError: ``token_budget`` < 1.
+    """
+
+    def __init__(self, cache: TieredCache, executor: Executor | None = None, *, token_budget: int = 8192,
+                 cost: CostModel | None = None, align_chunks: bool = True) -> None:
+        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+            raise ConfigError(f"token_budget must be an int >= 1, got {token_budget!r}")
+        self.cache = cache
+        self.executor: Executor = executor or InstantExecutor(cache.core.world_size)
+        self.token_budget = token_budget
+        self.cost = cost or CostModel()
+        self.align = cache.layout.alignment
+        self.align_chunks = align_chunks and bool(cache.layout.state_groups)
+        self.stats = RunStats()
+        self.now = 0.0
+        self._order = 0
+        self._group_bytes = {g.name: g.page_bytes for g in cache.layout.groups}
+
+    # -- helpers ---------------------------------------------------------------------
+    def _command_bytes(self, cmd: TransferCommand) -> int:
+        return sum(t.pages * self._group_bytes[t.group] for t in cmd.transfers)
+
+    def _chunk_end(self, r: SchedRequest, start: int, budget: int) -> int:
+        end = min(r.kv_target, start + budget)
+        if self.align_chunks:
+            boundary = (r.kv_target // self.align) * self.align
+            if start < boundary < end:
+                end = boundary
+        return end
+
+    def _submit(self) -> float:
+        out = self.cache.poll()
+        load_bytes = 0
+        for cmd in out.commands:
+            nbytes = self._command_bytes(cmd)
+            if cmd.direction is Direction.LOADBACK:
+                load_bytes += nbytes
+                self.stats.loadback_bytes += nbytes
+                self.stats.loadback_pages += cmd.pages
+            else:
+                self.stats.writeback_bytes += nbytes
+                self.stats.writeback_pages += cmd.pages
+        self.executor.submit(out.commands)
+        for e in out.events:
+            if e.state == "aborted":
+                self._on_abort(e.request_id, e.reason or "aborted")
+            elif e.state == "waiting" and e.request_id in self._live:
+                self._requeue(self._live[e.request_id])
+        return self.cost.transfer_s(load_bytes)
+
+    def _requeue(self, r: SchedRequest) -> None:
+        """Its loadback failed: it recomputes from the start of its admission."""
+        if r in self._running:
+            self._running.remove(r)
+        r.tokens = 0
+        if r not in self._waiting:
+            self._waiting.appendleft(r)
+
+    def _on_abort(self, rid: str, reason: str) -> None:
+        r = self._live.pop(rid, None)
+        if r is None:
+            return
+        r.aborted = reason
+        r.done = True
+        self.stats.aborts += 1
+        self.stats.abort_reasons[reason] = self.stats.abort_reasons.get(reason, 0) + 1
+        for q in (self._waiting, self._retracted):
+            if r in q:
+                q.remove(r)
+
+    def _deliver(self) -> None:
+        for c in self.executor.collect():
+            self.cache.complete(c)
+
+    def _decode_unit_key(self, r: SchedRequest, index: int) -> Hashable:
+        return (r.request_id, "u", index)
+
+    def _units_for(self, r: SchedRequest, tokens: int) -> Sequence[Hashable]:
+        """Unit keys beyond the prompt's full units that ``tokens`` completes."""
+        have = len(r.units) + r.decode_units
+        full = tokens // self.align
+        out = [self._decode_unit_key(r, i) for i in range(have, full)]
+        r.decode_units += len(out)
+        return out
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self, requests: Sequence[SchedRequest], *, progress: Callable[[int], None] | None = None,
+            max_steps: int | None = None) -> RunStats:
+        """Run every request to its end; returns the statistics.
+
+        Args:
+            requests: the requests, by arrival time.
+            progress: called with the number of requests that ended since the last call.
+            max_steps: stop after this many steps (``None``: until every request ended).
+        """
+        pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
+        self._waiting: deque[SchedRequest] = deque()
+        self._retracted: deque[SchedRequest] = deque()
+        self._live: dict[str, SchedRequest] = {}
+        self._running: list[SchedRequest] = []
+        running = self._running
+        cache = self.cache
+        ended_before = 0
+        while pending or self._live:
+            if max_steps is not None and self.stats.steps >= max_steps:
+                break
+            if not self._live and pending and pending[0].arrival_s > self.now:
+                self.now = pending[0].arrival_s
+            while pending and pending[0].arrival_s <= self.now:
+                r = pending.popleft()
+                self._live[r.request_id] = r
+                self._waiting.append(r)
+                self.stats.prompt_tokens += r.prompt_tokens
+            self._deliver()
+            cache.advance_step()
+            self._submit()
+            running[:] = [r for r in running if r.request_id in self._live and not r.done]
+            batch: list[tuple[SchedRequest, int]] = []
+            budget = self.token_budget
+            blocked: list[str] = []
+            # 1. decode tokens; retract the newest request when pages run out
+            decoding = sorted((r for r in running if r.tokens >= r.kv_target), key=lambda r: r.admitted_order)
+            for r in list(decoding):
+                if budget <= 0 or r not in running:
+                    continue
+                table = cache.reserve(r.request_id, 1)
+                while table is None:
+                    victim = max((x for x in running if x.tokens >= x.kv_target and
+                                  all(x is not b for b, _ in batch)), key=lambda x: x.admitted_order)
+                    cache.retract(victim.request_id)
+                    self.stats.retractions += 1
+                    running.remove(victim)
+                    victim.resume_to = victim.tokens
+                    victim.kv_target = max(victim.prompt_tokens, victim.tokens)
+                    self._retracted.append(victim)
+                    if victim is r:
+                        break
+                    table = cache.reserve(r.request_id, 1)
+                if table is not None:
+                    batch.append((r, 1))
+                    budget -= 1
+            # 2. continue prefills
+            for r in sorted((r for r in running if r.tokens < r.kv_target), key=lambda r: r.admitted_order):
+                if budget <= 0:
+                    break
+                if cache.state(r.request_id) not in ("running", "loading"):
+                    continue
+                end = self._chunk_end(r, r.tokens, budget)
+                if cache.reserve(r.request_id, end - r.tokens) is None:
+                    blocked.append(r.request_id)
+                    continue
+                batch.append((r, end - r.tokens))
+                budget -= end - r.tokens
+            # 3. resume retracted, 4. admit waiting (FIFO; stop at the first that does not fit)
+            for queue, resume in ((self._retracted, True), (self._waiting, False)):
+                while queue and budget > 0:
+                    r = queue[0]
+                    if resume and cache.state(r.request_id) != "retracted":
+                        break  # its retract writeback is still in flight
+                    adm = (cache.resume(r.request_id, budget) if resume else
+                           cache.admit(r.request_id, r.units, r.prompt_tokens, budget))
+                    if adm is None:
+                        blocked.append(r.request_id)
+                        break
+                    queue.popleft()
+                    if not resume:
+                        r.hit_tokens = adm.hit_tokens
+                        r.device_hit_tokens = adm.device_hit_tokens
+                        r.history_hit_tokens = adm.history_hit_tokens
+                        self.stats.hit_tokens += adm.hit_tokens
+                        self.stats.device_hit_tokens += adm.device_hit_tokens
+                        self.stats.host_hit_tokens += adm.hit_tokens - adm.device_hit_tokens
+                        self.stats.history_hit_tokens += adm.history_hit_tokens
+                        r.admitted_order = self._order
+                        self._order += 1
+                    r.tokens = adm.start_token
+                    end = self._chunk_end(r, r.tokens, adm.chunk_tokens)
+                    n = max(1, end - r.tokens)
+                    running.append(r)
+                    batch.append((r, n))
+                    budget -= n
+            load_s = self._submit()
+            if not batch:
+                if blocked and not cache.in_flight():
+                    victim = cache.abort_victim(blocked)
+                    if victim is not None:
+                        self._submit()
+                        continue
+                if not cache.in_flight() and not pending and not self._waiting and not self._retracted \
+                        and not running and self._live:
+                    for rid in list(self._live):
+                        cache.abort(rid, "scheduler stalled")
+                    self._submit()
+                    continue
+                # wait for transfers or the next arrival
+                self.stats.steps += 1
+                if pending and not cache.in_flight():
+                    self.now = max(self.now, pending[0].arrival_s)
+                continue
+            # forward pass: loadbacks complete layer by layer during it
+            self._deliver()
+            self.executor.forward(cache, [(r.request_id, r.tokens, n) for r, n in batch])
+            prefill = sum(n for r, n in batch if r.tokens < r.kv_target)
+            decode = sum(n for r, n in batch if r.tokens >= r.kv_target)
+            self.stats.prefill_tokens += prefill
+            self.stats.decode_tokens += decode
+            step_s = max(self.cost.compute_s(prefill, decode), load_s)
+            self.now += step_s
+            self.stats.modeled_s += step_s
+            self.stats.steps += 1
+            for r, n in batch:
+                if r.request_id not in self._live:
+                    continue
+                if cache.state(r.request_id) not in ("running", "loading"):
+                    cache.step_done(r.request_id, 0)  # a discarded result (retracted, requeued, aborting)
+                    continue
+                before = r.tokens
+                r.tokens += n
+                units = self._units_for(r, r.tokens) if r.tokens // self.align > len(r.units) + r.decode_units \
+                    else ()
+                ckpt = r.tokens % self.align == 0
+                cache.step_done(r.request_id, n, new_units=units, checkpoint=ckpt)
+                if before < r.kv_target and r.resume_to:
+                    pass  # recomputing what it had before it was retracted: no new token
+                elif before < r.prompt_tokens <= r.tokens:
+                    r.generated = 1
+                    if r.first_token_s is None:
+                        r.first_token_s = self.now
+                        self.stats.ttft_s.append(self.now - r.arrival_s)
+                elif before >= r.kv_target:
+                    r.generated += 1
+                if r.generated >= max(1, r.output_tokens) and cache.state(r.request_id) == "running":
+                    cache.finish(r.request_id)
+                    r.done = True
+                    self._live.pop(r.request_id, None)
+                    self.stats.finished += 1
+            self._submit()
+            ended = self.stats.finished + self.stats.aborts
+            if progress is not None and ended > ended_before:
+                progress(ended - ended_before)
+                ended_before = ended
+        # drain: deliver what is still in flight
+        for _ in range(1000):
+            if not cache.in_flight():
+                break
+            self._deliver()
+            cache.advance_step()
+            self._submit()
+        return self.stats
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; 0.0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))
+    return s[k]
