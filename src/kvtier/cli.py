@@ -38,6 +38,60 @@ def _cmd_diagram(args: argparse.Namespace) -> int:
     return 0
 
 
+_TESTING_HINT = "needs the testing extra (Hypothesis): pip install 'kvtier[testing]'"
+
+
+def _cmd_fuzz(args: argparse.Namespace) -> int:
+    try:
+        from .testing.fuzz import campaign, replay_file
+    except ImportError as exc:
+        print(f"kvtier fuzz {_TESTING_HINT} ({exc})", file=sys.stderr)
+        return 2
+    if args.replay:
+        result = replay_file(args.replay)
+        return 0 if result.outcome == "pass" else 1
+    steps = args.steps
+    if steps is None and args.minutes is None:
+        steps = 10_000
+    world = f"{args.world_size}" if args.world_size else "1 and 2"
+    print(f"kvtier fuzz: seed {args.seed}, faults {args.faults}, world size {world}, "
+          + (f"{steps:,} steps" if steps is not None else f"{args.minutes} minutes"))
+    res = campaign(steps=steps, minutes=args.minutes, seed_value=args.seed, faults=args.faults,
+                   world_size=args.world_size, save=args.save, progress=not args.no_progress)
+    print(res.report())
+    if res.failure is not None:
+        return 1
+    if args.require_coverage and not res.coverage.complete:
+        print("kvtier fuzz: coverage is not complete (--require-coverage)", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    try:
+        from .testing.machines import FacadeMachine
+        from .testing.verify import verify
+    except ImportError as exc:
+        print(f"kvtier verify {_TESTING_HINT} ({exc})", file=sys.stderr)
+        return 2
+    setup = FacadeMachine.verify_setup(world=args.world_size, policy=args.policy, dev_units=args.device_units,
+                                       host_units=args.host_units, deadline=args.deadline)
+    print(f"kvtier verify: depth {args.depth}, facade with 2 requests (prompts 'ab' and 'ac'), "
+          f"2 cache groups, {setup.render()}")
+
+    def progress(level: int, frontier: int, states: int) -> None:
+        if not args.quiet:
+            print(f"  depth {level}: {states:,} states, {frontier:,} new", file=sys.stderr, flush=True)
+
+    res = verify(args.depth, setup=setup, seconds=args.max_seconds, progress=progress)
+    print(res.report())
+    if res.violation is not None:
+        path = res.violation.save(args.save)
+        print(f"saved as {path} (reproduce: kvtier fuzz --replay {path})")
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvtier`` command (one subparser per subcommand)."""
     parser = argparse.ArgumentParser(
@@ -61,6 +115,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="exit non-zero if the committed .dot/.mmd files in DIR differ from the spec")
     p.set_defaults(func=_cmd_diagram)
+
+    p = sub.add_parser("fuzz", help="stateful fuzzing campaign of the core and facade (needs kvtier[testing])",
+                       description="Run the Hypothesis state machines of the core, the facade and the raw "
+                                   "node and request lifecycles as one campaign with fault injection; print "
+                                   "the steps run, the invariants checked and the lifecycle coverage computed "
+                                   "from the spec. A failure is shrunk, printed as readable steps and saved "
+                                   "as a kvtier event sequence (JSON).")
+    p.add_argument("--steps", type=int, help="stop after this many steps (default 10000 without --minutes)")
+    p.add_argument("--minutes", type=float, help="stop after this many minutes")
+    p.add_argument("--seed", type=int, default=0, help="campaign seed (default %(default)s)")
+    p.add_argument("--faults", type=float, default=0.25, metavar="RATE",
+                   help="chance that a delivered completion fails (default %(default)s)")
+    p.add_argument("--world-size", type=int, choices=[1, 2, 3, 4], help="fix the tensor-parallel ranks")
+    p.add_argument("--save", default="kvtier-fuzz-failure.json", metavar="FILE",
+                   help="where a failing sequence is saved (default %(default)s)")
+    p.add_argument("--replay", metavar="FILE", help="replay a saved event sequence exactly and exit")
+    p.add_argument("--require-coverage", action="store_true",
+                   help="exit 3 unless every transition, guard value and rejection was exercised")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_fuzz)
+
+    p = sub.add_parser("verify", help="exhaustive bounded exploration of a small configuration (needs kvtier[testing])",
+                       description="Breadth-first over every interleaving of admissions, forward results, "
+                                   "finishes, retractions, resumptions, aborts, completions (success and "
+                                   "failure) and polls of two requests on a small facade, merging equivalent "
+                                   "states by a canonical hash; every invariant is checked in every state.")
+    p.add_argument("--depth", type=int, default=6, help="bound on steps (default %(default)s)")
+    p.add_argument("--world-size", type=int, default=1, choices=[1, 2], help="ranks (default %(default)s)")
+    p.add_argument("--policy", default="write_through",
+                   choices=["write_through", "write_through_selective", "write_back"])
+    p.add_argument("--device-units", type=int, default=4, help="device capacity in units (default %(default)s)")
+    p.add_argument("--host-units", type=int, default=4, help="host capacity in units (default %(default)s)")
+    p.add_argument("--deadline", type=int, default=None, help="operation deadline in steps (default: none)")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop early after this long")
+    p.add_argument("--save", default="kvtier-verify-violation.json", metavar="FILE",
+                   help="where a violating trace is saved (default %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no per-level progress")
+    p.set_defaults(func=_cmd_verify)
     return parser
 
 

@@ -1,0 +1,211 @@
+"""``kvtier fuzz``: a long stateful fuzzing campaign over the kit's machines.
+
+The campaign runs the core machine, the facade machine and the raw node and request
+lifecycle machines in rounds (chunks of examples, each chunk with a seed derived from
+the campaign seed, so a campaign is reproducible), with fault injection, until the step
+budget or the time budget is spent or an invariant fails. Coverage of the lifecycles
+is recorded from the spec (:mod:`kvtier.testing.coverage`). A failure is shrunk by
+Hypothesis; the minimal failing run is printed as readable steps and saved as a kvtier
+event sequence (:mod:`kvtier.testing.sequence`) that ``kvtier fuzz --replay`` reproduces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from hypothesis import HealthCheck, Phase, Verbosity, seed, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from .coverage import LifecycleCoverage
+from .machines import INVARIANTS, STATS, KitMachine
+from .sequence import EventSequence, ReplayResult, classify, machine_class, replay
+
+__all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
+
+#: machine name -> share of the step budget
+DEFAULT_MIX: dict[str, float] = {"core": 0.4, "facade": 0.4, "node": 0.1, "request": 0.1}
+LIFECYCLE_DRIVERS = ("core", "facade")
+
+
+@dataclass
+class CampaignResult:
+    """What a campaign did."""
+
+    seed: int
+    steps: int = 0
+    examples: int = 0
+    checks: int = 0
+    seconds: float = 0.0
+    steps_by_machine: dict[str, int] = field(default_factory=dict)
+    coverage: LifecycleCoverage = field(default_factory=LifecycleCoverage)
+    failure: EventSequence | None = None
+    failure_result: ReplayResult | None = None
+    saved: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else 0.0
+
+    def report(self) -> str:
+        by = ", ".join(f"{k} {v:,}" for k, v in self.steps_by_machine.items())
+        lines = [
+            f"steps run: {self.steps:,} ({by}) in {self.examples:,} examples, {self.seconds:.1f} s "
+            f"({self.steps_per_second:,.0f} steps/s)",
+            f"invariants checked: {self.checks:,} checks (after every step), each of the "
+            f"{len(INVARIANTS)} named invariants: {', '.join(INVARIANTS)}",
+            self.coverage.report(by_source=tuple(self.steps_by_machine)),
+        ]
+        drivers = set(LIFECYCLE_DRIVERS) & set(self.steps_by_machine)
+        if drivers:
+            lines.append("  transitions and guards never driven by the core or the facade (raw machines only): "
+                         + (", ".join(i.label for i in self.coverage.missing(None, drivers) if i.kind != "rejection")
+                            or "none"))
+        if self.failure is not None:
+            res = self.failure_result
+            lines.append(f"VIOLATION of {res.invariant if res else '?'}: {res.message if res else ''}")
+            lines.append(f"minimal failing sequence ({len(self.failure.steps)} steps, machine "
+                         f"{self.failure.machine!r}):")
+            lines.append(self.failure.render())
+            if self.saved is not None:
+                lines.append(f"saved as {self.saved} (reproduce: kvtier fuzz --replay {self.saved})")
+        else:
+            lines.append("result: no violation")
+        return "\n".join(lines)
+
+
+def _derive(campaign_seed: int, name: str, chunk: int) -> int:
+    digest = hashlib.sha256(f"{campaign_seed}:{name}:{chunk}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def campaign(*, steps: int | None = None, minutes: float | None = None, seed_value: int = 0,
+             faults: float = 0.25, world_size: int | None = None, save: str | Path | None = None,
+             mix: dict[str, float] | None = None, step_count: int = 100, chunk_examples: int = 10,
+             progress: bool = True, stream: TextIO | None = None,
+             machines: dict[str, type[KitMachine]] | None = None,
+             on_chunk: Callable[[CampaignResult], None] | None = None) -> CampaignResult:
+    """Run a campaign until ``steps`` steps have run or ``minutes`` have passed (the first
+    reached; at least one is needed) or an invariant fails.
+
+    Args:
+        steps, minutes: budgets.
+        seed_value: the campaign seed (every chunk's seed is derived from it).
+        faults: the chance that a delivered completion fails (0..1).
+        world_size: fix the tensor-parallel ranks (default: drawn from 1 and 2).
+        save: where to save a failing sequence (default ``kvtier-fuzz-failure.json``).
+        mix: machine name -> share of the step budget (default :data:`DEFAULT_MIX`).
+        step_count: steps per example (upper bound).
+        chunk_examples: examples per chunk.
+        machines: name -> machine class (default: the registered kit machines).
+    """
+    if steps is None and minutes is None:
+        raise ValueError("campaign needs steps or minutes")
+    if not 0.0 <= faults <= 1.0:
+        raise ValueError(f"faults must be between 0 and 1, got {faults}")
+    mix = dict(mix or DEFAULT_MIX)
+    classes = {name: (machines or {}).get(name) or machine_class(name) for name in mix}
+    attrs: dict[str, Any] = {"fault_rate": faults}
+    if world_size is not None:
+        attrs["world_size"] = world_size
+    configured = {name: cls.configured(**attrs) for name, cls in classes.items()}  # type: ignore[attr-defined]
+    out = stream or sys.stdout
+    res = CampaignResult(seed=seed_value)
+    res.steps_by_machine = {name: 0 for name in mix}
+    deadline = time.monotonic() + minutes * 60 if minutes is not None else None
+    t0 = time.perf_counter()
+    bar: Any = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps if steps is not None else int((minutes or 0) * 60), unit=" steps" if steps else " s",
+                   file=sys.stderr, dynamic_ncols=True, leave=False, desc="kvtier fuzz")
+    base = settings(max_examples=chunk_examples, stateful_step_count=step_count, deadline=None, database=None,
+                    derandomize=False, print_blob=False, report_multiple_bugs=False, verbosity=Verbosity.quiet,
+                    suppress_health_check=list(HealthCheck),
+                    phases=[Phase.explicit, Phase.generate, Phase.shrink])
+    STATS.reset()
+    chunk = 0
+    with res.coverage.recording():
+        while True:
+            if steps is not None and res.steps >= steps:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            # the machine furthest behind its share runs next
+            name = min(mix, key=lambda n: res.steps_by_machine[n] / mix[n] if mix[n] else float("inf"))
+            cls = configured[name]
+            before = STATS.steps
+            with res.coverage.attributed(name):
+                try:
+                    run_state_machine_as_test(seed(_derive(seed_value, name, chunk))(lambda: cls()),
+                                              settings=base)
+                except Exception as exc:  # noqa: BLE001 - a failure of the system under test
+                    current = KitMachine.kit_current()
+                    trace = current.kit_sequence(f"fuzz-seed{seed_value}-{name}") if current else None
+                    _ = classify(exc)
+                    if trace is not None:
+                        trace.description = (f"minimal failing sequence found by kvtier fuzz --seed {seed_value} "
+                                             f"(machine {name}, chunk {chunk})")
+                        res.failure_result = replay(trace)
+                        if res.failure_result.outcome == "violation":
+                            trace.expect = {"outcome": "violation", "invariant": res.failure_result.invariant}
+                        res.failure = trace
+                        res.saved = trace.save(save or "kvtier-fuzz-failure.json")
+                    else:  # pragma: no cover - a failure before any machine ran
+                        raise
+            ran = STATS.steps - before
+            res.steps += ran
+            res.steps_by_machine[name] += ran
+            chunk += 1
+            if bar is not None:
+                bar.update(ran if steps is not None else 0)
+                if steps is None:
+                    bar.n = int(time.perf_counter() - t0)
+                    bar.refresh()
+                bar.set_postfix_str(res.coverage.summary(), refresh=False)
+            if on_chunk is not None:
+                on_chunk(res)
+            if res.failure is not None:
+                break
+    if bar is not None:
+        bar.close()
+    res.seconds = time.perf_counter() - t0
+    res.examples = STATS.examples
+    res.checks = STATS.checks
+    _ = out
+    return res
+
+
+def replay_file(path: str | Path, stream: TextIO | None = None) -> ReplayResult:
+    """Replay a saved sequence, printing its steps and the outcome."""
+    out = stream or sys.stdout
+    seq = EventSequence.load(path)
+    print(f"replaying {path}: {seq.name!r} on machine {seq.machine!r}, {len(seq.steps)} steps", file=out)
+    if seq.description:
+        print(f"  {seq.description}", file=out)
+    print(seq.render(), file=out)
+    result = replay(seq)
+    print(result.describe(), file=out)
+    want = seq.expect
+    verdict = "as expected" if result.matches(want) else "NOT as expected"
+    print(f"expected {want.get('outcome', 'pass')}"
+          + (f" of {want['invariant']}" if want.get("invariant") else "") + f": {verdict}", file=out)
+    return result
+
+
+def _main_args(ns: Any) -> dict[str, Any]:  # pragma: no cover - thin CLI glue
+    return dict(steps=ns.steps, minutes=ns.minutes, seed_value=ns.seed, faults=ns.faults,
+                world_size=ns.world_size, save=ns.save)
+
+
+_ = Sequence

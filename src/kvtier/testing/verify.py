@@ -1,0 +1,177 @@
+"""``kvtier verify``: exhaustive bounded exploration of a small configuration.
+
+Breadth-first over every interleaving of the enabled steps of a kit machine
+(:meth:`KitMachine.kit_actions`: admissions, forward results, reservations, finishes,
+retractions, resumptions, aborts, every deliverable completion succeeding or failing,
+deadlines, polls), from one fixed setup. States are merged through
+:meth:`KitMachine.kit_canonical` (nodes by prefix; page, op and receipt ids renumbered
+canonically; clock stamps replaced by their LRU order), and every invariant is checked
+in every state reached. The result is the number of distinct states, the depth
+reached, whether the search reached a fixpoint (every reachable state seen), or the
+shortest violating trace as a kvtier event sequence.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
+from kvtier.fsm.machines import node_lifecycle, request_lifecycle
+
+from .machines import FacadeMachine, KitMachine
+from .sequence import EventSequence, Step, classify, machine_name
+
+__all__ = ["VerifyResult", "verify", "clone"]
+
+
+class _Bare(RuleBasedStateMachine):
+    @rule()
+    def nothing(self) -> None:
+        pass
+
+
+_HYPO_ATTRS: frozenset[str] | None = None
+
+
+def clone(machine: KitMachine) -> KitMachine:
+    """An independent copy of ``machine`` (Hypothesis' own bookkeeping and the shared
+    lifecycle machines are shared, everything else is deep-copied)."""
+    global _HYPO_ATTRS
+    if _HYPO_ATTRS is None:
+        _HYPO_ATTRS = frozenset(vars(_Bare()))
+    memo: dict[int, Any] = {id(node_lifecycle()): node_lifecycle(), id(request_lifecycle()): request_lifecycle()}
+    cache = getattr(machine, "cache", None)
+    if cache is not None:
+        memo[id(cache.layout)] = cache.layout
+    new = object.__new__(type(machine))
+    state = {k: v for k, v in vars(machine).items() if k not in _HYPO_ATTRS and k != "kit_trace"}
+    new.__dict__.update({k: v for k, v in vars(machine).items() if k in _HYPO_ATTRS})
+    new.__dict__.update(copy.deepcopy(state, memo))
+    new.kit_trace = list(machine.kit_trace)
+    return new
+
+
+@dataclass
+class VerifyResult:
+    """What :func:`verify` found.
+
+    Attributes:
+        states: distinct (canonical) states reached, the initial one included.
+        transitions: steps executed (edges explored).
+        depth: the deepest level fully explored.
+        fixpoint: True when no new state appeared: every reachable state was seen.
+        violation: the shortest violating trace (an event sequence), or ``None``.
+        invariant, message: what it violated.
+        seconds: wall time.
+        per_depth: new states per level.
+        stopped: why the search stopped early (time or state limit), else ``""``.
+    """
+
+    states: int = 0
+    transitions: int = 0
+    depth: int = 0
+    fixpoint: bool = False
+    violation: EventSequence | None = None
+    invariant: str | None = None
+    message: str = ""
+    seconds: float = 0.0
+    per_depth: list[int] = field(default_factory=list)
+    stopped: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+    def report(self) -> str:
+        lines = [f"states explored: {self.states:,} distinct ({self.transitions:,} steps executed) "
+                 f"in {self.seconds:.1f} s",
+                 f"depth reached: {self.depth}" + (" (fixpoint: every reachable state seen)" if self.fixpoint
+                                                   else f"; new states per level: {self.per_depth}")]
+        if self.stopped:
+            lines.append(f"stopped early: {self.stopped}")
+        if self.violation is not None:
+            lines.append(f"VIOLATION of {self.invariant}: {self.message}")
+            lines.append(f"shortest violating trace ({len(self.violation.steps)} steps):")
+            lines.append(self.violation.render())
+        else:
+            lines.append("no invariant violated in any state reached")
+        return "\n".join(lines)
+
+
+def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step | None = None,
+           max_states: int | None = None, seconds: float | None = None,
+           progress: Callable[[int, int, int], None] | None = None) -> VerifyResult:
+    """Explore every interleaving up to ``depth`` steps after the setup.
+
+    Args:
+        depth: the bound on steps after the setup.
+        machine: the kit machine class (must implement ``kit_actions`` and ``kit_canonical``).
+        setup: the setup step (default: ``machine.verify_setup()``).
+        max_states, seconds: stop early (reported in ``stopped``) past these.
+        progress: called with (level, frontier size, states so far) after each level.
+    """
+    t0 = time.perf_counter()
+    res = VerifyResult()
+    root = machine()
+    first = setup if setup is not None else machine.verify_setup()  # type: ignore[attr-defined]
+    root.kit_trace.append(first)
+    root.kit_replaying = True
+    getattr(root, first.rule)(**first.args)
+    root.kit_check()
+    seen: set[Hashable] = {root.kit_canonical()}
+    frontier: list[KitMachine] = [root]
+    res.states = 1
+    name = machine_name(machine)
+    for level in range(1, depth + 1):
+        nxt: list[KitMachine] = []
+        new_here = 0
+        for m in frontier:
+            for step in m.kit_actions():
+                child = clone(m)
+                child.kit_trace.append(step)
+                res.transitions += 1
+                try:
+                    getattr(child, step.rule)(**step.args)
+                    child.kit_check()
+                except Exception as exc:  # noqa: BLE001 - a failure of the system under test
+                    res.invariant, res.message = classify(exc)
+                    res.violation = EventSequence(
+                        name, list(child.kit_trace), "verify-violation",
+                        f"shortest violating trace found by kvtier verify (depth {level})",
+                        {"outcome": "violation", "invariant": res.invariant})
+                    res.depth = level
+                    res.seconds = time.perf_counter() - t0
+                    return res
+                key = child.kit_canonical()
+                if key in seen:
+                    continue
+                seen.add(key)
+                nxt.append(child)
+                new_here += 1
+                if max_states is not None and len(seen) >= max_states:
+                    res.stopped = f"state limit {max_states:,} reached at depth {level}"
+                if seconds is not None and time.perf_counter() - t0 > seconds:
+                    res.stopped = f"time limit {seconds:.0f} s reached at depth {level}"
+                if res.stopped:
+                    res.states = len(seen)
+                    res.depth = level - 1
+                    res.per_depth.append(new_here)
+                    res.seconds = time.perf_counter() - t0
+                    return res
+        res.states = len(seen)
+        res.per_depth.append(new_here)
+        frontier = nxt
+        res.depth = level
+        if progress is not None:
+            progress(level, len(frontier), len(seen))
+        if not frontier:
+            res.fixpoint = True
+            res.depth = level - 1
+            break
+    res.seconds = time.perf_counter() - t0
+    return res
