@@ -525,7 +525,8 @@ class TieredCache:
         r = self._get(request_id)
         if r.state == "running" and r.owed_forward:
             # forward_result is not allowed in finishing: the request would never settle
-            raise KvtierError(f"request {request_id!r}: finish while {r.owed_forward} forward result(s) are owed")
+            raise KvtierError(f"request {request_id!r} (state {r.state!r}): finish while {r.owed_forward} "
+                              f"forward result(s) are owed")
         self._lc.check(r, "finish") if r.state == "running" else self._lc.fire(r, "finish")
         self._publish(r, checkpoint=r.retract_ckpt, final=True)
         cmd = None
@@ -575,6 +576,8 @@ class TieredCache:
         r = self._get(request_id)
         if r.state != "retracted":
             self._lc.fire(r, "resume")  # raises IllegalTransition naming the state
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ConfigError(f"request {request_id!r}: resume chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
         n_units = min(r.tokens // self._align, len(r.units))
         limit = r.tokens
         key = r.units[:n_units]
