@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    from .replay_cli import add_parser as add_replay
+
+    add_replay(sub)
+
     p = sub.add_parser("diagram", help="draw the node and request lifecycles from the spec",
                        description="Draw both lifecycles from spec/lifecycle.toml with transitions' "
                                    "GraphMachine (guards on edges). svg/png need the Graphviz 'dot' "

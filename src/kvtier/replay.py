@@ -24,7 +24,8 @@ from .scheduler import Executor, InstantExecutor, ReferenceScheduler, SchedReque
 from .tiered import TieredCache
 from .trace import MOONCAKE_BLOCK_TOKENS, Trace
 
-__all__ = ["ReplaySetup", "ConfigResult", "trace_requests", "run_replay", "working_set_units", "format_table"]
+__all__ = ["ReplaySetup", "ConfigResult", "trace_requests", "run_replay", "run_config", "make_executor",
+           "working_set_units", "format_table", "to_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +75,17 @@ class ConfigResult:
         transfer_s_modeled: the full-geometry bytes at the cost model's link rate.
         evictions, demotions, loadbacks, writebacks, retractions: counts.
         ttft_mean_s, ttft_p50_s, ttft_p99_s: modeled time to first token.
-        bookkeeping_s: seconds spent inside kvtier's calls (wall clock).
+        bookkeeping_s: wall seconds spent inside the cache's calls (kvtier's bookkeeping;
+            the scheduler's own loop and the backend's copies excluded).
         bookkeeping_us_per_request: that per request.
+        decode_bookkeeping_us_per_request: of which the per-token calls of decode steps
+            (reserve and step_done of one token), per request.
         lifecycle_triggers: node lifecycle triggers fired.
         wall_s: wall-clock seconds of the configuration's run.
         fingerprint_pages_checked: pages read back and checked against their fingerprint.
+        abort_reasons: abort reason -> count.
+        timeline: samples every 64 steps of (modeled seconds, hit rate so far, device pool
+            used fraction, host pool used fraction).
     """
 
     name: str
@@ -111,10 +118,12 @@ class ConfigResult:
     ttft_p99_s: float = 0.0
     bookkeeping_s: float = 0.0
     bookkeeping_us_per_request: float = 0.0
+    decode_bookkeeping_us_per_request: float = 0.0
     lifecycle_triggers: int = 0
     wall_s: float = 0.0
     fingerprint_pages_checked: int = 0
     abort_reasons: dict[str, int] = field(default_factory=dict)
+    timeline: list[tuple[float, float, float, float]] = field(default_factory=list)
 
 
 def _units_per_block(layout: CacheLayout) -> int:
@@ -183,18 +192,38 @@ def run_config(name: str, requests: Sequence[SchedRequest], layout: CacheLayout,
         writebacks=cs.writebacks, retractions=stats.retractions,
         ttft_mean_s=sum(stats.ttft_s) / len(stats.ttft_s) if stats.ttft_s else 0.0,
         ttft_p50_s=percentile(stats.ttft_s, 0.5), ttft_p99_s=percentile(stats.ttft_s, 0.99),
-        bookkeeping_s=wall, bookkeeping_us_per_request=wall / max(1, len(reqs)) * 1e6,
+        bookkeeping_s=stats.kvtier_s, bookkeeping_us_per_request=stats.kvtier_s / max(1, len(reqs)) * 1e6,
+        decode_bookkeeping_us_per_request=stats.kvtier_decode_s / max(1, len(reqs)) * 1e6,
         lifecycle_triggers=cs.triggers, wall_s=wall, abort_reasons=dict(stats.abort_reasons),
+        timeline=list(stats.timeline),
     )
     checked = getattr(sched.executor, "pages_checked", 0)
     res.fingerprint_pages_checked = int(checked)
     return res
 
 
-def run_replay(trace: Trace, setup: ReplaySetup, *, executor_factory: Callable[[CacheLayout], Executor] | None = None,
+def make_executor(setup: ReplaySetup, layout: CacheLayout, device_units: int, host_units: int | None) -> Executor:
+    """The executor for ``setup.backend``: metadata only for ``none``, else real bytes at
+    the scaled geometry with fingerprint checks."""
+    if setup.backend == "none":
+        return InstantExecutor()
+    from kvtier.fsm.cache import units_to_pages
+
+    from .fingerprint import BytesExecutor, scaled_layout
+
+    return BytesExecutor(scaled_layout(layout, setup.byte_scale), units_to_pages(layout, device_units),
+                         units_to_pages(layout, host_units) if host_units else None, setup.backend, salt=setup.seed)
+
+
+def run_replay(trace: Trace, setup: ReplaySetup, *,
+               executor_factory: Callable[[CacheLayout, int, int | None], Executor] | None = None,
                progress: Callable[[str, int], Callable[[int], None]] | None = None,
                cost: CostModel | None = None) -> tuple[list[ConfigResult], dict[str, Any]]:
     """Replay ``trace`` in the three configurations.
+
+    Args:
+        executor_factory: (layout, device units, host units) -> executor; default
+            :func:`make_executor` for ``setup.backend``.
 
     Returns:
         The three results (device-only, device+host, unbounded) and a setup summary.
@@ -211,7 +240,8 @@ def run_replay(trace: Trace, setup: ReplaySetup, *, executor_factory: Callable[[
     ]
     results = []
     for name, dev, host in configs:
-        ex = executor_factory(layout) if executor_factory is not None else InstantExecutor()
+        ex = (executor_factory(layout, dev, host) if executor_factory is not None
+              else make_executor(setup, layout, dev, host))
         cb = progress(name, len(reqs)) if progress is not None else None
         results.append(run_config(name, reqs, layout, dev, host, setup, ex, cost, cb))
     bound = results[-1].hit_tokens
@@ -244,7 +274,9 @@ ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("loadbacks / writebacks", "ops", lambda v: v),
     ("retractions / aborts", "ra", lambda v: v),
     ("TTFT mean / p50 / p99 s (modeled)", "ttft", lambda v: v),
-    ("bookkeeping us / request", "bookkeeping_us_per_request", lambda v: f"{v:,.0f}"),
+    ("kvtier bookkeeping us / request", "bookkeeping_us_per_request", lambda v: f"{v:,.0f}"),
+    ("  of which per-token decode calls", "decode_bookkeeping_us_per_request", lambda v: f"{v:,.0f}"),
+    ("lifecycle events / s", "events_per_s", lambda v: f"{v:,.0f}"),
     ("lifecycle triggers", "lifecycle_triggers", lambda v: f"{v:,}"),
     ("pages fingerprint-checked", "fingerprint_pages_checked", lambda v: f"{v:,}"),
 ]
@@ -261,6 +293,8 @@ def _cell(r: ConfigResult, key: str, fmt: Callable[[Any], str]) -> str:
         return f"{r.loadbacks:,} / {r.writebacks:,}"
     if key == "ra":
         return f"{r.retractions:,} / {r.aborts:,}"
+    if key == "events_per_s":
+        return f"{r.lifecycle_triggers / r.bookkeeping_s:,.0f}" if r.bookkeeping_s else "-"
     if key == "ttft":
         return f"{r.ttft_mean_s:.3f} / {r.ttft_p50_s:.3f} / {r.ttft_p99_s:.3f}"
     return fmt(getattr(r, key))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from time import perf_counter
+from typing import Any
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,7 +24,7 @@ from typing import Protocol
 from kvtier.fsm import Completion, ConfigError, Direction, TransferCommand
 
 from .costmodel import CostModel
-from .tiered import TieredCache
+from .tiered import Admission, TieredCache
 
 __all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats"]
 
@@ -79,6 +81,11 @@ class Executor(Protocol):
 
     def transfer_seconds(self) -> float: ...
 
+    def admitted(self, cache: TieredCache, adm: Admission) -> None: ...
+
+    def checkpointed(self, cache: TieredCache, request_id: str, pages: dict[str, list[int]],
+                     tokens: int) -> None: ...
+
 
 class InstantExecutor:
     """Metadata only: every transfer completes at the next collect (all layers, every
@@ -112,6 +119,13 @@ class InstantExecutor:
     def transfer_seconds(self) -> float:
         return 0.0
 
+    def admitted(self, cache: TieredCache, adm: Admission) -> None:
+        return None
+
+    def checkpointed(self, cache: TieredCache, request_id: str, pages: dict[str, list[int]],
+                     tokens: int) -> None:
+        return None
+
 
 @dataclass
 class RunStats:
@@ -135,6 +149,38 @@ class RunStats:
     modeled_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
     finished: int = 0
+    kvtier_s: float = 0.0  #: wall seconds spent inside the cache's calls (bookkeeping)
+    kvtier_decode_s: float = 0.0  #: of which the per-token calls of decode steps
+    #: (modeled seconds, hit rate so far, device pool used fraction, host pool used fraction)
+    timeline: list[tuple[float, float, float, float]] = field(default_factory=list)
+
+
+class _Timed:
+    """The cache, with the wall time of every call added to ``stats.kvtier_s``."""
+
+    def __init__(self, cache: TieredCache, stats: RunStats) -> None:
+        self._cache = cache
+        self._stats = stats
+        self.decode = False  # set around per-token decode calls
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._cache, name)
+        if not callable(fn):
+            return fn
+        stats = self._stats
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = perf_counter() - t0
+                stats.kvtier_s += dt
+                if self.decode:
+                    stats.kvtier_decode_s += dt
+
+        setattr(self, name, call)  # bind once: later calls skip __getattr__
+        return call
 
 
 class ReferenceScheduler:
@@ -158,12 +204,15 @@ class ReferenceScheduler:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
             raise ConfigError(f"token_budget must be an int >= 1, got {token_budget!r}")
         self.cache = cache
+        self._real_cache = cache
         self.executor: Executor = executor or InstantExecutor(cache.core.world_size)
         self.token_budget = token_budget
         self.cost = cost or CostModel()
         self.align = cache.layout.alignment
         self.align_chunks = align_chunks and bool(cache.layout.state_groups)
         self.stats = RunStats()
+        self._timed = _Timed(cache, self.stats)
+        self.cache = self._timed  # type: ignore[assignment]
         self.now = 0.0
         self._order = 0
         self._group_bytes = {g.name: g.page_bytes for g in cache.layout.groups}
@@ -235,6 +284,14 @@ class ReferenceScheduler:
         r.decode_units += len(out)
         return out
 
+    def _sample(self) -> None:
+        core = self.cache.core
+        dev = sum(a.used for a in core.device.values()) / max(1, sum(a.capacity for a in core.device.values()))
+        host = (sum(a.used for a in core.host.values()) / max(1, sum(a.capacity for a in core.host.values()))
+                if core.host is not None else 0.0)
+        rate = self.stats.hit_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0
+        self.stats.timeline.append((self.now, rate, dev, host))
+
     # -- the loop --------------------------------------------------------------------
     def run(self, requests: Sequence[SchedRequest], *, progress: Callable[[int], None] | None = None,
             max_steps: int | None = None) -> RunStats:
@@ -275,7 +332,9 @@ class ReferenceScheduler:
             for r in list(decoding):
                 if budget <= 0 or r not in running:
                     continue
+                self._timed.decode = True
                 table = cache.reserve(r.request_id, 1)
+                self._timed.decode = False
                 while table is None:
                     victim = max((x for x in running if x.tokens >= x.kv_target and
                                   all(x is not b for b, _ in batch)), key=lambda x: x.admitted_order)
@@ -315,6 +374,7 @@ class ReferenceScheduler:
                         blocked.append(r.request_id)
                         break
                     queue.popleft()
+                    self.executor.admitted(self._real_cache, adm)
                     if not resume:
                         r.hit_tokens = adm.hit_tokens
                         r.device_hit_tokens = adm.device_hit_tokens
@@ -351,7 +411,7 @@ class ReferenceScheduler:
                 continue
             # forward pass: loadbacks complete layer by layer during it
             self._deliver()
-            self.executor.forward(cache, [(r.request_id, r.tokens, n) for r, n in batch])
+            self.executor.forward(self._real_cache, [(r.request_id, r.tokens, n) for r, n in batch])
             prefill = sum(n for r, n in batch if r.tokens < r.kv_target)
             decode = sum(n for r, n in batch if r.tokens >= r.kv_target)
             self.stats.prefill_tokens += prefill
@@ -371,7 +431,11 @@ class ReferenceScheduler:
                 units = self._units_for(r, r.tokens) if r.tokens // self.align > len(r.units) + r.decode_units \
                     else ()
                 ckpt = r.tokens % self.align == 0
-                cache.step_done(r.request_id, n, new_units=units, checkpoint=ckpt)
+                self._timed.decode = before >= r.kv_target
+                adopted = cache.step_done(r.request_id, n, new_units=units, checkpoint=ckpt)
+                self._timed.decode = False
+                if adopted:
+                    self.executor.checkpointed(self._real_cache, r.request_id, adopted, r.tokens)
                 if before < r.kv_target and r.resume_to:
                     pass  # recomputing what it had before it was retracted: no new token
                 elif before < r.prompt_tokens <= r.tokens:
@@ -387,6 +451,8 @@ class ReferenceScheduler:
                     self._live.pop(r.request_id, None)
                     self.stats.finished += 1
             self._submit()
+            if self.stats.steps % 64 == 0:
+                self._sample()
             ended = self.stats.finished + self.stats.aborts
             if progress is not None and ended > ended_before:
                 progress(ended - ended_before)

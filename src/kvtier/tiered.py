@@ -59,6 +59,8 @@ class Admission:
             to rebuild continuation state (already excluded from ``hit_tokens``).
         history_hit_tokens: the history-only bound: tokens a hit would cover if exact
             continuation state were not required (equals ``hit_tokens`` without state groups).
+        checkpoint_pages: state group -> device pages of the continuation-state checkpoint
+            at ``start_token`` (copy it into the working state pages); empty without one.
     """
 
     request_id: str
@@ -71,6 +73,7 @@ class Admission:
     wait_ops: tuple[int, ...]
     recompute_tokens: int = 0
     history_hit_tokens: int = 0
+    checkpoint_pages: PageMap = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +222,10 @@ class TieredCache:
         r = self._get(request_id)
         return RequestView(r.request_id, r.state, r.tokens, r.reserved, r.hit_tokens, r.owed_forward,
                            tuple(sorted(r.ops)), r.reason)
+
+    def unit_keys(self, request_id: str) -> tuple[Hashable, ...]:
+        """The unit keys known for the request (its prompt's full units, then decode units)."""
+        return tuple(self._get(request_id).units)
 
     def state(self, request_id: str) -> str:
         """The request's lifecycle state.
@@ -395,7 +402,8 @@ class TieredCache:
         return Admission(r.request_id, start, upto - start, start, m.device_units * self._align,
                          self._table(r), load.command if load is not None else None,
                          load.op_ids if load is not None else (), m.recompute_tokens,
-                         m.history_units * self._align)
+                         m.history_units * self._align,
+                         {g: list(table[g]) for g in self._state_pages if g in table})
 
     def reserve(self, request_id: str, tokens: int) -> PageMap | None:
         """Reserve device pages for ``tokens`` more tokens (the next prefill chunk or decode
@@ -435,7 +443,7 @@ class TieredCache:
 
     # ------------------------------------------------------------------ forward results
     def step_done(self, request_id: str, computed_tokens: int, *, new_units: Sequence[Hashable] = (),
-                  checkpoint: bool = False) -> None:
+                  checkpoint: bool = False) -> PageMap:
         """The forward pass that included the request returned: ``computed_tokens`` more
         tokens have KV. Publishes newly full units into the tree (when the request is
         running) and, with ``checkpoint``, the continuation state at the last full unit
@@ -446,11 +454,16 @@ class TieredCache:
             new_units: unit keys of units completed beyond the prompt's (decode).
             checkpoint: the engine holds the exact state at ``floor(tokens/alignment)`` units.
 
+        Returns:
+            Checkpoint pages the tree adopted (state group -> page ids): the engine copies
+            its continuation state at that unit boundary into them. Empty otherwise.
+
         Raises:
             KvtierError: unknown request, or no forward result is owed.
             ConfigError: more tokens than reserved.
         """
         r = self._get(request_id)
+        adopted: PageMap = {}
         if r.owed_forward <= 0:
             raise KvtierError(f"request {request_id!r} (state {r.state!r}) owes no forward result")
         if r.state in ("running", "loading") and r.tokens + computed_tokens > r.reserved:
@@ -460,7 +473,7 @@ class TieredCache:
             # aborted from waiting or retracted (it held nothing) while a forward pass was
             # still out: the late result only retires the count
             r.owed_forward -= 1
-            return
+            return adopted
         self._lc.check(r, "forward_result")
         r.units.extend(new_units)
         if r.state in ("running", "loading"):
@@ -471,15 +484,21 @@ class TieredCache:
             # the checkpoint at the prompt's last full unit is kept for later turns of the
             # conversation; other chunk checkpoints give way to deeper ones
             at_prompt_end = r.tokens == (r.prompt_tokens // self._align) * self._align
-            self._publish(r, checkpoint=checkpoint, final=at_prompt_end)
+            adopted = self._publish(r, checkpoint=checkpoint, final=at_prompt_end)
         self._fire(r, "forward_result")
+        return adopted
 
-    def _publish(self, r: _Request, checkpoint: bool, final: bool = False) -> None:
-        """Insert the request's full units into the tree; move its lock to the new terminal."""
+    def _publish(self, r: _Request, checkpoint: bool, final: bool = False) -> PageMap:
+        """Insert the request's full units into the tree; move its lock to the new terminal.
+
+        Returns:
+            The checkpoint pages the tree adopted (state group -> page ids), which the
+            engine must fill with its state at that position; empty when none.
+        """
         core = self.core
         n_units = min(r.tokens // self._align, len(r.units))
         if n_units <= r.published and not (checkpoint and core._state and n_units > 0):
-            return
+            return {}
         ppu = core._ppu
         pages = {g: (r.canon.get(g, []) + r.own.get(g, []))[: n_units * ppu[g]] for g in self._hist}
         ckpt = None
@@ -502,10 +521,15 @@ class TieredCache:
             core.free_device(hist_dup)
         if state_dup:
             core.free_device(state_dup)
+        adopted: PageMap = {}
         if ckpt is not None:
             kept_state = {g: p for g, p in result.kept.items() if g in self._state_pages}
             if kept_state:
                 core.free_device(kept_state)
+            for g, p in ckpt.items():
+                gone = set(dup.get(g, ())) | set(kept_state.get(g, ()))
+                if not gone.intersection(p):
+                    adopted[g] = p
         r.canon = {g: list(result.pages[g]) for g in self._hist}
         r.published = result.published_units
         if result.node is not core.root:
@@ -513,6 +537,7 @@ class TieredCache:
             if r.lock is not None:
                 core.unlock(r.lock)
             r.lock = new_lock
+        return adopted
 
     # ------------------------------------------------------------------ ends
     def finish(self, request_id: str) -> None:
