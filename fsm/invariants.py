@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from .errors import InvariantViolation
 from .pages import PageAllocator
 from .node import DEVICE_READABLE, DEVICE_RESIDENT, HOST_VISIBLE, Node
+from .ops import Operation
 from .records import Direction
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ def _check_node_resources(cache: TieredPrefixCache, n: Node) -> None:
     want_dev = n.state in DEVICE_RESIDENT
     want_host = n.state in HOST_VISIBLE
     want_pending = n.state == "writing"
+    if has_host and not want_host:
+        raise _fail("host_means_acked", n, "visible host pages without an acknowledged writeback")
     if (has_dev, has_host, has_pending) != (want_dev, want_host, want_pending):
         raise _fail("state_matches_resources", n,
                     f"device pages {has_dev}, host pages {has_host}, pending reservation {has_pending}")
@@ -103,7 +106,8 @@ def check_cache(cache: TieredPrefixCache) -> None:
         for n in rec.nodes:
             target[n.node_id] = target.get(n.node_id, 0) + 1
             if n.node_id not in seen:
-                raise _fail("counts_with_receipts", n, f"{rec!r} holds a node that left the tree")
+                raise _fail("borrowed_pages_stay" if rec.kind == "borrow" else "counts_with_receipts", n,
+                            f"{rec!r} holds a node that left the tree")
     for op in cache._ops.values():
         for n in op.nodes:
             if n.node_id not in seen:
@@ -114,7 +118,13 @@ def check_cache(cache: TieredPrefixCache) -> None:
                     raise _fail("operation_ends_once", n, f"in loadback op {op.op_id} but not loading it")
             elif n.state != "writing" or n.wb_op != op.op_id:
                 raise _fail("operation_ends_once", n, f"in writeback op {op.op_id} but not writing it")
+        _check_op_sources(cache, op)
     for n in seen.values():
+        for op_id in (n.wb_op, n.lb_op):
+            if op_id is not None and op_id in cache._ops and n not in cache._ops[op_id].nodes:
+                raise _fail("split_preserves_ownership", n, f"claims op {op_id}, which does not list it")
+    for n in seen.values():
+        _check_node_resources(cache, n)
         if n.lock_ref < 0 or n.borrow_ref < 0 or n.host_pin < 0:
             raise _fail("counts_with_receipts", n, "a negative count")
         if n.lock_ref != lock_count.get(n.node_id, 0):
@@ -123,7 +133,6 @@ def check_cache(cache: TieredPrefixCache) -> None:
             raise _fail("counts_with_receipts", n, f"pin count {n.host_pin} but {pins.get(n.node_id, 0)} receipts")
         if n.borrow_ref != borrows.get(n.node_id, 0):
             raise _fail("counts_with_receipts", n, f"borrow count {n.borrow_ref} but {borrows.get(n.node_id, 0)} receipts")
-        _check_node_resources(cache, n)
         up = n.parent
         assert up is not None
         if (n.state in HOST_VISIBLE or n.state == "writing") and up.parent is not None:
@@ -135,6 +144,27 @@ def check_cache(cache: TieredPrefixCache) -> None:
         if n.state in DEVICE_READABLE and up.parent is not None and up.state not in DEVICE_READABLE:
             raise _fail("state_matches_resources", n, f"readable under unreadable parent {up.node_id} in {up.state}")
     _check_conservation(cache, seen)
+
+
+def _check_op_sources(cache: TieredPrefixCache, op: Operation) -> None:
+    """Every page an operation copies from is still one of its nodes' pages: device
+    pages of a writeback (invariant 3), host pages of a loadback (invariant 4). (A node
+    may gain pages meanwhile, e.g. a checkpoint adopted while it is written back.)"""
+    writeback = op.direction is Direction.WRITEBACK
+    have: dict[str, list[int]] = {}
+    for n in op.nodes:
+        maps = (n.dev, n.dev_state) if writeback else (n.host,)
+        for pm in maps:
+            for g, pages in pm.items():
+                have.setdefault(g, []).extend(pages)
+    if not writeback and op.checkpoint is not None:
+        for g, pages in op.checkpoint.host_state.items():
+            have.setdefault(g, []).extend(pages)
+    want = {t.group: sorted(t.src_pages) for t in op.command.transfers}
+    got = {g: sorted(p) for g, p in have.items() if p}
+    if any(not set(pages) <= set(got.get(g, ())) for g, pages in want.items()):
+        raise _fail("writeback_source_immutable" if writeback else "loadback_source_pinned", op.nodes[0] if op.nodes else None,
+                    f"op {op.op_id} copies from {want}, its nodes hold {got}")
 
 
 def _check_conservation(cache: TieredPrefixCache, nodes: dict[int, Node]) -> None:

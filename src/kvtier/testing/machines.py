@@ -459,6 +459,14 @@ class CoreMachine(KitMachine):
         if not (any(x[: m.history_units] == k[: m.history_units] for x in self.inserted) or m.history_units == 0):
             raise InvariantViolation("host_evict_leaves", f"match of {''.join(k)!r}",
                                      f"matched {m.history_units} units beyond any inserted prefix")
+        c = self.cache
+        if c._state and m.host_units and not m.recompute_tokens:
+            t = m.terminal
+            exact = (len(t.dev_state) == len(c._state) if t.state in DEVICE_READABLE and m.host_units == m.device_units
+                     else len(t.host_state) == len(c._state) or len(t.dev_state) == len(c._state))
+            if not exact:
+                raise InvariantViolation("exact_continuation_state", f"node {t.node_id} ({t.state})",
+                                         f"a {mode} hit of {m.host_units} units ends where no checkpoint is held")
         if m.device_node is not self.cache.root and m.device_node.state in DEVICE_READABLE:
             self.locks.append(self.cache.lock(m.device_node, "r"))
 
@@ -542,6 +550,15 @@ class CoreMachine(KitMachine):
                         if hasattr(st_, "ok"):
                             self._apply_bytes(st_.op_id, st_.ok)
             self.events.pop(op, None)
+
+    @precondition(lambda self: bool(self.cache._nodes))
+    @rule(i=st.integers(0, 100))
+    @recorded
+    def borrow(self, i: int) -> None:
+        """A request reads a node's device pages directly (invariant 14)."""
+        nodes = [n for _, n in sorted(self.cache._nodes.items()) if n.state in DEVICE_READABLE]
+        if nodes:
+            self.receipts.append(self.cache.borrow([nodes[i % len(nodes)]], "r"))
 
     @precondition(lambda self: bool(self.receipts))
     @rule(i=st.integers(0, 100))
@@ -991,6 +1008,16 @@ class FacadeMachine(KitMachine):
                                          "aborting with nothing owed: never released")
             if r.state == "loading" and not r.pins:
                 raise InvariantViolation("loadback_source_pinned", f"request {rid!r}", "loading without a pin")
+            if r.state in _TERMINAL and r.ops:
+                raise InvariantViolation("release_once_after_fence", f"request {rid!r}",
+                                         f"{r.state} with operations {sorted(r.ops)} still in flight")
+        core = self.cache.core
+        held = {r.lock.receipt_id for r in self.cache._requests.values() if r.lock is not None}
+        held |= {p.receipt_id for r in self.cache._requests.values() for p in r.pins}
+        leaked = (set(core._locks) | set(core._receipts)) - held
+        if leaked:
+            raise InvariantViolation("atomic_admission", "the facade",
+                                     f"receipts {sorted(leaked)} are held by no request (a reservation not rolled back)")
 
     # -- bounded verification ------------------------------------------------------------
     @classmethod
@@ -1210,19 +1237,34 @@ class NodeLifecycleMachine(KitMachine):
     def __init__(self) -> None:
         super().__init__()
         self.nodes: list[_RawNode] = []
+        self.swept: set[str] = set()
         self.refused = 0
         self.machine: Lifecycle = node_lifecycle()
 
-    @initialize(shape=st.sampled_from([(-1, 0, 1, 0), (-1, 0, 1, 2), (-1, -1, 0, 1)]))
+    @initialize(shape=st.sampled_from([(-1, 0, 1, 0), (-1, 0, 1, 2), (-1, -1, 0, 1)]),
+                states=st.lists(st.sampled_from(range(6)), min_size=4, max_size=4))
     @recorded
-    def build_tree(self, shape: list[int]) -> None:
-        """Four nodes; shape[i] is the parent index of node i (-1: the root)."""
-        self.kit_set_args(shape=list(shape))
+    def build_tree(self, shape: list[int], states: list[int] | None = None) -> None:
+        """Four nodes; shape[i] is the parent index of node i (-1: the root). Each starts
+        in a state consistent with its parent's (root-closed device and host sets), picked
+        by ``states[i]`` (0: new), with the resources its state declares."""
+        picks = list(states or [0, 0, 0, 0])
+        self.kit_set_args(shape=list(shape), states=picks)
         for i, parent in enumerate(shape):
             p = self.nodes[parent] if parent >= 0 else None
             node = _RawNode(i, p)
             if p is not None:
                 p.children.append(node)
+            options = [st_ for st_ in ("new", "device", "writing", "backed", "host", "loading")
+                       if p is None or st_ == "new" or (
+                           (st_ not in _DEVICE_COPY or p.state in _DEVICE_COPY)
+                           and (st_ not in _HOST_COPY | {"writing"} or p.state in _HOST_COPY))]
+            node.state = options[picks[i] % len(options)]
+            declared = _NODE_RESOURCES[node.state]
+            node.device = "device pages" in declared
+            node.host = "host pages" in declared
+            node.pending = "pending host reservation" in declared
+            node.op_pin = "host pin" in declared
             self.nodes.append(node)
 
     @rule(index=st.integers(min_value=0, max_value=3), event=st.sampled_from(_NODE_SPEC.events))
@@ -1237,6 +1279,22 @@ class NodeLifecycleMachine(KitMachine):
         """An event the spec allows from the node's state (its guards may still refuse)."""
         node = self.nodes[index % len(self.nodes)]
         events = [e for e in _NODE_SPEC.events if self.machine.allowed(node.state, e)]
+        if events:
+            self._fire(node, events[pick % len(events)])
+
+    @rule(index=st.integers(min_value=0, max_value=3), pick=st.integers(0, 20))
+    @recorded
+    def fire_legal(self, index: int, pick: int) -> None:
+        """An event whose guards hold now (the node moves on through its lifecycle)."""
+        node = self.nodes[index % len(self.nodes)]
+        events = []
+        for e in _NODE_SPEC.events:
+            if self.machine.allowed(node.state, e):
+                try:
+                    self.machine.check(node, e)
+                except LifecycleError:
+                    continue
+                events.append(e)
         if events:
             self._fire(node, events[pick % len(events)])
 
@@ -1257,6 +1315,25 @@ class NodeLifecycleMachine(KitMachine):
             return
         for attr, value in _EFFECTS[event].items():
             setattr(node, attr, value)
+        self._sweep(node)
+
+    def _sweep(self, node: _RawNode) -> None:
+        """Once per state per run: every refused event from the node's new state."""
+        if node.state in self.swept:
+            return
+        self.swept.add(node.state)
+        for event in _NODE_SPEC.events:
+            if not self.machine.allowed(node.state, event):
+                before = node.snapshot()
+                try:
+                    self.machine.fire(node, event)
+                except LifecycleError:
+                    if node.snapshot() != before:
+                        raise InvariantViolation("state_matches_resources", f"node {node.label}",
+                                                 "a refused event changed the node") from None
+                    continue
+                raise InvariantViolation("state_matches_resources", f"node {node.label}",
+                                         f"{event} accepted in {before[0]}, which the spec does not allow")
 
     @rule(index=st.integers(min_value=0, max_value=3))
     @recorded
@@ -1341,11 +1418,23 @@ class RequestLifecycleMachine(KitMachine):
         super().__init__()
         self.machine: Lifecycle = request_lifecycle()
         self.reqs = [_RawRequest(i) for i in range(2)]
+        self.swept: set[str] = set()
+
+    @initialize(states=st.lists(st.sampled_from(range(9)), min_size=2, max_size=2))
+    @recorded
+    def start(self, states: list[int]) -> None:
+        """Each request starts in any state of the spec (plain requests own nothing)."""
+        names = self.machine.spec.state_names
+        for r, k in zip(self.reqs, states):
+            r.state = names[k % len(names)]
 
     @rule(index=st.integers(0, 1), event=st.sampled_from(load_spec().request.events),
           has_loadback=st.booleans(), has_own_writeback=st.booleans(), settled=st.booleans())
     @recorded
     def fire(self, index: int, event: str, has_loadback: bool, has_own_writeback: bool, settled: bool) -> None:
+        self._fire(index, event, has_loadback, has_own_writeback, settled)
+
+    def _fire(self, index: int, event: str, has_loadback: bool, has_own_writeback: bool, settled: bool) -> None:
         r = self.reqs[index % len(self.reqs)]
         r.has_loadback, r.has_own_writeback, r.settled = has_loadback, has_own_writeback, settled
         spec = self.machine.spec
@@ -1362,6 +1451,22 @@ class RequestLifecycleMachine(KitMachine):
         if expected is None or r.state != expected.target:
             raise InvariantViolation("state_matches_resources", f"request {r.label}",
                                      f"{event} from {before} went to {r.state}, the spec says {expected}")
+        if r.state not in self.swept:  # once per state per run: every refused event from it
+            self.swept.add(r.state)
+            for e in self.machine.spec.events:
+                if not self.machine.allowed(r.state, e):
+                    self._fire(index, e, has_loadback, has_own_writeback, settled)
+
+    @rule(index=st.integers(0, 1), pick=st.sampled_from(range(6)), has_loadback=st.booleans(),
+          has_own_writeback=st.booleans(), settled=st.booleans())
+    @recorded
+    def fire_allowed(self, index: int, pick: int, has_loadback: bool, has_own_writeback: bool,
+                     settled: bool) -> None:
+        """An event the spec allows from the request's state (its guards may refuse)."""
+        r = self.reqs[index % len(self.reqs)]
+        events = [e for e in self.machine.spec.events if self.machine.allowed(r.state, e)]
+        if events:
+            self._fire(index, events[pick % len(events)], has_loadback, has_own_writeback, settled)
 
     @rule(index=st.integers(0, 1))
     @recorded
@@ -1370,8 +1475,7 @@ class RequestLifecycleMachine(KitMachine):
         r = self.reqs[index % len(self.reqs)]
         for event in self.machine.spec.events:
             if not self.machine.allowed(r.state, event):
-                self.fire(index=index, event=event, has_loadback=r.has_loadback,
-                          has_own_writeback=r.has_own_writeback, settled=r.settled)
+                self._fire(index, event, r.has_loadback, r.has_own_writeback, r.settled)
 
     @rule(index=st.integers(0, 1))
     @recorded
