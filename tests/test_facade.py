@@ -622,3 +622,32 @@ def test_resume_without_the_exact_terminal_state_recomputes_from_scratch() -> No
     c.core.evict_device({"fh": 4})
     res = c.resume("a", chunk_tokens=16)
     assert res is not None and (res.start_token, res.hit_tokens, res.chunk_tokens) == (0, 0, 10)
+
+
+def test_a_checkpoint_handed_out_at_admission_stays_until_the_forward_result() -> None:
+    """R is admitted on X's chunk checkpoint (it copies it into its working state during
+    its forward pass). Q, admitted before X existed, then publishes a deeper checkpoint
+    through X: X's chunk checkpoint must not be dropped (its pages freed and reused)
+    while R's forward pass still reads it (invariant 14)."""
+    c = TieredCache(src(), 8, None)
+    assert c.admit("Q", list("xy"), prompt_tokens=9, chunk_tokens=9) is not None
+    assert c.admit("A", list("xy"), prompt_tokens=9, chunk_tokens=4) is not None
+    c.step_done("A", 4, checkpoint=True)  # X = [x] with a chunk checkpoint
+    c.abort("A")
+    x = only_node(c)
+    assert x.chunk_checkpoint and len(x.dev_state["swa"]) == 4
+    r = c.admit("R", list("xz"), prompt_tokens=9, chunk_tokens=5)
+    assert r is not None and r.start_token == 4 and r.checkpoint_pages == x.dev_state
+    pages = list(r.checkpoint_pages["swa"])
+    c.step_done("Q", 9, checkpoint=True)  # Y = [x, y] under X, with its own checkpoint
+    c.check_invariants()
+    assert x.dev_state == {"swa": pages}
+    assert not set(pages) & c.core.device["swa"].free_pages()
+    c.step_done("R", 5)  # R's forward pass has copied it: the chunk checkpoint may go now
+    c.check_invariants()
+    assert x.borrow_ref == 0
+    c.abort("R")
+    c.finish("Q")
+    c.check_invariants()
+    assert c.poll().events and c.requests() == []
+    assert all(n.borrow_ref == 0 and n.lock_ref == 0 for n in c.core.nodes())

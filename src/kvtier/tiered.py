@@ -123,7 +123,8 @@ class _Request:
 
     __slots__ = ("request_id", "state", "units", "prompt_tokens", "tokens", "reserved", "canon", "own",
                  "published", "lock", "pins", "ops", "owed_forward", "reason", "has_loadback",
-                 "has_own_writeback", "hit_tokens", "layers", "poisoned", "pending_units", "retract_ckpt", "room")
+                 "has_own_writeback", "hit_tokens", "layers", "poisoned", "pending_units", "retract_ckpt", "room",
+                 "ckpt_borrow")
 
     def __init__(self, request_id: str, units: list[Hashable], prompt_tokens: int) -> None:
         self.request_id = request_id
@@ -148,6 +149,7 @@ class _Request:
         self.pending_units = 0
         self.retract_ckpt = False
         self.room = 0  # tokens the history pages of its table cover (reserve's fast path)
+        self.ckpt_borrow: NodeReceipt | None = None  # the hit's checkpoint, until the first forward result
 
     @property
     def label(self) -> str:
@@ -269,8 +271,14 @@ class TieredCache:
         for pin in r.pins:
             self.core.release(pin)
         r.pins = []
+        self._drop_ckpt_borrow(r)
         self._free_own(r)
         r.canon = {}
+
+    def _drop_ckpt_borrow(self, r: _Request) -> None:
+        if r.ckpt_borrow is not None:
+            self.core.release(r.ckpt_borrow)
+            r.ckpt_borrow = None
 
     def _free_own(self, r: _Request, groups: Sequence[str] | None = None) -> None:
         mine = {g: p for g, p in r.own.items() if p and (groups is None or g in groups)}
@@ -389,6 +397,10 @@ class TieredCache:
         else:
             r.lock = hold
             table = core.device_pages(m.device_node)
+            if any(g in table for g in self._state_pages):
+                # its forward pass copies the hit's checkpoint (Admission.checkpoint_pages): a
+                # lock alone does not stop a deeper insert from dropping a chunk checkpoint
+                r.ckpt_borrow = core.borrow([m.device_node], r.request_id)
         r.canon = {g: list(table[g]) for g in self._hist}
         r.own = {g: list(own.get(g, ())) for g in list(self._hist) + list(self._state_pages)}
         r.published = hit_units
@@ -475,6 +487,7 @@ class TieredCache:
             r.owed_forward -= 1
             return adopted
         self._lc.check(r, "forward_result")
+        self._drop_ckpt_borrow(r)  # the pass that copied the checkpoint has returned
         r.units.extend(new_units)
         if r.state in ("running", "loading"):
             r.tokens += computed_tokens
@@ -761,7 +774,7 @@ class TieredCache:
                         raise InvariantViolation("conservation", f"request {r.request_id!r}",
                                                  f"page {p} of {g!r} also held by {seen[(g, p)]!r}")
                     seen[(g, p)] = r.request_id
-            if r.state in TERMINAL and (r.lock is not None or r.pins or any(r.own.values())):
+            if r.state in TERMINAL and (r.lock is not None or r.pins or r.ckpt_borrow or any(r.own.values())):
                 raise InvariantViolation("release_once_after_fence", f"request {r.request_id!r}",
                                          f"ended ({r.state}) but still holds pages, locks or pins")
             if r.state in ("retracted", "waiting") and (r.lock is not None or any(r.own.values())):
