@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, Direction, Family, KvtierError
 from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.node import DEVICE_READABLE, HOST_VISIBLE
 from kvtier.tiered import TieredCache
 
 ALPHABET = "ab"
@@ -63,6 +64,8 @@ class Req:
     known: int = 0  # unit keys the facade has been given
     serial: int = 0  # bumped on every (re)admission/resume: older forward passes are stale
     fwd: list[tuple[int, int]] = field(default_factory=list)  # planned (tokens, serial), FIFO
+    ckpt: dict[str, list[int]] = field(default_factory=dict)  # checkpoint it copies in its next pass
+    ckpt_units: int = 0
 
     @property
     def units(self) -> list[str]:
@@ -107,6 +110,7 @@ class FacadeMachine(RuleBasedStateMachine):
                                  max_writebacks_in_flight=max_wb, op_deadline_steps=deadline,
                                  finish_writeback=finish_writeback)
         self.hist = [g.name for g in self.cache.layout.history_groups]
+        self.state_groups = [g.name for g in self.cache.layout.state_groups]
         self.ppu = {g.name: self.cache.layout.pages_per_unit(g) for g in self.cache.layout.history_groups}
         event(f"layout {'history+state' if with_state else 'history-only'}, world {world}")
         # warm the tree: requests that ran to the end, written back, maybe demoted
@@ -119,8 +123,9 @@ class FacadeMachine(RuleBasedStateMachine):
             if self._state(r.rid) == "running":
                 tokens, _ = r.fwd.pop(0)
                 self._write(r, c.request(r.rid).tokens, tokens)
-                c.step_done(r.rid, tokens, checkpoint=True)
-                c.finish(r.rid)
+                r.ckpt = {}
+                self._fill(r, c.step_done(r.rid, tokens, checkpoint=True))
+                self._fill(r, c.finish(r.rid))
         for n in sorted(c.core.nodes(), key=lambda n: n.depth):
             c.core.writeback(n)
         self._drain_ok()
@@ -235,8 +240,33 @@ class FacadeMachine(RuleBasedStateMachine):
         else:
             assert self._state(r.rid) == "running"
             self._check_table(r)
+            if adm.hit_tokens and self.state_groups:
+                # exact continuation state (invariant 15): the hit ends at a checkpoint
+                assert set(adm.checkpoint_pages) == set(self.state_groups), adm
+                r.ckpt, r.ckpt_units = adm.checkpoint_pages, adm.start_token // ALIGN
+                self._check_ckpt(r)
+                event("admitted on a device checkpoint")
         if adm.hit_tokens:
             event("admitted with a prefix hit")
+
+    def _check_ckpt(self, r: Req) -> None:
+        """The checkpoint the request copies holds the state for exactly its hit."""
+        for g, pages in r.ckpt.items():
+            for k, p in enumerate(pages):
+                got = self.dev_bytes.get((g, p))
+                want = ("state", tuple(r.units[: r.ckpt_units]), g, k)
+                assert got == want, f"exact_continuation_state: request {r.rid} checkpoint {g} page {p}: {got}"
+
+    def _fill(self, r: Req, adopted: dict[str, list[int]]) -> None:
+        """The engine copies its continuation state into checkpoint pages the tree adopted."""
+        if adopted:
+            v = self.cache.request(r.rid)
+            n = min(v.tokens // ALIGN, r.known)
+            assert n > 0
+            for g, pages in adopted.items():
+                for k, p in enumerate(pages):
+                    self.dev_bytes[(g, p)] = ("state", tuple(r.units[:n]), g, k)
+            event("checkpoint adopted")
 
     def _write(self, r: Req, tokens: int, computed: int) -> int:
         """The forward pass writes the units it completes into the request's pages."""
@@ -324,8 +354,8 @@ class FacadeMachine(RuleBasedStateMachine):
         assert self.cache.request(r.rid).reserved_tokens >= v.tokens + amount
 
     @precondition(lambda self: any(r.fwd for r in self.reqs.values()))
-    @rule(i=st.integers(0, 100), discard=st.sampled_from([False, False, False, True]))
-    def forward_done(self, i: int, discard: bool) -> None:
+    @rule(i=st.integers(0, 100), discard=st.sampled_from([False, False, False, True]), checkpoint=st.booleans())
+    def forward_done(self, i: int, discard: bool, checkpoint: bool = True) -> None:
         ids = [rid for rid, r in sorted(self.reqs.items()) if r.fwd]
         r = self.reqs[ids[i % len(ids)]]
         v = self.cache.request(r.rid)
@@ -346,7 +376,11 @@ class FacadeMachine(RuleBasedStateMachine):
                 new_units = r.units[r.known:after]
                 r.known = after
         r.fwd.pop(0)
-        self.cache.step_done(r.rid, computed, new_units=new_units, checkpoint=bool(computed))
+        if r.ckpt:
+            self._check_ckpt(r)  # its forward pass copies the checkpoint: still intact
+            r.ckpt = {}
+        adopted = self.cache.step_done(r.rid, computed, new_units=new_units, checkpoint=checkpoint)
+        self._fill(r, adopted)
         if not computed:
             event("forward result discarded")
         w = self.cache.request(r.rid)
@@ -386,7 +420,7 @@ class FacadeMachine(RuleBasedStateMachine):
     def finish(self, i: int) -> None:
         ids = self._ids("running", owed=False)
         rid = ids[i % len(ids)]
-        self.cache.finish(rid)
+        self._fill(self.reqs[rid], self.cache.finish(rid))
         self.blocked.discard(rid)
         st_ = self._state(rid)
         assert st_ in ("finishing", "finished")
@@ -398,7 +432,7 @@ class FacadeMachine(RuleBasedStateMachine):
         ids = self._ids("running")
         r = self.reqs[ids[i % len(ids)]]
         c = self.cache
-        c.retract(r.rid)
+        self._fill(r, c.retract(r.rid))
         self.blocked.discard(r.rid)
         v = c.request(r.rid)
         assert v.state in ("retracting", "retracted")
@@ -604,6 +638,35 @@ class FacadeMachine(RuleBasedStateMachine):
                         f"layer_ready({v.request_id}, {layer}) != {want}")
             elif v.state in ("running", "waiting", "retracted"):
                 assert all(c.layer_ready(v.request_id, layer) for layer in range(NUM_LAYERS))
+
+    @invariant()
+    def tree_holds_written_bytes(self) -> None:
+        """Every page the tree exposes (device-readable or host-visible) holds the bytes
+        written for its prefix: history by the forward passes, checkpoints by the engine
+        into the pages the facade said the tree adopted (invariant 12)."""
+        if not hasattr(self, "cache"):
+            return
+        for n in self.cache.core.nodes():
+            prefix: list[Any] = []
+            for a in reversed(n.path()):
+                prefix.extend(a.key)
+            lo = len(prefix) - len(n.key)
+            stores = []
+            if n.state in DEVICE_READABLE:
+                stores.append(("device", self.dev_bytes, n.dev, n.dev_state))
+            if n.state in HOST_VISIBLE:
+                stores.append(("host", self.host_bytes, n.host, n.host_state))
+            for pool, store, hist, state in stores:
+                for g, pages in hist.items():
+                    for i, p in enumerate(pages):
+                        got = store.get((g, p))
+                        assert got == self._content(prefix, g, lo * self.ppu[g] + i), (
+                            f"loaded_equals_written: node {n.node_id} {pool} page {p} of {g}: {got}")
+                for g, pages in state.items():
+                    for k, p in enumerate(pages):
+                        got = store.get((g, p))
+                        assert got == ("state", tuple(prefix), g, k), (
+                            f"loaded_equals_written: node {n.node_id} {pool} checkpoint page {p} of {g}: {got}")
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:

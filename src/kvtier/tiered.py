@@ -400,6 +400,7 @@ class TieredCache:
             if any(g in table for g in self._state_pages):
                 # its forward pass copies the hit's checkpoint (Admission.checkpoint_pages): a
                 # lock alone does not stop a deeper insert from dropping a chunk checkpoint
+                self._drop_ckpt_borrow(r)  # resumed before the pass of its last admission returned
                 r.ckpt_borrow = core.borrow([m.device_node], r.request_id)
         r.canon = {g: list(table[g]) for g in self._hist}
         r.own = {g: list(own.get(g, ())) for g in list(self._hist) + list(self._state_pages)}
@@ -553,9 +554,13 @@ class TieredCache:
         return adopted
 
     # ------------------------------------------------------------------ ends
-    def finish(self, request_id: str) -> None:
+    def finish(self, request_id: str) -> PageMap:
         """Generation ended: publish its full units; write back its own pages (its own
         operation) when ``finish_writeback``; then release (after the ack, if any).
+
+        Returns:
+            Checkpoint pages the tree adopted, as :meth:`step_done` (fill them before
+            submitting the commands :meth:`poll` returns). Empty otherwise.
 
         Raises:
             KvtierError / IllegalTransition: unknown request or not running; nothing changes.
@@ -566,24 +571,31 @@ class TieredCache:
             raise KvtierError(f"request {request_id!r} (state {r.state!r}): finish while {r.owed_forward} "
                               f"forward result(s) are owed")
         self._lc.check(r, "finish") if r.state == "running" else self._lc.fire(r, "finish")
-        self._publish(r, checkpoint=r.retract_ckpt, final=True)
+        adopted = self._publish(r, checkpoint=r.retract_ckpt, final=True)
         cmd = None
         if self.finish_writeback and r.lock is not None:
             cmd = self.core.writeback(r.lock.node, r.request_id)
         self._own_writeback(r, cmd)
         self._fire(r, "finish")
+        return adopted
 
-    def retract(self, request_id: str) -> None:
+    def retract(self, request_id: str) -> PageMap:
         """Preempt: publish full units and the exact continuation state at its terminal,
         write back what resuming needs (its own operation), release its own pages now and
         the tree's after the ack. Resume matches with ``state_recovery``.
+
+        Returns:
+            Checkpoint pages the tree adopted for the terminal, as :meth:`step_done`: the
+            engine fills them with its state at that unit boundary before submitting the
+            commands :meth:`poll` returns (the retract writeback copies them). Empty
+            when the terminal already had its checkpoint (or there are no state groups).
 
         Raises:
             IllegalTransition: not running; nothing changes.
         """
         r = self._get(request_id)
         self._lc.check(r, "retract") if r.state == "running" else self._lc.fire(r, "retract")
-        self._publish(r, checkpoint=True, final=True)
+        adopted = self._publish(r, checkpoint=True, final=True)
         cmd = self.core.writeback(r.lock.node, r.request_id) if r.lock is not None else None
         self._own_writeback(r, cmd)
         self._free_own(r)
@@ -591,6 +603,7 @@ class TieredCache:
         self._fire(r, "retract")
         if r.state == "retracted":
             self._after_retract(r)
+        return adopted
 
     def _own_writeback(self, r: _Request, cmd: TransferCommand | None) -> None:
         r.has_own_writeback = cmd is not None
