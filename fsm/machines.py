@@ -95,6 +95,10 @@ class Lifecycle:
         """True if the spec has any transition for ``event`` from ``state`` (guards aside)."""
         return (state, event) in self._table
 
+    def is_noop(self, state: str, event: str) -> bool:
+        """True if ``event`` in ``state`` is an unguarded internal transition (it changes nothing)."""
+        return (state, event) in self._noop
+
     def guard_value(self, ref: GuardRef, subject: Any) -> bool:
         """Whether ``ref`` is satisfied for ``subject`` (negation applied)."""
         return self.guards[ref.name](subject) != ref.negated

@@ -206,6 +206,7 @@ class TieredCache:
         self._hist = [g.name for g in layout.history_groups]
         self._tpp = {g.name: g.tokens_per_page for g in layout.history_groups}
         self._state_pages = {g.name: g.state_pages for g in layout.state_groups}
+        self._running_result_noop = self._lc.is_noop("running", "forward_result")
         self.aborted_by_scheduler = 0
 
     # ------------------------------------------------------------------ lookups
@@ -344,11 +345,11 @@ class TieredCache:
         if len(units) < full:
             raise ConfigError(f"request {request_id!r}: {prompt_tokens} prompt tokens need {full} unit keys, "
                               f"got {len(units)}")
-        old = self._requests.get(request_id)
-        if old is not None and old.state in TERMINAL and not old.settled:
+        prev = self._requests.get(request_id)
+        if prev is not None and prev.state in TERMINAL and not prev.settled:
             raise KvtierError(f"request {request_id!r} ended but a forward result is still owed")
         # an ended request's id may be admitted again before poll() forgets it: a new record
-        r = old if old is not None and old.state not in TERMINAL else _Request(request_id, list(units), prompt_tokens)
+        r = prev if prev is not None and prev.state not in TERMINAL else _Request(request_id, list(units), prompt_tokens)
         r.units = list(units)
         r.prompt_tokens = prompt_tokens
         self._requests[request_id] = r
@@ -485,6 +486,17 @@ class TieredCache:
         if r.state in TERMINAL:
             # aborted from waiting or retracted (it held nothing) while a forward pass was
             # still out: the late result only retires the count
+            r.owed_forward -= 1
+            return adopted
+        if (r.state == "running" and self._running_result_noop and r.ckpt_borrow is None
+                and not checkpoint and min(r.tokens + computed_tokens, (len(r.units) + len(new_units)) *
+                                           self._align) < (r.published + 1) * self._align):
+            # hot path (most decode steps): no unit completes, nothing to publish, and the
+            # spec's forward_result in running is an unguarded internal transition
+            if new_units:
+                r.units.extend(new_units)
+            r.tokens += computed_tokens
+            r.retract_ckpt = False
             r.owed_forward -= 1
             return adopted
         self._lc.check(r, "forward_result")
