@@ -108,6 +108,10 @@ def check_cache(cache: TieredPrefixCache) -> None:
             if n.node_id not in seen:
                 raise _fail("borrowed_pages_stay" if rec.kind == "borrow" else "counts_with_receipts", n,
                             f"{rec!r} holds a node that left the tree")
+    for n in seen.values():
+        for op_id in (n.wb_op, n.lb_op):
+            if op_id is not None and op_id in cache._ops and n not in cache._ops[op_id].nodes:
+                raise _fail("split_preserves_ownership", n, f"claims op {op_id}, which does not list it")
     for op in cache._ops.values():
         for n in op.nodes:
             if n.node_id not in seen:
@@ -119,10 +123,6 @@ def check_cache(cache: TieredPrefixCache) -> None:
             elif n.state != "writing" or n.wb_op != op.op_id:
                 raise _fail("operation_ends_once", n, f"in writeback op {op.op_id} but not writing it")
         _check_op_sources(cache, op)
-    for n in seen.values():
-        for op_id in (n.wb_op, n.lb_op):
-            if op_id is not None and op_id in cache._ops and n not in cache._ops[op_id].nodes:
-                raise _fail("split_preserves_ownership", n, f"claims op {op_id}, which does not list it")
     for n in seen.values():
         _check_node_resources(cache, n)
         if n.lock_ref < 0 or n.borrow_ref < 0 or n.host_pin < 0:

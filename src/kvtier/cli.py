@@ -57,7 +57,8 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     print(f"kvtier fuzz: seed {args.seed}, faults {args.faults}, world size {world}, "
           + (f"{steps:,} steps" if steps is not None else f"{args.minutes} minutes"))
     res = campaign(steps=steps, minutes=args.minutes, seed_value=args.seed, faults=args.faults,
-                   world_size=args.world_size, save=args.save, progress=not args.no_progress)
+                   world_size=args.world_size, save=args.save, progress=not args.no_progress,
+                   mix={m: 1.0 for m in args.machine} if args.machine else None)
     print(res.report())
     if res.failure is not None:
         return 1
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", default="kvtier-fuzz-failure.json", metavar="FILE",
                    help="where a failing sequence is saved (default %(default)s)")
     p.add_argument("--replay", metavar="FILE", help="replay a saved event sequence exactly and exit")
+    p.add_argument("--machine", action="append", metavar="NAME",
+                   help="run only this machine (repeatable): core, facade, node, request, or an engine's "
+                        "kit machine as module:Class (default: the four built-in ones)")
     p.add_argument("--require-coverage", action="store_true",
                    help="exit 3 unless every transition, guard value and rejection was exercised")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

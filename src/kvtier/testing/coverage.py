@@ -122,13 +122,13 @@ class LifecycleCoverage:
                 cov._hit(cov._reject_item.get((lc.name, state, event)))
                 raise
 
-        Lifecycle.fire = fire  # type: ignore[method-assign]
-        Lifecycle.check = check  # type: ignore[method-assign]
+        setattr(Lifecycle, "fire", fire)
+        setattr(Lifecycle, "check", check)
         try:
             yield self
         finally:
-            Lifecycle.fire = orig_fire  # type: ignore[method-assign]
-            Lifecycle.check = orig_check  # type: ignore[method-assign]
+            setattr(Lifecycle, "fire", orig_fire)
+            setattr(Lifecycle, "check", orig_check)
 
     @contextlib.contextmanager
     def attributed(self, source: str) -> Iterator[None]:

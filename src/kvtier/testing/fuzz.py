@@ -24,7 +24,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from .coverage import LifecycleCoverage
 from .machines import INVARIANTS, STATS, KitMachine
-from .sequence import EventSequence, ReplayResult, classify, machine_class, replay
+from .sequence import EventSequence, ReplayResult, classify, machine_class, minimize, replay
 
 __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
@@ -113,11 +113,11 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     if not 0.0 <= faults <= 1.0:
         raise ValueError(f"faults must be between 0 and 1, got {faults}")
     mix = dict(mix or DEFAULT_MIX)
-    classes = {name: (machines or {}).get(name) or machine_class(name) for name in mix}
+    classes: dict[str, Any] = {name: (machines or {}).get(name) or machine_class(name) for name in mix}
     attrs: dict[str, Any] = {"fault_rate": faults}
     if world_size is not None:
         attrs["world_size"] = world_size
-    configured = {name: cls.configured(**attrs) for name, cls in classes.items()}  # type: ignore[attr-defined]
+    configured: dict[str, Any] = {name: cls.configured(**attrs) for name, cls in classes.items()}
     out = stream or sys.stdout
     res = CampaignResult(seed=seed_value)
     res.steps_by_machine = {name: 0 for name in mix}
@@ -125,7 +125,7 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     t0 = time.perf_counter()
     bar: Any = None
     if progress:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]
 
         bar = tqdm(total=steps if steps is not None else int((minutes or 0) * 60), unit=" steps" if steps else " s",
                    file=sys.stderr, dynamic_ncols=True, leave=False, desc="kvtier fuzz")
@@ -147,15 +147,17 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
             before = STATS.steps
             with res.coverage.attributed(name):
                 try:
-                    run_state_machine_as_test(seed(_derive(seed_value, name, chunk))(lambda: cls()),
-                                              settings=base)
+                    factory: Any = seed(_derive(seed_value, name, chunk))(lambda: cls())
+                    run_state_machine_as_test(factory, settings=base)
                 except Exception as exc:  # noqa: BLE001 - a failure of the system under test
                     current = KitMachine.kit_current()
                     trace = current.kit_sequence(f"fuzz-seed{seed_value}-{name}") if current else None
                     _ = classify(exc)
                     if trace is not None:
                         trace.description = (f"minimal failing sequence found by kvtier fuzz --seed {seed_value} "
-                                             f"(machine {name}, chunk {chunk})")
+                                             f"(machine {name}, chunk {chunk}; shrunk by Hypothesis, then "
+                                             f"reduced to a 1-minimal sequence)")
+                        trace = minimize(trace)
                         res.failure_result = replay(trace)
                         if res.failure_result.outcome == "violation":
                             trace.expect = {"outcome": "violation", "invariant": res.failure_result.invariant}

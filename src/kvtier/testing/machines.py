@@ -48,11 +48,11 @@ from kvtier.fsm.errors import (
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import Lifecycle, node_lifecycle, request_lifecycle
 from kvtier.fsm.node import DEVICE_READABLE, HOST_VISIBLE, Node
-from kvtier.fsm.ops import Operation
+from kvtier.fsm.ops import Operation, Settled
 from kvtier.fsm.records import TransferCommand
 from kvtier.fsm.spec import load_spec
-from kvtier.tiered import Admission, PollResult, TieredCache
 
+from ..tiered import Admission, PollResult, TieredCache
 from .sequence import EventSequence, Step, machine_name, register_machine
 
 __all__ = [
@@ -142,7 +142,8 @@ class KitMachine(RuleBasedStateMachine):
     @classmethod
     def configured(cls, **attrs: Any) -> type[KitMachine]:
         """A subclass with class attributes replaced (``fault_rate``, ``world_size``, ...)."""
-        sub: type[KitMachine] = type(cls)(cls.__name__, (cls,), dict(attrs))
+        meta: Any = type(cls)
+        sub: type[KitMachine] = meta(cls.__name__, (cls,), dict(attrs))
         sub.__qualname__ = cls.__qualname__
         sub.__module__ = cls.__module__
         return sub
@@ -303,7 +304,8 @@ class SchedulerAdapter:
         return self.cache.admit(request_id, units, prompt_tokens, chunk_tokens)
 
     def reserve(self, request_id: str, tokens: int) -> dict[str, list[int]] | None:
-        return self.cache.reserve(request_id, tokens)
+        out: dict[str, list[int]] | None = self.cache.reserve(request_id, tokens)
+        return out
 
     def step_done(self, request_id: str, computed_tokens: int, new_units: Sequence[Hashable],
                   checkpoint: bool) -> None:
@@ -361,6 +363,7 @@ class CoreMachine(KitMachine):
         self.receipts: list[Any] = []
         self.events: dict[int, list[list[Completion]]] = {}  # op -> per-rank queue
         self.commands: dict[int, TransferCommand] = {}
+        self.failed_ops: set[int] = set()
         self.world = 1
 
     @initialize(with_state=st.booleans(), world=st.sampled_from([1, 2]), policy=st.sampled_from(
@@ -392,6 +395,18 @@ class CoreMachine(KitMachine):
                 q.append(Completion(cmd.op_id, rank, True, None))
                 queues.append(q)
             self.events[cmd.op_id] = queues
+
+    def _check_settled(self, s: Settled) -> None:
+        """Invariant 10: an operation with a failed completion never settles as a success,
+        and a failed loadback leaves its nodes on the host only."""
+        if s.ok and s.op_id in self.failed_ops:
+            raise InvariantViolation("failure_not_success", f"op {s.op_id}", "a rank reported failure, it settled ok")
+        if not s.ok and s.direction is Direction.LOADBACK:
+            for nid in s.node_ids:
+                n = self.cache._nodes.get(nid)
+                if n is not None and n.state != "host":
+                    raise InvariantViolation("failure_not_success", f"node {nid} ({n.state})",
+                                             f"loadback op {s.op_id} failed but the node did not fall back to host")
 
     def _apply_bytes(self, op_id: int, ok: bool) -> None:
         cmd = self.commands.pop(op_id)
@@ -547,7 +562,8 @@ class CoreMachine(KitMachine):
                 while q:
                     ev = q.pop(0)
                     for st_ in self.cache.complete(ev):
-                        if hasattr(st_, "ok"):
+                        if isinstance(st_, Settled):
+                            self._check_settled(st_)
                             self._apply_bytes(st_.op_id, st_.ok)
             self.events.pop(op, None)
 
@@ -603,9 +619,12 @@ class CoreMachine(KitMachine):
         op, rank = ready[i % len(ready)]
         ev = self.events[op][rank].pop(0)
         ev = Completion(ev.op_id, ev.rank, ok, ev.layer)
+        if not ok:
+            self.failed_ops.add(op)
         out = self.cache.complete(ev)
         for s in out:
-            if hasattr(s, "ok"):
+            if isinstance(s, Settled):
+                self._check_settled(s)
                 self._apply_bytes(s.op_id, s.ok)
                 del self.events[s.op_id]
         if not any(self.events.get(op, [[]])) and op in self.events:
@@ -700,6 +719,7 @@ class FacadeMachine(KitMachine):
         self.inflight: dict[int, Operation] = {}
         self.world = 1
         self.deadline: int | None = None
+        self.fenced: dict[str, dict[str, list[int]]] = {}  # aborting request -> own pages it must keep
 
     # -- plug points -----------------------------------------------------------------
     def make_cache(self, world: int, policy: str, dev_units: int, host_units: int, deadline: int | None,
@@ -899,7 +919,11 @@ class FacadeMachine(KitMachine):
         rid = self._rid(req)
         state = self._state(rid)
         if go == 0 and state is not None:
+            r = self.cache._requests[rid]
+            own = {g: list(p) for g, p in r.own.items() if p}
             self._lifecycle_call(rid, state not in ("aborting", *_TERMINAL), lambda: self.sched.abort(rid))
+            if self._state(rid) == "aborting":
+                self.fenced[rid] = own
 
     @precondition(lambda self: bool(self.xfer.ready()) or bool(self.cache.core._outbox))
     @rule(i=st.integers(0, 1000), roll=_ROLL)
@@ -1011,6 +1035,15 @@ class FacadeMachine(KitMachine):
             if r.state in _TERMINAL and r.ops:
                 raise InvariantViolation("release_once_after_fence", f"request {rid!r}",
                                          f"{r.state} with operations {sorted(r.ops)} still in flight")
+        for rid, own in list(self.fenced.items()):
+            fenced = self.cache._requests.get(rid)
+            if fenced is None or fenced.state != "aborting":
+                del self.fenced[rid]
+                continue
+            for g, pages in own.items():
+                if not set(pages) <= set(fenced.own.get(g, ())):
+                    raise InvariantViolation("release_once_after_fence", f"request {rid!r}",
+                                             f"aborting with work in flight but its pages of {g!r} were released")
         core = self.cache.core
         held = {r.lock.receipt_id for r in self.cache._requests.values() if r.lock is not None}
         held |= {p.receipt_id for r in self.cache._requests.values() for p in r.pins}

@@ -44,6 +44,7 @@ __all__ = [
     "machine_name",
     "replay",
     "classify",
+    "minimize",
 ]
 
 FORMAT = "kvtier-sequence"
@@ -166,6 +167,8 @@ def register_machine(name: str, factory: Callable[[], Any]) -> None:
 
 def machine_class(name: str) -> Callable[[], Any]:
     """The machine a sequence names: a registered name or ``"module:Class"``."""
+    if name not in _REGISTRY and ":" not in name:
+        importlib.import_module("kvtier.testing.machines")  # registers the kit's machines
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:
@@ -274,3 +277,30 @@ def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
 def steps_from(pairs: Iterable[tuple[str, Mapping[str, Any]]]) -> list[Step]:
     """Steps from ``(rule, args)`` pairs."""
     return [Step.of(r, a) for r, a in pairs]
+
+
+def minimize(seq: EventSequence, factory: Callable[[], Any] | None = None) -> EventSequence:
+    """A 1-minimal sub-sequence that still fails with the same invariant: the run is cut
+    after the failing step, then every step but the first (the setup) is dropped in turn
+    while the replay still fails the same way. ``seq`` is returned unchanged if it passes."""
+    first = replay(seq, factory)
+    if first.outcome != "violation":
+        return seq
+    want = first.invariant
+    steps = list(seq.steps[: first.failed_step or len(seq.steps)])
+
+    def fails(candidate: list[Step]) -> bool:
+        r = replay(EventSequence(seq.machine, candidate), factory)
+        return r.outcome == "violation" and r.invariant == want
+
+    changed = True
+    while changed:
+        changed = False
+        i = len(steps) - 1
+        while i >= 1:
+            candidate = steps[:i] + steps[i + 1:]
+            if fails(candidate):
+                steps = candidate
+                changed = True
+            i -= 1
+    return EventSequence(seq.machine, steps, seq.name, seq.description, dict(seq.expect), dict(seq.extra))

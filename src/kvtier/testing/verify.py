@@ -119,7 +119,6 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
     res = VerifyResult()
     root = machine()
     first = setup if setup is not None else machine.verify_setup()  # type: ignore[attr-defined]
-    root.kit_trace.append(first)
     root.kit_replaying = True
     getattr(root, first.rule)(**first.args)
     root.kit_check()
@@ -133,7 +132,6 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
         for m in frontier:
             for step in m.kit_actions():
                 child = clone(m)
-                child.kit_trace.append(step)
                 res.transitions += 1
                 try:
                     getattr(child, step.rule)(**step.args)

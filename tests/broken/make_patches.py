@@ -1,0 +1,122 @@
+"""Regenerate the deliberately broken variants (tests/broken/*.patch) from the current
+sources: each is a small text replacement in fsm/ or src/kvtier/, written as a unified
+diff with two lines of context (so it keeps applying while the code around it moves).
+
+    python tests/broken/make_patches.py        # rewrite every patch
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: patch name -> (invariant it breaks, [(file, old text, new text), ...])
+BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
+    "01-root-closed-host": ("root_closed_host", [
+        ("fsm/guards.py", '"parent_on_host": lambda n: bool(n.parent_on_host),',
+         '"parent_on_host": lambda n: True,  # BROKEN'),
+        ("fsm/cache.py", "            if p.parent is None or p.state in HOST_VISIBLE:\n                cmd = self._submit_writeback([n], None)",
+         "            if True:  # BROKEN: a queued child is written back before its parent is on the host\n"
+         "                cmd = self._submit_writeback([n], None)"),
+    ]),
+    "02-host-means-acked": ("host_means_acked", [
+        ("fsm/cache.py", 'for attr_src, attr_dst in (("dev", "pending"), ("dev_state", "pending_state")):',
+         'for attr_src, attr_dst in (("dev", "host"), ("dev_state", "pending_state")):  # BROKEN: visible at once'),
+    ]),
+    "03-writeback-source-immutable": ("writeback_source_immutable", [
+        ("fsm/cache.py", 'return (n.state in ("device", "backed") and n.lock_ref == 0 and n.borrow_ref == 0',
+         'return (n.state in ("device", "backed", "writing") and n.lock_ref == 0 and n.borrow_ref == 0'),
+        ("fsm/cache.py", '            if n.state == "backed":\n                got = self._release_device(n)',
+         '            if n.state == "writing":  # BROKEN: frees the source of a copy in flight\n'
+         '                for g, k in self._release_device(n).items():\n'
+         '                    freed[g] += k\n'
+         '                continue\n'
+         '            if n.state == "backed":\n                got = self._release_device(n)'),
+    ]),
+    "04-loadback-source-pinned": ("loadback_source_pinned", [
+        ("fsm/guards.py", '"unpinned": lambda n: n.host_pin == 0,', '"unpinned": lambda n: True,  # BROKEN'),
+        ("fsm/cache.py", "return (n.state in (\"host\", \"backed\") and n.host_pin == 0 and not n.has_host_child",
+         "return (n.state in (\"host\", \"backed\") and not n.has_host_child  # BROKEN: pins ignored"),
+    ]),
+    "05-counts-with-receipts": ("counts_with_receipts", [
+        ("fsm/cache.py", "        for n in node.path():\n            n.lock_ref += 1",
+         "        for n in node.path()[:1]:  # BROKEN: the ancestors are not counted\n            n.lock_ref += 1"),
+    ]),
+    "06-split-preserves-ownership": ("split_preserves_ownership", [
+        ("fsm/cache.py", "            op.nodes.insert(op.nodes.index(node), prefix)",
+         "            pass  # BROKEN: the new fragment is not part of the operation"),
+    ]),
+    "07-operation-ends-once": ("operation_ends_once", [
+        ("fsm/cache.py", "        if key in op.seen or completion.rank in op.acked:",
+         "        if False:  # BROKEN: duplicate completions are accepted"),
+    ]),
+    "08-release-once-after-fence": ("release_once_after_fence", [
+        ("src/kvtier/tiered.py", '        r.poisoned = True\n        self._fire(r, "abort")',
+         '        r.poisoned = True\n        self._fire(r, "abort")\n'
+         '        if r.state == "aborting":  # BROKEN: released before its work in flight ended\n'
+         '            self._free_own(r)'),
+    ]),
+    "09-host-evict-leaves": ("host_evict_leaves", [
+        ("fsm/guards.py", '"has_host_child": lambda n: bool(n.has_host_child),',
+         '"has_host_child": lambda n: False,  # BROKEN'),
+        ("fsm/cache.py", "return (n.state in (\"host\", \"backed\") and n.host_pin == 0 and not n.has_host_child",
+         "return (n.state in (\"host\", \"backed\") and n.host_pin == 0  # BROKEN: inner nodes too"),
+    ]),
+    "10-failure-not-success": ("failure_not_success", [
+        ("fsm/cache.py", '                if ok:\n                    self._trigger(n, "loadback_ack")',
+         '                if True:  # BROKEN: a failed loadback is reported as success\n'
+         '                    self._trigger(n, "loadback_ack")'),
+    ]),
+    "11-atomic-admission": ("atomic_admission", [
+        ("src/kvtier/tiered.py", "        except CapacityError:\n            if hold is not None:\n"
+                                 "                core.unlock(hold)\n            return None",
+         "        except CapacityError:\n            return None  # BROKEN: the device-hit lock is not rolled back"),
+    ]),
+    "12-loaded-equals-written": ("loaded_equals_written", [
+        ("fsm/cache.py", "                    dst = self.device[g].alloc(len(src))\n                    n.dev[g] = dst",
+         "                    dst = self.device[g].alloc(len(src))\n"
+         "                    n.dev[g] = dst[::-1]  # BROKEN: the mapping disagrees with the copy"),
+    ]),
+    "13-conservation": ("conservation", [
+        ("fsm/cache.py", "        for g, ps in lists.items():\n            self._external[g].difference_update(ps)",
+         "        for g, ps in lists.items():  # BROKEN: freed pages stay the caller's too"),
+    ]),
+    "14-borrowed-pages-stay": ("borrowed_pages_stay", [
+        ("fsm/guards.py", '"unborrowed": lambda n: n.borrow_ref == 0,', '"unborrowed": lambda n: True,  # BROKEN'),
+        ("fsm/cache.py", 'return (n.state in ("device", "backed") and n.lock_ref == 0 and n.borrow_ref == 0',
+         'return (n.state in ("device", "backed") and n.lock_ref == 0  # BROKEN: borrows ignored'),
+    ]),
+    "15-exact-continuation-state": ("exact_continuation_state", [
+        ("fsm/cache.py", "                if i < d and self._has_checkpoint(nd.dev_state):",
+         "                if i < d:  # BROKEN: any device node ends a hit"),
+    ]),
+}
+
+
+def make(name: str) -> str:
+    _, edits = BROKEN[name]
+    texts: dict[str, str] = {}
+    for path, old, new in edits:
+        text = texts.get(path) or (REPO / path).read_text(encoding="utf-8")
+        if text.count(old) != 1:
+            raise SystemExit(f"{name}: {path}: the text to break occurs {text.count(old)} times")
+        texts[path] = text.replace(old, new)
+    out = []
+    for path, text in texts.items():
+        before = (REPO / path).read_text(encoding="utf-8").splitlines(keepends=True)
+        out.extend(difflib.unified_diff(before, text.splitlines(keepends=True), f"a/{path}", f"b/{path}", n=2))
+    return "".join(out)
+
+
+def main(argv: list[str]) -> int:
+    for name in argv or sorted(BROKEN):
+        (Path(__file__).parent / f"{name}.patch").write_text(make(name), encoding="utf-8")
+        print(f"tests/broken/{name}.patch")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

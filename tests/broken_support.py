@@ -1,0 +1,60 @@
+"""Build a temporary copy of kvtier with one deliberately broken patch applied, and run
+Python in it (tests/test_regressions.py).
+
+The copy mirrors the setuptools package-dir mapping: ``<tmp>/src/kvtier`` is a copy of
+``src/kvtier`` with ``fsm`` and ``spec`` copied beside its modules (``kvtier.fsm``,
+``kvtier.spec``) and ``transfer`` linked; ``PYTHONPATH=<tmp>/src`` then imports the patched
+package ahead of the editable install (whose finder comes last on ``sys.meta_path``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BROKEN = REPO / "tests" / "broken"
+REGRESSIONS = REPO / "tests" / "regressions"
+
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "data")
+
+
+def patched_tree(patch: Path | None, dest: Path) -> Path:
+    """Copy fsm/, spec/ and src/kvtier/ to ``dest``, apply ``patch`` (a unified diff
+    against those folders) and return the folder to put on ``PYTHONPATH``."""
+    work = dest / "repo"
+    for folder in ("fsm", "spec", "src/kvtier"):
+        shutil.copytree(REPO / folder, work / folder, ignore=_IGNORE)
+    if patch is not None:
+        done = subprocess.run(["git", "apply", "--unsafe-paths", "-p1", str(patch)], cwd=work,
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{patch.name} no longer applies: {done.stderr.strip()}")
+    pkg = work / "src" / "kvtier"
+    shutil.move(str(work / "fsm"), pkg / "fsm")
+    shutil.move(str(work / "spec"), pkg / "spec")
+    (pkg / "transfer").symlink_to(REPO / "transfer", target_is_directory=True)
+    (pkg / "data").symlink_to(REPO / "src" / "kvtier" / "data", target_is_directory=True)
+    return work / "src"
+
+
+def run_python(pythonpath: Path, args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` with the patched tree first on the path (no bytecode written)."""
+    env = dict(os.environ, PYTHONPATH=str(pythonpath), PYTHONDONTWRITEBYTECODE="1")
+    env.pop("HYPOTHESIS_PROFILE", None)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+#: replay every given sequence in the current interpreter and print one JSON line each
+REPLAY_SCRIPT = """
+import json, sys, kvtier
+from kvtier.testing.sequence import EventSequence, replay
+for path in sys.argv[1:]:
+    r = replay(EventSequence.load(path))
+    print(json.dumps({"path": path, "outcome": r.outcome, "invariant": r.invariant,
+                      "message": r.message, "step": r.failed_step, "kvtier": kvtier.__file__}))
+"""

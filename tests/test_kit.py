@@ -1,0 +1,148 @@
+"""The testing kit itself (kvtier.testing): event sequences, coverage from the spec,
+the fuzz campaign, bounded verification, the command line, and the README's example of
+an engine plugging its scheduler and transfer backend into the facade machine."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+from kvtier.cli import main
+from kvtier.fsm.spec import load_spec
+from kvtier.testing.coverage import LifecycleCoverage
+from kvtier.testing.fuzz import campaign, replay_file
+from kvtier.testing.machines import CoreMachine, FacadeMachine
+from kvtier.testing.sequence import EventSequence, SequenceError, Step, replay
+from kvtier.testing.verify import clone, verify
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _facade_finish() -> EventSequence:
+    return EventSequence("facade", [
+        FacadeMachine.verify_setup(),
+        Step.of("admit", dict(req=0, key=["a", "b"], chunk=2, tail=False)),
+        Step.of("step_done", dict(req=0, checkpoint=False, discard=False)),
+        Step.of("finish", dict(req=0)),
+        Step.of("poll", {}),
+        Step.of("deliver", dict(i=0, ok=False)),
+    ], name="finish-writeback-fails")
+
+
+def test_sequence_round_trips_and_renders(tmp_path: Path) -> None:
+    seq = _facade_finish()
+    path = seq.save(tmp_path / "s.json")
+    raw = json.loads(path.read_text())
+    assert raw["format"] == "kvtier-sequence" and raw["version"] == 1 and raw["machine"] == "facade"
+    back = EventSequence.load(path)
+    assert back.steps == seq.steps and back.name == seq.name
+    assert "3. step_done(req=0, checkpoint=False, discard=False)" in back.render()
+    assert "admit(req=0, key='ab', chunk=2, tail=False)" in back.render()
+    raw["version"] = 99
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(SequenceError, match="version"):
+        EventSequence.load(tmp_path / "bad.json")
+
+
+def test_replay_checks_every_step_and_names_the_invariant() -> None:
+    res = replay(_facade_finish())
+    assert res.outcome == "pass" and res.steps_run == 6
+    bad = EventSequence("facade", [FacadeMachine.verify_setup(), Step.of("no_such_rule", {})])
+    with pytest.raises(SequenceError, match="no rule"):
+        replay(bad)
+
+
+def test_coverage_items_come_from_the_spec() -> None:
+    spec = load_spec()
+    cov = LifecycleCoverage(spec)
+    totals = cov.totals()
+    assert totals["transition"][1] == sum(len(lc.transitions) for lc in spec.lifecycles)
+    assert totals["guard"][1] == 2 * sum(len(lc.guards) for lc in spec.lifecycles)
+    pairs = sum(len(lc.state_names) * len(lc.events) for lc in spec.lifecycles)
+    allowed = sum(len({(t.source, t.event) for t in lc.transitions}) for lc in spec.lifecycles)
+    assert totals["rejection"][1] == pairs - allowed
+    with cov.recording(), cov.attributed("facade"):
+        assert replay(_facade_finish()).outcome == "pass"
+    done = {i.label for i in cov.covered("transition", {"facade"})}
+    assert "request: running --finish [has_own_writeback]--> finishing" in done
+    assert "request: finishing --writeback_failed--> finished" in done
+    assert "node: writing --writeback_fail--> device" in done
+    assert not cov.complete and cov.missing("rejection")
+
+
+def test_campaign_runs_reproducibly_and_reports() -> None:
+    runs = [campaign(steps=1500, seed_value=3, progress=False) for _ in range(2)]
+    a, b = runs
+    assert a.ok and a.steps >= 1500 and a.checks > 0 and set(a.steps_by_machine) == {"core", "facade", "node", "request"}
+    assert a.steps_by_machine == b.steps_by_machine  # same seed, same campaign
+    text = a.report()
+    assert "steps run:" in text and "invariants checked:" in text and "coverage (from the spec)" in text
+    assert "result: no violation" in text
+
+
+def test_verify_small_bound_and_clone_independence() -> None:
+    res = verify(4)
+    assert res.ok and res.depth == 4 and res.states > 50 and not res.fixpoint
+    assert res.per_depth[0] >= 1 and "states explored" in res.report()
+    m = FacadeMachine()
+    m.setup(**FacadeMachine.verify_setup().args)
+    c = clone(m)
+    c.admit(req=0, key=["a"], chunk=1, tail=False)
+    assert m.cache._requests == {} and c.cache._requests
+    assert m.kit_canonical() != c.kit_canonical()
+
+
+def test_cli_fuzz_verify_and_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fuzz", "--steps", "800", "--seed", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "steps run:" in out and "never exercised" in out
+    assert main(["verify", "--depth", "3", "--quiet"]) == 0
+    assert "states explored" in capsys.readouterr().out
+    path = _facade_finish().save(tmp_path / "s.json")
+    assert main(["fuzz", "--replay", str(path)]) == 0
+    assert "as expected" in capsys.readouterr().out
+    buf = io.StringIO()
+    assert replay_file(path, buf).outcome == "pass"
+
+
+def test_cli_without_hypothesis_names_the_extra() -> None:
+    code = ("import sys; sys.modules['hypothesis'] = None\n"
+            "from kvtier.cli import main\n"
+            "sys.exit(main(['fuzz', '--steps', '10']) * 10 + main(['verify', '--depth', '1']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 22, done.stderr
+    assert "kvtier fuzz needs the testing extra" in done.stderr and "kvtier verify needs the testing extra" in done.stderr
+    assert "pip install 'kvtier[testing]'" in done.stderr
+
+
+def test_core_machine_subclass_records_a_replayable_run() -> None:
+    class Mine(CoreMachine):
+        pass
+
+    Mine.TestCase.settings = settings(max_examples=3, stateful_step_count=20, deadline=None, database=None)
+    Mine.TestCase().runTest()
+    last = Mine.kit_current()
+    assert last is not None and last.kit_trace
+    seq = last.kit_sequence()
+    assert seq.machine.endswith(":test_core_machine_subclass_records_a_replayable_run.<locals>.Mine") or seq.machine
+    again = EventSequence("core", seq.steps)
+    assert replay(again).outcome == "pass"
+
+
+def test_readme_kit_example_runs() -> None:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Fuzzing and verification", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks, "the README's fuzzing section has no python example"
+    scope: dict[str, object] = {"__name__": "readme_example"}
+    exec(compile(blocks[0], "README.md", "exec"), scope)
+    case = scope["TestEngineLifecycle"]
+    case.settings = settings(max_examples=5, stateful_step_count=30, deadline=None, database=None)  # type: ignore[attr-defined]
+    case().runTest()  # type: ignore[operator]
