@@ -651,3 +651,24 @@ def test_a_checkpoint_handed_out_at_admission_stays_until_the_forward_result() -
     c.check_invariants()
     assert c.poll().events and c.requests() == []
     assert all(n.borrow_ref == 0 and n.lock_ref == 0 for n in c.core.nodes())
+
+
+def test_no_checkpoint_is_published_inside_a_history_replay_span() -> None:
+    """With history replay the forward pass recomputes the span before the hit end only
+    to rebuild the continuation state: the state at a unit boundary inside the span is not
+    exact, so a checkpoint there is not published (invariant 15); at the hit end it is."""
+    lay = src()
+    assert lay.replay_span_tokens() == 16
+    c = TieredCache(lay, 32, None, history_replay=True)
+    prefill(c, "A", "abcdefgh", 33, checkpoint=True)  # one node of 8 units, checkpoint at its end
+    c.finish("A")
+    b = c.admit("B", list("abcdefgz"), prompt_tokens=33, chunk_tokens=4)
+    assert b is not None
+    assert (b.start_token, b.recompute_tokens, b.history_hit_tokens, b.checkpoint_pages) == (12, 16, 28, {})
+    assert c.step_done("B", 4, checkpoint=True) == {}  # tokens 12..16: inside the span
+    assert [n.depth for n in c.core.nodes() if n.dev_state] == [8]
+    assert c.reserve("B", 12) is not None
+    adopted = c.step_done("B", 12, checkpoint=True)  # tokens 16..28: the hit end, exact again
+    c.check_invariants()
+    assert set(adopted) == {"swa"}
+    assert sorted(n.depth for n in c.core.nodes() if n.dev_state) == [7, 8]

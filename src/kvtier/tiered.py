@@ -523,7 +523,11 @@ class TieredCache:
         """
         core = self.core
         n_units = min(r.tokens // self._align, len(r.units))
-        if n_units <= r.published and not (checkpoint and core._state and n_units > 0):
+        if n_units < r.published:
+            # inside a history-replay span (tokens below the hit end are recomputed only to
+            # rebuild continuation state): nothing new, and no state there is exact yet
+            return {}
+        if n_units == r.published and not (checkpoint and core._state and n_units > 0):
             return {}
         ppu = core._ppu
         pages = {g: (r.canon.get(g, []) + r.own.get(g, []))[: n_units * ppu[g]] for g in self._hist}
