@@ -110,7 +110,11 @@ class BytesExecutor:
         return out
 
     def transfer_seconds(self) -> float:
-        return self._seconds
+        """Seconds the backend spent moving bytes: its own timing of the copies (CUDA events
+        on a GPU) when it reports one, else the wall time of submit, flush and poll."""
+        cum = self.engine.stats().get("cumulative", {})
+        timed = sum(float(d.get("seconds") or 0.0) for d in cum.values() if isinstance(d, dict))
+        return timed if timed > 0 else self._seconds
 
     def admitted(self, cache: TieredCache, adm: Admission) -> None:
         """Remember to check the hit's pages at the request's first forward pass (after

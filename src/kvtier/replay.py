@@ -42,6 +42,7 @@ class ReplaySetup:
         limit: requests replayed (``None``: all).
         seed: seed of anything random (the fingerprints' salt).
         token_budget: tokens per scheduler step.
+        preset_params: preset parameter overrides, e.g. ``(("num_layers", 8),)``.
     """
 
     preset: str = "deepseek-v4"
@@ -53,6 +54,11 @@ class ReplaySetup:
     limit: int | None = None
     seed: int = 0
     token_budget: int = 8192
+    preset_params: tuple[tuple[str, int], ...] = ()
+
+    def layout(self) -> CacheLayout:
+        """The preset's layout with ``preset_params`` applied."""
+        return preset(self.preset, **dict(self.preset_params))
 
 
 @dataclass
@@ -228,7 +234,7 @@ def run_replay(trace: Trace, setup: ReplaySetup, *,
     Returns:
         The three results (device-only, device+host, unbounded) and a setup summary.
     """
-    layout = preset(setup.preset)
+    layout = setup.layout()
     reqs = trace_requests(trace, layout)
     ws = working_set_units(trace, layout)
     longest = max((r.prompt_tokens + r.output_tokens) // layout.alignment + 2 for r in reqs) if reqs else 1

@@ -44,6 +44,10 @@ def add_parser(sub: Any) -> None:
                    help="trace file (.jsonl or .jsonl.gz); default: the embedded slice")
     p.add_argument("--preset", default="deepseek-v4", choices=["deepseek-v4", "llama-3-8b", "deepseek-v3"],
                    help="model preset (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="model layers (a preset parameter; default: the preset's)")
+    p.add_argument("--page-tokens", type=int, default=None, metavar="N",
+                   help="tokens per page for llama-3-8b / deepseek-v3 (default: the preset's)")
     p.add_argument("--device", type=_capacity, default=("fraction", DEFAULT_DEVICE_FRACTION), metavar="CAP",
                    help=f"device capacity: fraction of the working set or tokens with 't' (default {DEFAULT_DEVICE_FRACTION})")
     p.add_argument("--host", type=_capacity, default=("fraction", DEFAULT_HOST_FRACTION), metavar="CAP",
@@ -79,9 +83,16 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         trace = load_trace(args.trace, limit=args.limit)
-        layout = preset(args.preset)
+        params: list[tuple[str, int]] = []
+        if args.layers is not None:
+            params.append(("num_layers", args.layers))
+        if args.page_tokens is not None:
+            if args.preset == "deepseek-v4":
+                raise ValueError("--page-tokens applies to llama-3-8b and deepseek-v3 (deepseek-v4's pages are fixed)")
+            params.append(("page_tokens", args.page_tokens))
+        layout = preset(args.preset, **dict(params))
         ws = working_set_units(trace, layout)
-        setup = ReplaySetup(preset=args.preset, device_units=max(1, _units(args.device, ws, layout.alignment)),
+        setup = ReplaySetup(preset=args.preset, preset_params=tuple(params), device_units=max(1, _units(args.device, ws, layout.alignment)),
                             host_units=max(1, _units(args.host, ws, layout.alignment)), policy=args.policy,
                             backend=args.backend, byte_scale=args.byte_scale, limit=args.limit, seed=args.seed)
         show = not args.json and sys.stderr.isatty()
