@@ -192,7 +192,7 @@ class BytesExecutor:
         for ci, comp in enumerate(spec.components):
             for layer in spec.layers:
                 got = self.engine.read_pages("device", group, comp.name, layer, pages).view(torch.int64)
-                want = self._values(bases, ci, layer)
+                want = self._values(bases, ci, layer).to(got.device)
                 bad = (got != want[:, None]).any(dim=1)
                 if bool(bad.any()):
                     i = int(bad.nonzero()[0, 0])
