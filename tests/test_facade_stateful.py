@@ -42,13 +42,14 @@ ENDED = ("finished", "aborted")
 
 def layout(with_state: bool) -> CacheLayout:
     """kv: 2 tokens per page (2 pages per unit); c4: 4 tokens per page (1 page per unit);
-    swa (optional): continuation state, window 4 (2 pages per checkpoint)."""
+    swa (optional): continuation state of layer 0, window 4 (2 pages per checkpoint; a
+    history-replay span of 4 tokens)."""
     groups = [
         CacheGroupSpec("kv", Family.HISTORY, 2, 1, (0, 1, 2), (ComponentSpec("k", 64),)),
         CacheGroupSpec("c4", Family.HISTORY, 1, 4, (1, 2), (ComponentSpec("c", 32),)),
     ]
     if with_state:
-        groups.append(CacheGroupSpec("swa", Family.STATE, 2, 1, (0, 1, 2), (ComponentSpec("s", 64),), window=4))
+        groups.append(CacheGroupSpec("swa", Family.STATE, 2, 1, (0,), (ComponentSpec("s", 64),), window=4))
     return CacheLayout("facade-test", tuple(groups), NUM_LAYERS)
 
 
@@ -101,14 +102,14 @@ class FacadeMachine(RuleBasedStateMachine):
                 deadline=st.sampled_from([None, None, 2, 4]), max_wb=st.sampled_from([1, 2]),
                 finish_writeback=st.sampled_from([None, True, False]),
                 seeds=st.lists(st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=4), max_size=3),
-                demote=st.booleans())
+                demote=st.booleans(), replay=st.booleans())
     def setup(self, with_state: bool, world: int, policy: str, dev_units: int, host_units: int | None,
               deadline: int | None, max_wb: int, finish_writeback: bool | None, seeds: list[list[str]],
-              demote: bool) -> None:
+              demote: bool, replay: bool) -> None:
         self.world = world
         self.cache = TieredCache(layout(with_state), dev_units, host_units, policy=policy, world_size=world,
                                  max_writebacks_in_flight=max_wb, op_deadline_steps=deadline,
-                                 finish_writeback=finish_writeback)
+                                 finish_writeback=finish_writeback, history_replay=replay)
         self.hist = [g.name for g in self.cache.layout.history_groups]
         self.state_groups = [g.name for g in self.cache.layout.state_groups]
         self.ppu = {g.name: self.cache.layout.pages_per_unit(g) for g in self.cache.layout.history_groups}
@@ -240,7 +241,10 @@ class FacadeMachine(RuleBasedStateMachine):
         else:
             assert self._state(r.rid) == "running"
             self._check_table(r)
-            if adm.hit_tokens and self.state_groups:
+            if adm.recompute_tokens:
+                event("admitted with a history-replay span")
+                assert adm.checkpoint_pages == {}
+            elif adm.hit_tokens and self.state_groups:
                 # exact continuation state (invariant 15): the hit ends at a checkpoint
                 assert set(adm.checkpoint_pages) == set(self.state_groups), adm
                 r.ckpt, r.ckpt_units = adm.checkpoint_pages, adm.start_token // ALIGN
