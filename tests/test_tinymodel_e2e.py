@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvtier.fsm import Direction
+from kvtier.tiered import Admission, TieredCache
 from kvtier.tinymodel import FULL_GROUP, SWA_GROUP, GenResult, TinyModel, TinyRunner
 from kvtier.transfer import POISON_BYTE, FakeAsyncBackend, NotReadyError, PoisonedReadError
 
@@ -113,25 +114,23 @@ def test_tiered_cache_under_pressure_gives_the_unbounded_logits(
         assert diff <= NO_REUSE_ATOL, (rid, diff)
 
 
-def _prove_layerwise(runner: TinyRunner, backend: FakeAsyncBackend, rid: str) -> None:
+def _prove_layerwise(runner: TinyRunner, backend: FakeAsyncBackend, rid: str, adm: Admission) -> None:
     """The request's admission started a loadback that is left pending: show that its
     forward pass reads layer k only after the chunk holding layer k has landed."""
-    req_adm = runner._reqs[rid].adm
-    cmd = req_adm.loadback
+    cmd = adm.loadback
     assert cmd is not None
     op = cmd.op_id
     pending = [p for p in backend.pending() if p.stream is Direction.LOADBACK]
     assert [p.layers for p in pending] == [(0,), (1,), (2,), (3,)]  # one chunk per layer
     loaded = {t.group: list(t.dst_pages) for t in cmd.transfers}
     assert set(loaded) == {FULL_GROUP, SWA_GROUP}  # history pages and the checkpoint
-    assert loaded[SWA_GROUP] == req_adm.checkpoint_pages[SWA_GROUP]
+    assert loaded[SWA_GROUP] == adm.checkpoint_pages[SWA_GROUP]
 
     def poisoned(layer: int) -> bool:
-        group = FULL_GROUP if layer in model_full else SWA_GROUP
+        group = FULL_GROUP if layer in runner.model.cfg.full_layers else SWA_GROUP
         region = runner.device.region(group, "k", layer)
         return bool((region[loaded[group]] == POISON_BYTE).all())
 
-    model_full = runner.model.cfg.full_layers
     # nothing has landed: every layer of the hit still holds the poison
     for layer in range(4):
         assert poisoned(layer)
@@ -178,7 +177,7 @@ def test_forward_pass_reads_only_landed_layers(model: TinyModel,
     for rid, prompt in PROMPTS.items():
         adm = runner.start(rid, prompt, DECODE_STEPS)
         if adm.loadback is not None:
-            _prove_layerwise(runner, backend, rid)
+            _prove_layerwise(runner, backend, rid, adm)
             proved.append(rid)
         results[rid] = runner.run_to_end(rid)
     runner.cache.check_invariants()
@@ -188,3 +187,34 @@ def test_forward_pass_reads_only_landed_layers(model: TinyModel,
     for rid, r in tiered[1].items():
         assert results[rid].hit_tokens == r.hit_tokens
         assert torch.equal(results[rid].logits, r.logits), rid
+
+
+def test_decode_checkpoint_without_its_unit_key_is_not_adopted(model: TinyModel) -> None:
+    """A decode step ending on a unit boundary with ``checkpoint=True`` but without the
+    new unit's key: the state is at 28 tokens, the request knows keys for 24 only. The
+    facade used to adopt the checkpoint at the 24-token node (the engine then filled it
+    with its state at 28, which a later hit at 24 would have resumed from)."""
+    cache = TieredCache(model.layout, UNBOUNDED, None)
+    units = [("u", i) for i in range(6)]
+    assert cache.admit("r", units, prompt_tokens=24, chunk_tokens=24) is not None
+    assert cache.step_done("r", 24) == {}  # no checkpoint at the prompt's end
+    for t in range(25, 29):
+        assert cache.reserve("r", 1) is not None
+        assert cache.step_done("r", 1, checkpoint=t % 4 == 0) == {}
+    cache.finish("r")
+    cache.poll()
+    adm = cache.admit("s", units + [("x", 0)], prompt_tokens=30, chunk_tokens=30)
+    assert adm is not None and adm.hit_tokens == 0 and not adm.checkpoint_pages
+    # with the unit's key the checkpoint lands where the state is
+    assert cache.step_done("s", 30) == {}
+    cache.finish("s")
+    cache.poll()
+    assert cache.admit("t", units, prompt_tokens=24, chunk_tokens=24) is not None
+    cache.step_done("t", 24)
+    for t in range(25, 29):
+        assert cache.reserve("t", 1) is not None
+        got = cache.step_done("t", 1, new_units=[("v", 0)] if t == 28 else (), checkpoint=t % 4 == 0)
+    assert set(got) == {SWA_GROUP}
+    cache.finish("t")
+    cache.poll()
+    cache.check_invariants()

@@ -504,6 +504,9 @@ class TieredCache:
         r.units.extend(new_units)
         if r.state in ("running", "loading"):
             r.tokens += computed_tokens
+            # the state is at floor(tokens/alignment) units: without that unit's key (decode
+            # units come in new_units) the checkpoint would land on an earlier unit's node
+            checkpoint = checkpoint and r.tokens // self._align <= len(r.units)
             r.retract_ckpt = checkpoint
         r.owed_forward -= 1
         if r.state == "running":
