@@ -408,7 +408,7 @@ class FacadeMachine(RuleBasedStateMachine):
     def batch_step(self) -> None:
         """A whole scheduler step: reserve for every running or loading request, then
         every forward pass that can complete returns."""
-        for i, rid in enumerate(self._ids("running", "loading", owed=False)):
+        for rid in self._ids("running", "loading", owed=False):
             ids = self._ids("running", "loading", owed=False)
             if rid in ids:
                 self.reserve(ids.index(rid))
