@@ -545,32 +545,43 @@ def test_retracted_request_aborted_with_a_forward_owed_settles_later() -> None:
 
 
 # ---------------------------------------------------------------------------- poll
+def wb_in_flight(c: TieredCache) -> list[int]:
+    return sorted(op for op, o in c.core.operations().items() if o.direction is Direction.WRITEBACK)
+
+
 @pytest.mark.parametrize("limit", [1, 2])
 def test_poll_bounds_writebacks_and_returns_loadbacks_first(limit: int) -> None:
-    c = TieredCache(h1(), 12, 16, policy="write_through", finish_writeback=False, max_writebacks_in_flight=limit)
+    """poll() issues tree writebacks only while fewer than ``max_writebacks_in_flight``
+    writeback operations are in flight (however many nodes each carries), never holds a
+    loadback back, and lists loadbacks first."""
+    c = TieredCache(h1(), 16, 32, policy="write_through", finish_writeback=False, max_writebacks_in_flight=limit)
     prefill(c, "s", "pq", 4)
     c.finish("s")
     (seed_wb,) = c.poll().commands
     ack(c, seed_wb.op_id)
     c.core.evict_device({"kv": 2})  # "pq" on the host only
-    for rid, key in (("a", "aa"), ("b", "bb"), ("c", "cc"), ("d", "dd")):
-        prefill(c, rid, key, 4)  # four new device nodes queued for write-through
+    keys = ["aa", "bb", "cc", "dd", "ee", "ff"]
+    for k in keys[:2]:
+        prefill(c, k, k, 4)  # new device nodes queued for write-through
     adm = c.admit("l", list("pq"), prompt_tokens=5, chunk_tokens=1)
     assert adm is not None and adm.loadback is not None
     out = c.poll()
-    assert [cmd.direction for cmd in out.commands] == [Direction.LOADBACK] + [Direction.WRITEBACK] * limit
-    issued = [cmd for cmd in out.commands if cmd.direction is Direction.WRITEBACK]
-    assert c.poll().commands == ()  # the bound holds until one ends
-    total = len(issued)
-    while issued:
-        ack(c, issued.pop(0).op_id)
-        more = c.poll().commands
-        assert len(more) <= 1
-        issued += more
-        total += len(more)
-        inflight = [o for o in c.core.operations().values() if o.direction is Direction.WRITEBACK]
-        assert len(inflight) <= limit
-    assert total == 4 and c.core.queued_writebacks() == []
+    assert out.commands[0] == adm.loadback
+    assert all(cmd.direction is Direction.WRITEBACK for cmd in out.commands[1:])
+    assert 1 <= len(wb_in_flight(c)) <= limit
+    for k in keys[2:]:
+        prefill(c, k, k, 4)  # more nodes queued while writebacks are in flight
+        before = wb_in_flight(c)
+        issued = c.poll().commands
+        assert len(before) + len(issued) <= limit
+        assert not issued or len(before) < limit  # nothing new once the bound is reached
+    while wb_in_flight(c):
+        ack(c, wb_in_flight(c)[0])
+        c.poll()
+        assert len(wb_in_flight(c)) <= limit
+    assert c.core.queued_writebacks() == []
+    backed = sorted("".join(n.key) for n in c.core.nodes() if n.state == "backed")  # type: ignore[arg-type]
+    assert backed == keys
 
 
 # ---------------------------------------------------------------------------- retract and resume
