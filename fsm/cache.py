@@ -387,8 +387,8 @@ class TieredPrefixCache:
             setattr(prefix, attr, head)
         for attr in ("lock_ref", "borrow_ref", "host_pin", "hit_count", "last_access", "wb_op", "lb_op"):
             setattr(prefix, attr, getattr(node, attr))
-        prefix.refs = set(node.refs)
         for rid in node.refs:
+            prefix.add_ref(rid)
             r = self._receipts[rid]
             r.nodes.insert(r.nodes.index(node), prefix)
         for op_id in {node.wb_op, node.lb_op} - {None}:
@@ -566,7 +566,7 @@ class TieredPrefixCache:
         attr = "host_pin" if kind == "pin" else "borrow_ref"
         for n in receipt.nodes:
             setattr(n, attr, getattr(n, attr) + 1)
-            n.refs.add(rid)
+            n.add_ref(rid)
         self._receipts[rid] = receipt
         return receipt
 
@@ -605,7 +605,7 @@ class TieredPrefixCache:
         attr = "host_pin" if receipt.kind == "pin" else "borrow_ref"
         for n in receipt.nodes:
             setattr(n, attr, getattr(n, attr) - 1)
-            n.refs.discard(receipt.receipt_id)
+            n.discard_ref(receipt.receipt_id)
             self._touch(n)
 
     # ------------------------------------------------------------------ insert
@@ -1021,7 +1021,7 @@ class TieredPrefixCache:
                 need[g] = need.get(g, 0) + len(pages)
         short = {g: k - self.host[g].free for g, k in need.items() if k > self.host[g].free}
         if short:  # never the run's ancestors: their host copies are what the run hangs from (invariant 1)
-            self.evict_host(short, protect=[*run, *run[0].path()])
+            self.evict_host(short, protect=[a for n in run for a in n.path()])
         if any(k > self.host[g].free for g, k in need.items()):
             return None
         op_id = next(self._op_ids)
@@ -1048,30 +1048,45 @@ class TieredPrefixCache:
         return command
 
     def issue_writebacks(self, limit: int | None = None) -> list[TransferCommand]:
-        """Submit queued tree writebacks whose parent is on the host, parent first, at
-        most ``limit`` operations. Nodes that left the ``device`` state are dropped from
-        the queue; nodes whose parent is not yet on the host stay queued.
+        """Submit queued tree writebacks whose parent is on the host, at most ``limit``
+        operations. Every such node goes into one batched operation (one command, one
+        ack: fewer, larger copies); if the host cannot hold the batch, nodes are submitted
+        one by one and those that still do not fit leave the queue. Nodes that left the
+        ``device`` state are dropped from the queue; nodes whose parent is not yet on the
+        host stay queued (invariant 1).
         """
         if self.host is None:
             self._wb_queue.clear()
             return []
-        out: list[TransferCommand] = []
+        if limit is not None and limit < 1:
+            return []
+        ready: list[Node] = []
         for n in sorted(self._wb_queue.values(), key=lambda x: (x.depth, x.node_id)):
-            if limit is not None and len(out) >= limit:
-                break
             if n.node_id not in self._nodes or n.state != "device":
                 self._wb_queue.pop(n.node_id, None)
                 continue
             p = n.parent
             assert p is not None
             if p.parent is None or p.state in HOST_VISIBLE:
-                cmd = self._submit_writeback([n], None)
-                if cmd is None:
-                    self._wb_queue.pop(n.node_id, None)  # host full: give up on this node
-                else:
-                    out.append(cmd)
+                ready.append(n)
             elif p.state == "device" and p.node_id not in self._wb_queue:
                 self._wb_queue.pop(n.node_id, None)  # parent will not be written: drop (invariant 1)
+        if not ready:
+            return []
+        cmd = self._submit_writeback(ready, None)
+        if cmd is not None:
+            return [cmd]
+        out: list[TransferCommand] = []
+        for n in ready:
+            if limit is not None and len(out) >= limit:
+                break
+            if n.state != "device" or n.node_id not in self._nodes:
+                continue
+            one = self._submit_writeback([n], None)
+            if one is None:
+                self._wb_queue.pop(n.node_id, None)  # host full: give up on this node
+            else:
+                out.append(one)
         return out
 
     def queued_writebacks(self) -> list[int]:

@@ -123,8 +123,9 @@ def test_write_back_eviction_queues_and_frees_nothing_now():
     assert free(c) == before_free and state(c) == {a.node_id: "device", b.node_id: "device"}
     assert c.queued_writebacks() == [a.node_id, b.node_id]
     assert c.evict_device({"kv": 4}) == {"kv": 0}
-    cmds = c.issue_writebacks()
-    assert [pairs(x) for x in cmds] == [[("kv", (0, 1), (0, 1))], [("kv", (2, 3), (2, 3))]]
+    cmds = c.issue_writebacks()  # both nodes' parents are the root: one batched operation
+    assert [pairs(x) for x in cmds] == [[("kv", (0, 1, 2, 3), (0, 1, 2, 3))]]
+    assert cmds[0].node_ids == (a.node_id, b.node_id)
     for cmd in cmds:
         ack(c, cmd)
     # now eviction demotes the oldest: A
