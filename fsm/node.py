@@ -8,6 +8,7 @@ continuation-state checkpoint (``state_pages`` pages) for exactly its own end.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from collections.abc import Set as AbstractSet
 
 __all__ = ["Node", "NodeReceipt", "LockReceipt", "DEVICE_READABLE", "DEVICE_RESIDENT", "HOST_VISIBLE"]
 
@@ -19,6 +20,8 @@ DEVICE_RESIDENT = DEVICE_READABLE | {"loading"}
 HOST_VISIBLE = frozenset({"backed", "host", "loading"})
 
 PageMap = dict[str, list[int]]
+
+_NO_REFS: frozenset[int] = frozenset()
 
 
 class Node:
@@ -42,11 +45,14 @@ class Node:
         hit_count: times a request used the node (write_through_selective counts this).
         last_access: logical clock stamp of the last use (never wall time).
         wb_op, lb_op: op id of the in-flight writeback / loadback, or ``None``.
+        refs: ids of the pin and borrow receipts (:class:`NodeReceipt`) that list this
+            node; read-only (the set exists only while some receipt lists the node, which
+            keeps the memory per node small).
     """
 
     __slots__ = ("node_id", "state", "key", "parent", "children", "depth", "dev", "host", "pending",
                  "dev_state", "host_state", "pending_state", "lock_ref", "borrow_ref", "host_pin",
-                 "hit_count", "last_access", "wb_op", "lb_op", "refs", "chunk_checkpoint")
+                 "hit_count", "last_access", "wb_op", "lb_op", "_refs", "chunk_checkpoint")
 
     def __init__(self, node_id: int, key: tuple[Hashable, ...], parent: Node | None) -> None:
         self.node_id = node_id
@@ -68,7 +74,7 @@ class Node:
         self.last_access = 0
         self.wb_op: int | None = None
         self.lb_op: int | None = None
-        self.refs: set[int] = set()  # ids of NodeReceipts that list this node
+        self._refs: set[int] | None = None  # ids of NodeReceipts that list this node, once any does
         self.chunk_checkpoint = False  # checkpoint left by an intermediate prefill chunk
 
     @property
@@ -78,6 +84,26 @@ class Node:
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+    @property
+    def refs(self) -> AbstractSet[int]:
+        """Ids of the receipts that list this node (read-only view)."""
+        return self._refs if self._refs is not None else _NO_REFS
+
+    def add_ref(self, receipt_id: int) -> None:
+        """Record that receipt ``receipt_id`` lists this node."""
+        if self._refs is None:
+            self._refs = {receipt_id}
+        else:
+            self._refs.add(receipt_id)
+
+    def discard_ref(self, receipt_id: int) -> None:
+        """Forget receipt ``receipt_id`` (no error if absent); drops the set once empty."""
+        refs = self._refs
+        if refs is not None:
+            refs.discard(receipt_id)
+            if not refs:
+                self._refs = None
 
     def __repr__(self) -> str:
         return f"<node {self.node_id} {self.state} depth={self.depth} units={len(self.key)}>"
