@@ -1,6 +1,14 @@
 """Testing kit for engines embedding kvtier: Hypothesis profiles and state machines.
 
-Needs the ``testing`` extra: ``pip install 'kvtier[testing]'``.
+Needs the ``testing`` extra: ``pip install 'kvtier[testing]'``. Modules:
+
+- :mod:`kvtier.testing.profiles`: the ``kvtier-dev``, ``kvtier-ci`` and ``kvtier-fuzz`` profiles;
+- :mod:`kvtier.testing.machines`: the public state machines (core, facade with pluggable
+  scheduler adapter and transfer backend, raw node and request lifecycles);
+- :mod:`kvtier.testing.sequence`: the kvtier event-sequence JSON format, exact replay, minimization;
+- :mod:`kvtier.testing.coverage`: lifecycle coverage computed from the spec;
+- :mod:`kvtier.testing.fuzz`: the ``kvtier fuzz`` campaign driver;
+- :mod:`kvtier.testing.verify`: ``kvtier verify``, exhaustive bounded exploration.
 """
 
 from __future__ import annotations
