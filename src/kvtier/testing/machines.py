@@ -841,6 +841,29 @@ class FacadeMachine(KitMachine):
             self._check_read(rid, adm.device_hit_tokens)
         self._sync()
 
+    @precondition(lambda self: any(n.state in HOST_VISIBLE for n in self.cache.core._nodes.values()))
+    @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), chunk=st.integers(1, 3))
+    @recorded
+    def admit_cached(self, req: int, i: int, chunk: int) -> None:
+        """Admit a prompt that extends the prefix of a node with a host copy (a host hit,
+        so a loadback when the node was demoted)."""
+        nodes = [n for _, n in sorted(self.cache.core._nodes.items()) if n.state in HOST_VISIBLE]
+        if not nodes:
+            return
+        key = [str(u) for u in _prefix(nodes[i % len(nodes)])]
+        rid = self._rid(req)
+        state = self._state(rid)
+        r = self.cache._requests.get(rid)
+        align = self.cache.layout.alignment
+        prompt = len(key) * align + 1
+        if r is not None and (state not in ("waiting", *_TERMINAL) or not r.settled):
+            return
+        self.units[rid] = list(key)
+        adm = self.sched.admit(rid, list(key), prompt, chunk * align)
+        if adm is not None:
+            self._check_read(rid, adm.device_hit_tokens)
+        self._sync()
+
     @rule(req=st.integers(0, _REQS - 1), checkpoint=st.booleans(), discard=st.booleans())
     @recorded
     def step_done(self, req: int, checkpoint: bool, discard: bool) -> None:
@@ -987,7 +1010,8 @@ class FacadeMachine(KitMachine):
                                          f"reported in unknown state {ev.state!r}")
         self._sync()
 
-    @rule(tier=st.sampled_from(["device", "host"]), g=st.sampled_from(["kv", "c4"]), n=st.integers(1, 6))
+    @rule(tier=st.sampled_from(["device", "device", "host"]), g=st.sampled_from(["kv", "c4"]),
+          n=st.integers(1, 16))
     @recorded
     def pressure(self, tier: str, g: str, n: int) -> None:
         core = self.cache.core
@@ -1090,6 +1114,8 @@ class FacadeMachine(KitMachine):
         core = self.cache.core
         if core._outbox or self.cache._events or core._wb_queue:
             out.append(Step.of("poll", {}))
+        if any(core._device_victim(n) and n.state == "backed" for n in core._nodes.values()):
+            out.append(Step.of("pressure", dict(tier="device", g="kv", n=64)))  # demote everything evictable
         return out
 
     def kit_canonical(self) -> Hashable:
