@@ -119,3 +119,10 @@ def test_cli_rejects_malformed_trace(tmp_path: Path) -> None:
     assert "line 2" in out.stderr and "hash_ids" in out.stderr
     out = _kvtier("replay", "--device", "lots")
     assert out.returncode == 2 and "capacity 'lots'" in out.stderr
+
+
+def test_results_table_matches_committed_json() -> None:
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "replay_results.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
