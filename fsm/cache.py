@@ -281,8 +281,14 @@ class TieredPrefixCache:
             raise KvtierError(f"no node {node_id} in the tree") from None
 
     def operations(self) -> dict[int, Operation]:
-        """In-flight operations by op id (read-only view)."""
+        """In-flight operations by op id (a copy)."""
         return dict(self._ops)
+
+    def ops_in_flight(self, direction: Direction | None = None) -> int:
+        """Operations in flight (of ``direction`` only, if given)."""
+        if direction is None:
+            return len(self._ops)
+        return sum(1 for op in self._ops.values() if op.command.direction is direction)
 
     def external_pages(self, group: str) -> frozenset[int]:
         """Device pages of ``group`` handed to callers (requests) and not yet published or freed."""

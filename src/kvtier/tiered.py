@@ -202,6 +202,7 @@ class TieredCache:
         self._requests: dict[str, _Request] = {}
         self._op_waiters: dict[int, set[str]] = {}
         self._events: list[RequestEvent] = []
+        self._ended: set[str] = set()  # ended requests not yet forgotten by poll()
         self._align = layout.alignment
         self._hist = [g.name for g in layout.history_groups]
         self._tpp = {g.name: g.tokens_per_page for g in layout.history_groups}
@@ -262,6 +263,7 @@ class TieredCache:
             self._events.append(RequestEvent(r.request_id, state, r.reason if state == "aborted" else None))
         if state in TERMINAL:
             self._release(r)
+            self._ended.add(r.request_id)
         return state
 
     def _release(self, r: _Request) -> None:
@@ -353,6 +355,7 @@ class TieredCache:
         r.units = list(units)
         r.prompt_tokens = prompt_tokens
         self._requests[request_id] = r
+        self._ended.discard(request_id)
         # never reuse the whole prompt: the last token must be computed to get logits
         usable = (prompt_tokens - 1) // self._align
         return self._admit(r, r.units[:usable], MatchMode.PREFIX_REUSE, prompt_tokens, chunk_tokens, "schedule")
@@ -771,8 +774,7 @@ class TieredCache:
         writebacks in flight) and the request state changes since the last poll. Ended
         requests are forgotten once reported."""
         core = self.core
-        in_flight = sum(1 for op in core.operations().values() if op.direction is Direction.WRITEBACK)
-        room = self.max_writebacks_in_flight - in_flight
+        room = self.max_writebacks_in_flight - core.ops_in_flight(Direction.WRITEBACK)
         if room > 0:
             core.issue_writebacks(room)
         commands = tuple(core.poll_commands())
@@ -780,13 +782,14 @@ class TieredCache:
         self._events.clear()
         # ended requests are forgotten once reported and settled (a late forward result
         # may settle one after its end was reported)
-        for rid in [k for k, r in self._requests.items() if r.state in TERMINAL and r.settled]:
+        for rid in [k for k in self._ended if self._requests[k].settled]:
             del self._requests[rid]
+            self._ended.discard(rid)
         return PollResult(commands, events)
 
     def in_flight(self) -> bool:
         """True while any operation or forward result is outstanding."""
-        return bool(self.core.operations()) or any(r.owed_forward for r in self._requests.values())
+        return bool(self.core.ops_in_flight()) or any(r.owed_forward for r in self._requests.values())
 
     def check_invariants(self) -> None:
         """The core's invariants plus the facade's: every request's own pages are held by
