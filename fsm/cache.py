@@ -1217,7 +1217,13 @@ class TieredPrefixCache:
 
     def advance_step(self, steps: int = 1) -> list[Settled]:
         """Advance the scheduler step; fail every operation whose deadline passed
-        (invariant 7). Their late real completions are absorbed later."""
+        (invariant 7). Their late real completions are absorbed later.
+
+        Raises:
+            ConfigError: ``steps`` is not an int >= 1.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"advance_step: steps must be an int >= 1, got {steps!r}")
         self.step += steps
         out = []
         for op in sorted(self._ops.values(), key=lambda o: o.op_id):

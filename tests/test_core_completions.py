@@ -251,3 +251,11 @@ def test_pin_and_borrow_refuse_wrong_nodes():
         c.borrow([a])  # no device pages
     assert snapshot(c) == before and state(c) == {a.node_id: "host"}
     c.check_invariants()
+
+
+def test_advance_step_refuses_a_non_positive_step():
+    c = TieredPrefixCache(h1(), 4, 4, op_deadline_steps=2)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError, match="steps must be an int >= 1"):
+            c.advance_step(bad)  # type: ignore[arg-type]
+    assert c.step == 0
