@@ -1536,6 +1536,28 @@ class RequestLifecycleMachine(KitMachine):
             if not self.machine.allowed(r.state, event):
                 self._fire(index, event, r.has_loadback, r.has_own_writeback, r.settled)
 
+    @rule(index=st.integers(0, 1), pick=st.sampled_from(range(8)))
+    @recorded
+    def fire_row(self, index: int, pick: int) -> None:
+        """Take a transition of the spec from the request's state, with guard inputs set
+        so that it applies (the machine must then pick exactly that row)."""
+        r = self.reqs[index % len(self.reqs)]
+        rows = [t for t in self.machine.spec.transitions if t.source == r.state]
+        if not rows:
+            return
+        row = rows[pick % len(rows)]
+        values = {"has_loadback": r.has_loadback, "has_own_writeback": r.has_own_writeback, "settled": r.settled}
+        for g in row.guards:
+            values[g.name] = not g.negated
+        self._fire(index, row.event, values["has_loadback"], values["has_own_writeback"], values["settled"])
+
+    @rule(index=st.integers(0, 1), state=st.sampled_from(range(9)))
+    @recorded
+    def jump(self, index: int, state: int) -> None:
+        """Put a request in any state of the spec (plain requests own nothing)."""
+        names = self.machine.spec.state_names
+        self.reqs[index % len(self.reqs)].state = names[state % len(names)]
+
     @rule(index=st.integers(0, 1))
     @recorded
     def restart(self, index: int) -> None:
