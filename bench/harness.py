@@ -38,6 +38,10 @@ class Row:
         baseline: name of the row this one is compared with (its "vs" column is the
             time per op relative to the baseline's), or ``None``.
         note: free text (units of a memory figure, what the ops are, ...).
+        target: the goal this row is held to and whether it was met (e.g.
+            ``">= 100,000/s: met"``), or ``""``.
+        timed: ``False`` for a figure that is not a time (memory): the time columns show
+            ``-`` and the figure goes in ``note``.
     """
 
     name: str
@@ -45,6 +49,8 @@ class Row:
     seconds: float
     baseline: str | None = None
     note: str = ""
+    target: str = ""
+    timed: bool = True
 
     @property
     def per_second(self) -> float:
@@ -74,13 +80,16 @@ def median_seconds(setup: Callable[[], T], run: Callable[[T], object], repeat: i
 def format_table(rows: Sequence[Row]) -> str:
     """The rows as an aligned plain-text table."""
     by_name = {r.name: r for r in rows}
-    header = ("benchmark", "ops/run", "median ms", "ops/s", "us/op", "vs baseline", "note")
+    header = ("benchmark", "ops/run", "median ms", "ops/s", "us/op", "vs baseline", "target", "note")
     lines = [header]
     for r in rows:
+        if not r.timed:
+            lines.append((r.name, f"{r.ops:,}", "-", "-", "-", "-", r.target, r.note))
+            continue
         base = by_name.get(r.baseline) if r.baseline else None
-        ratio = f"{r.per_op_us / base.per_op_us:.1f}x" if base and base.per_op_us > 0 else "-"
+        ratio = f"{r.per_op_us / base.per_op_us:.1f}x" if base and base.timed and base.per_op_us > 0 else "-"
         lines.append((r.name, f"{r.ops:,}", f"{1e3 * r.seconds:.2f}", f"{r.per_second:,.0f}",
-                      f"{r.per_op_us:.3g}", ratio, r.note))
+                      f"{r.per_op_us:.3g}", ratio, r.target, r.note))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     numeric = {1, 2, 3, 4}
 
@@ -118,6 +127,8 @@ def provenance(argv: Sequence[str], extra: str = "") -> str:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = (f"{os.cpu_count()}-core {_cpu()}, {platform.system()}, "
                f"Python {platform.python_version()}{extra}")
+    if hasattr(os, "getloadavg"):  # other work on the machine slows every row alike
+        machine += f"; load average {os.getloadavg()[0]:.2f} at the end of the run"
     return "\n".join([f"- command: `{cmd}`", f"- date: {date}", f"- machine: {machine}",
                       f"- commit: {_commit()}"])
 
