@@ -65,7 +65,8 @@ def render(data: dict[str, Any], source: str) -> str:
         f"both directions at once {_f(both_c)} GB/s.",
         "",
         "GB/s and % of the same run's ceiling. *kernel*: device time from the flush's first event to its last "
-        "chunk's event (table upload and all launches). *submit->ack*: wall time from `submit` to the "
+        "chunk's event (" + ("all launches; the flush's run table is uploaded just before the first event"
+                             if data.get("schema", 1) >= 2 else "table upload and all launches") + "). *submit->ack*: wall time from `submit` to the "
         "acknowledgement from `poll_completions`; *cold*: every plan cache cleared (plan building "
         "included), *warm*: new page lists, address tables cached, *replay*: the same transfer objects (whole "
         "plan and device table cached).",
@@ -117,6 +118,34 @@ def render(data: dict[str, Any], source: str) -> str:
             if all("both_kernel_gbps" in x for x in rows):
                 lines.append(f"| {cfg} | both ways | " + " | ".join(
                     f"{_f(x['both_kernel_gbps'])} ({_pct(x['both_kernel_gbps'], both_c)})" for x in rows) + " |")
+    cfgs = [r for r in data.get("configs", []) if "warm_submit_ms" in r.get("h2d", {})]
+    if cfgs:
+        lines += ["", "Host time per transfer, H2D (ms, medians): in `submit` (validation, page lists to arrays) / in "
+                      "`flush` (planning, table upload, launches) / wall time to the acknowledgement; the copies "
+                      "alone (*kernel*) for comparison:", "",
+                  "| pages | cold | warm | replay | kernel |", "| --- | --- | --- | --- | --- |"]
+        for r in cfgs:
+            h = r["h2d"]
+            lines.append(f"| {r['name']} | " + " | ".join(
+                f"{_f(h[m + '_submit_ms'], 2)} / {_f(h[m + '_flush_ms'], 2)} / {_f(h[m + '_wall_ms'], 2)}"
+                for m in ("cold", "warm", "replay")) + f" | {_f(r['bytes'] / h['kernel_gbps'] / 1e6, 2)} |")
+    study = data.get("both_ways_study", {})
+    if study.get("variants"):
+        lines += ["", "Both directions at once, by what moves each direction (GB/s; each side's bytes over the time from "
+                      "the common start to its own end, the pair's over the later end; `python bench/transfer.py`'s "
+                      "both-ways study, same run; *kernel*: the Numba backend, scattered pages; *copy engine*: one "
+                      "contiguous `copy_` of the same bytes; *batch*: the same scattered pages as copy-engine copies, "
+                      "`cuMemcpyBatchAsync` calls of up to 32,768 copies):", "",
+                  "| pages | H2D by | D2H by | H2D | D2H | pair (% of both-ways ceiling) | variant |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for v in study["variants"]:
+            pair = v.get("pair_gbps")
+            lines.append(f"| {v['pages']} | {v.get('h2d_by') or '-'} | {v.get('d2h_by') or '-'} | "
+                         f"{_f(v.get('h2d_gbps'))} | {_f(v.get('d2h_gbps'))} | "
+                         f"{_f(pair)} ({_pct(pair, both_c) if v.get('h2d_by') and v.get('d2h_by') else '-'}) | "
+                         f"{v['variant']} |")
+    if study.get("errors"):
+        lines += ["", f"Both-ways study errors: {len(study['errors'])} (see the JSON)."]
     gt = data.get("gpu_tests")
     if gt:
         lines += ["", f"GPU tests (`pytest -m gpu tests/transfer/test_transfer_gpu.py`, same call): {gt['passed']} "

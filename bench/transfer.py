@@ -5,14 +5,20 @@ then for scattered random pages of 1, 4, 16, 64 KiB, 37,440 B and a DeepSeek V4 
 per-layer page sizes, each way and both at once:
 
 - ``kernel``: device time from the flush's start event to its last chunk's event
-  (CUDA events on the transfer stream: table upload + every launch);
+  (CUDA events on the transfer stream: every launch; the flush's run table is built
+  and uploaded just before the start event);
 - ``submit->ack``: wall time from ``submit`` to the acknowledgement returned by
   ``poll_completions``, three ways: ``cold`` (every plan cache cleared, fresh
   GroupTransfer objects: plan building included), ``warm`` (address tables cached,
   fresh GroupTransfer objects: the steady state of a server) and ``replay`` (the same
   GroupTransfer objects again: the whole plan, device table included, is cached);
+- the host's time inside ``submit`` and ``flush`` (per mode, H2D);
 - the ``torch`` backend (one ``copy_`` per contiguous run) and a plain loop of one
-  ``copy_`` per page, for comparison; a thread-block sweep of the Numba kernel.
+  ``copy_`` per page, for comparison; a thread-block sweep of the Numba kernel;
+- a both-ways study (child process): each direction moved by the kernel, by one
+  contiguous copy-engine ``copy_`` or by batched copy-engine copies of the same
+  scattered pages (``cuMemcpyBatchAsync``), alone and paired, to show what limits both
+  directions at once.
 
 Writes one JSON file (raw numbers, environment, commit, GPU test and sanitizer
 summaries when given). ``bench/render_results.py`` turns it into the table of
@@ -27,9 +33,11 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -176,17 +184,26 @@ class Setup:
 
 def run_once(eng: TransferEngine, cmds: list[TransferCommand]) -> float:
     """Submit, flush, poll until every op is acknowledged; wall seconds."""
+    return run_once_parts(eng, cmds)[0]
+
+
+def run_once_parts(eng: TransferEngine, cmds: list[TransferCommand]) -> tuple[float, float, float]:
+    """Like :func:`run_once`; (wall, submit, flush) seconds: the host's time in
+    ``submit`` (validation, page lists to arrays) and in ``flush`` (planning, table
+    upload, launches); the rest of the wall time is waiting for the copies."""
     t0 = time.perf_counter()
     for c in cmds:
         eng.submit(c)
+    t1 = time.perf_counter()
     eng.flush()
+    t2 = time.perf_counter()
     want = {c.op_id for c in cmds}
     while want:
         for comp in eng.poll_completions():
             if comp.layer is None:
                 assert comp.ok, comp
                 want.discard(comp.op_id)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, t1 - t0, t2 - t1
 
 
 def kernel_seconds(eng: TransferEngine, direction: Direction) -> float:
@@ -198,14 +215,20 @@ def measure_direction(setup: Setup, eng: TransferEngine, direction: Direction, r
     run_once(eng, [setup.command(direction, same)])  # warm-up (JIT, allocator)
     res: dict[str, Any] = {}
     for mode in ("cold", "warm", "replay"):
-        walls, kern = [], []
+        walls, kern, subs, flushes = [], [], [], []
         for _ in range(reps):
             if mode == "cold":
                 eng.clear_plan_cache()
             t = same if mode == "replay" else setup.transfers(direction)
             torch.cuda.synchronize()
-            walls.append(run_once(eng, [setup.command(direction, t)]))
+            wall, sub, fl = run_once_parts(eng, [setup.command(direction, t)])
+            walls.append(wall)
+            subs.append(sub)
+            flushes.append(fl)
             kern.append(kernel_seconds(eng, direction))
+        res[mode + "_submit_ms"] = 1e3 * statistics.median(subs)
+        res[mode + "_flush_ms"] = 1e3 * statistics.median(flushes)
+        res[mode + "_wall_ms"] = 1e3 * statistics.median(walls)
         res[mode + "_gbps"] = setup.bytes / statistics.median(walls) / 1e9
         res[mode + "_samples_gbps"] = [setup.bytes / w / 1e9 for w in walls]
         res[mode + "_kernel_gbps"] = setup.bytes / statistics.median(kern) / 1e9
@@ -315,6 +338,169 @@ def blocks_sweep(reps: int) -> list[dict[str, Any]]:
     return out
 
 
+class _Batch:
+    """Copy-engine copies of many scattered ranges in one call (``cuMemcpyBatchAsync``,
+    CUDA 12.8+, through cuda-python's driver bindings); for the both-ways study."""
+
+    def __init__(self, dsts: list[int], srcs: list[int], sizes: list[int], h2d: bool) -> None:
+        from cuda.bindings import driver as drv
+
+        self.drv = drv
+        self.dsts = [drv.CUdeviceptr(x) for x in dsts]
+        self.srcs = [drv.CUdeviceptr(x) for x in srcs]
+        self.sizes = sizes
+        attr = drv.CUmemcpyAttributes()
+        attr.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        host, dev = drv.CUmemLocation(), drv.CUmemLocation()
+        host.type, host.id = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST, 0
+        dev.type, dev.id = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE, torch.cuda.current_device()
+        attr.srcLocHint, attr.dstLocHint = (host, dev) if h2d else (dev, host)
+        attr.flags = drv.CUmemcpyFlags.CU_MEMCPY_FLAG_DEFAULT
+        self.attr = attr
+
+    def __call__(self, stream: torch.cuda.Stream) -> None:
+        drv = self.drv
+        n = len(self.sizes)
+        step = 1 << 15
+        for i in range(0, n, step):
+            k = min(step, n - i)
+            res = drv.cuMemcpyBatchAsync(self.dsts[i:i + k], self.srcs[i:i + k], self.sizes[i:i + k], k,
+                                         [self.attr], [0], 1, drv.CUstream(stream.cuda_stream))
+            if res[0] != drv.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuMemcpyBatchAsync: {res[0]}")
+
+
+def both_ways_study(reps: int) -> dict[str, Any]:
+    """Why both directions at once stay far under the copy engines' both-ways ceiling:
+    each direction by the kernel (zero-copy) or by the copy engines (contiguous
+    ``copy_``, or scattered pages through ``cuMemcpyBatchAsync``), alone and paired.
+    Everything is enqueued behind a sleeping kernel, so host enqueue time is not
+    measured; each side's GB/s is its bytes over the time from the common start to its
+    own end event, the pair's is both sides' bytes over the later end."""
+    out: dict[str, Any] = {"variants": [], "errors": []}
+    n = TARGET_BYTES
+    c_host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    c_dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    c_host2 = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    c_dev2 = torch.empty(n, dtype=torch.uint8, device="cuda")
+    side = {L: torch.cuda.Stream(), W: torch.cuda.Stream()}
+    gate_cycles = int(3e8)  # ~0.15 s at the H200's clock: longer than any enqueue here
+
+    for name, specs in (("4 KiB", _one("kv", 4096)), ("64 KiB", _one("kv", 65536))):
+        setup = Setup(specs, seed=2)
+        engines = {(d, b): TransferEngine(specs, setup.host, setup.dev, "numba", backend_options={"blocks": b})
+                   for d in (L, W) for b in (8, 32, 64)}
+        eng = {d: engines[(d, 8)] for d in (L, W)}
+        same = {d: setup.transfers(d) for d in (L, W)}
+        batches: dict[Direction, _Batch] = {}
+        try:
+            for d in (L, W):
+                plan = eng[d].planner.plan(d, [setup.command(d, same[d])])
+                g = plan.groups[0]
+                src_pool, dst_pool = (setup.host, setup.dev) if d is L else (setup.dev, setup.host)
+                dsts: list[int] = []
+                srcs: list[int] = []
+                sizes: list[int] = []
+                for sp in specs:
+                    for layer in sp.layers:
+                        for c in sp.components:
+                            sb = int(src_pool.region(sp.name, c.name, layer).data_ptr())
+                            db = int(dst_pool.region(sp.name, c.name, layer).data_ptr())
+                            srcs += (sb + g.run_src * c.page_bytes).tolist()
+                            dsts += (db + g.run_dst * c.page_bytes).tolist()
+                            sizes += (g.run_len * c.page_bytes).tolist()
+                batches[d] = _Batch(dsts, srcs, sizes, d is L)
+        except Exception:
+            out["errors"].append(f"{name}: batch setup: " + traceback.format_exc(limit=3))
+
+        def kernel(d: Direction, blocks: int = 8) -> Any:
+            def go() -> torch.cuda.Stream:
+                e = engines[(d, blocks)]
+                e.submit(setup.command(d, same[d]))
+                e.flush()
+                return getattr(e.backend, "streams").stream(d)
+            return go
+
+        def contiguous(d: Direction) -> Any:
+            def go() -> torch.cuda.Stream:
+                with torch.cuda.stream(side[d]):
+                    if d is L:
+                        c_dev.copy_(c_host, non_blocking=True)
+                    else:
+                        c_host2.copy_(c_dev2, non_blocking=True)
+                return side[d]
+            return go
+
+        def batch(d: Direction) -> Any:
+            def go() -> torch.cuda.Stream:
+                batches[d](side[d])
+                return side[d]
+            return go
+
+        variants: list[tuple[str, list[tuple[Direction, str, Any]]]] = [
+            ("kernel H2D + kernel D2H (8 + 8 blocks)", [(L, "kernel", kernel(L)), (W, "kernel", kernel(W))]),
+            ("kernel H2D + kernel D2H (32 + 8 blocks)", [(L, "kernel", kernel(L, 32)), (W, "kernel", kernel(W))]),
+            ("kernel H2D + kernel D2H (8 + 32 blocks)", [(L, "kernel", kernel(L)), (W, "kernel", kernel(W, 32))]),
+            ("kernel H2D + kernel D2H (64 + 64 blocks)", [(L, "kernel", kernel(L, 64)), (W, "kernel", kernel(W, 64))]),
+            ("kernel H2D alone (8 blocks)", [(L, "kernel", kernel(L))]),
+            ("kernel D2H alone (8 blocks)", [(W, "kernel", kernel(W))]),
+            ("kernel H2D + contiguous copy D2H", [(L, "kernel", kernel(L)), (W, "copy engine", contiguous(W))]),
+            ("contiguous copy H2D + kernel D2H", [(L, "copy engine", contiguous(L)), (W, "kernel", kernel(W))]),
+            ("contiguous copy H2D + contiguous copy D2H", [(L, "copy engine", contiguous(L)),
+                                                           (W, "copy engine", contiguous(W))]),
+        ]
+        if len(batches) == 2:
+            variants += [
+                ("batched copies H2D alone", [(L, "batch", batch(L))]),
+                ("batched copies D2H alone", [(W, "batch", batch(W))]),
+                ("kernel H2D + batched copies D2H", [(L, "kernel", kernel(L)), (W, "batch", batch(W))]),
+                ("batched copies H2D + kernel D2H", [(L, "batch", batch(L)), (W, "kernel", kernel(W))]),
+                ("batched copies H2D + batched copies D2H", [(L, "batch", batch(L)), (W, "batch", batch(W))]),
+            ]
+        for label, parts in variants:
+            try:
+                per: dict[str, list[float]] = {"h2d": [], "d2h": [], "pair": []}
+                for rep in range(reps + 1):
+                    cur = torch.cuda.current_stream()
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(gate_cycles)
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(cur)
+                    ends = []
+                    for d, _, fn in parts:
+                        side[d].wait_stream(cur)  # the engines' own streams wait in flush()
+                        st = fn()
+                        e = torch.cuda.Event(enable_timing=True)
+                        e.record(st)
+                        ends.append((d, e))
+                    torch.cuda.synchronize()
+                    for e_ in engines.values():
+                        e_.poll_completions()
+                    if rep == 0:
+                        continue  # warm-up
+                    secs = {d: start.elapsed_time(e) / 1e3 for d, e in ends}
+                    for d, t in secs.items():
+                        per["h2d" if d is L else "d2h"].append(setup.bytes / t / 1e9)
+                    per["pair"].append(len(secs) * setup.bytes / max(secs.values()) / 1e9)
+                row: dict[str, Any] = {"pages": name, "variant": label,
+                                       "h2d_by": next((how for d, how, _ in parts if d is L), None),
+                                       "d2h_by": next((how for d, how, _ in parts if d is W), None)}
+                for k, v in per.items():
+                    if v:
+                        row[k + "_gbps"] = statistics.median(v)
+                out["variants"].append(row)
+                print(f"both-ways study {name:>7} | {label:<44} | " + " ".join(
+                    f"{k} {row[k + '_gbps']:.1f}" for k in ("h2d", "d2h", "pair") if k + "_gbps" in row), flush=True)
+            except Exception:
+                out["errors"].append(f"{name}: {label}: " + traceback.format_exc(limit=3))
+                print(out["errors"][-1], flush=True)
+        for e_ in engines.values():
+            e_.synchronize()
+        del setup, eng, engines, batches
+        torch.cuda.empty_cache()
+    return out
+
+
 def junit_summary(path: str) -> dict[str, Any]:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
@@ -372,15 +558,26 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1024)
     ap.add_argument("--sanitize", action="store_true", help="run the small sanitizer workload and exit")
+    ap.add_argument("--configs", help="comma-separated config names to run (default: all)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the thread-block sweep")
+    ap.add_argument("--no-study", action="store_true", help="skip the both-ways study")
+    ap.add_argument("--study-only", action="store_true",
+                    help="run only the both-ways study and write its JSON to --out (the benchmark runs it so, in a "
+                         "child process, so that a driver failure there cannot lose the other results)")
     args = ap.parse_args()
     if args.sanitize:
         sanitize_workload()
+        return 0
+    if args.study_only:
+        study = both_ways_study(max(2, args.reps // 2))
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(study, f, indent=1, sort_keys=True)
         return 0
     import numba
 
     props = torch.cuda.get_device_properties(0)
     result: dict[str, Any] = {
-        "schema": 1,
+        "schema": 2,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
         "commit": args.commit,
         "command": args.command,
@@ -405,7 +602,10 @@ def main() -> int:
     except Exception:
         result["errors"].append(traceback.format_exc())
     result["configs"] = []
+    wanted = None if not args.configs else {x.strip() for x in args.configs.split(",")}
     for name, specs in CONFIGS:
+        if wanted is not None and name not in wanted:
+            continue
         try:
             r = bench_config(name, specs, args.reps, args.blocks, args.threads)
             result["configs"].append(r)
@@ -419,10 +619,24 @@ def main() -> int:
             result["errors"].append(f"{name}: " + traceback.format_exc())
             print(result["errors"][-1], flush=True)
         torch.cuda.empty_cache()
-    try:
-        result["blocks_sweep"] = blocks_sweep(args.reps)
-    except Exception:
-        result["errors"].append("blocks sweep: " + traceback.format_exc())
+    if not args.no_sweep:
+        try:
+            result["blocks_sweep"] = blocks_sweep(args.reps)
+        except Exception:
+            result["errors"].append("blocks sweep: " + traceback.format_exc())
+    if not args.no_study:
+        torch.cuda.empty_cache()
+        study_json = args.out + ".study.json"
+        try:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--study-only", "--out", study_json,
+                                   "--reps", str(args.reps)], timeout=180)
+            if proc.returncode == 0:
+                with open(study_json, encoding="utf-8") as f:
+                    result["both_ways_study"] = json.load(f)
+            else:
+                result["both_ways_study"] = {"variants": [], "errors": [f"study process exit {proc.returncode}"]}
+        except Exception:
+            result["both_ways_study"] = {"variants": [], "errors": [traceback.format_exc(limit=3)]}
     if args.gpu_junit:
         try:
             result["gpu_tests"] = junit_summary(args.gpu_junit)

@@ -87,8 +87,8 @@ class ChunkCounts:
 class Backend(ABC):
     """Moves bytes; one instance serves one engine (one rank).
 
-    The engine calls :meth:`bind` once, then per flush and direction :meth:`begin`,
-    :meth:`run_chunk` and :meth:`record` per chunk; :meth:`wait` for
+    The engine calls :meth:`bind` once, then per flush and direction :meth:`prepare`,
+    :meth:`begin`, and :meth:`run_chunk` and :meth:`record` per chunk; :meth:`wait` for
     ``wait_layer``; :meth:`elapsed` for statistics.
     """
 
@@ -107,6 +107,10 @@ class Backend(ABC):
     def preflight(self, plans: list[FlushPlan]) -> None:
         """Check a flush before anything is issued (the fake-async backend checks
         hazards here). Default: nothing."""
+
+    def prepare(self, direction: Direction, plan: FlushPlan) -> None:
+        """Host-side work for a flush's direction before its start event (the Numba
+        backend builds and uploads its table here). Default: nothing."""
 
     def begin(self, direction: Direction) -> TransferEvent:
         """Order the direction's stream after the compute stream; return a start event."""

@@ -2,15 +2,21 @@
 
 Each side of a copy is seen as one array from its pool's base address (the lowest
 region address; every registered tensor and the pinned host pool live in one unified
-address space), so one launch of :func:`kernels.copy_table` covers every group,
-component and layer of a chunk: ``kernel_launches`` = chunks. The chunk's table
-(int64 ``[rows, 3]`` of byte offsets and lengths, :meth:`Planner.table`) is copied to
-the device once and cached with the plan.
+address space), so one launch of :func:`kernels.copy_runs` covers every group,
+component and layer of a chunk: ``kernel_launches`` = chunks. Before the flush's
+start event (:meth:`NumbaBackend.prepare`), the flush's run table
+(:meth:`Planner.run_table`: each group's runs once, plus a few rows per chunk, one
+per tensor ref) is written straight into pinned host memory and copied to the device
+in one upload, cached with the plan; the kernel expands runs x refs itself.
 
 Where one view per side cannot be used (``address_view=False``, or under the CUDA
 simulator with registered tensors, which are not one NumPy buffer) the backend falls
 back to one launch per tensor bucket, i.e. per (source region, destination region)
-pair, with views of those two tensors; the statistics report the launch count.
+pair, with views of those two tensors and one ref row each; the statistics report
+the launch count.
+
+On a GPU, :meth:`NumbaBackend.bind` compiles the kernel (an empty launch), so the
+first flush does not pay Numba's compilation.
 
 Under the CUDA simulator (tests only; never chosen automatically) the device pool is
 a CPU pool and the kernel runs on NumPy views, synchronously.
@@ -27,7 +33,8 @@ from kvtier.fsm import ConfigError, Direction
 
 from .backend import Backend, ChunkCounts, DoneEvent, TransferEvent
 from .errors import BackendUnavailable
-from .plan import DEFAULT_PIECE_BYTES, ChunkPlan, ChunkRef, FlushPlan, Planner, split_rows
+from .plan import DEFAULT_PIECE_BYTES, REF_COLS, REF_DST, REF_ITEM0, REF_SRC, ChunkPlan, ChunkRef, FlushPlan, \
+    Planner, RunTable
 from .pools import DevicePool, HostPool, _Pool
 
 __all__ = ["NumbaBackend"]
@@ -101,6 +108,7 @@ class NumbaBackend(Backend):
                     "host": kernels.span_arrays(host.base_ptr, host.span_bytes, host),
                     "device": kernels.span_arrays(device.base_ptr, device.span_bytes, device),
                 }
+            self._compile_now()
         else:
             if not kernels.SIMULATOR:
                 raise BackendUnavailable(f"backend 'numba' with a device pool on {device.device} needs the CUDA "
@@ -108,6 +116,17 @@ class NumbaBackend(Backend):
             self.mode = "sim"
             if self.address_view and host.buffer is not None and device.buffer is not None:
                 self._views = {"host": self._np_views(host), "device": self._np_views(device)}
+
+    def _compile_now(self) -> None:
+        """Compile the kernel for the argument types of real launches with an empty
+        launch (no work item), so that no flush pays Numba's compilation."""
+        scratch = torch.zeros(2 * REF_COLS, dtype=torch.int64, device=self.device.device)
+        view = self._k.span_arrays(int(scratch.data_ptr()), int(scratch.numel()) * 8, scratch)
+        table = self._k.device_array(scratch)
+        stream = self._nb_streams[Direction.LOADBACK]
+        self._k.launch_runs(view[0], view[0], view[1], view[1], table, table, 0, 1, 0, self.piece_bytes, 1,
+                            self.threads, stream)
+        self.streams.stream(Direction.LOADBACK).synchronize()
 
     def _np_views(self, pool: _Pool) -> tuple[Any, Any]:
         buf = pool.single_buffer()
@@ -136,58 +155,88 @@ class NumbaBackend(Backend):
             return self.streams.record(direction)
         return DoneEvent()
 
-    def _grid(self, rows: int) -> int:
-        warps_per_block = max(1, self.threads // 32)
-        return max(1, min(self.blocks, -(-rows // warps_per_block)))
+    def _upload(self, direction: Direction, words: np.ndarray, staging: torch.Tensor | None) -> tuple[Any, Any]:
+        """(owner, Numba view) of a device copy of an int64 array (simulator: the array)."""
+        if self.mode != "gpu":
+            return words, self._k.device_array(words)
+        with torch.cuda.stream(self.streams.stream(direction)):
+            src = staging if staging is not None else torch.from_numpy(words).pin_memory()
+            t = src.to(self.device.device, non_blocking=True)
+        return t, self._k.device_array(t)
 
-    def _device_table(self, chunk: ChunkPlan, key: Any, table: np.ndarray, direction: Direction) -> Any:
-        hit = chunk.cache.get(key)
+    def _pinned(self, box: list[torch.Tensor]) -> Any:
+        def alloc(words: int) -> np.ndarray:
+            t = torch.empty(words, dtype=torch.int64, pin_memory=True)
+            box.append(t)
+            return t.numpy()
+        return alloc
+
+    def _flush_table(self, direction: Direction, plan: FlushPlan) -> tuple[RunTable, Any]:
+        """The plan's run table and its device copy (built and uploaded once, cached)."""
+        key = ("numba-runs", self.piece_bytes)
+        hit = plan.cache.get(key)
         if hit is not None:
-            return hit[1]
-        if self.mode == "gpu":
-            with torch.cuda.stream(self.streams.stream(direction)):
-                t = torch.from_numpy(table).pin_memory().to(self.device.device, non_blocking=True)
-            nb = self._k.device_array(t)
-            chunk.cache[key] = (t, nb)
-            return nb
-        nb = self._k.device_array(table)
-        chunk.cache[key] = (table, nb)
-        return nb
+            return hit[0], hit[2]
+        box: list[torch.Tensor] = []
+        rt = self.planner.run_table(plan, self.piece_bytes, self._pinned(box) if self.mode == "gpu" else None)
+        staging = box[0] if box and int(box[0].data_ptr()) == int(rt.packed.ctypes.data) else None
+        owner, nb = self._upload(direction, rt.packed, staging)
+        plan.cache[key] = (rt, owner, nb)
+        return rt, nb
 
-    def _launch(self, direction: Direction, src: tuple[Any, Any], dst: tuple[Any, Any], table: Any,
-                rows: int) -> int:
-        blocks = self._grid(rows)
+    def prepare(self, direction: Direction, plan: FlushPlan) -> None:
+        """Build and upload the flush's run table before the start event, so the
+        device time measured from that event is the copies' alone."""
+        if plan.chunks:
+            self._flush_table(direction, plan)
+
+    def _grid(self, items: int) -> int:
+        warps_per_block = max(1, self.threads // 32)
+        return max(1, min(self.blocks, -(-items // warps_per_block)))
+
+    def _launch(self, direction: Direction, src: tuple[Any, Any], dst: tuple[Any, Any], runs: Any, refs: Any,
+                ref_word: int, nrefs: int, items: int) -> int:
+        blocks = self._grid(items)
         stream = self._nb_streams[direction] if self.mode == "gpu" else 0
-        self._k.launch_copy(src[0], dst[0], src[1], dst[1], table, rows, blocks, self.threads, stream)
+        self._k.launch_runs(src[0], dst[0], src[1], dst[1], runs, refs, ref_word, nrefs, items, self.piece_bytes,
+                            blocks, self.threads, stream)
         return blocks
 
     def run_chunk(self, direction: Direction, plan: FlushPlan, chunk: ChunkPlan,
                   op_ids: tuple[int, ...]) -> ChunkCounts:
         src_side, dst_side = self._side_names(direction)
+        rt, table = self._flush_table(direction, plan)
+        refs = rt.chunk_refs[chunk.index]
+        items = rt.chunk_items[chunk.index]
+        if items == 0:
+            return ChunkCounts()
         if self._views is not None:
-            table = self.planner.table(plan, chunk, self.piece_bytes)
-            rows = int(table.shape[0])
-            if rows == 0:
-                return ChunkCounts()
-            dev = self._device_table(chunk, ("numba", self.piece_bytes), table, direction)
-            blocks = self._launch(direction, self._views[src_side], self._views[dst_side], dev, rows)
+            blocks = self._launch(direction, self._views[src_side], self._views[dst_side], table, table,
+                                  rt.chunk_ref_word[chunk.index], int(refs.shape[0]), items)
             return ChunkCounts(kernel_launches=1, thread_blocks=blocks)
+        # one launch per tensor bucket: region views, ref rows with offsets from them
+        key = ("numba-buckets", self.piece_bytes)
+        cached = chunk.cache.get(key)
+        if cached is None:
+            views = []
+            rows = refs.copy()
+            ends = np.append(refs[1:, REF_ITEM0], items)
+            for i, r in enumerate(chunk.refs):
+                src_view, s_delta = self._region_view(src_side, r)
+                dst_view, d_delta = self._region_view(dst_side, r)
+                views.append((src_view, dst_view, int(ends[i] - refs[i, REF_ITEM0])))
+                rows[i, REF_SRC] = s_delta
+                rows[i, REF_DST] = d_delta
+                rows[i, REF_ITEM0] = 0
+            owner, nb = self._upload(direction, rows.reshape(-1), None)
+            cached = (views, owner, nb)
+            chunk.cache[key] = cached
+        views, _, bucket_refs = cached
         launches = max_blocks = 0
-        for i, r in enumerate(chunk.refs):
-            src_view, s_delta = self._region_view(src_side, r)
-            dst_view, d_delta = self._region_view(dst_side, r)
-            g = plan.groups[r.group_index]
-            key = ("numba-bucket", self.piece_bytes, i)
-            cached = chunk.cache.get(("rows",) + key[1:])
-            if cached is None:
-                pb = r.page_bytes
-                rows_arr = np.stack((s_delta + g.run_src * pb, d_delta + g.run_dst * pb, g.run_len * pb), axis=1)
-                cached = split_rows(rows_arr, self.piece_bytes)
-                chunk.cache[("rows",) + key[1:]] = cached
-            if cached.shape[0] == 0:
+        for i, (src_view, dst_view, n_items) in enumerate(views):
+            if n_items == 0:
                 continue
-            dev = self._device_table(chunk, key, cached, direction)
-            blocks = self._launch(direction, src_view, dst_view, dev, int(cached.shape[0]))
+            blocks = self._launch(direction, src_view, dst_view, table, bucket_refs, REF_COLS * i, 1, n_items)
             launches += 1
             max_blocks = max(max_blocks, blocks)
         return ChunkCounts(kernel_launches=launches, thread_blocks=max_blocks)

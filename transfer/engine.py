@@ -233,6 +233,7 @@ class TransferEngine:
     def _issue_chunks(self, flight: _Flight, op_ids: tuple[int, ...]) -> None:
         direction, plan, counter, ds = flight.direction, flight.plan, flight.counter, flight.stats
         try:
+            self.backend.prepare(direction, plan)  # host work first: not inside the timed device region
             flight.start = self.backend.begin(direction)
         except Exception as e:
             log.exception("transfer: starting %s on the %s stream failed", op_ids, direction.value)

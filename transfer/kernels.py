@@ -1,19 +1,25 @@
 """Numba-CUDA copy kernels: the only module of kvtier that imports ``numba.cuda``.
 
-One kernel, :func:`copy_table`, serves both directions: an H2D scatter (host pages to
-device slots) and a D2H gather are the same byte copy driven by a table of
-``(source byte offset, destination byte offset, bytes)`` rows, int64 ``[rows, 3]``.
-Offsets are relative to one array view per side; with unified virtual addressing a
-view from the lowest address of a pool reaches every region of it, pinned host memory
-included (zero-copy: the kernel reads or writes host memory directly over the link).
+One kernel, :func:`copy_runs`, serves both directions: an H2D scatter (host pages to
+device slots) and a D2H gather are the same byte copy. It is driven by a *run table*
+(:class:`kvtier.transfer.plan.RunTable`): the flush's contiguous page runs (source page,
+destination page, pages), uploaded once per flush, and per launch a few *ref* rows, one
+per (group, component, layer) tensor pair (region byte offsets, page size, where its
+runs start, how its work items are numbered). The kernel expands runs x refs x pieces
+itself, so the host never builds the per-tensor rows. Offsets are relative to one
+array view per side; with unified virtual addressing a view from the lowest address
+of a pool reaches every region of it, pinned host memory included (zero-copy: the
+kernel reads or writes host memory directly over the link).
 
 The kernel is *persistent* and *grid-stride*, so any grid is correct: a team of up to
-32 threads (a warp on the GPU) takes rows in turn (row ``team``, then ``team +
-teams``, ...). Within a row, where source and destination are equally aligned modulo
-16, each lane copies 16-byte words with four loads in flight before storing (after a
-byte head up to the alignment, before a byte tail); equally aligned modulo 4, 4-byte
-words; otherwise bytes. Rows are pre-split into pieces (default 16 KiB) so that work
-spreads over all teams.
+32 threads (a warp on the GPU) takes work items in turn (item ``team``, then ``team +
+teams``, ...). A work item is one piece (default at most 16 KiB) of one run of one
+ref, so that work spreads over all teams. Within an item, where source and
+destination are equally aligned modulo 16, each lane copies 16-byte words with four
+loads in flight before storing (after a byte head up to the alignment, before a byte
+tail); equally aligned modulo 4, 4-byte words; otherwise bytes. :func:`launch_copy`
+runs a plain row table (source offset, destination offset, bytes) through the same
+kernel (tests).
 
 Before numba-cuda is imported, numpy gets ``np.row_stack = np.vstack`` if it lacks it:
 numpy 2.5 removed ``row_stack`` and numba-cuda 0.30.4 still registers an overload for it
@@ -42,8 +48,10 @@ cuda: Any = importlib.import_module("numba.cuda")
 __all__ = [
     "SIMULATOR",
     "MAX_THREADS",
-    "copy_table",
+    "copy_runs",
+    "launch_runs",
     "launch_copy",
+    "rows_as_runs",
     "external_stream",
     "span_arrays",
     "device_array",
@@ -120,11 +128,20 @@ else:
     _JIT_OPTS = {"launch_bounds": MAX_THREADS}
 
 
-def _copy_table(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: Any) -> None:
-    """Copy every row of ``table`` (int64 ``[rows, 3]``: source byte offset into
-    ``src8``, destination byte offset into ``dst8``, bytes). ``src32``/``dst32`` are
+def _copy_runs(src32: Any, dst32: Any, src8: Any, dst8: Any, runs: Any, refs: Any, ref_word: Any,
+               nrefs: Any, items: Any, piece: Any) -> None:
+    """Copy every work item of a run table (:class:`kvtier.transfer.plan.RunTable`).
+
+    ``runs`` and ``refs`` are 1-D int64 arrays (often the same one): run ``k`` is
+    ``runs[3k:3k+3]`` = (source page, destination page, pages); this launch's ``nrefs``
+    refs start at word ``ref_word`` of ``refs``, 6 words each = (source region byte
+    offset into ``src8``, destination region byte offset into ``dst8``, page bytes,
+    first run, first work item, pieces per run), first items ascending. Work item ``i``
+    (``0 <= i < items``) belongs to the last ref whose first item is <= ``i``; with
+    ``k = i - first item`` it copies bytes ``[p, p + piece)`` (clipped to the run) of run
+    ``first run + k // pieces``, ``p = (k % pieces) * piece``. ``src32``/``dst32`` are
     uint32 views of the same memory as ``src8``/``dst8`` (byte offset ``4*i`` is word
-    ``i``). Any grid is correct; teams of ``min(32, blockDim.x)`` threads share a row.
+    ``i``). Any grid is correct; teams of ``min(32, blockDim.x)`` threads share an item.
 
     (One function on purpose: Numba device functions compile for the current device,
     which ``cuda.compile_ptx`` on a machine without a GPU does not have.)"""
@@ -134,10 +151,26 @@ def _copy_table(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: 
     lane = tid % team
     teams = (cuda.gridDim.x * bdim) // team
     r = tid // team
-    while r < rows:
-        s = table[r, 0]
-        d = table[r, 1]
-        n = table[r, 2]
+    f = ref_word  # this team's ref: items only increase, so the search only moves forward
+    last = ref_word + 6 * (nrefs - 1)
+    while r < items:
+        while f < last and refs[f + 10] <= r:  # the next ref's first item
+            f += 6
+        k = r - refs[f + 4]
+        ppr = refs[f + 5]
+        q = k
+        off = k - k  # 0, typed like k
+        if ppr != 1:  # 32-bit division (items < 2**31, plan.MAX_CHUNK_ITEMS): inline code; the
+            # 64-bit division routine made ptxas spill at the 64-register cap of 1024 threads
+            q = numba.int64(numba.uint32(k) // numba.uint32(ppr))
+            off = (k - q * ppr) * piece
+        run = 3 * (refs[f + 3] + q)
+        pb = refs[f + 2]
+        n = runs[run + 2] * pb - off
+        if n > piece:
+            n = piece
+        s = refs[f] + runs[run] * pb + off
+        d = refs[f + 1] + runs[run + 1] * pb + off
         if (s & 15) == (d & 15):
             w = 16
         elif (s & 3) == (d & 3):
@@ -149,53 +182,74 @@ def _copy_table(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: 
             head = n
         words = (n - head) // w
         body_end = head + words * w
-        k = lane
-        while k < head:  # bytes up to the alignment
-            dst8[d + k] = src8[s + k]
-            k += team
+        c = lane
+        while c < head:  # bytes up to the alignment
+            dst8[d + c] = src8[s + c]
+            c += team
         if w == 16:
             sw = (s + head) >> 4
             dw = (d + head) >> 4
-            j = lane
-            while j + 3 * team < words:  # four 16-byte loads in flight per lane
-                a = ld16(src32, sw + j)
-                b = ld16(src32, sw + j + team)
-                c = ld16(src32, sw + j + 2 * team)
-                e = ld16(src32, sw + j + 3 * team)
-                st16(dst32, dw + j, a)
-                st16(dst32, dw + j + team, b)
-                st16(dst32, dw + j + 2 * team, c)
-                st16(dst32, dw + j + 3 * team, e)
-                j += 4 * team
-            while j < words:
-                st16(dst32, dw + j, ld16(src32, sw + j))
-                j += team
+            x = lane
+            while x + 3 * team < words:  # four 16-byte loads in flight per lane
+                a = ld16(src32, sw + x)
+                b = ld16(src32, sw + x + team)
+                e = ld16(src32, sw + x + 2 * team)
+                g = ld16(src32, sw + x + 3 * team)
+                st16(dst32, dw + x, a)
+                st16(dst32, dw + x + team, b)
+                st16(dst32, dw + x + 2 * team, e)
+                st16(dst32, dw + x + 3 * team, g)
+                x += 4 * team
+            while x < words:
+                st16(dst32, dw + x, ld16(src32, sw + x))
+                x += team
         elif w == 4:
             sw = (s + head) >> 2
             dw = (d + head) >> 2
-            j = lane
-            while j < words:
-                dst32[dw + j] = src32[sw + j]
-                j += team
+            x = lane
+            while x < words:
+                dst32[dw + x] = src32[sw + x]
+                x += team
         else:
-            k = head + lane
-            while k < body_end:
-                dst8[d + k] = src8[s + k]
-                k += team
-        k = body_end + lane
-        while k < n:  # bytes after the last whole word
-            dst8[d + k] = src8[s + k]
-            k += team
+            c = head + lane
+            while c < body_end:
+                dst8[d + c] = src8[s + c]
+                c += team
+        c = body_end + lane
+        while c < n:  # bytes after the last whole word
+            dst8[d + c] = src8[s + c]
+            c += team
         r += teams
 
 
-copy_table: Any = cuda.jit(**_JIT_OPTS)(_copy_table)
+copy_runs: Any = cuda.jit(**_JIT_OPTS)(_copy_runs)
 
 
-def launch_copy(src32: Any, dst32: Any, src8: Any, dst8: Any, table: Any, rows: int,
-                blocks: int, threads: int, stream: Any = 0) -> None:
-    """Launch :func:`copy_table` on ``blocks`` x ``threads`` (threads <= 1024) on ``stream``."""
-    copy_table[blocks, threads, stream](src32, dst32, src8, dst8, table, rows)
+def launch_runs(src32: Any, dst32: Any, src8: Any, dst8: Any, runs: Any, refs: Any, ref_word: int,
+                nrefs: int, items: int, piece: int, blocks: int, threads: int, stream: Any = 0) -> None:
+    """Launch :func:`copy_runs` on ``blocks`` x ``threads`` (threads <= 1024) on ``stream``."""
+    copy_runs[blocks, threads, stream](src32, dst32, src8, dst8, runs, refs, ref_word, nrefs, items, piece)
+
+
+def rows_as_runs(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """A row table (int64 ``[rows, 3]``: source offset, destination offset, bytes) as
+    (runs, refs, piece) for :func:`copy_runs`: one ref of 1-byte pages, one run per row,
+    one piece per run (host side; NumPy)."""
+    table = np.ascontiguousarray(table, dtype=np.int64).reshape(-1, 3)
+    longest = int(table[:, 2].max()) if table.shape[0] else 0
+    piece = max(16, -(-longest // 16) * 16)
+    refs = np.array([0, 0, 1, 0, 0, 1], dtype=np.int64)
+    return table.reshape(-1), refs, piece
+
+
+def launch_copy(src32: Any, dst32: Any, src8: Any, dst8: Any, table: np.ndarray, blocks: int, threads: int,
+                stream: Any = 0) -> None:
+    """Copy the rows of a host row table (see :func:`rows_as_runs`) with :func:`copy_runs`
+    (tests and tools; the table is handed to the launch as it is)."""
+    runs, refs, piece = rows_as_runs(table)
+    rows = int(table.shape[0])
+    put = device_array if SIMULATOR else cuda.to_device
+    copy_runs[blocks, threads, stream](src32, dst32, src8, dst8, put(runs), put(refs), 0, 1, rows, piece)
 
 
 def external_stream(ptr: int) -> Any:
@@ -248,6 +302,6 @@ def kernel_signatures() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
 
     u32 = t.Array(t.uint32, 1, "C")
     u8 = t.Array(t.uint8, 1, "C")
-    table = t.Array(t.int64, 2, "C")
-    sig = (u32, u32, u8, u8, table, t.int64)
-    return {"copy_table": (copy_table.py_func, sig, dict(_JIT_OPTS))}
+    words = t.Array(t.int64, 1, "C")
+    sig = (u32, u32, u8, u8, words, words, t.int64, t.int64, t.int64, t.int64)
+    return {"copy_runs": (copy_runs.py_func, sig, dict(_JIT_OPTS))}

@@ -44,14 +44,14 @@ def _kernels() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
 
 
 @pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
-@pytest.mark.parametrize("name", sorted(_kernels()) or ["copy_table"])
+@pytest.mark.parametrize("name", sorted(_kernels()) or ["copy_runs"])
 def test_kernel_compiles_for_sm90(name: str) -> None:
     from numba import cuda
 
     pyfunc, sig, opts = _kernels()[name]
     ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=(9, 0), **opts)
     assert ".target sm_90" in ptx
-    if name == "copy_table":
+    if name == "copy_runs":
         # the 16-byte path really issues 16-byte accesses, four loads before the stores
         assert ptx.count("ld.global.v4.u32") >= 4 and ptx.count("st.global.v4.u32") >= 4
         assert ".maxntid 1024" in ptx

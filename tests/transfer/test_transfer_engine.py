@@ -243,6 +243,40 @@ def test_copy_failures_become_failed_acks() -> None:
     assert eng.poll_completions() == [Completion(2, 0, True, 3), Completion(2, 0, False)]
 
 
+def test_prepare_runs_before_the_start_event_and_its_failure_fails_the_ops() -> None:
+    from kvtier.transfer import CpuBackend
+
+    calls: list[str] = []
+
+    class Recording(CpuBackend):
+        fail = False
+
+        def prepare(self, direction: Direction, plan: Any) -> None:
+            calls.append(f"prepare {direction.value} {len(plan.chunks)}")
+            if self.fail:
+                raise RuntimeError("no table")
+
+        def begin(self, direction: Direction) -> Any:
+            calls.append("begin")
+            return super().begin(direction)
+
+        def run_chunk(self, direction: Direction, plan: Any, chunk: Any, op_ids: tuple[int, ...]) -> Any:
+            calls.append(f"chunk {chunk.index}")
+            return super().run_chunk(direction, plan, chunk, op_ids)
+
+    s = _specs()
+    backend = Recording()
+    eng = TransferEngine(s, HostPool(s, 16), DevicePool.allocate(s, 12, "cpu"), backend, chunk_layers=4)
+    eng.submit(_lb(1, (1,), (3,)))
+    eng.flush()
+    assert calls == ["prepare loadback 2", "begin", "chunk 0", "chunk 1"]
+    assert eng.poll_completions()[-1] == Completion(1, 0, True)
+    backend.fail = True
+    eng.submit(_lb(2, (1,), (3,)))
+    eng.flush()
+    assert eng.poll_completions() == [Completion(2, 0, False)]
+
+
 def test_conflicting_commands_fail_and_the_rest_proceed() -> None:
     eng = _engine("cpu")
     eng.submit(TransferCommand(1, L, (GroupTransfer("kv", (1,), (3,)),), ()))

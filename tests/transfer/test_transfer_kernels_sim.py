@@ -17,8 +17,7 @@ def _launch(src: np.ndarray, dst: np.ndarray, table: np.ndarray, blocks: int, th
     from kvtier.transfer import kernels
 
     A = kernels.device_array
-    kernels.launch_copy(A(src.view(np.uint32)), A(dst.view(np.uint32)), A(src), A(dst), A(table),
-                        int(table.shape[0]), blocks, threads)
+    kernels.launch_copy(A(src.view(np.uint32)), A(dst.view(np.uint32)), A(src), A(dst), table, blocks, threads)
 
 
 def _random_table(rng: np.random.Generator, size: int, rows: int) -> np.ndarray:
@@ -82,3 +81,68 @@ def test_empty_and_zero_length_rows() -> None:
     dst = np.zeros(64, dtype=np.uint8)
     _launch(src, dst, np.array([[0, 0, 0], [4, 8, 0]], dtype=np.int64), 1, 8)
     assert not dst.any()
+
+
+def _launch_runs(src: np.ndarray, dst: np.ndarray, words: np.ndarray, ref_word: int, nrefs: int, items: int,
+                 piece: int, blocks: int, threads: int) -> None:
+    from kvtier.transfer import kernels
+
+    A = kernels.device_array
+    kernels.launch_runs(A(src.view(np.uint32)), A(dst.view(np.uint32)), A(src), A(dst), A(words), A(words),
+                        ref_word, nrefs, items, piece, blocks, threads)
+
+
+@pytest.mark.parametrize("seed, piece, blocks, threads", [(0, 16, 1, 8), (1, 32, 2, 16), (2, 64, 1, 32),
+                                                           (3, 48, 3, 4)])
+def test_run_tables_of_real_plans(seed: int, piece: int, blocks: int, threads: int) -> None:
+    """The kernel expands a planner's run table (runs x refs x pieces) exactly as
+    expand_run_table says, whatever the grid."""
+    from kvtier.fsm import Direction, TransferCommand
+    from kvtier.transfer import DevicePool, HostPool, Planner
+    from kvtier.transfer.plan import expand_run_table
+    from kvtier.transfer.scenarios import random_specs
+
+    rng = np.random.default_rng(seed)
+    specs = random_specs(rng)
+    host, dev = HostPool(specs, 24), DevicePool.allocate(specs, 16, "cpu")
+    p = Planner(specs, host, dev, chunk_layers=2)
+    from kvtier.fsm import GroupTransfer
+
+    transfers = []
+    for s in specs:
+        n = int(rng.integers(1, 12))
+        transfers.append(GroupTransfer(s.name, tuple(int(x) for x in rng.choice(24, n, replace=False)),
+                                       tuple(int(x) for x in rng.choice(16, n, replace=False))))
+    plan = p.plan(Direction.LOADBACK, [TransferCommand(1, Direction.LOADBACK, tuple(transfers), ())])
+    rt = p.run_table(plan, piece)
+    assert host.buffer is not None and dev.buffer is not None
+    h, d = host.buffer.numpy(), dev.buffer.numpy()
+    h[:] = rng.integers(0, 256, h.shape, dtype=np.uint8)
+    d[:] = rng.integers(0, 256, d.shape, dtype=np.uint8)
+    for chunk in plan.chunks:
+        want = d.copy()
+        for s_, d_, n in expand_run_table(rt, chunk.index).tolist():
+            want[d_:d_ + n] = h[s_:s_ + n]
+        _launch_runs(h, d, rt.packed, rt.chunk_ref_word[chunk.index], len(chunk.refs), rt.chunk_items[chunk.index],
+                     piece, blocks, threads)
+        assert np.array_equal(d, want), np.flatnonzero(d != want)[:20]
+
+
+def test_refs_without_items_are_skipped() -> None:
+    """A ref whose first item equals the next ref's (no runs) is passed over; a piece
+    past the end of a short run copies nothing."""
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 256, 512, dtype=np.uint8)
+    dst = np.zeros(512, dtype=np.uint8)
+    runs = [[0, 0, 2], [5, 3, 1]]  # (src page, dst page, pages)
+    refs = [[0, 0, 16, 0, 0, 1],      # 2 runs of 16-byte pages: items 0, 1
+            [0, 0, 16, 0, 2, 1],      # no items
+            [256, 256, 20, 0, 2, 2]]  # 2 runs of 20-byte pages, 2 pieces each: items 2..5
+    words = np.array(sum(runs, []) + sum(refs, []), dtype=np.int64)
+    _launch_runs(src, dst, words, 6, 3, 6, 32, 1, 8)
+    want = np.zeros(512, dtype=np.uint8)
+    want[0:32] = src[0:32]
+    want[48:64] = src[80:96]
+    want[256:296] = src[256:296]
+    want[256 + 60:256 + 80] = src[256 + 100:256 + 120]
+    assert np.array_equal(dst, want), np.flatnonzero(dst != want)[:20]

@@ -9,7 +9,20 @@ from hypothesis import strategies as st
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, ConfigError, Direction, GroupTransfer, TransferCommand
 from kvtier.transfer import DevicePool, HostPool, Planner
-from kvtier.transfer.plan import layers_for, split_rows
+from kvtier.transfer.plan import (
+    REF_COLS,
+    REF_DST,
+    REF_ITEM0,
+    REF_PAGE_BYTES,
+    REF_PIECES,
+    REF_RUN0,
+    REF_SRC,
+    RUN_COLS,
+    expand_run_table,
+    layers_for,
+    split_rows,
+    split_runs,
+)
 
 L, W = Direction.LOADBACK, Direction.WRITEBACK
 
@@ -146,3 +159,117 @@ def test_planner_rejects_bad_settings() -> None:
         Planner(s, h, d, chunk_layers=0)
     with pytest.raises(ConfigError, match=r"plan_cache_size must be an int >= 0, got -1"):
         Planner(s, h, d, plan_cache_size=-1)
+
+
+# ----------------------------------------------------------------------------------------
+# the run format (the Numba kernel expands runs x refs x pieces itself)
+# ----------------------------------------------------------------------------------------
+def _apply(rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    out = dst.copy()
+    for s, d, n in rows.tolist():
+        out[d:d + n] = src[s:s + n]
+    return out
+
+
+def _pool_bytes(p: Planner) -> tuple[np.ndarray, np.ndarray]:
+    assert p.host.buffer is not None and p.device.buffer is not None
+    return p.host.buffer.numpy(), p.device.buffer.numpy()
+
+
+@pytest.mark.parametrize("piece", [16, 48, 64, 4096])
+def test_run_table_expands_to_the_bytes_of_the_row_table(piece: int) -> None:
+    p = _planner(chunk_layers=3)
+    plan = p.plan(L, [_cmd(1, L, ("kv", [5, 6, 7, 8, 9, 20, 30, 31], [10, 11, 12, 13, 14, 3, 0, 1]),
+                            ("c", [1, 2, 3], [7, 8, 9]))])
+    rt = p.run_table(plan, piece)
+    assert p.run_table(plan, piece) is rt  # cached on the plan
+    rng = np.random.default_rng(piece)
+    host, dev = _pool_bytes(p)
+    host[:] = rng.integers(0, 256, host.shape, dtype=np.uint8)
+    dev[:] = rng.integers(0, 256, dev.shape, dtype=np.uint8)
+    for chunk in plan.chunks:
+        rows = expand_run_table(rt, chunk.index)
+        assert rows.shape[0] == rt.chunk_items[chunk.index]
+        assert (rows[:, 2] > 0).all() and (rows[:, 2] <= piece).all()
+        assert int(rows[:, 2].sum()) == chunk.nbytes
+        # destinations never overlap: every byte is written once
+        cover = np.zeros(dev.shape[0], dtype=np.int64)
+        for _, d, n in rows.tolist():
+            cover[d:d + n] += 1
+        assert cover.max() == 1
+        want = _apply(p.table(plan, chunk, piece_bytes=piece), host, dev)
+        assert np.array_equal(_apply(rows, host, dev), want)
+
+
+def test_run_table_layout_and_size() -> None:
+    p = _planner(chunk_layers=4)
+    pages = list(range(0, 64, 2))  # 32 runs of one page
+    plan = p.plan(L, [_cmd(1, L, ("kv", pages, list(range(32))))])
+    rt = p.run_table(plan, 64)
+    # the group's largest page is 48 bytes: runs of at most 64 // 48 = 1 page, one piece each
+    assert rt.seg_pages == (1,) and rt.runs.shape == (32, RUN_COLS)
+    assert rt.runs[:, 0].tolist() == pages and rt.runs[:, 2].tolist() == [1] * 32
+    c0 = rt.chunk_refs[0]
+    assert c0.shape == (len(plan.chunks[0].refs), REF_COLS)
+    assert c0[:, REF_ITEM0].tolist() == [32 * i for i in range(c0.shape[0])]
+    assert rt.chunk_ref_word[0] == RUN_COLS * 32
+    for r, row in zip(plan.chunks[0].refs, c0.tolist()):
+        assert row[REF_SRC] == p.host.region_offset(r.group, r.component, r.layer)
+        assert row[REF_DST] == p.device.region_offset(r.group, r.component, r.layer)
+        assert row[REF_PAGE_BYTES] == r.page_bytes and row[REF_RUN0] == 0 and row[REF_PIECES] == 1
+    # uploaded words: runs once + a row per ref, not runs x refs rows
+    n_refs = sum(len(c.refs) for c in plan.chunks)
+    assert rt.packed.shape == (RUN_COLS * 32 + REF_COLS * n_refs,) and rt.nbytes == rt.packed.nbytes
+    assert rt.nbytes < sum(p.table(plan, c, 64).nbytes for c in plan.chunks) / 4
+    # a page larger than a piece: one page per run, several pieces per run
+    big = p.run_table(plan, 16)
+    assert big.seg_pages == (1,) and big.chunk_refs[0][0, REF_PIECES] == 3  # 48-byte page, 16-byte pieces
+
+
+def test_run_table_splits_long_runs_and_uses_the_given_buffer() -> None:
+    p = _planner()
+    plan = p.plan(W, [_cmd(1, W, ("c", list(range(20)), list(range(40, 60))))])  # one run of 20 pages
+    seen: list[np.ndarray] = []
+
+    def alloc(words: int) -> np.ndarray:
+        seen.append(np.full(words, -1, dtype=np.int64))
+        return seen[-1]
+
+    rt = p.run_table(plan, 64, alloc)  # 20-byte pages: runs of at most 3 pages
+    assert rt.packed is seen[0] and (rt.packed >= 0).all()
+    assert rt.seg_pages == (3,)
+    assert rt.runs.tolist() == [[s, 40 + s, min(3, 20 - s)] for s in range(0, 20, 3)]
+    with pytest.raises(ConfigError, match=r"alloc\(\d+\) must return a 1-D int64 array"):
+        p.run_table(p.plan(W, [_cmd(2, W, ("c", [1], [2]))]), 64, lambda n: np.empty(n, dtype=np.int32))
+    with pytest.raises(ConfigError, match=r"multiple of 16, got 40"):
+        p.run_table(plan, 40)
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000), st.integers(1, 50)), max_size=12),
+       st.integers(1, 8))
+@settings(max_examples=60, deadline=None)
+def test_split_runs_covers_every_page_once(runs: list[tuple[int, int, int]], most: int) -> None:
+    a = np.array(runs, dtype=np.int64).reshape(-1, 3)
+    s, d, n = split_runs(a[:, 0], a[:, 1], a[:, 2], most)
+    assert (n <= most).all() and (n > 0).all()
+    got = sorted((int(x) + k, int(y) + k) for x, y, m in zip(s, d, n) for k in range(int(m)))
+    assert got == sorted((x + k, y + k) for x, y, m in runs for k in range(m))
+
+
+@given(st.data())
+@settings(max_examples=40, deadline=None)
+def test_run_table_random_plans_match_the_row_table(data: st.DataObject) -> None:
+    comps = data.draw(st.lists(st.sampled_from([1, 3, 16, 20, 37, 48, 64, 100, 128]), min_size=1, max_size=3))
+    spec = CacheGroupSpec("g", "history", 4, 1, (0, 1, 2), tuple(ComponentSpec(f"c{i}", b) for i, b in enumerate(comps)))
+    p = Planner([spec], HostPool([spec], 24), DevicePool.allocate([spec], 16, "cpu"), chunk_layers=2)
+    dst = data.draw(st.lists(st.integers(0, 15), min_size=1, max_size=16, unique=True))
+    src = data.draw(st.lists(st.integers(0, 23), min_size=len(dst), max_size=len(dst), unique=True))
+    piece = data.draw(st.sampled_from([16, 32, 64, 256]))
+    plan = p.plan(L, [_cmd(1, L, ("g", sorted(src), sorted(dst)))])
+    rt = p.run_table(plan, piece)
+    host, dev = _pool_bytes(p)
+    host[:] = np.arange(host.shape[0], dtype=np.int64).astype(np.uint8)
+    for chunk in plan.chunks:
+        rows = expand_run_table(rt, chunk.index)
+        assert (rows[:, 2] > 0).all() and (rows[:, 2] <= piece).all()
+        assert np.array_equal(_apply(rows, host, dev), _apply(p.table(plan, chunk, piece), host, dev))
