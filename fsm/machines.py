@@ -110,7 +110,7 @@ class Lifecycle:
             IllegalTransition: no transition for ``event`` from the subject's state.
             GuardRejected: every candidate transition has a false guard (all named).
         """
-        state = subject.state
+        state: str = subject.state
         rows = self._table.get((state, event))
         if rows is None:
             raise IllegalTransition(self.name, self.describe(subject), state, event)
@@ -132,7 +132,7 @@ class Lifecycle:
         Raises:
             IllegalTransition, GuardRejected: as :meth:`check`; the subject is unchanged.
         """
-        state = subject.state
+        state: str = subject.state
         key = (state, event)
         if key not in self._table:
             raise IllegalTransition(self.name, self.describe(subject), state, event)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import matplotlib
+import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]  # noqa: E402
 
 from .replay import ConfigResult  # noqa: E402
 

@@ -148,7 +148,8 @@ def trace_requests(trace: Trace, layout: CacheLayout) -> list[SchedRequest]:
     out = []
     for tr in trace.requests:
         full = tr.input_length // a
-        units: list[Hashable] = [(h, j) for h in tr.hash_ids for j in range(k)][:full]
+        units: list[Hashable] = [(h, j) for h in tr.hash_ids for j in range(k)]
+        del units[full:]
         out.append(SchedRequest(f"r{tr.index}", tr.arrival_s, tr.input_length, tr.output_length, tuple(units)))
     return out
 

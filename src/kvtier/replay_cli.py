@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         def progress(name: str, total: int) -> Any:
             if not show:
                 return None
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
             bar = tqdm(total=total, desc=name, unit="req", leave=False, file=sys.stderr)
             bars.append(bar)

@@ -394,8 +394,8 @@ class ReferenceScheduler:
             load_s = self._submit()
             if not batch:
                 if blocked and not cache.in_flight():
-                    victim = cache.abort_victim(blocked)
-                    if victim is not None:
+                    victim_id = cache.abort_victim(blocked)
+                    if victim_id is not None:
                         self._submit()
                         continue
                 if not cache.in_flight() and not pending and not self._waiting and not self._retracted \

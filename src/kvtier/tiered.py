@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.fsm import CapacityError, Completion, ConfigError, Direction, KvtierError, TransferCommand
-from kvtier.fsm.cache import LayerProgress, MatchMode, MatchResult, Settled, TieredPrefixCache, WritePolicy
+from kvtier.fsm.cache import MatchMode, MatchResult, TieredPrefixCache, WritePolicy
+from kvtier.fsm.ops import LayerProgress, Settled
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import request_lifecycle
 from kvtier.fsm.node import LockReceipt, Node, NodeReceipt
@@ -714,9 +715,10 @@ class TieredCache:
                 r.layers[ev.op_id] = ev.layer
             return
         for rid in sorted(self._op_waiters.pop(ev.op_id, set())):
-            r = self._requests.get(rid)
-            if r is None or ev.op_id not in r.ops:
+            waiter = self._requests.get(rid)
+            if waiter is None or ev.op_id not in waiter.ops:
                 continue
+            r = waiter
             r.ops.discard(ev.op_id)
             r.layers.pop(ev.op_id, None)
             if ev.direction is Direction.LOADBACK:
