@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/kvtier-out}
 mkdir -p "$OUT"
 COMMIT=${COMMIT:-unknown}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 NUMBA_DISABLE_PERFORMANCE_WARNINGS=1
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/nvidia_smi.txt" 2>&1
 cat "$OUT/nvidia_smi.txt"
 echo "== gpu tests"

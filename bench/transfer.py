@@ -501,6 +501,32 @@ def both_ways_study(reps: int) -> dict[str, Any]:
     return out
 
 
+def profile_warm(reps: int = 20) -> None:
+    """cProfile of warm submit->ack (new page lists, cached address tables), H2D, for
+    1 KiB and 64 KiB pages: where the host's time goes (printed)."""
+    import cProfile
+    import pstats
+
+    for name, specs in (("1 KiB", _one("kv", 1024)), ("64 KiB", _one("kv", 65536))):
+        setup = Setup(specs, seed=3)
+        eng = TransferEngine(specs, setup.host, setup.dev, "numba")
+        run_once(eng, [setup.command(L, setup.transfers(L))])
+        cmds = [setup.command(L, setup.transfers(L)) for _ in range(reps)]
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        for c in cmds:
+            torch.cuda.synchronize()
+            prof.enable()
+            run_once(eng, [c])
+            prof.disable()
+        print(f"== profile, warm H2D {name}: {1e3 * (time.perf_counter() - t0) / reps:.2f} ms per transfer "
+              f"({reps} transfers; profiled)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+        eng.synchronize()
+        del setup, eng
+        torch.cuda.empty_cache()
+
+
 def junit_summary(path: str) -> dict[str, Any]:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
@@ -561,12 +587,16 @@ def main() -> int:
     ap.add_argument("--configs", help="comma-separated config names to run (default: all)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the thread-block sweep")
     ap.add_argument("--no-study", action="store_true", help="skip the both-ways study")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of warm submit->ack and exit")
     ap.add_argument("--study-only", action="store_true",
                     help="run only the both-ways study and write its JSON to --out (the benchmark runs it so, in a "
                          "child process, so that a driver failure there cannot lose the other results)")
     args = ap.parse_args()
     if args.sanitize:
         sanitize_workload()
+        return 0
+    if args.profile:
+        profile_warm()
         return 0
     if args.study_only:
         study = both_ways_study(max(2, args.reps // 2))

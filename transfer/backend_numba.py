@@ -6,8 +6,10 @@ address space), so one launch of :func:`kernels.copy_runs` covers every group,
 component and layer of a chunk: ``kernel_launches`` = chunks. Before the flush's
 start event (:meth:`NumbaBackend.prepare`), the flush's run table
 (:meth:`Planner.run_table`: each group's runs once, plus a few rows per chunk, one
-per tensor ref) is written straight into pinned host memory and copied to the device
-in one upload, cached with the plan; the kernel expands runs x refs itself.
+per tensor ref) is written straight into a reused pinned staging buffer (one per
+direction) and copied to the device in one upload on a stream of its own (the
+direction's stream waits for it), cached with the plan; the kernel expands runs x
+refs itself.
 
 Where one view per side cannot be used (``address_view=False``, or under the CUDA
 simulator with registered tensors, which are not one NumPy buffer) the backend falls
@@ -24,6 +26,7 @@ a CPU pool and the kernel runs on NumPy views, synchronously.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,10 +37,23 @@ from kvtier.fsm import ConfigError, Direction
 from .backend import Backend, ChunkCounts, DoneEvent, TransferEvent
 from .errors import BackendUnavailable
 from .plan import DEFAULT_PIECE_BYTES, REF_COLS, REF_DST, REF_ITEM0, REF_SRC, ChunkPlan, ChunkRef, FlushPlan, \
-    Planner, RunTable
+    Planner
 from .pools import DevicePool, HostPool, _Pool
 
 __all__ = ["NumbaBackend"]
+
+
+@dataclass(eq=False)
+class _FlushTable:
+    """What a launch needs of a plan's run table, with its device copy (cached on the
+    plan; the host-side table itself lives in a reused staging buffer)."""
+
+    ref_word: tuple[int, ...]
+    items: tuple[int, ...]
+    refs: tuple[np.ndarray, ...]
+    nbytes: int
+    owner: Any
+    table: Any
 
 
 def _positive(name: str, value: object) -> int:
@@ -80,6 +96,8 @@ class NumbaBackend(Backend):
         self.mode = "unbound"
         self.sm_count: int | None = None
         self._views: dict[str, tuple[Any, Any]] | None = None
+        self._stage: dict[Direction, torch.Tensor] = {}
+        self._stage_event: dict[Direction, torch.cuda.Event] = {}
 
     # -- binding --------------------------------------------------------------------------
     def bind(self, host: HostPool, device: DevicePool, planner: Planner) -> None:
@@ -102,6 +120,9 @@ class NumbaBackend(Backend):
             with torch.cuda.device(device.device):
                 self._nb_streams = {d: kernels.external_stream(s.cuda_stream)
                                     for d, s in self.streams.streams.items()}
+            lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
+            self._upload_stream = torch.cuda.Stream(device=device.device,  # type: ignore[no-untyped-call]
+                                                    priority=min(lo, hi))
             self.sm_count = int(torch.cuda.get_device_properties(device.device).multi_processor_count)
             if self.address_view:
                 self._views = {
@@ -155,34 +176,63 @@ class NumbaBackend(Backend):
             return self.streams.record(direction)
         return DoneEvent()
 
-    def _upload(self, direction: Direction, words: np.ndarray, staging: torch.Tensor | None) -> tuple[Any, Any]:
-        """(owner, Numba view) of a device copy of an int64 array (simulator: the array)."""
+    def _upload(self, direction: Direction, words: np.ndarray) -> tuple[Any, Any]:
+        """(owner, Numba view) of a device copy of a small int64 array, on the
+        direction's stream (simulator: the array itself)."""
         if self.mode != "gpu":
             return words, self._k.device_array(words)
         with torch.cuda.stream(self.streams.stream(direction)):
-            src = staging if staging is not None else torch.from_numpy(words).pin_memory()
-            t = src.to(self.device.device, non_blocking=True)
+            t = torch.from_numpy(words).pin_memory().to(self.device.device, non_blocking=True)
         return t, self._k.device_array(t)
 
-    def _pinned(self, box: list[torch.Tensor]) -> Any:
-        def alloc(words: int) -> np.ndarray:
-            t = torch.empty(words, dtype=torch.int64, pin_memory=True)
-            box.append(t)
-            return t.numpy()
-        return alloc
+    def _staging(self, direction: Direction, words: int) -> np.ndarray:
+        """A pinned host buffer of ``words`` int64 for the direction's next table (one
+        buffer per direction, reused; grown by doubling). Waits for the buffer's last
+        upload, which runs on its own stream and so is normally long finished."""
+        buf = self._stage.get(direction)
+        if buf is None or int(buf.numel()) < words:
+            size = max(words, 1 << 16, 2 * int(buf.numel()) if buf is not None else 0)
+            # the old buffer goes back to torch's pinned-memory cache, which holds it
+            # until the copies recorded on it have finished
+            buf = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._stage[direction] = buf
+            self._stage_event.pop(direction, None)
+        else:
+            ev = self._stage_event.get(direction)
+            if ev is not None:
+                ev.synchronize()
+        return buf[:words].numpy()
 
-    def _flush_table(self, direction: Direction, plan: FlushPlan) -> tuple[RunTable, Any]:
-        """The plan's run table and its device copy (built and uploaded once, cached)."""
+    def _upload_staged(self, direction: Direction, words: int) -> tuple[Any, Any]:
+        """Copy the first ``words`` of the direction's staging buffer to a new device
+        tensor on the upload stream; the direction's stream waits for the copy."""
+        stream = self.streams.stream(direction)
+        with torch.cuda.stream(self._upload_stream):
+            t = torch.empty(words, dtype=torch.int64, device=self.device.device)
+            t.copy_(self._stage[direction][:words], non_blocking=True)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(self._upload_stream)
+        self._stage_event[direction] = ev
+        stream.wait_event(ev)
+        t.record_stream(stream)  # freed with its plan: not reused before the kernels that read it finish
+        return t, self._k.device_array(t)
+
+    def _flush_table(self, direction: Direction, plan: FlushPlan) -> _FlushTable:
+        """The plan's run table on the device (built and uploaded once, cached)."""
         key = ("numba-runs", self.piece_bytes)
         hit = plan.cache.get(key)
         if hit is not None:
-            return hit[0], hit[2]
-        box: list[torch.Tensor] = []
-        rt = self.planner.run_table(plan, self.piece_bytes, self._pinned(box) if self.mode == "gpu" else None)
-        staging = box[0] if box and int(box[0].data_ptr()) == int(rt.packed.ctypes.data) else None
-        owner, nb = self._upload(direction, rt.packed, staging)
-        plan.cache[key] = (rt, owner, nb)
-        return rt, nb
+            return hit  # type: ignore[no-any-return]
+        if self.mode == "gpu":
+            rt = self.planner.run_table(plan, self.piece_bytes, lambda n: self._staging(direction, n), cache=False)
+            owner, nb = self._upload_staged(direction, int(rt.packed.shape[0]))
+        else:
+            rt = self.planner.run_table(plan, self.piece_bytes)
+            owner, nb = rt.packed, self._k.device_array(rt.packed)
+        ft = _FlushTable(rt.chunk_ref_word, rt.chunk_items, tuple(r.copy() for r in rt.chunk_refs), rt.nbytes,
+                         owner, nb)
+        plan.cache[key] = ft
+        return ft
 
     def prepare(self, direction: Direction, plan: FlushPlan) -> None:
         """Build and upload the flush's run table before the start event, so the
@@ -205,14 +255,15 @@ class NumbaBackend(Backend):
     def run_chunk(self, direction: Direction, plan: FlushPlan, chunk: ChunkPlan,
                   op_ids: tuple[int, ...]) -> ChunkCounts:
         src_side, dst_side = self._side_names(direction)
-        rt, table = self._flush_table(direction, plan)
-        refs = rt.chunk_refs[chunk.index]
-        items = rt.chunk_items[chunk.index]
+        ft = self._flush_table(direction, plan)
+        table = ft.table
+        refs = ft.refs[chunk.index]
+        items = ft.items[chunk.index]
         if items == 0:
             return ChunkCounts()
         if self._views is not None:
             blocks = self._launch(direction, self._views[src_side], self._views[dst_side], table, table,
-                                  rt.chunk_ref_word[chunk.index], int(refs.shape[0]), items)
+                                  ft.ref_word[chunk.index], int(refs.shape[0]), items)
             return ChunkCounts(kernel_launches=1, thread_blocks=blocks)
         # one launch per tensor bucket: region views, ref rows with offsets from them
         key = ("numba-buckets", self.piece_bytes)
@@ -228,7 +279,7 @@ class NumbaBackend(Backend):
                 rows[i, REF_SRC] = s_delta
                 rows[i, REF_DST] = d_delta
                 rows[i, REF_ITEM0] = 0
-            owner, nb = self._upload(direction, rows.reshape(-1), None)
+            owner, nb = self._upload(direction, rows.reshape(-1))
             cached = (views, owner, nb)
             chunk.cache[key] = cached
         views, _, bucket_refs = cached

@@ -239,8 +239,9 @@ class Planner:
         if hit is not None and hit[0] is transfer:
             self._arrays.move_to_end(id(transfer))
             return hit[1], hit[2]
-        src = np.array(transfer.src_pages, dtype=np.int64)
-        dst = np.array(transfer.dst_pages, dtype=np.int64)
+        n = len(transfer.src_pages)
+        src = np.fromiter(transfer.src_pages, dtype=np.int64, count=n)  # faster than np.array on tuples
+        dst = np.fromiter(transfer.dst_pages, dtype=np.int64, count=n)
         self._arrays[id(transfer)] = (transfer, src, dst)
         if len(self._arrays) > 4096:
             self._arrays.popitem(last=False)
@@ -394,13 +395,15 @@ class Planner:
         return table
 
     def run_table(self, plan: FlushPlan, piece_bytes: int = DEFAULT_PIECE_BYTES,
-                  alloc: Callable[[int], I64] | None = None) -> RunTable:
-        """The flush's copies in the run format (:class:`RunTable`; cached on the plan).
+                  alloc: Callable[[int], I64] | None = None, cache: bool = True) -> RunTable:
+        """The flush's copies in the run format (:class:`RunTable`; cached on the plan
+        unless ``cache`` is False).
 
         Its size is (runs + refs) rows, not runs x refs: for 32,768 scattered 1 KiB
         pages over 8 layers, 0.8 MB instead of 6.3 MB. ``alloc(words)`` may supply the
-        int64 buffer (e.g. a view of pinned host memory, so that it uploads without a
-        staging copy); default ``np.empty``.
+        int64 buffer (e.g. a reused pinned staging buffer, so that it uploads without
+        another copy: then pass ``cache=False``, since the buffer is written again
+        later); default ``np.empty``.
         """
         key = ("runs", piece_bytes)
         cached = plan.cache.get(key)
@@ -466,7 +469,8 @@ class Planner:
                 chunk_items.append(0)
         rt = RunTable(piece_bytes, packed, runs, tuple(run0), tuple(seg_pages), tuple(chunk_refs),
                       tuple(chunk_word), tuple(chunk_items))
-        plan.cache[key] = rt
+        if cache:
+            plan.cache[key] = rt
         return rt
 
 
