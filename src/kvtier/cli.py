@@ -75,16 +75,21 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"kvtier verify {_TESTING_HINT} ({exc})", file=sys.stderr)
         return 2
-    setup = FacadeMachine.verify_setup(world=args.world_size, policy=args.policy, dev_units=args.device_units,
-                                       host_units=args.host_units, deadline=args.deadline)
-    print(f"kvtier verify: depth {args.depth}, facade with 2 requests (prompts 'ab' and 'ac'), "
+    machine: type[FacadeMachine] = FacadeMachine
+    if args.requests == 1:
+        machine = type(FacadeMachine)("FacadeMachine", (FacadeMachine,),  # one request, prompt 'a', 1 unit
+                                      {"verify_prompts": (("a",),), "verify_max_units": 1})
+    setup = machine.verify_setup(world=args.world_size, policy=args.policy, dev_units=args.device_units,
+                                 host_units=args.host_units, deadline=args.deadline)
+    prompts = " and ".join(repr("".join(p)) for p in machine.verify_prompts)
+    print(f"kvtier verify: depth {args.depth}, facade with {args.requests} request(s) (prompts {prompts}), "
           f"2 cache groups, {setup.render()}")
 
     def progress(level: int, frontier: int, states: int) -> None:
         if not args.quiet:
             print(f"  depth {level}: {states:,} states, {frontier:,} new", file=sys.stderr, flush=True)
 
-    res = verify(args.depth, setup=setup, seconds=args.max_seconds, progress=progress)
+    res = verify(args.depth, machine=machine, setup=setup, seconds=args.max_seconds, progress=progress)
     print(res.report())
     if res.violation is not None:
         path = res.violation.save(args.save)
@@ -151,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "states by a canonical hash; every invariant is checked in every state.")
     p.add_argument("--depth", type=int, default=6, help="bound on steps (default %(default)s)")
     p.add_argument("--world-size", type=int, default=1, choices=[1, 2], help="ranks (default %(default)s)")
+    p.add_argument("--requests", type=int, default=2, choices=[1, 2],
+                   help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only, small enough to reach a fixpoint")
     p.add_argument("--policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--device-units", type=int, default=4, help="device capacity in units (default %(default)s)")

@@ -1090,7 +1090,8 @@ class FacadeMachine(KitMachine):
             rid = self._rid(req)
             r = self.cache._requests.get(rid)
             state = None if r is None else r.state
-            if state is None or state == "waiting" or state in _TERMINAL:
+            # the bounded model: at most 2 forward passes owed per request
+            if state is None or ((state == "waiting" or state in _TERMINAL) and r is not None and r.owed_forward < 2):
                 out.append(Step.of("admit", dict(req=req, key=list(key), chunk=len(key), tail=False)))
             if r is None:
                 continue
@@ -1102,7 +1103,7 @@ class FacadeMachine(KitMachine):
                 if r.owed_forward == 0:
                     out.append(Step.of("finish", dict(req=req)))
                 out.append(Step.of("retract", dict(req=req, go=0)))
-            if state == "retracted":
+            if state == "retracted" and r.owed_forward < 2:
                 out.append(Step.of("resume", dict(req=req, chunk=len(key))))
             if state not in (None, "aborting", *_TERMINAL):
                 out.append(Step.of("abort", dict(req=req, go=0)))
@@ -1203,13 +1204,19 @@ class _Canon:
             for g, a in sorted(allocs.items()):
                 free.append((pool, g, tuple(self.page(pool, g, p) for p in a._free)))
         store = []
+        # bytes of allocated pages only: a free page's stale content is never read before written
+        free_now = {(pool, g, p) for pool, allocs in (("d", core.device), ("h", core.host or {}))
+                    for g, a in allocs.items() for p in a._free}
         for pool, data in (("d", m.xfer.dev), ("h", m.xfer.host)):
             for (g, p), v in data.items():
-                if (pool, g, p) in self.pages:
-                    store.append((pool, g, self.pages[(pool, g, p)], repr(v)))
-        events = tuple((e.request_id, e.state, e.reason) for e in m.cache._events)
+                if (pool, g, p) in self.pages and (pool, g, p) not in free_now:
+                    garbage = isinstance(v, tuple) and len(v) == 2 and v[0] == "garbage"
+                    store.append((pool, g, self.pages[(pool, g, p)], "garbage" if garbage else repr(v)))
+        # unreported request events: which ones are pending, not how many times (poll reports them)
+        events = tuple(sorted({(e.request_id, e.state, e.reason or "") for e in m.cache._events}))
+        fenced = tuple(sorted((rid, self.pmap("d", own)) for rid, own in m.fenced.items()))
         return (tuple(tree), tuple(ops), tuple(reqs), outbox, queues, expired, tuple(free),
-                tuple(sorted(store)), events)
+                tuple(sorted(store)), events, fenced)
 
 
 # ======================================================================================
