@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "build_parser"]
 
@@ -77,8 +78,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 2
     machine: type[FacadeMachine] = FacadeMachine
     if args.requests == 1:
-        machine = type(FacadeMachine)("FacadeMachine", (FacadeMachine,),  # one request, prompt 'a', 1 unit
-                                      {"verify_prompts": (("a",),), "verify_max_units": 1})
+        meta: Any = type(FacadeMachine)
+        machine = meta("FacadeMachine", (FacadeMachine,),  # one request, prompt 'a', 1 unit
+                       {"verify_prompts": (("a",),), "verify_max_units": 1})
     setup = machine.verify_setup(world=args.world_size, policy=args.policy, dev_units=args.device_units,
                                  host_units=args.host_units, deadline=args.deadline)
     prompts = " and ".join(repr("".join(p)) for p in machine.verify_prompts)
