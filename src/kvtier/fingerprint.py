@@ -132,7 +132,7 @@ class BytesExecutor:
     def forward(self, cache: TieredCache, batch: Sequence[tuple[str, int, int]]) -> None:
         for rid, start, n in batch:
             adm = self._pending_checks.pop(rid, None)
-            if adm is not None:
+            if adm is not None and cache.state(rid) in ("running", "loading"):
                 self._check_hit(cache, adm)
             # only pages this pass completes: only full units are ever published and reused
             table = None
@@ -201,6 +201,10 @@ class BytesExecutor:
         self.pages_checked += len(pages)
 
     def _check_hit(self, cache: TieredCache, adm: Admission) -> None:
+        # the forward pass reads a loaded layer only after its chunk landed: the checks
+        # below read every layer, so wait for the last one of every loadback it waits on
+        for op in adm.wait_ops:
+            self.engine.wait_layer(op, self.layout.num_layers - 1)
         table = adm.page_table
         units = adm.hit_tokens // self._align
         for g in self.layout.groups:
