@@ -11,9 +11,13 @@ LAYERS=${LAYERS:-8}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/replay_nvidia_smi.txt" 2>&1
-for backend in numba torch; do
-  echo "== replay --backend $backend"
-  /usr/bin/time -v timeout 240 python3 -m kvtier replay --backend "$backend" --byte-scale 1 --layers "$LAYERS" \
-    --limit "$LIMIT" --json > "$OUT/replay_$backend.json" 2> "$OUT/replay_$backend.err"
-  echo "exit $?"; tail -n 5 "$OUT/replay_$backend.err"
+REPEAT=${REPEAT:-1}  # repeated runs catch ordering races between streams (every page is fingerprint-checked)
+for i in $(seq 1 "$REPEAT"); do
+  for backend in numba torch; do
+    name="replay_$backend"; [ "$i" -gt 1 ] && name="replay_${backend}_r$i"
+    echo "== replay --backend $backend (run $i)"
+    /usr/bin/time -v timeout 240 python3 -m kvtier replay --backend "$backend" --byte-scale 1 --layers "$LAYERS" \
+      --limit "$LIMIT" --json > "$OUT/$name.json" 2> "$OUT/$name.err"
+    echo "exit $?"; grep -E "Error|Mismatch|Elapsed" "$OUT/$name.err" | tail -n 3
+  done
 done
