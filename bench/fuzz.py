@@ -66,15 +66,16 @@ def main() -> int:
               "completions succeeding or failing per rank, aborts, retractions, resumptions.", "",
               "| world size | largest depth completed | distinct states | seconds | fixpoint |",
               "| ---: | ---: | ---: | ---: | --- |"]
+    notes = [""]
     for world in (1, 2):
         depth, levels, fix = verify_bound(world, args.verify_seconds)
         done = [lv for lv in levels if lv[0] == depth]
         states, secs = (done[0][1], done[0][2]) if done else (0, 0.0)
         lines.append(f"| {world} | {depth} | {states:,} | {secs:.0f} | {'yes' if fix else 'no'} |")
-        lines.append("")
-        lines.append(f"World size {world}, states by depth: "
+        notes.append(f"World size {world}, distinct states by depth: "
                      + ", ".join(f"{lv}: {st:,} ({sec:.0f} s)" for lv, st, sec in levels))
-        lines.append("")
+        notes.append("")
+    lines += notes
     load = os.getloadavg()[0]
     body = provenance(sys.argv, extra=f", load average {load:.1f} at the end") + "\n\n" + "\n".join(lines)
     print(body)
