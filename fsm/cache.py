@@ -248,6 +248,9 @@ class TieredPrefixCache:
         self._expired: set[int] = set()
         self._settled: set[int] = set()
         self._wb_queue: dict[int, Node] = {}  # node_id -> node wanting a tree writeback
+        # device nodes whose tree writeback the host could not take: under write_back,
+        # eviction drops them instead of queueing them again (no queue/refuse livelock)
+        self._wb_refused: set[int] = set()
         self._outbox: list[TransferCommand] = []
         # lazy LRU heaps of eviction candidates: (lru key, seq, node); stale entries are
         # skipped when popped (the key no longer matches), so touching a node is O(log n)
@@ -778,6 +781,7 @@ class TieredPrefixCache:
         if not any(n > 0 for n in need.values()):
             return freed
         heap = self._dev_lru
+        queued: list[Node] = []
         while heap and any(freed[g] < k for g, k in need.items()):
             # A node that is not a victim now is dropped from the heap: whatever makes it
             # one later (unlock, release, a child leaving, a state change) touches it again.
@@ -789,11 +793,11 @@ class TieredPrefixCache:
                 got = self._release_device(n)
                 self._trigger(n, "demote")
                 self.stats.demotions += 1
-            elif self.policy is WritePolicy.WRITE_BACK and self.host is not None:
-                for a in n.path():  # back up the device-only chain, parent first
-                    if a.state != "device":
-                        break
+            elif self.policy is WritePolicy.WRITE_BACK and self.host is not None and not any(
+                    a.node_id in self._wb_refused for a in self._device_chain(n)):
+                for a in self._device_chain(n):  # back up the device-only chain, parent first
                     self._wb_queue[a.node_id] = a
+                queued.append(n)  # still a candidate: back in the heap after this call
                 continue
             else:
                 got = self._release_device(n)
@@ -802,7 +806,19 @@ class TieredPrefixCache:
                 self.stats.device_evictions += 1
             for g, k in got.items():
                 freed[g] += k
+        for n in queued:
+            self._touch(n)
         return freed
+
+    @staticmethod
+    def _device_chain(n: Node) -> list[Node]:
+        """``n`` and its ancestors up to the first one not in the ``device`` state."""
+        out = []
+        for a in n.path():
+            if a.state != "device":
+                break
+            out.append(a)
+        return out
 
     def _device_victim(self, n: Node) -> bool:
         return (n.state in ("device", "backed") and n.lock_ref == 0 and n.borrow_ref == 0
@@ -834,10 +850,13 @@ class TieredPrefixCache:
         del parent.children[n.key[0]]
         del self._nodes[n.node_id]
         self._wb_queue.pop(n.node_id, None)
+        self._wb_refused.discard(n.node_id)
 
-    def evict_host(self, need: Mapping[str, int], *, protect: Iterable[Node] = ()) -> dict[str, int]:
+    def evict_host(self, need: Mapping[str, int], *, protect: Iterable[Node] = (),
+                   host_only: bool = False) -> dict[str, int]:
         """Free host pages from host leaves with pin 0 in LRU order (invariant 9): a
         ``host`` node is removed, a ``backed`` node sheds its host copy and stays on device.
+        With ``host_only``, ``backed`` nodes are spared (only host-only nodes go).
 
         Returns:
             group -> host pages actually freed.
@@ -854,8 +873,8 @@ class TieredPrefixCache:
             key, _, n = heapq.heappop(heap)
             if self._nodes.get(n.node_id) is not n or key != self._lru_key(n):
                 continue
-            if id(n) in keep:
-                spared.append(n)
+            if id(n) in keep or (host_only and n.state == "backed"):
+                spared.append(n)  # spared this time only: a candidate again after this call
                 continue
             if not self._host_victim(n, keep):
                 continue
@@ -1019,7 +1038,7 @@ class TieredPrefixCache:
             return None
         return self._submit_writeback(run, owner)
 
-    def _submit_writeback(self, run: list[Node], owner: str | None) -> TransferCommand | None:
+    def _submit_writeback(self, run: list[Node], owner: str | None, host_only: bool = False) -> TransferCommand | None:
         assert self.host is not None
         need: dict[str, int] = {}
         for n in run:
@@ -1027,7 +1046,7 @@ class TieredPrefixCache:
                 need[g] = need.get(g, 0) + len(pages)
         short = {g: k - self.host[g].free for g, k in need.items() if k > self.host[g].free}
         if short:  # never the run's ancestors: their host copies are what the run hangs from (invariant 1)
-            self.evict_host(short, protect=[a for n in run for a in n.path()])
+            self.evict_host(short, protect=[a for n in run for a in n.path()], host_only=host_only)
         if any(k > self.host[g].free for g, k in need.items()):
             return None
         op_id = next(self._op_ids)
@@ -1046,6 +1065,7 @@ class TieredPrefixCache:
                 setattr(n, attr_dst, dst_map)
             self._trigger(n, "writeback_submit")
             self._wb_queue.pop(n.node_id, None)
+            self._wb_refused.discard(n.node_id)
         command = self._command(op_id, Direction.WRITEBACK, transfers, owner, run)
         self._ops[op_id] = Operation(command, list(run))
         self._outbox.append(command)
@@ -1079,7 +1099,10 @@ class TieredPrefixCache:
                 self._wb_queue.pop(n.node_id, None)  # parent will not be written: drop (invariant 1)
         if not ready:
             return []
-        cmd = self._submit_writeback(ready, None)
+        # under write_back a writeback exists to let a device copy go: taking another node's
+        # host copy for it (making that one device-only again) would only move the problem
+        host_only = self.policy is WritePolicy.WRITE_BACK
+        cmd = self._submit_writeback(ready, None, host_only)
         if cmd is not None:
             return [cmd]
         out: list[TransferCommand] = []
@@ -1088,9 +1111,15 @@ class TieredPrefixCache:
                 break
             if n.state != "device" or n.node_id not in self._nodes:
                 continue
-            one = self._submit_writeback([n], None)
+            p = n.parent
+            assert p is not None
+            if not (p.parent is None or p.state in HOST_VISIBLE):
+                continue  # an earlier submission's host eviction took the parent's copy: wait
+            one = self._submit_writeback([n], None, host_only)
             if one is None:
                 self._wb_queue.pop(n.node_id, None)  # host full: give up on this node
+                self._wb_refused.add(n.node_id)
+                self._touch(n)  # an eviction candidate again (write_back now drops it)
             else:
                 out.append(one)
         return out
