@@ -207,6 +207,8 @@ class TieredPrefixCache:
                  host_pages: int | Mapping[str, int] | None = None, *,
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
                  world_size: int = 1, op_deadline_steps: int | None = None) -> None:
+        if not isinstance(layout, CacheLayout):
+            raise ConfigError(f"layout must be a CacheLayout (see kvtier.fsm.presets.preset), got {layout!r}")
         self.layout = layout
         try:
             self.policy = WritePolicy(policy)
@@ -1150,6 +1152,8 @@ class TieredPrefixCache:
             ConfigError: rank out of range, or a layer on a writeback.
             Nothing changes when it raises.
         """
+        if not isinstance(completion, Completion):
+            raise ConfigError(f"complete() takes a Completion, got {completion!r}")
         op = self._ops.get(completion.op_id)
         if op is None:
             if completion.op_id in self._expired:

@@ -109,7 +109,10 @@ class CacheGroupSpec:
             raise ConfigError(f"{owner}: family must be 'history' or 'state', got {self.family!r}") from None
         _positive_int(owner, "rows", self.rows)
         _positive_int(owner, "stride", self.stride)
-        layers = tuple(self.layers)
+        try:
+            layers = tuple(self.layers)
+        except TypeError:
+            raise ConfigError(f"{owner}: layers must be a sequence of ints >= 0, got {self.layers!r}") from None
         if not layers or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
             raise ConfigError(f"{owner}: layers must be a non-empty sequence of ints >= 0, got {self.layers!r}")
         if list(layers) != sorted(set(layers)):

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .argtypes import fraction, positive_float, positive_int
+
 __all__ = ["main", "build_parser"]
 
 _DEFAULT_DIAGRAM_DIR = Path("diagrams")
@@ -134,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the steps run, the invariants checked and the lifecycle coverage computed "
                                    "from the spec. A failure is shrunk, printed as readable steps and saved "
                                    "as a kvtier event sequence (JSON).")
-    p.add_argument("--steps", type=int, help="stop after this many steps (default 10000 without --minutes)")
-    p.add_argument("--minutes", type=float, help="stop after this many minutes")
+    p.add_argument("--steps", type=positive_int, help="stop after this many steps (default 10000 without --minutes)")
+    p.add_argument("--minutes", type=positive_float, help="stop after this many minutes")
     p.add_argument("--seed", type=int, default=0, help="campaign seed (default %(default)s)")
-    p.add_argument("--faults", type=float, default=0.25, metavar="RATE",
+    p.add_argument("--faults", type=fraction, default=0.25, metavar="RATE",
                    help="chance that a delivered completion fails (default %(default)s)")
     p.add_argument("--world-size", type=int, choices=[1, 2, 3, 4], help="fix the tensor-parallel ranks")
     p.add_argument("--save", default="kvtier-fuzz-failure.json", metavar="FILE",
@@ -156,16 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "finishes, retractions, resumptions, aborts, completions (success and "
                                    "failure) and polls of two requests on a small facade, merging equivalent "
                                    "states by a canonical hash; every invariant is checked in every state.")
-    p.add_argument("--depth", type=int, default=6, help="bound on steps (default %(default)s)")
+    p.add_argument("--depth", type=positive_int, default=6, help="bound on steps (default %(default)s)")
     p.add_argument("--world-size", type=int, default=1, choices=[1, 2], help="ranks (default %(default)s)")
     p.add_argument("--requests", type=int, default=2, choices=[1, 2],
                    help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only, small enough to reach a fixpoint")
     p.add_argument("--policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
-    p.add_argument("--device-units", type=int, default=4, help="device capacity in units (default %(default)s)")
-    p.add_argument("--host-units", type=int, default=4, help="host capacity in units (default %(default)s)")
-    p.add_argument("--deadline", type=int, default=None, help="operation deadline in steps (default: none)")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop early after this long")
+    p.add_argument("--device-units", type=positive_int, default=4, help="device capacity in units (default %(default)s)")
+    p.add_argument("--host-units", type=positive_int, default=4, help="host capacity in units (default %(default)s)")
+    p.add_argument("--deadline", type=positive_int, default=None, help="operation deadline in steps (default: none)")
+    p.add_argument("--max-seconds", type=positive_float, default=None, help="stop early after this long")
     p.add_argument("--save", default="kvtier-verify-violation.json", metavar="FILE",
                    help="where a violating trace is saved (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no per-level progress")
@@ -181,7 +183,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 0
-    return func(args)
+    from kvtier.fsm import KvtierError
+
+    try:
+        return func(args)
+    except (KvtierError, OSError, ValueError) as exc:  # bad input: a message, not a traceback
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

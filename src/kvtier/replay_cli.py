@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
+
+from .argtypes import positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -25,9 +28,24 @@ def _capacity(text: str) -> tuple[str, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"capacity {text!r}: expected a fraction of the working set (0.05 or 5%) or tokens (300000t)") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"capacity {text!r} must be >= 0")
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"capacity {text!r} must be a finite number > 0")
     return ("fraction", v) if v <= 1 else ("tokens", v)
+
+
+def _check_plot(path: str) -> None:
+    """Fail before the run, not after it, on a --plot that cannot be written."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.suffix.lower() != ".png":
+        raise ValueError(f"--plot {path!r}: expected a .png file name")
+    if not p.parent.exists():
+        raise ValueError(f"--plot {path!r}: folder {str(p.parent)!r} does not exist")
+    try:
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
 
 
 def add_parser(sub: Any) -> None:
@@ -44,12 +62,13 @@ def add_parser(sub: Any) -> None:
                    help="trace file (.jsonl or .jsonl.gz); default: the embedded slice")
     p.add_argument("--preset", default="deepseek-v4", choices=["deepseek-v4", "llama-3-8b", "deepseek-v3"],
                    help="model preset (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=None, metavar="N",
+    p.add_argument("--layers", type=positive_int, default=None, metavar="N",
                    help="model layers (a preset parameter; default: the preset's)")
-    p.add_argument("--page-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--page-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens per page for llama-3-8b / deepseek-v3 (default: the preset's)")
     p.add_argument("--device", type=_capacity, default=("fraction", DEFAULT_DEVICE_FRACTION), metavar="CAP",
-                   help=f"device capacity: fraction of the working set or tokens with 't' (default {DEFAULT_DEVICE_FRACTION})")
+                   help=f"device capacity: a fraction of the working set (0.05 or 5%%), or tokens ('300000t'; a "
+                        f"plain number above 1 is also tokens) (default {DEFAULT_DEVICE_FRACTION})")
     p.add_argument("--host", type=_capacity, default=("fraction", DEFAULT_HOST_FRACTION), metavar="CAP",
                    help=f"host capacity, likewise (default {DEFAULT_HOST_FRACTION})")
     p.add_argument("--policy", default="write_through_selective",
@@ -57,10 +76,10 @@ def add_parser(sub: Any) -> None:
                    help="write policy (default: %(default)s)")
     p.add_argument("--backend", default="cpu", choices=["none", "cpu", "torch", "numba"],
                    help="transfer backend; none = metadata only (default: %(default)s)")
-    p.add_argument("--byte-scale", type=int, default=1024, metavar="N",
+    p.add_argument("--byte-scale", type=positive_int, default=1024, metavar="N",
                    help="divide page bytes by N for real copies, keeping >= 64 B per page per group and "
                         "component (default: %(default)s)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="replay the first N requests only")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="replay the first N requests only")
     p.add_argument("--seed", type=int, default=0, help="fingerprint salt (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -82,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     from .trace import load_trace
 
     try:
+        if args.plot:
+            _check_plot(args.plot)
         trace = load_trace(args.trace, limit=args.limit)
         params: list[tuple[str, int]] = []
         if args.layers is not None:
@@ -92,8 +113,13 @@ def run(args: argparse.Namespace) -> int:
             params.append(("page_tokens", args.page_tokens))
         layout = preset(args.preset, **dict(params))
         ws = working_set_units(trace, layout)
-        setup = ReplaySetup(preset=args.preset, preset_params=tuple(params), device_units=max(1, _units(args.device, ws, layout.alignment)),
-                            host_units=max(1, _units(args.host, ws, layout.alignment)), policy=args.policy,
+        dev_units = _units(args.device, ws, layout.alignment)
+        host_units = _units(args.host, ws, layout.alignment)
+        for opt, units in (("--device", dev_units), ("--host", host_units)):
+            if units < 1:
+                raise ValueError(f"{opt} is less than one cache unit ({layout.alignment} tokens)")
+        setup = ReplaySetup(preset=args.preset, preset_params=tuple(params), device_units=dev_units,
+                            host_units=host_units, policy=args.policy,
                             backend=args.backend, byte_scale=args.byte_scale, limit=args.limit, seed=args.seed)
         show = not args.json and sys.stderr.isatty()
         bars: list[Any] = []

@@ -344,6 +344,13 @@ class TieredCache:
             raise ConfigError(f"prompt_tokens must be an int >= 1, got {prompt_tokens!r}")
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+        if isinstance(units, (str, bytes)) or not isinstance(units, Sequence):
+            raise ConfigError(f"request {request_id!r}: units must be a list or tuple of unit keys, got {units!r}")
+        try:
+            for u in units:
+                hash(u)
+        except TypeError:
+            raise ConfigError(f"request {request_id!r}: unit keys must be hashable, got {u!r}") from None
         full = prompt_tokens // self._align
         if len(units) < full:
             raise ConfigError(f"request {request_id!r}: {prompt_tokens} prompt tokens need {full} unit keys, "
@@ -482,6 +489,8 @@ class TieredCache:
         """
         r = self._get(request_id)
         adopted: PageMap = {}
+        if isinstance(computed_tokens, bool) or not isinstance(computed_tokens, int) or computed_tokens < 0:
+            raise ConfigError(f"request {request_id!r}: computed_tokens must be an int >= 0, got {computed_tokens!r}")
         if r.owed_forward <= 0:
             raise KvtierError(f"request {request_id!r} (state {r.state!r}) owes no forward result")
         if r.state in ("running", "loading") and r.tokens + computed_tokens > r.reserved:
@@ -768,6 +777,8 @@ class TieredCache:
         """Whether the request's forward pass may read ``layer``: every loadback it waits
         on has completed that layer on every rank (or it waits on none)."""
         r = self._get(request_id)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
+            raise ConfigError(f"layer must be an int in 0..{self.layout.num_layers - 1}, got {layer!r}")
         return all(done >= layer for done in r.layers.values())
 
     # ------------------------------------------------------------------ poll

@@ -1,0 +1,60 @@
+"""Bad input gets a clear error naming the value, never a traceback or a silent wrong result
+(found by a fresh user's attack on the CLI and the facade)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.fsm import CacheGroupSpec, ComponentSpec, ConfigError, Family
+from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm.presets import preset
+from kvtier.tiered import TieredCache
+
+
+def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("replay", "--device", "inf"), "capacity 'inf' must be a finite number > 0"),
+    (("replay", "--device", "0"), "capacity '0' must be a finite number > 0"),
+    (("replay", "--limit", "0"), "argument --limit: '0' must be >= 1"),
+    (("replay", "--layers", "-1"), "argument --layers: '-1' must be >= 1"),
+    (("replay", "--byte-scale", "0"), "argument --byte-scale: '0' must be >= 1"),
+    (("replay", "--device", "1t", "--limit", "3", "--backend", "none"), "--device is less than one cache unit"),
+    (("replay", "--plot", "out.txt", "--limit", "3"), "expected a .png file name"),
+    (("fuzz", "--faults", "2"), "argument --faults: '2' must be between 0 and 1"),
+    (("fuzz", "--minutes", "nan"), "must be a finite number > 0"),
+    (("fuzz", "--replay", "/nonexistent/seq.json"), "No such file or directory"),
+    (("verify", "--depth", "-3"), "argument --depth: '-3' must be >= 1"),
+])
+def test_cli_rejects_bad_values_with_a_message(args: tuple[str, ...], message: str) -> None:
+    out = _kvtier(*args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_facade_and_core_reject_bad_values() -> None:
+    lay = preset("llama-3-8b", page_tokens=16)
+    with pytest.raises(ConfigError, match="layout must be a CacheLayout"):
+        TieredPrefixCache("llama-3-8b", 10)  # type: ignore[arg-type]
+    c = TieredCache(lay, 64, 64)
+    with pytest.raises(ConfigError, match="complete\\(\\) takes a Completion"):
+        c.complete(999)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="units must be a list or tuple"):
+        c.admit("a", "abcd", prompt_tokens=64, chunk_tokens=64)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unit keys must be hashable"):
+        c.admit("a", [[1], [2], [3], [4]], prompt_tokens=64, chunk_tokens=64)
+    adm = c.admit("a", list("abcd"), prompt_tokens=64, chunk_tokens=64)
+    assert adm is not None
+    with pytest.raises(ConfigError, match="computed_tokens must be an int >= 0, got -5"):
+        c.step_done("a", -5)
+    for bad in (-1, 32, "x"):
+        with pytest.raises(ConfigError, match="layer must be an int in 0..31"):
+            c.layer_ready("a", bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="layers must be a sequence"):
+        CacheGroupSpec("g", Family.HISTORY, 4, 1, True, (ComponentSpec("k", 64),))  # type: ignore[arg-type]
