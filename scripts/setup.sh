@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up kvtier from nothing in ./.venv: Python venv, the CPU build of torch, the project.
-# Then run the main job (kvtier replay on the embedded default trace) if asked.
+# The README's first command then runs the main job: .venv/bin/kvtier replay
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
