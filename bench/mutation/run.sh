@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Mutation testing of fsm/ with mutmut 2.x (mutates in place; mutmut 3 copies sources
+# elsewhere, which the setuptools package-dir mapping kvtier.fsm -> fsm/ would not import).
+# Usage: bench/mutation/run.sh [fsm/file.py ...]   (default: every path in files.txt)
+# The whole configuration is on this command line; no setup.cfg is needed.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export HYPOTHESIS_PROFILE=kvtier-ci NUMBA_ENABLE_CUDASIM=1
+RUNNER="python -m pytest -x -q -p no:cacheprovider tests/test_core_completions.py tests/test_core_eviction.py tests/test_core_invariants.py tests/test_core_loadback.py tests/test_core_match_insert.py tests/test_core_presets.py tests/test_core_split.py tests/test_core_stateful.py tests/test_core_writeback.py tests/test_conformance.py tests/test_spec.py tests/test_records.py tests/test_facade.py"
+if [ "$#" -gt 0 ]; then files=("$@"); else mapfile -t files < <(grep -v '^\s*#' bench/mutation/files.txt | grep -v '^\s*$'); fi
+for f in "${files[@]}"; do
+  echo "=== $f $(date -u +%FT%TZ)"
+  # per-mutant timeout = baseline * 2.0 + 5 s (mutmut 2: -m / -b)
+  mutmut run --paths-to-mutate "$f" --tests-dir tests --runner "$RUNNER" \
+    -m 2.0 -b 5.0 --simple-output --no-progress || true
+  cp .mutmut-cache bench/mutation/mutmut-cache.sqlite
+done
+git diff --stat -- fsm/

@@ -1,0 +1,98 @@
+"""Recompute the mutation score of fsm/ from the committed raw results.
+
+Inputs (in this folder):
+  results.xml     - ``mutmut junitxml --untested-policy=skipped`` output (mutmut 2.x):
+                    a <failure> is a surviving mutant (with its diff), an <error> a timeout,
+                    a <skipped> a mutant not run yet, anything else a killed mutant.
+  exclusions.txt  - one excluded (equivalent) mutant per line:
+                    ``<file>:<line> | <mutant diff's + line, stripped> | <reason>``
+                    ('#' starts a comment). An exclusion must match a survivor.
+
+Kill rate = (killed + timed out) / (tested - excluded); a timeout counts as killed
+(the mutant made the suite hang), as mutmut itself does.
+
+Usage: python bench/mutation/score.py [--markdown]
+"""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def mutation_line(diff: str) -> tuple[str, str]:
+    minus = next((ln[1:].strip() for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")), "")
+    plus = next((ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")), "")
+    return minus, plus
+
+
+def load(results: Path = HERE / "results.xml", exclusions: Path = HERE / "exclusions.txt") -> dict:
+    root = ET.parse(results).getroot()
+    excl = {}
+    if exclusions.exists():
+        for raw in exclusions.read_text(encoding="utf-8").splitlines():
+            if not raw.strip() or raw.lstrip().startswith("#"):
+                continue
+            where, plus, reason = (p.strip() for p in raw.split("|", 2))
+            if not reason:
+                raise SystemExit(f"exclusion without a reason: {raw}")
+            excl[(where, plus)] = reason
+    mutants = []
+    for tc in root.iter("testcase"):
+        where = f"{tc.get('file')}:{tc.get('line')}"
+        fail, err, skip = tc.find("failure"), tc.find("error"), tc.find("skipped")
+        status = "survived" if fail is not None else "timeout" if err is not None else "untested" if skip is not None else "killed"
+        diff = (fail.text or fail.get("message", "")) if fail is not None else ""
+        if fail is not None and fail.text is None:
+            diff = "".join(fail.itertext())
+        minus, plus = mutation_line(diff) if diff else ("", "")
+        if status == "survived" and (where, plus) in excl:
+            status = "excluded"
+        mutants.append({"name": tc.get("name"), "file": tc.get("file"), "where": where,
+                        "status": status, "minus": minus, "plus": plus,
+                        "reason": excl.get((where, plus), "")})
+    used = {(m["where"], m["plus"]) for m in mutants if m["status"] == "excluded"}
+    stale = set(excl) - used
+    if stale:
+        raise SystemExit(f"exclusions that match no surviving mutant: {sorted(stale)}")
+    return {"mutants": mutants}
+
+
+def summary(mutants: list[dict]) -> dict:
+    c = Counter(m["status"] for m in mutants)
+    tested = c["killed"] + c["survived"] + c["timeout"] + c["excluded"]
+    denom = tested - c["excluded"]
+    rate = (c["killed"] + c["timeout"]) / denom if denom else float("nan")
+    return {"total": len(mutants), "tested": tested, "killed": c["killed"], "survived": c["survived"],
+            "timeout": c["timeout"], "excluded": c["excluded"], "untested": c["untested"], "kill_rate": rate}
+
+
+def main(argv: list[str]) -> int:
+    mutants = load()["mutants"]
+    files = sorted({m["file"] for m in mutants})
+    rows = [("all", summary(mutants))] + [(f, summary([m for m in mutants if m["file"] == f])) for f in files]
+    print("| file | mutants | tested | killed | survived | timed out | excluded | not run | kill rate |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, s in rows:
+        print(f"| {name} | {s['total']} | {s['tested']} | {s['killed']} | {s['survived']} | {s['timeout']} | "
+              f"{s['excluded']} | {s['untested']} | {s['kill_rate']:.1%} |")
+    if "--markdown" in argv:
+        print("\nSurviving mutants:\n")
+        for m in mutants:
+            if m["status"] == "survived":
+                print(f"- `{m['where']}` ({m['name']}): `{m['minus']}` → `{m['plus']}`")
+        ex = [m for m in mutants if m["status"] == "excluded"]
+        print("\nExcluded mutants (bench/mutation/exclusions.txt):\n")
+        for m in ex:
+            print(f"- `{m['where']}` ({m['name']}): `{m['minus']}` → `{m['plus']}` — {m['reason']}")
+        if not ex:
+            print("- none")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
