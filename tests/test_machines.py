@@ -104,3 +104,13 @@ def test_noop_fire_keeps_the_state() -> None:
 def test_shared_lifecycles_are_built_once() -> None:
     assert node_lifecycle() is node_lifecycle()
     assert request_lifecycle() is request_lifecycle()
+
+
+def test_guard_type_alias_is_public_and_callable_typed() -> None:
+    from collections.abc import Callable
+    from typing import Any
+
+    from kvtier.fsm import guards
+
+    assert "Guard" in guards.__all__
+    assert guards.Guard == Callable[[Any], bool]
