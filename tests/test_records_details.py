@@ -65,3 +65,11 @@ def test_type_hints_resolve() -> None:
         typing.get_type_hints(cls)
     assert typing.get_type_hints(TransferCommand)["deadline_step"] == int | None
     assert typing.get_type_hints(Completion)["layer"] == int | None
+
+
+def test_optional_fields_default_to_none() -> None:
+    cmd = TransferCommand(1, "writeback", (), (0,))
+    assert cmd.request_id is None and cmd.deadline_step is None and cmd.node_ids == ()
+    assert typing.get_type_hints(TransferCommand)["request_id"] == str | None
+    c = Completion(1)
+    assert (c.rank, c.ok, c.layer, c.is_ack) == (0, True, None, True)
