@@ -42,3 +42,52 @@ def test_page_map_alias_and_type_hints() -> None:
     assert hints["pages"] == dict[str, list[int]]
     typing.get_type_hints(MatchResult)
     typing.get_type_hints(LoadResult)
+
+
+# --- stats, capacities -------------------------------------------------------------------
+
+from core_helpers import h2, src  # noqa: E402
+
+from kvtier.fsm.cache import CacheStats, TieredPrefixCache, units_to_pages  # noqa: E402
+from kvtier.fsm.errors import ConfigError  # noqa: E402
+
+
+def test_stats_start_at_zero_and_do_not_share_extra() -> None:
+    s, t = CacheStats(), CacheStats()
+    assert dataclasses.is_dataclass(s)
+    assert all(getattr(s, f.name) == 0 for f in dataclasses.fields(s) if f.name != "extra")
+    assert s.extra == {} and s.extra is not t.extra
+    assert s == t and dataclasses.asdict(s)["triggers"] == 0
+    c = TieredPrefixCache(src(), device_pages=8, host_pages=None)
+    assert c.stats == CacheStats()
+
+
+def test_load_result_extra_defaults_to_a_fresh_dict() -> None:
+    a = LoadResult(None, (), None, None, {})  # type: ignore[arg-type]
+    b = LoadResult(None, (), None, None, {})  # type: ignore[arg-type]
+    assert a.extra == {} and a.extra is not b.extra
+
+
+@pytest.mark.parametrize("units, swa", [(0, 16), (8, 16), (16, 16), (20, 20), (40, 40)])
+def test_units_to_pages_checkpoints_default(units: int, swa: int) -> None:
+    # state groups get max(4, units // 4) checkpoints of state_pages (4 here) pages each
+    assert units_to_pages(src(), units) == {"fh": units, "swa": swa}
+    assert units_to_pages(src(), units, checkpoints=1) == {"fh": units, "swa": 4}
+
+
+def test_capacity_zero_units_is_allowed() -> None:
+    c = TieredPrefixCache(h2(), device_pages=0, host_pages=0)
+    assert c is not None
+
+
+@pytest.mark.parametrize("value, message", [
+    (-1, "device_pages: must be an int >= 0 (units) or a mapping group -> pages, got -1"),
+    (True, "device_pages: must be an int >= 0 (units) or a mapping group -> pages, got True"),
+    (1.5, "device_pages: must be an int >= 0 (units) or a mapping group -> pages, got 1.5"),
+    ({"a": 1, "b": 1, "zz": 2}, "device_pages: unknown cache groups ['zz']"),
+    ({"a": 1}, "device_pages: no capacity for cache groups ['b']"),
+])
+def test_capacity_errors(value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        TieredPrefixCache(h2(), device_pages=value, host_pages=None)  # type: ignore[arg-type]
+    assert str(exc.value) == message
