@@ -91,3 +91,36 @@ def test_capacity_errors(value: object, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
         TieredPrefixCache(h2(), device_pages=value, host_pages=None)  # type: ignore[arg-type]
     assert str(exc.value) == message
+
+
+# --- constructor validation --------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(layout="h2"), "layout must be a CacheLayout (see kvtier.fsm.presets.preset), got 'h2'"),
+    (dict(policy="lru"), "write policy must be one of ['write_through', 'write_through_selective', "
+                         "'write_back'], got 'lru'"),
+    (dict(write_threshold=0), "write_threshold must be an int >= 1, got 0"),
+    (dict(write_threshold=True), "write_threshold must be an int >= 1, got True"),
+    (dict(world_size=0), "world_size must be an int >= 1, got 0"),
+    (dict(op_deadline_steps=0), "op_deadline_steps must be None or an int >= 1, got 0"),
+    (dict(host_pages=-2), "host_pages: must be an int >= 0 (units) or a mapping group -> pages, got -2"),
+])
+def test_constructor_errors(kwargs: dict, message: str) -> None:
+    args = dict(layout=h2(), device_pages=4, host_pages=None)
+    args.update(kwargs)
+    layout = args.pop("layout")
+    with pytest.raises(ConfigError) as exc:
+        TieredPrefixCache(layout, **args)
+    assert str(exc.value) == message
+
+
+def test_constructor_accepts_the_boundaries_and_names_pools() -> None:
+    c = TieredPrefixCache(h2(), device_pages=4, host_pages={"a": 3, "b": 5}, write_threshold=1,
+                          world_size=1, op_deadline_steps=1)
+    assert (c.write_threshold, c.world_size, c.op_deadline_steps) == (1, 1, 1)
+    assert {g: (a.pool, a.group, a.capacity) for g, a in c.device.items()} == \
+        {"a": ("device", "a", 8), "b": ("device", "b", 4)}  # 4 units: 2 pages of a, 1 of b each
+    assert c.host is not None
+    assert {g: (a.pool, a.group, a.capacity) for g, a in c.host.items()} == \
+        {"a": ("host", "a", 3), "b": ("host", "b", 5)}
+    assert TieredPrefixCache(h2(), device_pages=4).host is None
