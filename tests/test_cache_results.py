@@ -124,3 +124,31 @@ def test_constructor_accepts_the_boundaries_and_names_pools() -> None:
     assert {g: (a.pool, a.group, a.capacity) for g, a in c.host.items()} == \
         {"a": ("host", "a", 3), "b": ("host", "b", 5)}
     assert TieredPrefixCache(h2(), device_pages=4).host is None
+
+
+# --- fresh cache: root, ids, counters ----------------------------------------------------
+
+from core_helpers import ack, h1, put  # noqa: E402
+
+from kvtier.fsm.errors import KvtierError  # noqa: E402
+from kvtier.fsm.records import Direction  # noqa: E402
+
+
+def test_fresh_cache_root_clock_and_first_ids() -> None:
+    c = TieredPrefixCache(h1(), 8, 8, policy="write_through")
+    assert (c.root.node_id, c.root.state, c.clock, c.step) == (0, "root", 0, 0)
+    assert c.stats.triggers == 0
+    with pytest.raises(KvtierError) as exc:
+        c.node(12345)
+    assert str(exc.value) == "no node 12345 in the tree"
+    a = put(c, "ab").node
+    assert a.node_id == 1
+    # one transition (new -> device) so far: triggers counts fired events one by one
+    assert c.stats.triggers == 1
+    (cmd,) = c.issue_writebacks()
+    assert cmd.op_id == 1 and cmd.direction is Direction.WRITEBACK
+    assert c.stats.triggers == 2
+    assert (c.ops_in_flight(), c.ops_in_flight(Direction.WRITEBACK), c.ops_in_flight(Direction.LOADBACK)) == (1, 1, 0)
+    ack(c, cmd)
+    assert c.stats.triggers == 3 and a.state == "backed"
+    assert c.ops_in_flight(Direction.WRITEBACK) == 0
