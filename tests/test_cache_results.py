@@ -152,3 +152,25 @@ def test_fresh_cache_root_clock_and_first_ids() -> None:
     ack(c, cmd)
     assert c.stats.triggers == 3 and a.state == "backed"
     assert c.ops_in_flight(Direction.WRITEBACK) == 0
+
+
+# --- alloc_device evicts exactly the shortfall ---------------------------------------------
+
+from core_helpers import free, state  # noqa: E402
+
+
+def test_alloc_device_evicts_only_the_shortfall() -> None:
+    c = TieredPrefixCache(h1(), device_pages=4, host_pages=None)
+    for k in ("a", "b", "c"):
+        put(c, k)
+    assert free(c) == {"kv": 1} and list(state(c).values()) == ["device"] * 3
+    # exactly the free pages: nothing is evicted
+    c2 = TieredPrefixCache(h1(), device_pages=4, host_pages=None)
+    for k in ("a", "b", "c"):
+        put(c2, k)
+    assert len(c2.alloc_device({"kv": 1})["kv"]) == 1
+    assert list(state(c2).values()) == ["device"] * 3 and c2.stats.device_evictions == 0
+    # one page short: only the least recently used node goes
+    got = c.alloc_device({"kv": 2})
+    assert len(got["kv"]) == 2 and free(c) == {"kv": 0}
+    assert state(c) == {2: "device", 3: "device"} and c.stats.device_evictions == 1
