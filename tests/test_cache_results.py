@@ -174,3 +174,12 @@ def test_alloc_device_evicts_only_the_shortfall() -> None:
     got = c.alloc_device({"kv": 2})
     assert len(got["kv"]) == 2 and free(c) == {"kv": 0}
     assert state(c) == {2: "device", 3: "device"} and c.stats.device_evictions == 1
+
+
+def test_logical_clock_advances_by_one_per_use() -> None:
+    c = TieredPrefixCache(h1(), device_pages=4, host_pages=None)
+    assert c.clock == 0
+    a = put(c, "a").node
+    assert (c.clock, a.last_access) == (1, 1)
+    b = put(c, "b").node
+    assert (c.clock, b.last_access, a.last_access) == (2, 2, 1)
