@@ -54,7 +54,7 @@ from kvtier.fsm.errors import ConfigError  # noqa: E402
 
 def test_stats_start_at_zero_and_do_not_share_extra() -> None:
     s, t = CacheStats(), CacheStats()
-    assert dataclasses.is_dataclass(s)
+    assert "__dataclass_fields__" in CacheStats.__dict__
     assert all(getattr(s, f.name) == 0 for f in dataclasses.fields(s) if f.name != "extra")
     assert s.extra == {} and s.extra is not t.extra
     assert s == t and dataclasses.asdict(s)["triggers"] == 0
@@ -105,8 +105,8 @@ def test_capacity_errors(value: object, message: str) -> None:
     (dict(op_deadline_steps=0), "op_deadline_steps must be None or an int >= 1, got 0"),
     (dict(host_pages=-2), "host_pages: must be an int >= 0 (units) or a mapping group -> pages, got -2"),
 ])
-def test_constructor_errors(kwargs: dict, message: str) -> None:
-    args = dict(layout=h2(), device_pages=4, host_pages=None)
+def test_constructor_errors(kwargs: dict[str, typing.Any], message: str) -> None:
+    args: dict[str, typing.Any] = dict(layout=h2(), device_pages=4, host_pages=None)
     args.update(kwargs)
     layout = args.pop("layout")
     with pytest.raises(ConfigError) as exc:

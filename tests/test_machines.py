@@ -11,11 +11,11 @@ import pytest
 from kvtier.fsm.errors import GuardRejected, IllegalTransition
 from kvtier.fsm.guards import GUARDS
 from kvtier.fsm.machines import Lifecycle, node_lifecycle, request_lifecycle
-from kvtier.fsm.spec import INTERNAL, load_spec
+from kvtier.fsm.spec import INTERNAL, TransitionSpec, load_spec
 
 
 def _node(state: str, **kw: object) -> SimpleNamespace:
-    base = dict(state=state, label=None, lock_ref=0, borrow_ref=0, host_pin=0, parent_on_host=True,
+    base: dict[str, object] = dict(state=state, label=None, lock_ref=0, borrow_ref=0, host_pin=0, parent_on_host=True,
                 parent_on_device=True, parent_readable=True, has_device_child=False,
                 has_host_child=False)
     base.update(kw)
@@ -37,7 +37,7 @@ def test_name_is_the_lifecycle_name() -> None:
 def test_allowed_and_noop_match_the_spec(which: str) -> None:
     spec = getattr(load_spec(), which)
     lc = Lifecycle(spec, GUARDS[which])
-    rows: dict[tuple[str, str], list] = {}
+    rows: dict[tuple[str, str], list[TransitionSpec]] = {}
     for t in spec.transitions:
         rows.setdefault((t.source, t.event), []).append(t)
     events = {t.event for t in spec.transitions}
