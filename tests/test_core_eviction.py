@@ -254,3 +254,19 @@ def test_host_eviction_skips_a_locked_host_node():
     assert c.evict_host({"kv": 2}) == {"kv": 2}
     assert c.nodes() == []
     c.check_invariants()
+
+
+def test_lazy_lru_heaps_are_rebuilt_and_keep_lru_order():
+    """Every touch pushes a heap entry; past 4 x nodes + 256 entries the heaps are rebuilt
+    from the live nodes, and eviction still takes the least recently used leaf."""
+    c = TieredPrefixCache(h1(), 8, 8)
+    x = put(c, "x").node
+    y = put(c, "y").node
+    for _ in range(400):  # y is used over and over: its stale entries pile up
+        c.unlock(c.lock(y))
+    limit = 4 * len(c.nodes()) + 256
+    assert len(c._dev_lru) <= limit and len(c._host_lru) <= limit
+    assert len(c._dev_lru) < 400  # rebuilt at least once
+    c.check_invariants()
+    assert c.evict_device({"kv": 1}) == {"kv": 1}  # x (older, one page) goes first
+    assert state(c) == {y.node_id: "device"} and x.node_id not in state(c)
