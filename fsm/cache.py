@@ -996,10 +996,7 @@ class TieredPrefixCache:
         for g, pages in own.items():
             self._external[g].update(pages)
         lock = self.lock(terminal, owner)
-        return LoadResult(command, tuple(op_ids), pin, lock, self._hit_table(terminal), own)
-
-    def _hit_table(self, node: Node) -> PageMap:
-        return self.device_pages(node)
+        return LoadResult(command, tuple(op_ids), pin, lock, self.device_pages(terminal), own)
 
     def _command(self, op_id: int, direction: Direction, transfers: Mapping[str, tuple[list[int], list[int]]],
                  owner: str | None, nodes: Sequence[Node]) -> TransferCommand:

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.fsm import CapacityError, Completion, ConfigError, Direction, KvtierError, TransferCommand
-from kvtier.fsm.cache import MatchMode, MatchResult, TieredPrefixCache, WritePolicy
+from kvtier.fsm.cache import MatchMode, TieredPrefixCache, WritePolicy
 from kvtier.fsm.ops import LayerProgress, Settled
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import request_lifecycle
-from kvtier.fsm.node import LockReceipt, Node, NodeReceipt
+from kvtier.fsm.node import LockReceipt, NodeReceipt
 
 __all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView"]
 
@@ -124,7 +124,7 @@ class _Request:
 
     __slots__ = ("request_id", "state", "units", "prompt_tokens", "tokens", "reserved", "canon", "own",
                  "published", "lock", "pins", "ops", "owed_forward", "reason", "has_loadback",
-                 "has_own_writeback", "hit_tokens", "layers", "poisoned", "pending_units", "retract_ckpt", "room",
+                 "has_own_writeback", "hit_tokens", "layers", "poisoned", "retract_ckpt", "room",
                  "ckpt_borrow")
 
     def __init__(self, request_id: str, units: list[Hashable], prompt_tokens: int) -> None:
@@ -146,9 +146,8 @@ class _Request:
         self.has_own_writeback = False
         self.hit_tokens = 0
         self.layers: dict[int, int] = {}  # loadback op -> highest complete layer (all ranks)
-        self.poisoned = False
-        self.pending_units = 0
         self.retract_ckpt = False
+        self.poisoned = False  # its own writebacks are treated as failed (aborted)
         self.room = 0  # tokens the history pages of its table cover (reserve's fast path)
         self.ckpt_borrow: NodeReceipt | None = None  # the hit's checkpoint, until the first forward result
 
@@ -662,15 +661,8 @@ class TieredCache:
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ConfigError(f"request {request_id!r}: resume chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
         n_units = min(r.tokens // self._align, len(r.units))
-        limit = r.tokens
-        key = r.units[:n_units]
-        tokens_before = r.tokens
-        adm = self._admit(r, key, MatchMode.STATE_RECOVERY, limit, chunk_tokens, "resume")
-        if adm is not None:
-            r.hit_tokens = adm.hit_tokens
-            if r.tokens < tokens_before:
-                pass  # recompute the lost tail
-        return adm
+        # the hit covers its own terminal (or nothing); the tail up to r.tokens is recomputed
+        return self._admit(r, r.units[:n_units], MatchMode.STATE_RECOVERY, r.tokens, chunk_tokens, "resume")
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         """Abort: at once if it owes nothing, else deferred until every forward result and
@@ -840,5 +832,3 @@ class TieredCache:
         s["scheduler_aborts"] = self.aborted_by_scheduler
         return s
 
-
-_ = (field, Node, MatchResult)
