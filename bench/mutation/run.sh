@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# Mutation testing of fsm/ with mutmut 2.x (mutates in place; mutmut 3 copies sources
-# elsewhere, which the setuptools package-dir mapping kvtier.fsm -> fsm/ would not import).
+# Mutation testing of fsm/ with mutmut 2.x (mutates in place; mutmut 3 would copy the sources
+# to mutants/, which the setuptools package-dir mapping kvtier.fsm -> fsm/ does not import).
 # Usage: bench/mutation/run.sh [fsm/file.py ...]   (default: every path in files.txt)
+# One mutmut cache per source file (bench/mutation/cache/<stem>.sqlite) and one raw result
+# file (bench/mutation/results/<stem>.xml), so files can be run in separate clones at the
+# same time and a run resumes where it stopped (killed mutants are not re-run).
 # The whole configuration is on this command line; no setup.cfg is needed.
 # Do not run `mutmut show`/`results` while a run is in progress: they rewrite the line
 # table of the cache and the running mutmut then crashes (and hangs).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export HYPOTHESIS_PROFILE=kvtier-ci NUMBA_ENABLE_CUDASIM=1 PYTHONDONTWRITEBYTECODE=1
-RUNNER="python -m pytest -x -q -p no:cacheprovider tests/test_pages.py tests/test_machines.py tests/test_records_details.py tests/test_cache_results.py tests/test_core_completions.py tests/test_core_eviction.py tests/test_core_invariants.py tests/test_core_loadback.py tests/test_core_match_insert.py tests/test_core_presets.py tests/test_core_split.py tests/test_core_stateful.py tests/test_core_writeback.py tests/test_conformance.py tests/test_spec.py tests/test_records.py tests/test_facade.py"
+RUNNER="pytest -x -q -p no:cacheprovider tests/test_pages.py tests/test_machines.py tests/test_records_details.py tests/test_records.py tests/test_spec.py tests/test_cache_results.py tests/test_core_presets.py tests/test_core_completions.py tests/test_core_eviction.py tests/test_core_invariants.py tests/test_core_loadback.py tests/test_core_match_insert.py tests/test_core_split.py tests/test_core_writeback.py tests/test_conformance.py tests/test_bad_input.py::test_facade_and_core_reject_bad_values tests/test_regressions.py::test_sequence_has_its_expected_outcome tests/test_facade.py tests/test_core_stateful.py tests/test_kit.py"
 if [ "$#" -gt 0 ]; then files=("$@"); else mapfile -t files < <(grep -v '^\s*#' bench/mutation/files.txt | grep -v '^\s*$'); fi
 for f in "${files[@]}"; do
+  stem=$(basename "$f" .py)
+  cache=bench/mutation/cache/$stem.sqlite
+  if [ -f "$cache" ]; then cp "$cache" .mutmut-cache; else rm -f .mutmut-cache; fi
+  id_args=(); if [ -n "${MUTANT_ID:-}" ]; then id_args=("$MUTANT_ID"); fi
   echo "=== $f $(date -u +%FT%TZ)"
   # per-mutant timeout = baseline * 2.0 + 5 s (mutmut 2: -m / -b)
   mutmut run --paths-to-mutate "$f" --tests-dir tests --runner "$RUNNER" \
-    -m 2.0 -b 5.0 --simple-output --no-progress || true
-  cp .mutmut-cache bench/mutation/mutmut-cache.sqlite
+    -m 2.0 -b 5.0 --simple-output --no-progress "${id_args[@]}" || true
+  cp .mutmut-cache "$cache"
+  mutmut junitxml --untested-policy=skipped > "bench/mutation/results/$stem.xml"
 done
 git diff --stat -- fsm/

@@ -1,9 +1,10 @@
 """Recompute the mutation score of fsm/ from the committed raw results.
 
 Inputs (in this folder):
-  results.xml     - ``mutmut junitxml --untested-policy=skipped`` output (mutmut 2.x):
-                    a <failure> is a surviving mutant (with its diff), an <error> a timeout,
-                    a <skipped> a mutant not run yet, anything else a killed mutant.
+  results/*.xml   - one ``mutmut junitxml --untested-policy=skipped`` output (mutmut 2.x)
+                    per fsm/ file, written by run.sh: a <failure> is a surviving mutant
+                    (with its diff), an <error> a timeout, a <skipped> a mutant not run
+                    yet, anything else a killed mutant.
   exclusions.txt  - one excluded (equivalent) mutant per line:
                     ``<file>:<line> | <mutant diff's + line, stripped> | <reason>``
                     ('#' starts a comment). An exclusion must match a survivor.
@@ -30,8 +31,7 @@ def mutation_line(diff: str) -> tuple[str, str]:
     return minus, plus
 
 
-def load(results: Path = HERE / "results.xml", exclusions: Path = HERE / "exclusions.txt") -> dict:
-    root = ET.parse(results).getroot()
+def load(results: Path = HERE / "results", exclusions: Path = HERE / "exclusions.txt") -> dict:
     excl = {}
     if exclusions.exists():
         for raw in exclusions.read_text(encoding="utf-8").splitlines():
@@ -42,7 +42,10 @@ def load(results: Path = HERE / "results.xml", exclusions: Path = HERE / "exclus
                 raise SystemExit(f"exclusion without a reason: {raw}")
             excl[(where, plus)] = reason
     mutants = []
-    for tc in root.iter("testcase"):
+    testcases = [tc for xml in sorted(results.glob("*.xml")) for tc in ET.parse(xml).getroot().iter("testcase")]
+    if not testcases:
+        raise SystemExit(f"no mutmut results under {results}")
+    for tc in testcases:
         where = f"{tc.get('file')}:{tc.get('line')}"
         fail, err, skip = tc.find("failure"), tc.find("error"), tc.find("skipped")
         status = "survived" if fail is not None else "timeout" if err is not None else "untested" if skip is not None else "killed"
