@@ -256,9 +256,10 @@ class TieredPrefixCache:
         self._outbox: list[TransferCommand] = []
         # lazy LRU heaps of eviction candidates: (lru key, seq, node); stale entries are
         # skipped when popped (the key no longer matches), so touching a node is O(log n)
-        self._dev_lru: list[tuple[tuple[int, int, int], int, Node]] = []
-        self._host_lru: list[tuple[tuple[int, int, int], int, Node]] = []
-        self._seq = itertools.count()
+        # Lazy LRU heaps of (key, node): a touch pushes a new entry and stale ones are skipped
+        # on pop. Keys hold the node id, so two entries never tie between different nodes.
+        self._dev_lru: list[tuple[tuple[int, int, int], Node]] = []
+        self._host_lru: list[tuple[tuple[int, int, int], Node]] = []
         self.stats = CacheStats()
 
     # ------------------------------------------------------------------ properties
@@ -308,19 +309,22 @@ class TieredPrefixCache:
             self._touch(node.parent)
 
     def _touch(self, n: Node) -> None:
-        """Make ``n`` an eviction candidate under its current LRU key."""
-        key = (n.last_access, -n.depth, n.node_id)
-        seq = next(self._seq)
-        heapq.heappush(self._dev_lru, (key, seq, n))
-        heapq.heappush(self._host_lru, (key, seq, n))
+        """Make ``n`` an eviction candidate under its current LRU key.
+
+        Each heap holds at most ``4 x nodes + 256`` entries: past that it is rebuilt from the
+        live nodes (O(nodes)), and not before, so rebuilds stay rare.
+        """
+        key = self._lru_key(n)
+        heapq.heappush(self._dev_lru, (key, n))
+        heapq.heappush(self._host_lru, (key, n))
         limit = 4 * len(self._nodes) + 256
         if len(self._dev_lru) > limit:
             self._dev_lru = self._rebuilt()
         if len(self._host_lru) > limit:
             self._host_lru = self._rebuilt()
 
-    def _rebuilt(self) -> list[tuple[tuple[int, int, int], int, Node]]:
-        heap = [(self._lru_key(n), next(self._seq), n) for n in self._nodes.values()]
+    def _rebuilt(self) -> list[tuple[tuple[int, int, int], Node]]:
+        heap = [(self._lru_key(n), n) for n in self._nodes.values()]
         heapq.heapify(heap)
         return heap
 
@@ -787,7 +791,7 @@ class TieredPrefixCache:
         while heap and any(freed[g] < k for g, k in need.items()):
             # A node that is not a victim now is dropped from the heap: whatever makes it
             # one later (unlock, release, a child leaving, a state change) touches it again.
-            key, _, n = heapq.heappop(heap)
+            key, n = heapq.heappop(heap)
             if self._nodes.get(n.node_id) is not n or key != self._lru_key(n) or not self._device_victim(n):
                 continue
             parent = n.parent
@@ -872,7 +876,7 @@ class TieredPrefixCache:
         heap = self._host_lru
         spared: list[Node] = []
         while heap and any(freed[g] < k for g, k in need.items()):
-            key, _, n = heapq.heappop(heap)
+            key, n = heapq.heappop(heap)
             if self._nodes.get(n.node_id) is not n or key != self._lru_key(n):
                 continue
             if id(n) in keep or (host_only and n.state == "backed"):

@@ -267,6 +267,24 @@ def test_lazy_lru_heaps_are_rebuilt_and_keep_lru_order():
     limit = 4 * len(c.nodes()) + 256
     assert len(c._dev_lru) <= limit and len(c._host_lru) <= limit
     assert len(c._dev_lru) < 400  # rebuilt at least once
+    assert all(n is not c.root for _, n in c._dev_lru + c._host_lru)  # only tree nodes
     c.check_invariants()
     assert c.evict_device({"kv": 1}) == {"kv": 1}  # x (older, one page) goes first
     assert state(c) == {y.node_id: "device"} and x.node_id not in state(c)
+
+
+def test_lazy_lru_heaps_grow_to_their_bound_and_no_further():
+    """The heaps are rebuilt exactly when they pass 4 x nodes + 256 entries: never longer
+    (memory), never rebuilt earlier (a rebuild costs O(nodes))."""
+    c = TieredPrefixCache(h1(), 8, 8)
+    y = put(c, "y").node
+    put(c, "x")
+    limit = 4 * len(c.nodes()) + 256
+    lengths = []
+    for _ in range(300):
+        c.unlock(c.lock(y))
+        lengths.append(len(c._dev_lru))
+        assert len(c._host_lru) == len(c._dev_lru)  # nothing popped: both grow alike
+    assert max(lengths) == limit
+    after = lengths[lengths.index(limit) + 1]
+    assert len(c.nodes()) <= after <= len(c.nodes()) + 2  # rebuilt from the live nodes only
