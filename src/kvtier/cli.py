@@ -60,7 +60,8 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     print(f"kvtier fuzz: seed {args.seed}, faults {args.faults}, world size {world}, "
           + (f"{steps:,} steps" if steps is not None else f"{args.minutes} minutes"))
     res = campaign(steps=steps, minutes=args.minutes, seed_value=args.seed, faults=args.faults,
-                   world_size=args.world_size, save=args.save, progress=not args.no_progress,
+                   world_size=args.world_size, save=args.save,
+                   progress=not args.no_progress and sys.stderr.isatty(),
                    mix={m: 1.0 for m in args.machine} if args.machine else None)
     print(res.report())
     if res.failure is not None:
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "kit machine as module:Class (default: the four built-in ones)")
     p.add_argument("--require-coverage", action="store_true",
                    help="exit 3 unless every transition, guard value and rejection was exercised")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     p.set_defaults(func=_cmd_fuzz)
 
     p = sub.add_parser("verify", help="exhaustive bounded exploration of a small configuration (needs kvtier[testing])",
