@@ -145,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, choices=[1, 2, 3, 4], help="fix the tensor-parallel ranks")
     p.add_argument("--save", default="kvtier-fuzz-failure.json", metavar="FILE",
                    help="where a failing sequence is saved (default %(default)s)")
-    p.add_argument("--replay", metavar="FILE", help="replay a saved event sequence exactly and exit")
+    p.add_argument("--replay", metavar="FILE", help="replay a saved event sequence exactly and exit: status 1 if it ends in "
+                   "a violation (the bug reproduces), 0 if it passes; the printed verdict "
+                   "compares the outcome with the file's expected one")
     p.add_argument("--machine", action="append", metavar="NAME",
                    help="run only this machine (repeatable): core, facade, node, request, or an engine's "
                         "kit machine as module:Class (default: the four built-in ones)")
