@@ -84,7 +84,7 @@ def check_cache(cache: TieredPrefixCache) -> None:
     while stack:
         p = stack.pop()
         for key, c in p.children.items():
-            if c.parent is not p or c.key[0] != key or not c.key:
+            if c.parent is not p or not c.key or c.key[0] != key:
                 raise _fail("split_preserves_ownership", c, "tree links are inconsistent")
             if c.depth != p.depth + len(c.key):
                 raise _fail("split_preserves_ownership", c, f"depth {c.depth} != {p.depth} + {len(c.key)}")

@@ -11,6 +11,7 @@ from core_helpers import ack, h1, put, src
 
 from kvtier.fsm.cache import TieredPrefixCache
 from kvtier.fsm.errors import InvariantViolation
+from kvtier.fsm.node import Node
 from kvtier.fsm.spec import load_spec
 
 
@@ -83,29 +84,245 @@ def orphan(c, n):
     del n["a"].children["c"]
 
 
-CASES: list[tuple[str, Callable, str]] = [
-    ("state", corrupt_state, "state_matches_resources"),
-    ("double owner", double_owner, "conservation"),
-    ("pin count", pin_count, "counts_with_receipts"),
-    ("lock count", lock_count, "counts_with_receipts"),
-    ("negative count", negative, "counts_with_receipts"),
-    ("leaked page", leak, "conservation"),
-    ("free and owned", free_and_owned, "conservation"),
-    ("root-closed host set", root_closed, "root_closed_host"),
-    ("stale op", stale_op, "operation_ends_once"),
-    ("writing without op", writing_without_op, "writeback_source_immutable"),
-    ("depth", broken_depth, "split_preserves_ownership"),
-    ("orphan", orphan, "split_preserves_ownership"),
+def host_on_device_node(c, n):
+    n["x"].host["kv"] = c.host["kv"].alloc(1)
+
+
+def short_page_list(c, n):
+    n["b"].dev["kv"] = n["b"].dev["kv"][:1]
+
+
+def pin_without_host(c, n):
+    n["x"].host_pin = 1
+
+
+def stale_loadback(c, n):
+    n["x"].lb_op = 42
+
+
+def borrow_count(c, n):
+    n["x"].borrow_ref = 1
+
+
+def bad_link_key(c, n):
+    n["b"].key = ("z", "d")
+
+
+def bad_link_parent(c, n):
+    n["b"].parent = n["x"]
+
+
+def empty_key(c, n):
+    n["b"].key = ()
+
+
+def _detach(c, node):
+    del node.parent.children[node.key[0]]
+    del c._nodes[node.node_id]
+
+
+def lock_on_removed(c, n):
+    c.lock(n["x"], "r1")
+    _detach(c, n["x"])
+
+
+def borrow_on_removed(c, n):
+    c.borrow([n["x"]], "r1")
+    _detach(c, n["x"])
+
+
+def pin_on_removed(c, n):
+    ack(c, c.writeback(n["x"]))
+    c.pin([n["x"]], "r1")
+    _detach(c, n["x"])
+
+
+def claims_foreign_op(c, n):
+    n["b"].wb_op = c.writeback(n["x"]).op_id
+
+
+def op_on_removed(c, n):
+    c.writeback(n["x"])
+    _detach(c, n["x"])
+
+
+def writeback_node_not_writing(c, n):
+    c.writeback(n["x"])
+    n["x"].state = "device"
+    n["x"].wb_op = None
+
+
+def writeback_source_moved(c, n):
+    c.writeback(n["x"])
+    n["x"].dev["kv"] = [5]
+
+
+def device_under_host(c, n):
+    a = n["a"]
+    c.device["kv"].release(a.dev["kv"])
+    a.dev = {}
+    a.state = "host"
+
+
+def caller_page_in_tree(c, n):
+    got = c.alloc_device({"kv": 1}, evict=False)["kv"]
+    assert got == [5]
+    c.device["kv"].release(n["x"].dev["kv"])
+    n["x"].dev["kv"] = got
+
+
+def host_leak(c, n):
+    c.host["kv"].alloc(1)
+
+
+def loading_a():
+    """h1: A=(a,b) in host, loaded back by op 2 for r1 (pinned, locked), device pages [1, 0]."""
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    ack(c, c.writeback(a))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    lr = c.load(c.match("ab"), "r1")
+    assert (lr.command.op_id, a.state, a.dev) == (2, "loading", {"kv": [1, 0]})
+    c.check_invariants()
+    return c, {"a": a, "op": lr.command.op_id}
+
+
+def readable_under_loading(c, n):
+    a = n["a"]
+    child = Node(99, ("c",), a)
+    child.state = "device"
+    child.dev = {"kv": c.device["kv"].alloc(1)}
+    a.children["c"] = child
+    c._nodes[99] = child
+
+
+def loadback_node_forgot(c, n):
+    n["a"].lb_op = None
+
+
+def loadback_vanished(c, n):
+    del c._ops[n["op"]]
+
+
+def loadback_unpinned(c, n):
+    n["a"].host_pin = 0
+
+
+def with_checkpoint():
+    """src: A=(a) on device with its swa checkpoint (4 pages)."""
+    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    return c, {"a": put(c, "a", ckpt=True).node}
+
+
+def host_checkpoint_on_device(c, n):
+    n["a"].host_state = {"swa": c.host["swa"].alloc(4)}
+
+
+def checkpoint_extra_group(c, n):
+    n["a"].dev_state["fh"] = c.device["fh"].alloc(1)
+
+
+def short_checkpoint(c, n):
+    n["a"].dev_state["swa"] = n["a"].dev_state["swa"][:3]
+
+
+def pending_checkpoint(c, n):
+    n["a"].pending_state = {"swa": c.host["swa"].alloc(4)}
+
+
+def device_checkpoint_on_host():
+    c, n = with_checkpoint()
+    a = n["a"]
+    ack(c, c.writeback(a))
+    assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
+    assert a.state == "host"
+    return c, n
+
+
+def device_checkpoint_without_pages(c, n):
+    n["a"].dev_state = {"swa": c.device["swa"].alloc(4)}
+
+
+#: (what, corrupt, setup, invariant, subject, detail): one row per check of check_invariants().
+CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
+    ("state", corrupt_state, valid, "state_matches_resources", "node 1 (host)",
+     "device pages True, host pages True, pending reservation False"),
+    ("short page list", short_page_list, valid, "state_matches_resources", "node 2 (device)",
+     "dev pages of 'kv': 1 for 2 units"),
+    ("host pages on a device node", host_on_device_node, valid, "host_means_acked", "node 3 (device)",
+     "visible host pages without an acknowledged writeback"),
+    ("double owner", double_owner, valid, "conservation", "node 2 (device)",
+     "device page 0 of 'kv' also owned by node 1"),
+    ("caller page in the tree", caller_page_in_tree, valid, "conservation", "the cache",
+     "device page 5 of 'kv': caller and node 3"),
+    ("pin count", pin_count, valid, "counts_with_receipts", "node 1 (backed)", "pin count 1 but 0 receipts"),
+    ("lock count", lock_count, valid, "counts_with_receipts", "node 2 (device)", "lock count 1 but 0 receipts"),
+    ("borrow count", borrow_count, valid, "counts_with_receipts", "node 3 (device)",
+     "borrow count 1 but 0 receipts"),
+    ("negative count", negative, valid, "counts_with_receipts", "node 3 (device)", "a negative count"),
+    ("leaked page", leak, valid, "conservation", "the cache", "device pool of 'kv': 2 free + 5 owned != capacity 8"),
+    ("leaked host page", host_leak, valid, "conservation", "the cache",
+     "host pool of 'kv': 5 free + 2 owned != capacity 8"),
+    ("free and owned", free_and_owned, valid, "conservation", "the cache", "device pages [4] of 'kv' free and owned"),
+    ("root-closed host set", root_closed, valid, "root_closed_host", "node 2 (backed)", "parent 1 is device"),
+    ("device under host", device_under_host, valid, "state_matches_resources", "node 2 (device)",
+     "device set not root-closed: on device under parent 1 in host"),
+    ("stale op", stale_op, valid, "operation_ends_once", "node 3 (device)", "stale writeback op 99"),
+    ("stale loadback op", stale_loadback, valid, "operation_ends_once", "node 3 (device)", "stale loadback op 42"),
+    ("pin without host copy", pin_without_host, valid, "loadback_source_pinned", "node 3 (device)",
+     "pinned without a host copy"),
+    ("writing without op", writing_without_op, valid, "writeback_source_immutable", "node 3 (writing)",
+     "writing without a writeback in flight"),
+    ("depth", broken_depth, valid, "split_preserves_ownership", "node 2 (device)", "depth 7 != 2 + 2"),
+    ("orphan", orphan, valid, "split_preserves_ownership", "the cache", "tree and node index disagree: [2]"),
+    ("link key", bad_link_key, valid, "split_preserves_ownership", "node 2 (device)", "tree links are inconsistent"),
+    ("link parent", bad_link_parent, valid, "split_preserves_ownership", "node 2 (device)",
+     "tree links are inconsistent"),
+    ("empty key", empty_key, valid, "split_preserves_ownership", "node 2 (device)", "tree links are inconsistent"),
+    ("lock on a removed node", lock_on_removed, valid, "counts_with_receipts", "node 3 (device)",
+     "<lock receipt 4 owner='r1' node=3> holds a node that left the tree"),
+    ("borrow on a removed node", borrow_on_removed, valid, "borrowed_pages_stay", "node 3 (device)",
+     "<borrow receipt 4 owner='r1' nodes=[3]> holds a node that left the tree"),
+    ("pin on a removed node", pin_on_removed, valid, "counts_with_receipts", "node 3 (backed)",
+     "<pin receipt 4 owner='r1' nodes=[3]> holds a node that left the tree"),
+    ("node claims another op", claims_foreign_op, valid, "split_preserves_ownership", "node 2 (device)",
+     "claims op 2, which does not list it"),
+    ("op on a removed node", op_on_removed, valid, "operation_ends_once", "node 3 (writing)",
+     "op 2 holds a node that left the tree"),
+    ("writeback node not writing", writeback_node_not_writing, valid, "operation_ends_once", "node 3 (device)",
+     "in writeback op 2 but not writing it"),
+    ("writeback source moved", writeback_source_moved, valid, "writeback_source_immutable", "node 3 (writing)",
+     "op 2 copies from {'kv': [4]}, its nodes hold {'kv': [5]}"),
+    ("readable under loading", readable_under_loading, loading_a, "state_matches_resources", "node 99 (device)",
+     "readable under unreadable parent 1 in loading"),
+    ("loadback node forgot its op", loadback_node_forgot, loading_a, "operation_ends_once", "node 1 (loading)",
+     "in loadback op 2 but not loading it"),
+    ("loadback vanished", loadback_vanished, loading_a, "loadback_source_pinned", "node 1 (loading)",
+     "loading without a loadback in flight"),
+    ("loadback unpinned", loadback_unpinned, loading_a, "loadback_source_pinned", "node 1 (loading)",
+     "loading but the host copy is not pinned"),
+    ("host checkpoint on device", host_checkpoint_on_device, with_checkpoint, "host_means_acked", "node 1 (device)",
+     "a host checkpoint without a visible host copy"),
+    ("device checkpoint on host", device_checkpoint_without_pages, device_checkpoint_on_host,
+     "state_matches_resources", "node 1 (host)", "a device checkpoint without device pages"),
+    ("checkpoint in a history group", checkpoint_extra_group, with_checkpoint, "exact_continuation_state",
+     "node 1 (device)", "dev_state covers ['fh', 'swa'], not every state group"),
+    ("short checkpoint", short_checkpoint, with_checkpoint, "exact_continuation_state", "node 1 (device)",
+     "dev_state of 'swa' has 3 pages"),
+    ("pending checkpoint", pending_checkpoint, with_checkpoint, "host_means_acked", "node 1 (device)",
+     "a pending checkpoint outside a writeback"),
 ]
 
 
-@pytest.mark.parametrize(("what", "corrupt", "invariant"), CASES, ids=[c[0] for c in CASES])
-def test_corruption_is_named(what, corrupt, invariant):
-    c, n = valid()
+@pytest.mark.parametrize(("what", "corrupt", "setup", "invariant", "subject", "detail"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_corruption_is_named(what, corrupt, setup, invariant, subject, detail):
+    c, n = setup()
     corrupt(c, n)
     with pytest.raises(InvariantViolation) as exc:
         c.check_invariants()
-    assert exc.value.invariant == invariant, str(exc.value)
+    assert (exc.value.invariant, exc.value.subject) == (invariant, subject), str(exc.value)
+    assert str(exc.value) == f"invariant {invariant!r} violated by {subject}: {detail}"
     assert invariant in load_spec().invariants
 
 
@@ -116,21 +333,6 @@ def test_violation_names_the_node():
         c.check_invariants()
     assert exc.value.subject == f"node {n['a'].node_id} (host)"
     assert f"node {n['a'].node_id}" in str(exc.value)
-
-
-def test_checkpoint_corruption():
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
-    a = put(c, "a", ckpt=True).node
-    a.dev_state["swa"] = a.dev_state["swa"][:3]
-    with pytest.raises(InvariantViolation) as exc:
-        c.check_invariants()
-    assert exc.value.invariant == "exact_continuation_state"
-    c2 = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
-    b = put(c2, "a", ckpt=True).node
-    b.pending_state = {"swa": c2.host["swa"].alloc(4)}  # a pending checkpoint outside a writeback
-    with pytest.raises(InvariantViolation) as exc:
-        c2.check_invariants()
-    assert exc.value.invariant == "host_means_acked"
 
 
 def test_loadback_corruptions_detected():
