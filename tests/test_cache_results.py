@@ -156,7 +156,9 @@ def test_fresh_cache_root_clock_and_first_ids() -> None:
 
 # --- alloc_device evicts exactly the shortfall ---------------------------------------------
 
-from core_helpers import free, state  # noqa: E402
+from core_helpers import free, snapshot, state  # noqa: E402
+
+from kvtier.fsm.errors import CapacityError  # noqa: E402
 
 
 def test_alloc_device_evicts_only_the_shortfall() -> None:
@@ -174,6 +176,18 @@ def test_alloc_device_evicts_only_the_shortfall() -> None:
     got = c.alloc_device({"kv": 2})
     assert len(got["kv"]) == 2 and free(c) == {"kv": 0}
     assert state(c) == {2: "device", 3: "device"} and c.stats.device_evictions == 1
+
+
+def test_alloc_device_without_eviction_refuses_and_changes_nothing() -> None:
+    c = TieredPrefixCache(h1(), device_pages=4, host_pages=None)
+    for k in ("a", "b", "c"):
+        put(c, k)
+    before = snapshot(c)
+    with pytest.raises(CapacityError) as exc:
+        c.alloc_device({"kv": 2}, evict=False)
+    assert str(exc.value) == "device pool of cache group 'kv': need 2 pages, 1 free"
+    assert (exc.value.needed, exc.value.free) == (2, 1)
+    assert snapshot(c) == before and c.stats.device_evictions == 0
 
 
 def test_logical_clock_advances_by_one_per_use() -> None:
