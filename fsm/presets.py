@@ -30,6 +30,12 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _positive(preset_name: str, **values: int) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{preset_name}: {name} must be a positive int, got {v!r}")
+
+
 def deepseek_v4(num_layers: int = 43, ratios: Sequence[int] | None = None, sliding_window: int = 128,
                 head_dim: int = 512, rope_dim: int = 64, index_head_dim: int = 128) -> CacheLayout:
     """DeepSeek V4's six cache groups.
@@ -98,8 +104,10 @@ def llama_3_8b(page_tokens: int = 16, num_layers: int = 32, kv_heads: int = 8, h
     """Llama 3 8B: one full-attention group (K and V per layer: 2 x heads x head_dim x dtype).
 
     Raises:
-        ConfigError: non-positive page size.
+        ConfigError: a parameter that is not a positive int.
     """
+    _positive("llama-3-8b", page_tokens=page_tokens, num_layers=num_layers, kv_heads=kv_heads,
+              head_dim=head_dim, dtype_bytes=dtype_bytes)
     per_token = 2 * kv_heads * head_dim * dtype_bytes
     g = CacheGroupSpec("llama.full_attention", Family.HISTORY, page_tokens, 1, tuple(range(num_layers)),
                        (ComponentSpec("kv", page_tokens * per_token),))
@@ -109,7 +117,13 @@ def llama_3_8b(page_tokens: int = 16, num_layers: int = 32, kv_heads: int = 8, h
 
 def deepseek_v3(page_tokens: int = 64, num_layers: int = 61, values_per_token: int = 576,
                 dtype_bytes: int = 2) -> CacheLayout:
-    """DeepSeek V3: one MLA group (kv_lora_rank 512 + rope 64 = 576 values per token per layer)."""
+    """DeepSeek V3: one MLA group (kv_lora_rank 512 + rope 64 = 576 values per token per layer).
+
+    Raises:
+        ConfigError: a parameter that is not a positive int.
+    """
+    _positive("deepseek-v3", page_tokens=page_tokens, num_layers=num_layers,
+              values_per_token=values_per_token, dtype_bytes=dtype_bytes)
     g = CacheGroupSpec("v3.mla", Family.HISTORY, page_tokens, 1, tuple(range(num_layers)),
                        (ComponentSpec("kv", page_tokens * values_per_token * dtype_bytes),))
     return CacheLayout("deepseek-v3", (g,), num_layers,

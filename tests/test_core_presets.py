@@ -169,37 +169,59 @@ def test_deepseek_v3():
     assert deepseek_v3(page_tokens=16).alignment == 16
 
 
-def test_bad_parameters_raise_config_error():
-    with pytest.raises(ConfigError, match="unknown model preset"):
-        preset("gpt-5")
-    with pytest.raises(ConfigError):
-        preset("llama-3-8b", bogus=1)
-    with pytest.raises(ConfigError, match="1, 4 or 128"):
-        deepseek_v4(num_layers=2, ratios=[1, 2])
-    with pytest.raises(ConfigError):
-        deepseek_v4(num_layers=3, ratios=[1, 4])
-    with pytest.raises(ConfigError, match="history group"):
-        deepseek_v4(num_layers=2, ratios=[1, 1])
-    with pytest.raises(ConfigError):
-        deepseek_v4(sliding_window=0)
-    with pytest.raises(ConfigError):
-        llama_3_8b(page_tokens=0)
-    with pytest.raises(ConfigError):
-        deepseek_v3(page_tokens=-64)
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: preset("gpt-5"), "unknown model preset 'gpt-5'; expected one of ['deepseek-v3', 'deepseek-v4', 'llama-3-8b']"),
+    (lambda: preset("llama-3-8b", bogus=1),
+     "preset 'llama-3-8b': llama_3_8b() got an unexpected keyword argument 'bogus'"),
+    (lambda: deepseek_v4(num_layers=2, ratios=[1, 2]), "deepseek-v4: compression ratios must be 1, 4 or 128, got [2]"),
+    (lambda: deepseek_v4(num_layers=3, ratios=[1, 4]), "deepseek-v4: 2 ratios for 3 layers"),
+    (lambda: deepseek_v4(num_layers=2, ratios=[1, 1]), "layout 'deepseek-v4': needs at least one history group"),
+    (lambda: deepseek_v4(sliding_window=0),
+     "cache group 'v4.swa_kv': window (tokens, required for state groups) must be a positive int, got 0"),
+    (lambda: llama_3_8b(page_tokens=0), "llama-3-8b: page_tokens must be a positive int, got 0"),
+    (lambda: llama_3_8b(num_layers=True), "llama-3-8b: num_layers must be a positive int, got True"),
+    (lambda: llama_3_8b(dtype_bytes=1.5), "llama-3-8b: dtype_bytes must be a positive int, got 1.5"),
+    (lambda: deepseek_v3(page_tokens=-64), "deepseek-v3: page_tokens must be a positive int, got -64"),
+    (lambda: deepseek_v3(values_per_token=0), "deepseek-v3: values_per_token must be a positive int, got 0"),
+])
+def test_bad_parameters_raise_config_error(make, message):
+    with pytest.raises(ConfigError) as exc:
+        make()
+    assert str(exc.value) == message
+
+
+def test_presets_name_their_source():
+    assert preset("deepseek-v4").source == ("source_system.md 1.1-1.2 (TokenSpeed build_v4_cache_specs); layer count, "
+                                            "ratios and window are assumed defaults")
+    assert preset("llama-3-8b").source == "Llama 3 8B config: 32 layers, 8 KV heads x 128, bf16 (128 KiB per token)"
+    assert preset("deepseek-v3").source == "DeepSeek V3 config: 61 layers, MLA kv_lora_rank 512 + rope 64, bf16"
+    assert [preset(n).name for n in PRESETS] == list(PRESETS)
 
 
 def test_layout_validation():
     h = CacheGroupSpec("h", Family.HISTORY, 4, 1, (0,), (ComponentSpec("kv", 1),))
     s3 = CacheGroupSpec("s", Family.STATE, 3, 1, (0,), (ComponentSpec("kv", 1),), window=6)
-    with pytest.raises(ConfigError, match="divide"):
-        CacheLayout("x", (h, s3), 1)
-    with pytest.raises(ConfigError, match="duplicate"):
-        CacheLayout("x", (h, h), 1)
-    with pytest.raises(ConfigError, match="layer"):
-        CacheLayout("x", (h,), 0)
-    with pytest.raises(ConfigError, match="uses layer 1"):
-        CacheLayout("x", (CacheGroupSpec("h", Family.HISTORY, 4, 1, (0, 1), (ComponentSpec("kv", 1),)),), 1)
+    h01 = CacheGroupSpec("h", Family.HISTORY, 4, 1, (0, 1), (ComponentSpec("kv", 1),))
+    for make, message in [
+        (lambda: CacheLayout("x", (h, s3), 1),
+         "layout 'x': state group 's' has 3 tokens per page, which does not divide the alignment 4"),
+        (lambda: CacheLayout("x", (h, h), 1), "layout 'x': duplicate cache group names ['h', 'h']"),
+        (lambda: CacheLayout("x", (h,), 0), "layout 'x': num_layers must be a positive int, got 0"),
+        (lambda: CacheLayout("x", (h,), True), "layout 'x': num_layers must be a positive int, got True"),
+        (lambda: CacheLayout("x", (h,), 1.0), "layout 'x': num_layers must be a positive int, got 1.0"),
+        (lambda: CacheLayout("x", (h01,), 1), "layout 'x': group 'h' uses layer 1 but the model has 1 layers"),
+        (lambda: CacheLayout("x", (s3,), 1), "layout 'x': needs at least one history group"),
+        (lambda: CacheLayout("x", (h,), 1).group("nope"), "layout 'x' has no cache group 'nope'; groups: ['h']"),
+        (lambda: CacheLayout("x", (h,), 1).chunk_rows(-1, 2),
+         "chunk_rows: token counts must be >= 0, got cached=-1, chunk=2"),
+        (lambda: CacheLayout("x", (h,), 1).chunk_rows(0, -2),
+         "chunk_rows: token counts must be >= 0, got cached=0, chunk=-2"),
+    ]:
+        with pytest.raises(ConfigError) as exc:
+            make()
+        assert str(exc.value) == message
+    assert CacheLayout("x", (h01,), 2).group("h") is h01
+    s4 = CacheGroupSpec("s", Family.STATE, 4, 1, (0,), (ComponentSpec("kv", 1),), window=4)
+    assert CacheLayout("x", (h, s4), 1).state_groups == (s4,)  # 4 divides the alignment 4
     h6 = CacheGroupSpec("h6", Family.HISTORY, 6, 1, (0,), (ComponentSpec("kv", 1),))
     assert CacheLayout("x", (h, h6), 1).alignment == 12
-    with pytest.raises(ConfigError):
-        CacheLayout("x", (h,), 1).group("nope")
