@@ -190,6 +190,44 @@ def test_alloc_device_without_eviction_refuses_and_changes_nothing() -> None:
     assert snapshot(c) == before and c.stats.device_evictions == 0
 
 
+def test_caller_pages_round_trip_and_bad_frees_change_nothing() -> None:
+    c = TieredPrefixCache(h1(), device_pages=8, host_pages=None)
+    put(c, "a")  # the tree holds page 0
+    assert c.alloc_device({"kv": 0}) == {}  # nothing asked, no entry
+    got = c.alloc_device({"kv": 2})
+    assert got == {"kv": [1, 2]} and c.external_pages("kv") == {1, 2} and free(c) == {"kv": 5}
+    before = snapshot(c)
+    for pages, error, message in [
+        ({"zz": [1]}, ConfigError, "free_device: unknown cache group 'zz'"),
+        ({"kv": [7]}, KvtierError, "free_device: pages [7] of group 'kv' are not held by a caller"),
+        ({"kv": [0]}, KvtierError, "free_device: pages [0] of group 'kv' are not held by a caller"),
+        ({"kv": [1, 1]}, KvtierError, "free_device: pages [1, 1] of group 'kv' are not held by a caller"),
+        ({"kv": [1, 7]}, KvtierError, "free_device: pages [7] of group 'kv' are not held by a caller"),
+    ]:
+        with pytest.raises(error) as exc:
+            c.free_device(pages)
+        assert str(exc.value) == message
+        assert snapshot(c) == before
+    c.free_device({"kv": [2, 1]})
+    assert c.external_pages("kv") == frozenset() and free(c) == {"kv": 7}
+    c.check_invariants()
+
+
+@pytest.mark.parametrize(("need", "message"), [
+    ({"zz": 1}, "unknown cache group 'zz'; groups: ['kv']"),
+    ({"kv": True}, "page count for group 'kv' must be an int >= 0, got True"),
+    ({"kv": -1}, "page count for group 'kv' must be an int >= 0, got -1"),
+    ({"kv": 1.0}, "page count for group 'kv' must be an int >= 0, got 1.0"),
+])
+def test_page_counts_are_checked(need: dict, message: str) -> None:
+    c = TieredPrefixCache(h1(), device_pages=8, host_pages=None)
+    for call in (c.alloc_device, c.evict_device):
+        with pytest.raises(ConfigError) as exc:
+            call(need)
+        assert str(exc.value) == message
+    assert free(c) == {"kv": 8}
+
+
 def test_logical_clock_advances_by_one_per_use() -> None:
     c = TieredPrefixCache(h1(), device_pages=4, host_pages=None)
     assert c.clock == 0
