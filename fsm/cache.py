@@ -674,8 +674,8 @@ class TieredPrefixCache:
                 canon = n.dev.get(g, [])
                 for j, page in enumerate(span):
                     if not (page in self._external[g] or (j < len(canon) and canon[j] == page)):
-                        raise ConfigError(f"insert: page {page} of group {g!r} at unit {lo} is neither the "
-                                          f"caller's nor node {n.node_id}'s")
+                        raise ConfigError(f"insert: page {page} of group {g!r} at unit {lo + j // self._ppu[g]} "
+                                          f"is neither the caller's nor node {n.node_id}'s")
         for g, ps in itertools.chain(
                 ((g, own[g][pos * self._ppu[g]:]) for g in self._history), ckpt.items()):
             bad = [p for p in ps if p not in self._external[g]]

@@ -1,0 +1,103 @@
+"""Every refusal of the core's public calls: the exact error type and message, and
+nothing changed (the scheduler can catch, log and carry on)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from core_helpers import h1, put, snapshot, src
+
+from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation
+from kvtier.fsm.records import Completion
+
+
+def refused(c: TieredPrefixCache, call: Callable[[], Any], error: type[Exception], message: str) -> None:
+    before = snapshot(c)
+    with pytest.raises(error) as exc:
+        call()
+    assert type(exc.value) is error
+    assert str(exc.value) == message
+    assert snapshot(c) == before
+    c.check_invariants()
+
+
+def test_match_lock_borrow_pin_refusals() -> None:
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    refused(c, lambda: c.match("ab", "nope"), ConfigError,
+            "match mode must be one of ['prefix_reuse', 'state_recovery'], got 'nope'")
+    refused(c, lambda: c.match("ab", "state_recovery", history_replay=True), ConfigError,
+            "history_replay applies to prefix_reuse matches only")
+    lock = c.lock(a)
+    c.unlock(lock)
+    refused(c, lambda: c.unlock(lock), KvtierError,
+            "<lock receipt 2 owner=None node=1> was already released or is unknown (counts_with_receipts)")
+    refused(c, lambda: c.pin([a], "r"), KvtierError, "pin: nodes [1] have no visible host copy")
+    borrow = c.borrow([a], "r")
+    c.release(borrow)
+    refused(c, lambda: c.release(borrow), KvtierError,
+            "<borrow receipt 3 owner='r' nodes=[1]> was already released or is unknown (counts_with_receipts)")
+
+
+def test_insert_refusals() -> None:
+    c = TieredPrefixCache(h1(), 8, 8)
+    put(c, "ab")
+    mine = c.alloc_device({"kv": 3})["kv"]
+    assert mine == [2, 3, 4]
+    refused(c, lambda: c.insert(("q", "r"), {"kv": mine[:1]}), ConfigError,
+            "insert: group 'kv' needs 2 pages for 2 units, got 1")
+    refused(c, lambda: c.insert(("q",), {"kv": mine[:1], "zz": [1]}), ConfigError,
+            "insert: pages given for non-history groups ['zz']")
+    refused(c, lambda: c.insert(("q", "r"), {"kv": [2, 2]}), ConfigError,
+            "insert: the page table of group 'kv' lists a page twice")
+    refused(c, lambda: c.insert(("q",), {"kv": [7]}), ConfigError,
+            "insert: pages [7] of group 'kv' are not held by the caller")
+    refused(c, lambda: c.insert(("a", "b", "c"), {"kv": [7, 1, 2]}), ConfigError,
+            "insert: page 7 of group 'kv' at unit 0 is neither the caller's nor node 1's")
+    refused(c, lambda: c.insert(("a", "b", "c"), {"kv": [0, 7, 2]}), ConfigError,
+            "insert: page 7 of group 'kv' at unit 1 is neither the caller's nor node 1's")
+    refused(c, lambda: c.insert(("q",), {"kv": mine[:1]}, {"swa": [1]}), ConfigError,
+            "insert: checkpoint for unknown state group 'swa'")
+
+
+def test_checkpoint_refusals() -> None:
+    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    got = c.alloc_device({"fh": 1, "swa": 4})
+    refused(c, lambda: c.insert(("a",), {"fh": got["fh"]}, {"swa": got["swa"][:3]}), ConfigError,
+            "insert: checkpoint of 'swa' needs 4 pages, got 3")
+    refused(c, lambda: c.insert(("a",), {"fh": got["fh"]}, {"swa": [got["swa"][0]] * 4}), ConfigError,
+            "insert: the page table of group 'swa' lists a page twice")
+
+
+def test_completion_and_loadback_refusals() -> None:
+    c = TieredPrefixCache(h1(), 8, 8, world_size=2)
+    a = put(c, "ab").node
+    refused(c, lambda: c.load(c.match("ab"), "r"), KvtierError, "load: the match has no host hit to load back")
+    cmd = c.writeback(a)
+    assert cmd is not None and cmd.op_id == 1
+    refused(c, lambda: c.complete(Completion(99, 0, True)), UnknownOperation, "completion for op 99: never issued")
+    refused(c, lambda: c.complete(Completion(1, 2, True)), ConfigError,
+            "completion for op 1: rank 2 outside world size 2")
+    refused(c, lambda: c.complete(Completion(1, 0, True, layer=0)), ConfigError,
+            "op 1 is a writeback: layer completions are for loadbacks")
+    c.complete(Completion(1, 0, True))
+    refused(c, lambda: c.complete(Completion(1, 0, True)), DuplicateCompletion,
+            "op 1: completion from rank 0 layer None arrived twice (or after its ack)")
+    c.complete(Completion(1, 1, True))
+    refused(c, lambda: c.complete(Completion(1, 1, True)), UnknownOperation, "completion for op 1: already settled")
+    refused(c, lambda: c.poison(99), UnknownOperation, "poison: op 99 is not in flight")
+    assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"
+    refused(c, lambda: c.borrow([a], "r"), KvtierError, "borrow: nodes [1] have no device pages")
+    m = c.match("ab")
+    lr = c.load(m, "r")
+    assert lr.command.op_id == 2
+    refused(c, lambda: c.complete(Completion(2, 0, True, layer=5)), ConfigError, "op 2: layer 5 outside 0..1")
+    refused(c, lambda: c.complete(Completion(2, 0, True, layer=-1)), ConfigError, "op 2: layer -1 outside 0..1")
+    c.complete(Completion(2, 0, True, layer=0))
+    refused(c, lambda: c.complete(Completion(2, 0, True, layer=0)), DuplicateCompletion,
+            "op 2: completion from rank 0 layer 0 arrived twice (or after its ack)")
+    refused(c, lambda: c.load(m, "r2"), KvtierError,
+            "load: match is stale (nodes [1] changed state or were split since the match)")
