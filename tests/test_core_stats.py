@@ -1,0 +1,60 @@
+"""CacheStats counts every event exactly once: one scenario touches every counter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from core_helpers import ack, h1, put, state
+
+from kvtier.fsm.cache import CacheStats, TieredPrefixCache
+from kvtier.fsm.records import Completion
+
+
+def test_every_counter_counts_each_event_once() -> None:
+    c = TieredPrefixCache(h1(), 8, 8, op_deadline_steps=1)
+
+    def counts() -> dict[str, int]:
+        return {k: v for k, v in dataclasses.asdict(c.stats).items() if v}
+
+    a = put(c, "ab").node  # trigger 1: create
+    ack(c, c.writeback(a))  # 2, 3: submit, ack; 2 pages written
+    put(c, "ac", {"kv": a.dev["kv"][:1]})  # 4: split (a)(b); 5: create (c)
+    assert counts() == {"writebacks": 1, "pages_written": 2, "splits": 1, "triggers": 5}
+    x = put(c, "x").node  # 6
+    ack(c, c.writeback(x), ok=False)  # 7, 8: a failed writeback
+    cmd = c.writeback(x)  # 9
+    assert cmd is not None
+    assert [s.expired for s in c.advance_step(2)] == [True]  # 10: failed by its deadline
+    assert c.complete(Completion(cmd.op_id, 0, True)) == []  # late: absorbed
+    ack(c, c.writeback(x))  # 11, 12
+    assert counts() == {"writebacks": 4, "writeback_failures": 2, "expired_ops": 1, "absorbed_late_completions": 1,
+                        "pages_written": 5, "splits": 1, "triggers": 12}
+    # (c) has no host copy and is dropped; x, (b), (a) are demoted: 13-16
+    assert c.evict_device({"kv": 8}) == {"kv": 4}
+    assert sorted(state(c).values()) == ["host"] * 3
+    first = c.load(c.match("ab"), "r1")  # 17, 18: (a) and (b) start loading
+    joined = c.load(c.match("ab"), "r2")  # joins the loadback in flight
+    ack(c, first.command)  # 19, 20
+    for r in (first, joined):
+        c.release(r.pin)
+        c.unlock(r.lock)
+    assert c.evict_device({"kv": 8}) == {"kv": 2}  # 21, 22: demote (a), (b) again
+    failed = c.load(c.match("x"), "r3")  # 23
+    ack(c, failed.command, ok=False)  # 24
+    c.release(failed.pin)
+    c.unlock(failed.lock)
+    assert c.evict_host({"kv": 8}) == {"kv": 3}  # 25-27: x, (b), (a) leave the tree
+    q = put(c, "q").node  # 28
+    ack(c, c.writeback(q))  # 29, 30
+    assert c.evict_host({"kv": 1}) == {"kv": 1} and q.state == "device"  # 31: drop the host copy
+    assert counts() == {
+        "demotions": 5, "device_evictions": 1, "host_evictions": 3, "host_drops": 1, "writebacks": 5,
+        "writeback_failures": 2, "loadbacks": 2, "loadback_failures": 1, "joined_loadbacks": 1, "expired_ops": 1,
+        "absorbed_late_completions": 1, "pages_written": 6, "pages_loaded": 3, "splits": 1, "triggers": 31}
+    assert c.stats.extra == {}
+
+
+def test_stats_start_at_zero() -> None:
+    s = CacheStats()
+    assert all(v == 0 for k, v in dataclasses.asdict(s).items() if k != "extra") and s.extra == {}
+    assert CacheStats().extra is not s.extra  # not shared between caches
