@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p bench/mutation/cache bench/mutation/results
 export HYPOTHESIS_PROFILE=kvtier-ci NUMBA_ENABLE_CUDASIM=1 PYTHONDONTWRITEBYTECODE=1
-RUNNER="pytest -x -q -p no:cacheprovider tests/test_errors.py tests/test_node_ops.py tests/test_pages.py tests/test_machines.py tests/test_records_details.py tests/test_records.py tests/test_spec.py tests/test_cache_results.py tests/test_core_refusals.py tests/test_core_stats.py tests/test_core_presets.py tests/test_core_completions.py tests/test_core_eviction.py tests/test_core_invariants.py tests/test_core_loadback.py tests/test_core_match_insert.py tests/test_core_split.py tests/test_core_writeback.py tests/test_conformance.py tests/test_bad_input.py::test_facade_and_core_reject_bad_values tests/test_regressions.py::test_sequence_has_its_expected_outcome tests/test_facade.py tests/test_core_stateful.py tests/test_kit.py"
+RUNNER="bash bench/mutation/runner.sh"
 if [ "$#" -gt 0 ]; then files=("$@"); else mapfile -t files < <(grep -v '^\s*#' bench/mutation/files.txt | grep -v '^\s*$'); fi
 for f in "${files[@]}"; do
   stem=$(basename "$f" .py)
