@@ -146,7 +146,8 @@ def _parse_lifecycle(name: str, raw: dict[str, Any]) -> LifecycleSpec:
             used.add(g.name)
         key = (t.source, t.event, t.guards)
         if key in seen:
-            raise ConfigError(f"{where}: duplicate transition {t.event!r} from {t.source!r} with {t.guards}")
+            raise ConfigError(f"{where}: duplicate transition {t.event!r} from {t.source!r} "
+                              f"with guards {[g.label for g in t.guards]}")
         seen.add(key)
     unused = set(guards) - used
     if unused:

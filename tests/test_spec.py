@@ -4,13 +4,14 @@ names every state, event, guard and invariant of the TOML."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
 from kvtier.fsm import ConfigError
-from kvtier.fsm.spec import INTERNAL, load_spec, parse_spec, spec_text
+from kvtier.fsm.spec import INTERNAL, GuardRef, load_spec, parse_spec, spec_text
 
 INVARIANTS_MD = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "invariants.md"
 
@@ -99,7 +100,7 @@ DUPLICATE = ('[[node.transitions]]\nevent = "go"\nsource = ["a"]\ndest = "a"\ngu
     (_node_only('dest = "b"', 'dest = "zz"'), r"spec \[node\]: event 'go' has undeclared dest 'zz'"),
     (_node_only('guards = ["ok"]', 'guards = ["!nope"]'), r"spec \[node\]: event 'go' uses undeclared guard 'nope'"),
     (_node_only('initial = "a"', 'initial = "zz"'), r"spec \[node\]: initial state 'zz' is not declared"),
-    (_node_only("[[node.transitions]]", DUPLICATE), r"spec \[node\]: duplicate transition 'go' from 'a'"),
+    (_node_only("[[node.transitions]]", DUPLICATE), r"spec \[node\]: duplicate transition 'go' from 'a' with guards \['ok'\]"),
     (_node_only("[node.guards.ok]", '[node.guards.spare]\ndoc = "unused"\n\n[node.guards.ok]'),
      r"spec \[node\]: guards declared but never used: \['spare'\]"),
     (_node_only('title = "T"\n', ""), r"spec \[node\]: malformed \(KeyError\('title'\)\)"),
@@ -107,15 +108,33 @@ DUPLICATE = ('[[node.transitions]]\nevent = "go"\nsource = ["a"]\ndest = "a"\ngu
     (MINIMAL.replace('[[request.transitions]]\nevent = "go"\nsource = ["a"]\ndest = "b"',
                      '[[request.transitions]]\nevent = "go"\nsource = ["q"]\ndest = "b"'),
      r"spec \[request\]: event 'go' has undeclared source 'q'"),
-    (MINIMAL + "[broken\n", r"spec: not valid TOML"),
+    (MINIMAL + "[broken\n", r"spec: not valid TOML: .+"),
     (MINIMAL.replace("version = 1\n", ""), r"spec: malformed \(KeyError\('version'\)\)"),
     (MINIMAL.split("\n[request]")[0] + '\n[invariants.x]\nstatement = "S"\n',
      r"spec: malformed \(KeyError\('request'\)\)"),
     (MINIMAL.replace('statement = "S"', 'text = "S"'), r"spec: malformed \(KeyError\('statement'\)\)"),
 ])
 def test_bad_specs_are_refused_naming_the_problem(text: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError) as exc:
         parse_spec(text)
+    assert re.fullmatch(message, str(exc.value)), str(exc.value)
+
+
+def test_guard_refs_docs_and_records() -> None:
+    assert GuardRef("ok").negated is False and GuardRef("ok").label == "ok"
+    assert GuardRef("ok", True).label == "!ok"
+    # guard names are any identifiers; only a leading "!" negates
+    text = MINIMAL.replace('guards = ["ok"]', 'guards = ["!Xok"]', 1).replace("[node.guards.ok]", "[node.guards.Xok]", 1)
+    go = parse_spec(text).node.transitions[0]
+    assert go.guards == (GuardRef("Xok", True),)
+    documented = MINIMAL.replace('dest = "b"\n', 'dest = "b"\ndoc = "moves on"\n', 1)
+    assert [t.doc for t in parse_spec(documented).node.transitions] == ["moves on", "", ""]
+    spec = parse_spec(MINIMAL)
+    records = [spec, spec.node, spec.node.states[0], spec.node.transitions[0], spec.node.transitions[0].guards[0]]
+    for record in records:
+        assert not hasattr(record, "__dict__"), type(record).__name__  # slotted
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, "version" if record is spec else "name" if hasattr(record, "name") else "event", 2)
 
 
 def test_shipped_spec_is_consistent() -> None:
