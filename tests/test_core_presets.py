@@ -5,6 +5,8 @@ Llama 3 8B and DeepSeek V3, the prefix alignment, ``chunk_rows`` and
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvtier.fsm.errors import ConfigError
@@ -210,6 +212,8 @@ def test_layout_validation():
         (lambda: CacheLayout("x", (h,), True), "layout 'x': num_layers must be a positive int, got True"),
         (lambda: CacheLayout("x", (h,), 1.0), "layout 'x': num_layers must be a positive int, got 1.0"),
         (lambda: CacheLayout("x", (h01,), 1), "layout 'x': group 'h' uses layer 1 but the model has 1 layers"),
+        (lambda: CacheLayout("x", (CacheGroupSpec("h", Family.HISTORY, 4, 1, (0, 1, 2), (ComponentSpec("kv", 1),)),), 2),
+         "layout 'x': group 'h' uses layer 2 but the model has 2 layers"),
         (lambda: CacheLayout("x", (s3,), 1), "layout 'x': needs at least one history group"),
         (lambda: CacheLayout("x", (h,), 1).group("nope"), "layout 'x' has no cache group 'nope'; groups: ['h']"),
         (lambda: CacheLayout("x", (h,), 1).chunk_rows(-1, 2),
@@ -225,3 +229,14 @@ def test_layout_validation():
     assert CacheLayout("x", (h, s4), 1).state_groups == (s4,)  # 4 divides the alignment 4
     h6 = CacheGroupSpec("h6", Family.HISTORY, 6, 1, (0,), (ComponentSpec("kv", 1),))
     assert CacheLayout("x", (h, h6), 1).alignment == 12
+
+def test_layout_records_are_frozen_and_slotted():
+    h = CacheGroupSpec("h", Family.HISTORY, 4, 1, (0,), (ComponentSpec("kv", 1),))
+    lay = CacheLayout("x", (h,), 1)
+    assert lay.source == ""
+    rows = lay.chunk_rows(0, 4)
+    assert rows == (ChunkRows("h", 0, 4, 0),)
+    for record, field in ((lay, "name"), (rows[0], "rows")):
+        assert not hasattr(record, "__dict__")
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, field, 1)
