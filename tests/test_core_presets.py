@@ -109,6 +109,14 @@ def test_deepseek_v4_byte_formulas_other_geometry():
         "v4.c128a.compressed_kv": (2,)}
 
 
+def test_deepseek_v4_row_bytes_without_rounding_slack():
+    # head_dim 64, rope 0: nope 64, stride 64, row 64 + 1 + 1 = 66 B; 64 rows = 4,224 B, already a
+    # multiple of the stride, so every byte of the row formula shows; 2 rows = 132 -> 192 (3 x 64)
+    lay = deepseek_v4(num_layers=2, ratios=[4, 128], head_dim=64, rope_dim=0, index_head_dim=64)
+    comps = {g.name: g.components[0].page_bytes for g in lay.groups}
+    assert (comps["v4.swa_kv"], comps["v4.c4a.compressed_kv"], comps["v4.c128a.compressed_kv"]) == (4_224, 4_224, 192)
+
+
 def test_deepseek_v4_only_present_ratios():
     only4 = deepseek_v4(num_layers=3, ratios=[1, 4, 4])
     assert [g.name for g in only4.groups] == V4_NAMES[:4]
