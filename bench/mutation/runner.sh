@@ -3,8 +3,13 @@
 # mutmut 2.x counts only exit status 1 as "killed": a mutant that breaks the import of
 # kvtier.fsm makes pytest stop at collection with status 2 (or 4/5), which mutmut would
 # report as a survivor. Every failing status is mapped to 1 here; a pass stays 0.
+# A mutant that makes a test hang (an eviction or tree walk that never ends) is stopped by
+# pytest-timeout after 15 s per test (the slowest test here takes about 1.5 s) and fails
+# the run, so it counts as killed. (mutmut's own timeout, 10 x the baseline, kills only this
+# shell and races with the exit status: a hang could be recorded as a survivor, with the
+# pytest process left running.) The outer `timeout` is a backstop for a hang outside a test.
 # A fast, deterministic subset (hypothesis profile kvtier-ci is derandomized).
-pytest -x -q -p no:cacheprovider \
+timeout -s KILL 45 pytest -x -q -p no:cacheprovider --timeout=15 \
   tests/test_errors.py \
   tests/test_node_ops.py \
   tests/test_pages.py \
