@@ -498,8 +498,8 @@ class TieredPrefixCache:
                 nd = path[i]
                 if i < d and self._has_checkpoint(nd.dev_state):
                     dev_end = host_end = i + 1
-                elif i >= d and (self._has_checkpoint(nd.host_state) or
-                                 (nd.state == "loading" and self._has_checkpoint(nd.dev_state))):
+                elif i >= d and self._has_checkpoint(nd.host_state):
+                    # (a loading node keeps its pinned host checkpoint until the loadback settles)
                     host_end = i + 1
             if mode is MatchMode.STATE_RECOVERY:
                 full = h > 0 and path[h - 1].depth == len(key)

@@ -225,6 +225,24 @@ def test_loadback_with_checkpoint_loads_history_and_state():
     assert c.match("a", "state_recovery").device_units == 1
 
 
+def test_a_loading_node_without_a_checkpoint_is_no_hit_end():
+    # A = (a) without a checkpoint, B = (a, b) with one; both loaded back by r1. A second
+    # request for (a) alone finds no state at A's end: no hit, even though A is loading.
+    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    ra = put(c, "a")
+    rb = put(c, "ab", ra.pages, ckpt=True)
+    ack(c, c.writeback(rb.node))
+    assert c.evict_device({"fh": 2}) == {"fh": 2, "swa": 4}
+    lr = c.load(c.match("ab"), "r1")
+    assert (ra.node.state, rb.node.state, ra.node.dev_state) == ("loading", "loading", {})
+    m = c.match("a")
+    assert (m.hit_tokens, m.host_units, m.joined_nodes, m.needs_loadback) == (0, 0, (), False)
+    m = c.match("ab")  # the loading terminal's (host) checkpoint does end a hit
+    assert (m.hit_tokens, m.host_units, m.joined_nodes) == (8, 2, (ra.node, rb.node))
+    ack(c, lr.command)
+    c.check_invariants()
+
+
 def test_history_only_loaded_prefix_extends_on_device():
     # source test 11: host hit of 4 tokens, loadback, extend to 8 tokens -> device hit 8, 2 pages
     fh = CacheGroupSpec("fh", Family.HISTORY, 4, 1, (0, 1), (ComponentSpec("kv", 16),))

@@ -10,6 +10,8 @@ from core_helpers import ack, free, h1, h2, put, snapshot, src, state
 
 from kvtier.fsm.cache import MatchMode, TieredPrefixCache
 from kvtier.fsm.errors import ConfigError, KvtierError
+from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.records import CacheGroupSpec, ComponentSpec, Family
 
 
 def backed_chain(policy: str = "write_through_selective") -> tuple[TieredPrefixCache, object, object]:
@@ -231,6 +233,20 @@ def test_history_replay_without_any_checkpoint():
 
 
 # ---------------------------------------------------------------------- insert
+def test_history_replay_pays_off_from_one_token():
+    # one layer with window 7: the replay span is 7 tokens. Two units (8 tokens) of history
+    # without any checkpoint give a 1-token hit (recompute 7); one unit (4 tokens) gives none.
+    fh = CacheGroupSpec("fh", Family.HISTORY, 4, 1, (0,), (ComponentSpec("kv", 16),))
+    swa = CacheGroupSpec("swa", Family.STATE, 2, 1, (0,), (ComponentSpec("kv", 8),), window=7)
+    c = TieredPrefixCache(CacheLayout("w7", (fh, swa), 1), {"fh": 8, "swa": 8}, None)
+    assert c.layout.replay_span_tokens() == 7
+    put(c, "ab")
+    m = c.match("ab", history_replay=True)
+    assert (m.device_units, m.recompute_tokens, m.hit_tokens) == (2, 7, 1)
+    m = c.match("a", history_replay=True)
+    assert (m.device_units, m.recompute_tokens, m.hit_tokens) == (0, 0, 0)
+
+
 def test_insert_new_nodes_multi_group_page_counts():
     c = TieredPrefixCache(h2(), {"a": 12, "b": 6}, None)
     r = put(c, "xy")
