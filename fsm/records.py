@@ -161,7 +161,7 @@ def _index(owner: str, name: str, value: object) -> int:
     return value
 
 
-def _indices(owner: str, name: str, value: Iterable[object], what: str = "ints >= 0") -> tuple[int, ...]:
+def _indices(owner: str, name: str, value: Iterable[object], what: str) -> tuple[int, ...]:
     ids: list[int] = []
     for p in value:
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
