@@ -794,7 +794,6 @@ class TieredPrefixCache:
             key, n = heapq.heappop(heap)
             if self._nodes.get(n.node_id) is not n or key != self._lru_key(n) or not self._device_victim(n):
                 continue
-            parent = n.parent
             if n.state == "backed":
                 got = self._release_device(n)
                 self._trigger(n, "demote")

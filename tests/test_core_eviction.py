@@ -288,3 +288,18 @@ def test_lazy_lru_heaps_grow_to_their_bound_and_no_further():
     assert max(lengths) == limit
     after = lengths[lengths.index(limit) + 1]
     assert len(c.nodes()) <= after <= len(c.nodes()) + 2  # rebuilt from the live nodes only
+
+
+def test_a_parent_dropped_from_the_heap_comes_back_when_its_last_child_leaves():
+    """An eviction pass drops nodes that are not victims from the LRU heap; a parent whose
+    device child leaves later must become a candidate again (the trigger touches it)."""
+    c = TieredPrefixCache(h1(), 4, None)
+    a = put(c, "ab")
+    b = put(c, "abcd", a.pages)
+    borrow = c.borrow([b.node], "r1")
+    assert c.evict_device({"kv": 1}) == {"kv": 0}  # B borrowed, A has a device child
+    assert c._dev_lru == []  # both were dropped from the heap
+    c.release(borrow)  # touches B only
+    assert c.evict_device({"kv": 4}) == {"kv": 4}  # B goes, then A (touched by B's eviction)
+    assert state(c) == {} and c.stats.device_evictions == 2
+    c.check_invariants()
