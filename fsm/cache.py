@@ -482,7 +482,7 @@ class TieredPrefixCache:
         h = d
         if self.host is not None:
             while h < len(path) and path[h].state in ("host", "loading"):
-                if path[h].state == "loading" and path[h].lb_op is not None:
+                if path[h].state == "loading":  # (a loading node's lb_op is its operation)
                     h += 1
                     while h < len(path) and path[h].state == "loading" and path[h].lb_op == path[h - 1].lb_op:
                         h += 1

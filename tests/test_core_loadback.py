@@ -139,6 +139,39 @@ def test_second_request_joins_the_loadback_in_flight():
     assert (a.host_pin, a.lock_ref) == (0, 0)
 
 
+def test_a_host_hit_joins_a_loadback_in_flight_and_stops_after_it():
+    # A = (a, b), B = (c, d) under it, both on the host; r1 loads A only. A match for the
+    # whole prompt joins A's loadback and stops there: B would need a loadback behind A's.
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab")
+    b = put(c, "abcd", a.pages)
+    ack(c, c.writeback(b.node))
+    assert c.evict_device({"kv": 4}) == {"kv": 4}
+    lr1 = c.load(c.match("ab"), "r1")
+    assert (a.node.state, b.node.state) == ("loading", "host")
+    m = c.match("abcd")
+    assert (m.device_node, m.joined_nodes, m.host_nodes, m.terminal, m.host_units) == (
+        c.root, (a.node,), (), a.node, 2)
+    ack(c, lr1.command)
+    c.check_invariants()
+
+
+def test_a_loadback_in_flight_under_a_device_prefix_is_joined():
+    # A = (a) on the device; B = (b) under it on the host, loaded by r1. r2 reads A from the
+    # device and joins B's loadback.
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "a")
+    b = put(c, "ab", a.pages)
+    ack(c, c.writeback(b.node))
+    c.lock(a.node, "keep-a")  # A stays on the device while B is demoted
+    assert c.evict_device({"kv": 1}) == {"kv": 1} and b.node.state == "host"
+    lr1 = c.load(c.match("ab"), "r1")
+    m = c.match("ab")
+    assert (m.device_node, m.device_units, m.joined_nodes, m.host_nodes, m.host_units) == (a.node, 1, (b.node,), (), 2)
+    ack(c, lr1.command)
+    c.check_invariants()
+
+
 def test_join_then_split_keeps_every_pin():
     c, a = demoted()
     lr1 = c.load(c.match("abcd"), "r1")

@@ -58,3 +58,12 @@ def test_stats_start_at_zero() -> None:
     s = CacheStats()
     assert all(v == 0 for k, v in dataclasses.asdict(s).items() if k != "extra") and s.extra == {}
     assert CacheStats().extra is not s.extra  # not shared between caches
+
+
+def test_splits_are_counted_each_time() -> None:
+    c = TieredPrefixCache(h1(), 8, None)
+    assert put(c, "abc").node.dev == {"kv": [0, 1, 2]}
+    put(c, "abx", {"kv": [0, 1]})  # (a, b) | (c), (x)
+    put(c, "ay", {"kv": [0]})  # (a) | (b), (y)
+    assert c.stats.splits == 2
+    assert sorted(n.key for n in c.nodes()) == [("a",), ("b",), ("c",), ("x",), ("y",)]
