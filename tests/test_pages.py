@@ -96,3 +96,21 @@ def test_release_mixed_good_and_bad_releases_nothing() -> None:
     a.alloc(2)
     err = _violation(a, [0, 2])
     assert re.search(r"\(or twice\): \[2\]$", str(err))
+
+
+def test_huge_capacity_costs_memory_only_for_pages_in_use() -> None:
+    a = PageAllocator("device", "kv", 10**12)
+    assert a.alloc(3) == [0, 1, 2] and (a.free, a.used) == (10**12 - 3, 3)
+    a.release([1])
+    assert a.is_free(1) and not a.is_free(0) and a.is_free(10**12 - 1) and not a.is_free(10**12)
+    assert a.alloc(2) == [1, 3]
+
+
+def test_free_order_is_the_reverse_allocation_order() -> None:
+    a = PageAllocator("host", "kv", 6)
+    assert a.free_order() == (5, 4, 3, 2, 1, 0)
+    assert a.alloc(4) == [0, 1, 2, 3]
+    a.release([2, 0])
+    assert a.free_order() == (5, 4, 2, 0) and a.free_pages() == {0, 2, 4, 5}
+    assert a.alloc(3) == [0, 2, 4]  # last freed first, then the lowest never-used id
+    assert a.free_order() == (5,) and a.free_pages() == {5}

@@ -1202,11 +1202,11 @@ class _Canon:
         free = []
         for pool, allocs in (("d", core.device), ("h", core.host or {})):
             for g, a in sorted(allocs.items()):
-                free.append((pool, g, tuple(self.page(pool, g, p) for p in a._free)))
+                free.append((pool, g, tuple(self.page(pool, g, p) for p in a.free_order())))
         store = []
         # bytes of allocated pages only: a free page's stale content is never read before written
         free_now = {(pool, g, p) for pool, allocs in (("d", core.device), ("h", core.host or {}))
-                    for g, a in allocs.items() for p in a._free}
+                    for g, a in allocs.items() for p in a.free_order()}
         for pool, data in (("d", m.xfer.dev), ("h", m.xfer.host)):
             for (g, p), v in data.items():
                 if (pool, g, p) in self.pages and (pool, g, p) not in free_now:
