@@ -271,12 +271,25 @@ class Completion:
         rank: tensor-parallel rank that reports it (0-based).
         ok: ``True`` for success, ``False`` for failure.
         layer: for a layer completion, the highest complete model layer; ``None`` for the ack.
+
+    Raises:
+        ConfigError: ``op_id``, ``rank`` or ``layer`` not an int >= 0 (bools refused), or
+            ``ok`` not a bool.
     """
 
     op_id: int
     rank: int = 0
     ok: bool = True
     layer: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = f"completion for op {self.op_id!r}"
+        _index(owner, "op_id", self.op_id)
+        _index(owner, "rank", self.rank)
+        if not isinstance(self.ok, bool):
+            raise ConfigError(f"{owner}: ok must be True or False, got {self.ok!r}")
+        if self.layer is not None:
+            _index(owner, "layer", self.layer)
 
     @property
     def is_ack(self) -> bool:

@@ -95,7 +95,8 @@ def test_completion_and_loadback_refusals() -> None:
     lr = c.load(m, "r")
     assert lr.command.op_id == 2
     refused(c, lambda: c.complete(Completion(2, 0, True, layer=5)), ConfigError, "op 2: layer 5 outside 0..1")
-    refused(c, lambda: c.complete(Completion(2, 0, True, layer=-1)), ConfigError, "op 2: layer -1 outside 0..1")
+    refused(c, lambda: c.complete(Completion(2, 0, True, layer=-1)), ConfigError,
+            "completion for op 2: layer must be an int >= 0, got -1")
     c.complete(Completion(2, 0, True, layer=0))
     refused(c, lambda: c.complete(Completion(2, 0, True, layer=0)), DuplicateCompletion,
             "op 2: completion from rank 0 layer 0 arrived twice (or after its ack)")

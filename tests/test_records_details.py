@@ -73,3 +73,22 @@ def test_optional_fields_default_to_none() -> None:
     assert typing.get_type_hints(TransferCommand)["request_id"] == str | None
     c = Completion(1)
     assert (c.rank, c.ok, c.layer, c.is_ack) == (0, True, None, True)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"op_id": "1"}, "completion for op '1': op_id must be an int >= 0, got '1'"),
+    ({"op_id": True}, "completion for op True: op_id must be an int >= 0, got True"),
+    ({"op_id": 1.0}, "completion for op 1.0: op_id must be an int >= 0, got 1.0"),
+    ({"op_id": -1}, "completion for op -1: op_id must be an int >= 0, got -1"),
+    ({"op_id": 1, "rank": 0.0}, "completion for op 1: rank must be an int >= 0, got 0.0"),
+    ({"op_id": 1, "rank": -1}, "completion for op 1: rank must be an int >= 0, got -1"),
+    ({"op_id": 1, "ok": "no"}, "completion for op 1: ok must be True or False, got 'no'"),
+    ({"op_id": 1, "ok": 0}, "completion for op 1: ok must be True or False, got 0"),
+    ({"op_id": 1, "ok": None}, "completion for op 1: ok must be True or False, got None"),
+    ({"op_id": 1, "layer": True}, "completion for op 1: layer must be an int >= 0, got True"),
+])
+def test_completion_fields_are_checked(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        Completion(**kwargs)
+    assert str(exc.value) == message
+    assert Completion(0, 0, False, 0) == Completion(op_id=0, rank=0, ok=False, layer=0)
