@@ -373,6 +373,18 @@ class TieredPrefixCache:
             self._external[g].difference_update(ps)
             self.device[g].release(ps)
 
+    def _tree_nodes(self, what: str, nodes: Iterable[object]) -> list[Node]:
+        """``nodes`` as a list, each checked to be a node of this tree (not the root)."""
+        if isinstance(nodes, Node) or not isinstance(nodes, Iterable):
+            raise KvtierError(f"{what} takes a list of nodes, got {nodes!r}")
+        out = list(nodes)
+        if not out:
+            raise KvtierError(f"{what}: no nodes given")
+        for n in out:
+            if not isinstance(n, Node) or self._nodes.get(n.node_id) is not n:
+                raise KvtierError(f"{what}: {n!r} is not a node of this cache's tree")
+        return out
+
     def _check_need(self, need: Mapping[str, int]) -> None:
         for g, n in need.items():
             if g not in self.device:
@@ -466,8 +478,11 @@ class TieredPrefixCache:
         Splits the node where the key diverges mid-node (semantically invisible).
 
         Raises:
-            ConfigError: unknown mode, or ``history_replay`` with ``state_recovery``.
+            ConfigError: ``key`` not a sequence, unknown mode, or ``history_replay`` with
+                ``state_recovery``.
         """
+        if not isinstance(key, Sequence):
+            raise ConfigError(f"match: key must be a sequence of unit keys, got {key!r}")
         try:
             mode = MatchMode(mode)
         except ValueError:
@@ -544,7 +559,11 @@ class TieredPrefixCache:
         """Lock ``node`` and its ancestors on the device (a running request uses them).
 
         Counts a hit for ``write_through_selective`` and stamps the logical clock.
+
+        Raises:
+            KvtierError: ``node`` is not a node of this cache's tree (nothing changes).
         """
+        self._tree_nodes("lock", [node])
         rid = next(self._ids)
         receipt = LockReceipt(rid, node, owner)
         stamp = self._tick()
@@ -565,6 +584,8 @@ class TieredPrefixCache:
         Raises:
             KvtierError: the receipt was already released or is not this cache's (invariant 5).
         """
+        if not isinstance(receipt, LockReceipt):
+            raise KvtierError(f"unlock takes a LockReceipt, got {receipt!r}")
         if receipt.released or self._locks.get(receipt.receipt_id) is not receipt:
             raise KvtierError(f"{receipt!r} was already released or is unknown (counts_with_receipts)")
         receipt.released = True
@@ -589,23 +610,27 @@ class TieredPrefixCache:
         """Borrow device pages of ``nodes`` (a request reads them; invariant 14).
 
         Raises:
-            KvtierError: a node has no device pages.
+            KvtierError: no nodes, a value that is not a node of this tree, or a node
+                without device pages (nothing changes).
         """
+        nodes = self._tree_nodes("borrow", nodes)
         bad = [n.node_id for n in nodes if n.state not in DEVICE_READABLE and n.state != "loading"]
         if bad:
             raise KvtierError(f"borrow: nodes {bad} have no device pages")
-        return self._take("borrow", list(nodes), owner)
+        return self._take("borrow", nodes, owner)
 
     def pin(self, nodes: Sequence[Node], owner: str | None = None) -> NodeReceipt:
         """Pin the host copies of ``nodes`` (invariant 4).
 
         Raises:
-            KvtierError: a node has no visible host copy.
+            KvtierError: no nodes, a value that is not a node of this tree, or a node
+                without a visible host copy (nothing changes).
         """
+        nodes = self._tree_nodes("pin", nodes)
         bad = [n.node_id for n in nodes if n.state not in HOST_VISIBLE]
         if bad:
             raise KvtierError(f"pin: nodes {bad} have no visible host copy")
-        return self._take("pin", list(nodes), owner)
+        return self._take("pin", nodes, owner)
 
     def release(self, receipt: NodeReceipt) -> None:
         """Release a pin or borrow receipt exactly once.
@@ -613,6 +638,8 @@ class TieredPrefixCache:
         Raises:
             KvtierError: already released or unknown (invariant 5).
         """
+        if not isinstance(receipt, NodeReceipt):
+            raise KvtierError(f"release takes a pin or borrow receipt (NodeReceipt), got {receipt!r}")
         if receipt.released or self._receipts.get(receipt.receipt_id) is not receipt:
             raise KvtierError(f"{receipt!r} was already released or is unknown (counts_with_receipts)")
         receipt.released = True
@@ -642,6 +669,10 @@ class TieredPrefixCache:
             ConfigError: wrong page counts, unknown groups, or pages that are neither the
                 caller's nor the canonical ones for their range (nothing changes).
         """
+        if not isinstance(key, Sequence) or not key:
+            raise ConfigError(f"insert: key must be a non-empty sequence of unit keys, got {key!r}")
+        if not isinstance(pages, Mapping):
+            raise ConfigError(f"insert: pages must be a mapping group -> page ids, got {pages!r}")
         units = len(key)
         own = {g: list(pages.get(g, ())) for g in self._history}
         for g in self._history:
@@ -1020,7 +1051,11 @@ class TieredPrefixCache:
 
         Returns:
             The command, or ``None`` when nothing needs writing (or the host is full).
+
+        Raises:
+            KvtierError: ``node`` is not a node of this cache's tree (nothing changes).
         """
+        self._tree_nodes("writeback", [node])
         if self.host is None:
             return None
         run: list[Node] = []

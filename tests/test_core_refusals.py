@@ -102,3 +102,29 @@ def test_completion_and_loadback_refusals() -> None:
             "op 2: completion from rank 0 layer 0 arrived twice (or after its ack)")
     refused(c, lambda: c.load(m, "r2"), KvtierError,
             "load: match is stale (nodes [1] changed state or were split since the match)")
+
+
+def test_values_that_are_not_this_trees_nodes_or_receipts_are_refused() -> None:
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    other = TieredPrefixCache(h1(), 8, 8)
+    stranger = put(other, "ab").node
+    for call, message in [
+        (lambda: c.lock(None), "lock: None is not a node of this cache's tree"),  # type: ignore[arg-type]
+        (lambda: c.lock(stranger), "lock: <node 1 device depth=2 units=2> is not a node of this cache's tree"),
+        (lambda: c.lock(c.root), "lock: <node 0 root depth=0 units=0> is not a node of this cache's tree"),
+        (lambda: c.borrow(a), f"borrow takes a list of nodes, got {a!r}"),  # type: ignore[arg-type]
+        (lambda: c.borrow([]), "borrow: no nodes given"),
+        (lambda: c.pin([None]), "pin: None is not a node of this cache's tree"),  # type: ignore[list-item]
+        (lambda: c.pin(None), "pin takes a list of nodes, got None"),  # type: ignore[arg-type]
+        (lambda: c.writeback(None), "writeback: None is not a node of this cache's tree"),  # type: ignore[arg-type]
+        (lambda: c.release(None), "release takes a pin or borrow receipt (NodeReceipt), got None"),  # type: ignore[arg-type]
+        (lambda: c.unlock(None), "unlock takes a LockReceipt, got None"),  # type: ignore[arg-type]
+    ]:
+        refused(c, call, KvtierError, message)
+    refused(c, lambda: c.match(None), ConfigError,  # type: ignore[arg-type]
+            "match: key must be a sequence of unit keys, got None")
+    refused(c, lambda: c.insert((), {"kv": []}), ConfigError,
+            "insert: key must be a non-empty sequence of unit keys, got ()")
+    refused(c, lambda: c.insert(("q",), [5]), ConfigError,  # type: ignore[arg-type]
+            "insert: pages must be a mapping group -> page ids, got [5]")
