@@ -168,7 +168,10 @@ def _as_capacity(layout: CacheLayout, value: int | Mapping[str, int], what: str)
         missing = {g.name for g in layout.groups} - set(value)
         if missing:
             raise ConfigError(f"{what}: no capacity for cache groups {sorted(missing)}")
-        return {k: int(v) for k, v in value.items()}
+        for g, v in value.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{what}: pages of group {g!r} must be an int >= 0, got {v!r}")
+        return dict(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{what}: must be an int >= 0 (units) or a mapping group -> pages, got {value!r}")
     return units_to_pages(layout, value)
@@ -218,7 +221,8 @@ class TieredPrefixCache:
             raise ConfigError(f"write_threshold must be an int >= 1, got {write_threshold!r}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
-        if op_deadline_steps is not None and (not isinstance(op_deadline_steps, int) or op_deadline_steps < 1):
+        if op_deadline_steps is not None and (isinstance(op_deadline_steps, bool) or
+                                              not isinstance(op_deadline_steps, int) or op_deadline_steps < 1):
             raise ConfigError(f"op_deadline_steps must be None or an int >= 1, got {op_deadline_steps!r}")
         self.write_threshold = write_threshold
         self.world_size = world_size

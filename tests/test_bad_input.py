@@ -58,3 +58,38 @@ def test_facade_and_core_reject_bad_values() -> None:
             c.layer_ready("a", bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="layers must be a sequence"):
         CacheGroupSpec("g", Family.HISTORY, 4, 1, True, (ComponentSpec("k", 64),))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda lay: TieredPrefixCache(lay, {"llama.full_attention": "3"}),
+     "device_pages: pages of group 'llama.full_attention' must be an int >= 0, got '3'"),
+    (lambda lay: TieredPrefixCache(lay, {"llama.full_attention": 8.9}),
+     "device_pages: pages of group 'llama.full_attention' must be an int >= 0, got 8.9"),
+    (lambda lay: TieredPrefixCache(lay, 8, {"llama.full_attention": True}),
+     "host_pages: pages of group 'llama.full_attention' must be an int >= 0, got True"),
+    (lambda lay: TieredPrefixCache(lay, 8, op_deadline_steps=True),
+     "op_deadline_steps must be None or an int >= 1, got True"),
+    (lambda lay: TieredCache(lay, 8, 8, history_replay="no"), "history_replay must be True or False, got 'no'"),
+    (lambda lay: TieredCache(lay, 8, 8, finish_writeback="yes"),
+     "finish_writeback must be None, True or False, got 'yes'"),
+])
+def test_constructor_values_are_checked_not_converted(make, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        make(preset("llama-3-8b", page_tokens=16))
+    assert str(exc.value) == message
+
+
+def test_abort_arguments_are_checked() -> None:
+    c = TieredCache(preset("llama-3-8b", page_tokens=16), 64, 64)
+    assert c.admit("a", list("abcd"), prompt_tokens=64, chunk_tokens=64) is not None
+    for call, message in [
+        (lambda: c.abort("a", None), "abort: reason must be a non-empty str, got None"),  # type: ignore[arg-type]
+        (lambda: c.abort("a", ""), "abort: reason must be a non-empty str, got ''"),
+        (lambda: c.abort_victim(None), "abort_victim: blocked must be a list of request ids, got None"),  # type: ignore[arg-type]
+        (lambda: c.abort_victim("a"), "abort_victim: blocked must be a list of request ids, got 'a'"),
+        (lambda: c.abort_victim(["a"], None), "abort_victim: reason must be a non-empty str, got None"),  # type: ignore[arg-type]
+    ]:
+        with pytest.raises(ConfigError) as exc:
+            call()
+        assert str(exc.value) == message
+        assert c.state("a") == "running"

@@ -193,6 +193,10 @@ class TieredCache:
         if isinstance(max_writebacks_in_flight, bool) or not isinstance(max_writebacks_in_flight, int) \
                 or max_writebacks_in_flight < 1:
             raise ConfigError(f"max_writebacks_in_flight must be an int >= 1, got {max_writebacks_in_flight!r}")
+        if finish_writeback is not None and not isinstance(finish_writeback, bool):
+            raise ConfigError(f"finish_writeback must be None, True or False, got {finish_writeback!r}")
+        if not isinstance(history_replay, bool):
+            raise ConfigError(f"history_replay must be True or False, got {history_replay!r}")
         self.layout = layout
         self.max_writebacks_in_flight = max_writebacks_in_flight
         self.finish_writeback = (self.core.policy is WritePolicy.WRITE_THROUGH) if finish_writeback is None \
@@ -669,9 +673,12 @@ class TieredCache:
         its own operations have retired (its own writebacks are then treated as failed).
 
         Raises:
-            KvtierError: unknown request; IllegalTransition: already ended or aborting.
+            KvtierError: unknown request; IllegalTransition: already ended or aborting;
+            ConfigError: ``reason`` not a non-empty str.
         """
         r = self._get(request_id)
+        if not isinstance(reason, str) or not reason:
+            raise ConfigError(f"abort: reason must be a non-empty str, got {reason!r}")
         self._lc.check(r, "abort")
         r.reason = reason
         for op in sorted(r.ops):
@@ -685,10 +692,18 @@ class TieredCache:
         """Abort exactly one deterministic victim among ``blocked`` requests (the largest
         token count, ties to the smallest id), only when nothing is in flight: no
         operation and no forward result owed by any request. Returns its id or ``None``.
+
+        Raises:
+            ConfigError: ``blocked`` not a list of ids, or an empty ``reason``.
+            KvtierError: an unknown request id in ``blocked``.
         """
+        if isinstance(blocked, str) or not isinstance(blocked, Sequence):
+            raise ConfigError(f"abort_victim: blocked must be a list of request ids, got {blocked!r}")
+        victims = [self._get(b) for b in blocked]
+        if not isinstance(reason, str) or not reason:
+            raise ConfigError(f"abort_victim: reason must be a non-empty str, got {reason!r}")
         if not blocked or self.core.operations() or any(r.owed_forward for r in self._requests.values()):
             return None
-        victims = [self._get(b) for b in blocked]
         victim = min(victims, key=lambda r: (-max(r.tokens, r.prompt_tokens), r.request_id))
         self.abort(victim.request_id, reason)
         self.aborted_by_scheduler += 1
