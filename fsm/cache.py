@@ -21,14 +21,12 @@ from dataclasses import dataclass, field
 from .errors import CapacityError, ConfigError, DuplicateCompletion, KvtierError, UnknownOperation
 from .layout import CacheLayout
 from .machines import node_lifecycle
-from .node import DEVICE_READABLE, HOST_VISIBLE, LockReceipt, Node, NodeReceipt
+from .node import DEVICE_READABLE, HOST_VISIBLE, LockReceipt, Node, NodeReceipt, PageMap
 from .ops import LayerProgress, Operation, Settled
 from .pages import PageAllocator
 from .records import Completion, Direction, Family, GroupTransfer, TransferCommand
 
 __all__ = ["WritePolicy", "MatchMode", "MatchResult", "InsertResult", "LoadResult", "TieredPrefixCache"]
-
-PageMap = dict[str, list[int]]
 
 
 class WritePolicy(str, enum.Enum):
@@ -381,12 +379,13 @@ class TieredPrefixCache:
         """``nodes`` as a list, each checked to be a node of this tree (not the root)."""
         if isinstance(nodes, Node) or not isinstance(nodes, Iterable):
             raise KvtierError(f"{what} takes a list of nodes, got {nodes!r}")
-        out = list(nodes)
-        if not out:
-            raise KvtierError(f"{what}: no nodes given")
-        for n in out:
+        out: list[Node] = []
+        for n in nodes:
             if not isinstance(n, Node) or self._nodes.get(n.node_id) is not n:
                 raise KvtierError(f"{what}: {n!r} is not a node of this cache's tree")
+            out.append(n)
+        if not out:
+            raise KvtierError(f"{what}: no nodes given")
         return out
 
     def _check_need(self, need: Mapping[str, int]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from collections.abc import Set as AbstractSet
 
-__all__ = ["Node", "NodeReceipt", "LockReceipt", "DEVICE_READABLE", "DEVICE_RESIDENT", "HOST_VISIBLE"]
+__all__ = ["Node", "NodeReceipt", "LockReceipt", "PageMap", "DEVICE_READABLE", "DEVICE_RESIDENT", "HOST_VISIBLE"]
 
 #: States whose device pages every request may read.
 DEVICE_READABLE = frozenset({"device", "writing", "backed"})
@@ -19,6 +19,7 @@ DEVICE_RESIDENT = DEVICE_READABLE | {"loading"}
 #: States with a visible (acknowledged) host copy.
 HOST_VISIBLE = frozenset({"backed", "host", "loading"})
 
+#: cache group -> page ids (a page table, or the pages one operation or call involves).
 PageMap = dict[str, list[int]]
 
 _NO_REFS: frozenset[int] = frozenset()

@@ -397,6 +397,43 @@ def test_borrowed_chunk_checkpoint_is_not_dropped():
     c.check_invariants()
 
 
+def test_insert_publishes_nothing_beyond_a_loading_node():
+    # A = (a, b) loading for r1, B = (c, d) under it still on the host: an insert of the
+    # whole prefix stops at A; B is not republished and the caller keeps all its pages.
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab")
+    b = put(c, "abcd", a.pages)
+    ack(c, c.writeback(b.node))
+    assert c.evict_device({"kv": 4}) == {"kv": 4}
+    lr = c.load(c.match("ab"), "r1")
+    own = c.alloc_device({"kv": 2})["kv"]
+    res = c.insert(tuple("abcd"), {"kv": lr.device_pages["kv"] + own})
+    assert (a.node.state, b.node.state, b.node.dev) == ("loading", "host", {})
+    assert (res.published_units, res.created, res.kept) == (0, (), {"kv": own})
+    c.free_device(res.kept)
+    ack(c, lr.command)
+    c.check_invariants()
+
+
+def test_insert_checkpoint_is_not_a_chunk_checkpoint_by_default():
+    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, None)
+    assert put(c, "a", ckpt=True).node.chunk_checkpoint is False
+    assert put(c, "ab", ckpt=True, chunk=True).node.chunk_checkpoint is True
+
+
+def test_insert_refuses_a_checkpoint_missing_a_state_group():
+    fh = CacheGroupSpec("fh", Family.HISTORY, 4, 1, (0,), (ComponentSpec("kv", 16),))
+    s1 = CacheGroupSpec("s1", Family.STATE, 2, 1, (0,), (ComponentSpec("kv", 8),), window=4)
+    s2 = CacheGroupSpec("s2", Family.STATE, 4, 1, (0,), (ComponentSpec("kv", 8),), window=4)
+    c = TieredPrefixCache(CacheLayout("two-states", (fh, s1, s2), 1), {"fh": 4, "s1": 4, "s2": 4}, None)
+    got = c.alloc_device({"fh": 1, "s1": 2})
+    before = snapshot(c)
+    with pytest.raises(ConfigError) as exc:
+        c.insert(("a",), {"fh": got["fh"]}, {"s1": got["s1"]})
+    assert str(exc.value) == "insert: a checkpoint needs every state group ['s1', 's2'], got ['s1']"
+    assert snapshot(c) == before
+
+
 def test_insert_stops_at_loading_node_and_keeps_caller_pages():
     c, a, b = backed_chain()
     assert c.evict_device({"kv": 2}) == {"kv": 2}

@@ -200,6 +200,13 @@ def test_bad_parameters_raise_config_error(make, message):
     assert str(exc.value) == message
 
 
+def test_smallest_positive_parameters_and_component_names():
+    lay = llama_3_8b(page_tokens=1, num_layers=1, kv_heads=1, head_dim=1, dtype_bytes=1)
+    assert [(c.name, c.page_bytes) for c in lay.groups[0].components] == [("kv", 2)]
+    v3 = deepseek_v3(page_tokens=1, num_layers=1, values_per_token=1, dtype_bytes=1)
+    assert [(c.name, c.page_bytes) for c in v3.groups[0].components] == [("kv", 1)]
+
+
 def test_presets_name_their_source():
     assert preset("deepseek-v4").source == ("source_system.md 1.1-1.2 (TokenSpeed build_v4_cache_specs); layer count, "
                                             "ratios and window are assumed defaults")

@@ -7,11 +7,19 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from core_helpers import h1, put, snapshot, src
+from core_helpers import ack, h1, put, snapshot, src
 
 from kvtier.fsm.cache import TieredPrefixCache
 from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation
 from kvtier.fsm.records import Completion
+
+
+def ack_all(c: TieredPrefixCache) -> None:
+    """Write back every device node and acknowledge it."""
+    for n in c.nodes():
+        cmd = c.writeback(n)
+        if cmd is not None:
+            ack(c, cmd)
 
 
 def refused(c: TieredPrefixCache, call: Callable[[], Any], error: type[Exception], message: str) -> None:
@@ -128,3 +136,41 @@ def test_values_that_are_not_this_trees_nodes_or_receipts_are_refused() -> None:
             "insert: key must be a non-empty sequence of unit keys, got ()")
     refused(c, lambda: c.insert(("q",), [5]), ConfigError,  # type: ignore[arg-type]
             "insert: pages must be a mapping group -> page ids, got [5]")
+
+
+def test_receipts_are_marked_released_and_foreign_ones_refused() -> None:
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    lock = c.lock(a, "r")
+    c.unlock(lock)
+    borrow = c.borrow([a], "r")
+    c.release(borrow)
+    assert (lock.released, borrow.released) == (True, True)
+    other = TieredPrefixCache(h1(), 8, 8)
+    foreign = other.borrow([put(other, "ab").node], "r")
+    refused(c, lambda: c.release(foreign), KvtierError,
+            "<borrow receipt 2 owner='r' nodes=[1]> was already released or is unknown (counts_with_receipts)")
+    assert foreign.released is False and a.borrow_ref == 0
+
+
+def test_a_loading_node_may_be_borrowed() -> None:
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    ack_all(c)
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    lr = c.load(c.match("ab"), "r1")
+    assert a.state == "loading"
+    receipt = c.borrow([a], "r1")
+    assert a.borrow_ref == 1
+    c.release(receipt)
+    c.check_invariants()
+    assert lr.command is not None
+
+
+def test_insert_over_a_host_node_refuses_a_page_not_the_callers() -> None:
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    ack_all(c)
+    assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"
+    refused(c, lambda: c.insert(("a", "b"), {"kv": [6, 7]}), ConfigError,
+            "insert: page 6 of group 'kv' at unit 0 is neither the caller's nor node 1's")

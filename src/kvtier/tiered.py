@@ -32,11 +32,10 @@ from kvtier.fsm.cache import MatchMode, TieredPrefixCache, WritePolicy
 from kvtier.fsm.ops import LayerProgress, Settled
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import request_lifecycle
-from kvtier.fsm.node import LockReceipt, NodeReceipt
+from kvtier.fsm.node import LockReceipt, NodeReceipt, PageMap
 
 __all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView"]
 
-PageMap = dict[str, list[int]]
 TERMINAL = frozenset({"finished", "aborted"})
 
 
