@@ -397,6 +397,53 @@ def test_borrowed_chunk_checkpoint_is_not_dropped():
     c.check_invariants()
 
 
+def test_a_second_checkpoint_settles_the_chunk_flag():
+    c = TieredPrefixCache(src(), {"fh": 4, "swa": 16}, None)
+    a = put(c, "a", ckpt=True, chunk=True).node
+    for chunk, flag in ((True, True), (False, False), (True, False)):
+        got = c.alloc_device({"swa": 4})
+        res = c.insert(("a",), {"fh": [0]}, got, chunk_checkpoint=chunk)
+        # the first checkpoint stays; a final one only clears the chunk flag
+        assert (a.dev_state, a.chunk_checkpoint, res.duplicates) == ({"swa": [0, 1, 2, 3]}, flag, got)
+        c.free_device(res.duplicates)
+    c.check_invariants()
+
+
+def test_chunk_checkpoints_shared_or_backed():
+    c = TieredPrefixCache(src(), {"fh": 8, "swa": 16}, {"fh": 8, "swa": 16})
+    ra = put(c, "a", ckpt=True, chunk=True)
+    a = ra.node
+    ack(c, c.writeback(a))
+    assert (a.state, a.chunk_checkpoint) == ("backed", True)
+    locks = [c.lock(a, "r1"), c.lock(a, "r2")]  # two requests still use A
+    rab = put(c, "ab", ra.pages, ckpt=True)
+    assert a.dev_state == {"swa": [0, 1, 2, 3]} and a.chunk_checkpoint  # kept: r2 may need it
+    c.unlock(locks.pop())
+    put(c, "abc", rab.pages, ckpt=True)
+    assert (a.dev_state, a.chunk_checkpoint) == ({}, False)  # backed, one lock: dropped
+    c.unlock(locks.pop())
+    c.check_invariants()
+
+
+def test_a_stopped_insert_keeps_its_checkpoint_even_under_a_device_prefix():
+    # A = (a) on the device, B = (b) under it loading for r1: an insert of (a, b) with a
+    # checkpoint stops at B; the checkpoint is for (a, b), so A must not adopt it.
+    c = TieredPrefixCache(src(), {"fh": 4, "swa": 16}, {"fh": 4, "swa": 16})
+    ra = put(c, "a")
+    rb = put(c, "ab", ra.pages, ckpt=True)
+    ack(c, c.writeback(rb.node))
+    keep = c.lock(ra.node, "keep-a")
+    assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4} and rb.node.state == "host"
+    lr = c.load(c.match("ab"), "r1")
+    got = c.alloc_device({"swa": 4})
+    res = c.insert(("a", "b"), {"fh": ra.pages["fh"] + lr.device_pages["fh"][1:]}, got)
+    assert (res.node, res.published_units, ra.node.dev_state, res.kept) == (ra.node, 1, {}, got)
+    c.free_device(res.kept)
+    ack(c, lr.command)
+    c.unlock(keep)
+    c.check_invariants()
+
+
 def test_insert_publishes_nothing_beyond_a_loading_node():
     # A = (a, b) loading for r1, B = (c, d) under it still on the host: an insert of the
     # whole prefix stops at A; B is not republished and the caller keeps all its pages.
