@@ -309,11 +309,16 @@ class DevicePool(_Pool):
 
     @classmethod
     def allocate(cls, specs: Sequence[CacheGroupSpec], pages: Mapping[str, int] | int,
-                 device: str | torch.device = "cuda") -> DevicePool:
+                 device: str | torch.device = "cuda", *, reserve_bytes: int = 2 << 30) -> DevicePool:
         """Allocate one uint8 buffer on ``device`` holding every region.
 
+        Args:
+            reserve_bytes: on ``device="cpu"``, host memory to leave free (bytes, default 2 GiB).
+
         Raises:
-            ConfigError: bad specs or page counts, or a CUDA device without CUDA.
+            ConfigError: bad specs or page counts, a CUDA device without CUDA, or a buffer
+                the device cannot hold.
+            HostMemoryError: on ``device="cpu"``, more than the available host memory.
         """
         by_name = _check_specs(specs)
         n_pages = _check_pages(by_name, pages, "device pool")
@@ -322,7 +327,18 @@ class DevicePool(_Pool):
             raise ConfigError(f"DevicePool.allocate(device={str(dev)!r}) needs CUDA; "
                               f"torch.cuda.is_available() is False (use device='cpu')")
         offsets, total = _layout(by_name, n_pages)
-        buf = torch.empty(total, dtype=torch.uint8, device=dev)
+        if dev.type == "cpu":  # a CPU stand-in for device memory lives in host memory
+            avail = available_host_bytes() - reserve_bytes
+            if total > avail:
+                raise HostMemoryError(
+                    total, avail, f"device pool (on the CPU) needs {total} bytes ({total / _GiB:.2f} GiB) for "
+                    f"pages {n_pages}, but only {avail} bytes ({avail / _GiB:.2f} GiB) of host memory are "
+                    f"available after a reserve of {reserve_bytes} bytes")
+        try:
+            buf = torch.empty(total, dtype=torch.uint8, device=dev)
+        except torch.OutOfMemoryError as exc:
+            raise ConfigError(f"device pool needs {total} bytes ({total / _GiB:.2f} GiB) for pages {n_pages} "
+                              f"on {dev}: {exc}") from exc
         regions: dict[RegionKey, torch.Tensor] = {}
         for key, off in offsets.items():
             g, c, _ = key

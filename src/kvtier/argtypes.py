@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
-__all__ = ["positive_int", "positive_float", "fraction"]
+__all__ = ["positive_int", "int_in_range", "positive_float", "fraction"]
 
 
 def positive_int(text: str) -> int:
@@ -17,6 +18,21 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return v
+
+
+def int_in_range(low: int, high: int) -> Callable[[str], int]:
+    """argparse type: an int in ``low .. high``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be between {low} and {high}")
+        return v
+
+    return parse
 
 
 def positive_float(text: str) -> float:

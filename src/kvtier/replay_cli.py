@@ -8,7 +8,7 @@ import math
 import sys
 from typing import Any
 
-from .argtypes import positive_int
+from .argtypes import int_in_range, positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -19,17 +19,18 @@ DEFAULT_HOST_FRACTION = 0.5
 def _capacity(text: str) -> tuple[str, float]:
     """``"0.05"`` or ``"5%"`` -> a fraction of the working set; ``"300000t"`` -> tokens."""
     t = text.strip().lower()
+    kind = "tokens" if t.endswith("t") else "fraction" if t.endswith("%") else ""
     try:
-        if t.endswith("%"):
-            return "fraction", float(t[:-1]) / 100
-        if t.endswith("t"):
-            return "tokens", float(int(t[:-1]))
-        v = float(t)
+        v = float(int(t[:-1])) if kind == "tokens" else float(t[:-1]) / 100 if kind else float(t)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"capacity {text!r}: expected a fraction of the working set (0.05 or 5%) or tokens (300000t)") from None
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"capacity {text!r} must be a finite number > 0")
+    if kind == "fraction" and v > 1:
+        raise argparse.ArgumentTypeError(f"capacity {text!r}: a percentage must be at most 100%")
+    if kind:
+        return kind, v
     return ("fraction", v) if v <= 1 else ("tokens", v)
 
 
@@ -62,8 +63,8 @@ def add_parser(sub: Any) -> None:
                    help="trace file (.jsonl or .jsonl.gz); default: the embedded slice")
     p.add_argument("--preset", default="deepseek-v4", choices=["deepseek-v4", "llama-3-8b", "deepseek-v3"],
                    help="model preset (default: %(default)s)")
-    p.add_argument("--layers", type=positive_int, default=None, metavar="N",
-                   help="model layers (a preset parameter; default: the preset's)")
+    p.add_argument("--layers", type=int_in_range(1, 4096), default=None, metavar="N",
+                   help="model layers, 1 to 4096 (a preset parameter; default: the preset's)")
     p.add_argument("--page-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens per page for llama-3-8b / deepseek-v3 (default: the preset's)")
     p.add_argument("--device", type=_capacity, default=("fraction", DEFAULT_DEVICE_FRACTION), metavar="CAP",

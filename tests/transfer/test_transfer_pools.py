@@ -54,6 +54,14 @@ def test_host_pool_checks_available_memory() -> None:
     assert isinstance(e.value, ConfigError)
 
 
+def test_cpu_device_pool_checks_available_memory() -> None:
+    with pytest.raises(HostMemoryError) as e:
+        DevicePool.allocate(_specs(), 10**12, device="cpu")
+    assert e.value.needed > e.value.available
+    assert str(e.value).startswith("device pool (on the CPU) needs ")
+    assert DevicePool.allocate(_specs(), 2, device="cpu").buffer is not None
+
+
 @pytest.mark.parametrize("pages, match", [
     ({"kv": 2}, r"missing a page count for cache group 'swa'"),
     ({"kv": 2, "swa": 0}, r"pages of cache group 'swa' must be a positive int, got 0"),
