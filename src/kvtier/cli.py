@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=positive_int, default=6, help="bound on steps (default %(default)s)")
     p.add_argument("--world-size", type=int, default=1, choices=[1, 2], help="ranks (default %(default)s)")
     p.add_argument("--requests", type=int, default=2, choices=[1, 2],
-                   help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only, small enough to reach a fixpoint")
+                   help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only, which reaches a "
+                        "fixpoint with --device-units 2 --host-units 2 (depth 37, about 20 s)")
     p.add_argument("--policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--device-units", type=positive_int, default=4, help="device capacity in units (default %(default)s)")

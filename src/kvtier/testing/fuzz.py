@@ -24,7 +24,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from .coverage import LifecycleCoverage
 from .machines import INVARIANTS, STATS, KitMachine
-from .sequence import EventSequence, ReplayResult, classify, machine_class, minimize, replay
+from .sequence import EventSequence, ReplayResult, SequenceError, classify, machine_class, minimize, replay
 
 __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
@@ -114,6 +114,10 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
         raise ValueError(f"faults must be between 0 and 1, got {faults}")
     mix = dict(mix or DEFAULT_MIX)
     classes: dict[str, Any] = {name: (machines or {}).get(name) or machine_class(name) for name in mix}
+    for name, cls in classes.items():
+        if not (isinstance(cls, type) and issubclass(cls, KitMachine)):
+            raise SequenceError(f"machine {name!r} is not a kvtier.testing state machine "
+                                f"(a KitMachine subclass): {cls!r}")
     attrs: dict[str, Any] = {"fault_rate": faults}
     if world_size is not None:
         attrs["world_size"] = world_size
@@ -144,11 +148,17 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
             # the machine furthest behind its share runs next
             name = min(mix, key=lambda n: res.steps_by_machine[n] / mix[n] if mix[n] else float("inf"))
             cls = configured[name]
+            # near the end of a step budget the chunks shrink, so that every machine of the
+            # mix still gets its share of a small budget
+            examples = chunk_examples
+            if steps is not None:
+                examples = max(1, min(chunk_examples, -(-(steps - res.steps) // (step_count * len(mix)))))
+            chunk_settings = base if examples == chunk_examples else settings(base, max_examples=examples)
             before = STATS.steps
             with res.coverage.attributed(name):
                 try:
                     factory: Any = seed(_derive(seed_value, name, chunk))(lambda: cls())
-                    run_state_machine_as_test(factory, settings=base)
+                    run_state_machine_as_test(factory, settings=chunk_settings)
                 except Exception as exc:  # noqa: BLE001 - a failure of the system under test
                     current = KitMachine.kit_current()
                     trace = current.kit_sequence(f"fuzz-seed{seed_value}-{name}") if current else None
