@@ -37,11 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import provenance, record_section  # noqa: E402
 
+from kvtier.argtypes import positive_int  # noqa: E402
+from kvtier.fsm import KvtierError  # noqa: E402
 from kvtier.fsm.presets import preset  # noqa: E402
 from kvtier.replay import trace_requests  # noqa: E402
 from kvtier.scheduler import InstantExecutor  # noqa: E402
 from kvtier.tiered import TieredCache  # noqa: E402
-from kvtier.trace import load_trace  # noqa: E402
+from kvtier.trace import Trace, load_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -80,10 +82,12 @@ class Result:
     calls_per_request: float
 
 
-def run(trace: Path | None, limit: int | None, device: int, host: int | None, policy: str) -> Result:
-    """One configuration over the trace; see the module docstring for the method."""
+def run(trace: Trace | Path | None, limit: int | None, device: int, host: int | None, policy: str) -> Result:
+    """One configuration over the trace (a loaded :class:`Trace`, a path, or ``None`` for the
+    embedded slice); see the module docstring for the method."""
     layout = preset("llama-3-8b", page_tokens=512)
-    requests = trace_requests(load_trace(trace, limit), layout)
+    loaded = trace if isinstance(trace, Trace) else load_trace(trace, limit)
+    requests = trace_requests(loaded, layout)
     cache = TieredCache(layout, device, host, policy=policy)
     executor = InstantExecutor(cache.core.world_size)
     clock = time.perf_counter
@@ -149,13 +153,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("trace", nargs="?", default=str(TRACE) if TRACE.exists() else None,
                     help="Mooncake trace (default: ../shared/traces/mooncake_conversation_trace.jsonl, "
                          "else the embedded 1,000-request slice)")
-    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     ap.add_argument("--record", nargs="?", const=str(RESULTS), default=None, metavar="RESULTS.md",
                     help="write the table into this file's 'bookkeeping' section")
     args = ap.parse_args(argv)
-    trace = Path(args.trace) if args.trace else None
-    results = [run(trace, args.limit, d, h, p) for d, h, p in CONFIGS]
-    text = table(results)
+    try:
+        trace = load_trace(Path(args.trace) if args.trace else None, args.limit)
+    except (KvtierError, OSError) as exc:
+        print(f"bench/bookkeeping.py: {exc}", file=sys.stderr)
+        return 2
+    results = [run(trace, None, d, h, p) for d, h, p in CONFIGS]
+    head = (f"trace: {trace.source}, {len(trace):,} requests (the peers' hit rates are for the whole "
+            f"12,031-request trace)")
+    text = head + "\n\n" + table(results)
     print(text)
     if args.record:
         info = provenance(sys.argv if argv is None else ["bench/bookkeeping.py", *argv])
