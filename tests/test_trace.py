@@ -253,3 +253,12 @@ def test_full_shared_trace() -> None:
     assert round(100 * trace.ideal_hit_rate(), 1) == 37.4
     assert trace.ideal_hit_tokens() == 54_098_411 and trace.prompt_tokens() == 144_793_823
     assert all(r.hash_ids[0] == 0 for r in trace.requests)
+
+
+def test_garbage_is_invalid_json_not_a_truncated_file(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.jsonl.gz"
+    fake.write_bytes(b"garbage")  # named .gz, not gzip, no trailing newline
+    with pytest.raises(TraceFormatError) as exc:
+        load_trace(fake)
+    assert str(exc.value).endswith("line 1: invalid JSON (Expecting value: line 1 column 1 (char 0)); "
+                                   "the name ends in .gz but the content is not gzip")

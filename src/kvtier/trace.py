@@ -245,8 +245,10 @@ def _parse(lines: _Lines, source: str, limit: int | None, strict: bool) -> list[
         try:
             obj = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            if raw.endswith(b"\n"):
-                raise TraceFormatError(source, lineno, None, f"invalid JSON ({exc})") from exc
+            if raw.endswith(b"\n") or not text.startswith(b"{"):
+                hint = ("; the name ends in .gz but the content is not gzip"
+                        if lineno == 1 and str(source).endswith(".gz") else "")
+                raise TraceFormatError(source, lineno, None, f"invalid JSON ({exc}){hint}") from exc
             msg = (f"file looks truncated at line {lineno}: the last line is incomplete "
                    f"JSON with no trailing newline ({exc})")
             if strict:
