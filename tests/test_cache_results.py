@@ -86,11 +86,19 @@ def test_capacity_zero_units_is_allowed() -> None:
     (1.5, "device_pages: must be an int >= 0 (units) or a mapping group -> pages, got 1.5"),
     ({"a": 1, "b": 1, "zz": 2}, "device_pages: unknown cache groups ['zz']"),
     ({"a": 1}, "device_pages: no capacity for cache groups ['b']"),
+    ({"a": 1, "b": -1}, "device_pages: pages of group 'b' must be an int >= 0, got -1"),
+    ({"a": "3", "b": 1}, "device_pages: pages of group 'a' must be an int >= 0, got '3'"),
+    ({"a": 1, "b": True}, "device_pages: pages of group 'b' must be an int >= 0, got True"),
 ])
 def test_capacity_errors(value: object, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
         TieredPrefixCache(h2(), device_pages=value, host_pages=None)  # type: ignore[arg-type]
     assert str(exc.value) == message
+
+
+def test_a_group_may_have_zero_pages() -> None:
+    c = TieredPrefixCache(h2(), device_pages={"a": 4, "b": 0}, host_pages=None)
+    assert {g: a.capacity for g, a in c.device.items()} == {"a": 4, "b": 0}
 
 
 # --- constructor validation --------------------------------------------------------------
