@@ -111,6 +111,8 @@ def test_a_group_may_have_zero_pages() -> None:
     (dict(write_threshold=True), "write_threshold must be an int >= 1, got True"),
     (dict(world_size=0), "world_size must be an int >= 1, got 0"),
     (dict(op_deadline_steps=0), "op_deadline_steps must be None or an int >= 1, got 0"),
+    (dict(op_deadline_steps=True), "op_deadline_steps must be None or an int >= 1, got True"),
+    (dict(op_deadline_steps=1.0), "op_deadline_steps must be None or an int >= 1, got 1.0"),
     (dict(host_pages=-2), "host_pages: must be an int >= 0 (units) or a mapping group -> pages, got -2"),
 ])
 def test_constructor_errors(kwargs: dict[str, typing.Any], message: str) -> None:
