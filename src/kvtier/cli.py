@@ -100,6 +100,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         path = res.violation.save(args.save)
         print(f"saved as {path} (reproduce: kvtier fuzz --replay {path})")
         return 1
+    if res.stopped:
+        print(f"kvtier verify: the bound was not completed ({res.stopped})", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -171,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-units", type=positive_int, default=4, help="device capacity in units (default %(default)s)")
     p.add_argument("--host-units", type=positive_int, default=4, help="host capacity in units (default %(default)s)")
     p.add_argument("--deadline", type=positive_int, default=None, help="operation deadline in steps (default: none)")
-    p.add_argument("--max-seconds", type=positive_float, default=None, help="stop early after this long")
+    p.add_argument("--max-seconds", type=positive_float, default=None, help="stop early after this long (exit status 3: the bound was not completed)")
     p.add_argument("--save", default="kvtier-verify-violation.json", metavar="FILE",
                    help="where a violating trace is saved (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no per-level progress")

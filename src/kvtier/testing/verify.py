@@ -154,7 +154,7 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
                 if max_states is not None and len(seen) >= max_states:
                     res.stopped = f"state limit {max_states:,} reached at depth {level}"
                 if seconds is not None and time.perf_counter() - t0 > seconds:
-                    res.stopped = f"time limit {seconds:.0f} s reached at depth {level}"
+                    res.stopped = f"time limit {seconds:g} s reached at depth {level}"
                 if res.stopped:
                     res.states = len(seen)
                     res.depth = level - 1
