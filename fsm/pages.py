@@ -57,13 +57,15 @@ class PageAllocator:
         lowest ids never allocated.
 
         Raises:
+            ConfigError: ``n`` is not an int >= 0.
             CapacityError: fewer than ``n`` pages are free (nothing allocated).
         """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"{self.pool} pool of group {self.group!r}: page count must be an int >= 0, "
+                              f"got {n!r}")
         free = self.free
         if n > free:
             raise CapacityError(self.pool, self.group, n, free)
-        if n <= 0:
-            return []
         k = min(n, len(self._released))
         out = self._released[len(self._released) - k:]
         del self._released[len(self._released) - k:]

@@ -279,10 +279,11 @@ def test_lazy_lru_heaps_grow_to_their_bound_and_no_further():
     c = TieredPrefixCache(h1(), 8, 8)
     y = put(c, "y").node
     put(c, "x")
+    assert all(n is not c.root for _, n in c._dev_lru + c._host_lru)  # only tree nodes
     limit = 4 * len(c.nodes()) + 256
     lengths = []
     for _ in range(300):
-        c.unlock(c.lock(y))
+        c._touch(y)  # one entry per touch
         lengths.append(len(c._dev_lru))
         assert len(c._host_lru) == len(c._dev_lru)  # nothing popped: both grow alike
     assert max(lengths) == limit

@@ -40,10 +40,9 @@ def test_attributes_and_counts() -> None:
     assert a.is_free(1) and not a.is_free(0)
 
 
-def test_alloc_zero_or_negative_takes_nothing() -> None:
+def test_alloc_zero_takes_nothing() -> None:
     a = PageAllocator("device", "g", 4)
     assert a.alloc(0) == []
-    assert a.alloc(-2) == []
     assert (a.free, a.used) == (4, 0)
     assert a.free_pages() == frozenset(range(4))
 
@@ -114,3 +113,14 @@ def test_free_order_is_the_reverse_allocation_order() -> None:
     assert a.free_order() == (5, 4, 2, 0) and a.free_pages() == {0, 2, 4, 5}
     assert a.alloc(3) == [0, 2, 4]  # last freed first, then the lowest never-used id
     assert a.free_order() == (5,) and a.free_pages() == {5}
+
+
+def test_alloc_counts_are_checked_and_zero_is_nothing() -> None:
+    a = PageAllocator("device", "kv", 4)
+    assert a.is_free(0) and a.is_free(3) and not a.is_free(-1)
+    assert a.alloc(0) == [] and a.free == 4
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ConfigError) as exc:
+            a.alloc(bad)  # type: ignore[arg-type]
+        assert str(exc.value) == f"device pool of group 'kv': page count must be an int >= 0, got {bad!r}"
+    assert a.free == 4 and a.free_order() == (3, 2, 1, 0)
