@@ -156,6 +156,23 @@ def test_a_host_hit_joins_a_loadback_in_flight_and_stops_after_it():
     c.check_invariants()
 
 
+def test_a_joined_loadback_of_several_nodes_is_joined_whole():
+    # A = (a), B = (b) under it, C = (c) under B, all on the host; r1 loads A and B in one
+    # operation. A match for (a, b, c) joins both and stops before C.
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "a")
+    b = put(c, "ab", a.pages)
+    cc = put(c, "abc", b.pages)
+    ack(c, c.writeback(cc.node))
+    assert c.evict_device({"kv": 3}) == {"kv": 3}
+    lr1 = c.load(c.match("ab"), "r1")
+    assert (a.node.lb_op, b.node.lb_op, cc.node.state) == (lr1.command.op_id, lr1.command.op_id, "host")
+    m = c.match("abc")
+    assert (m.joined_nodes, m.host_nodes, m.host_units) == ((a.node, b.node), (), 2)
+    ack(c, lr1.command)
+    c.check_invariants()
+
+
 def test_a_loadback_in_flight_under_a_device_prefix_is_joined():
     # A = (a) on the device; B = (b) under it on the host, loaded by r1. r2 reads A from the
     # device and joins B's loadback.
