@@ -464,7 +464,9 @@ def test_insert_publishes_nothing_beyond_a_loading_node():
 
 def test_insert_checkpoint_is_not_a_chunk_checkpoint_by_default():
     c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, None)
-    assert put(c, "a", ckpt=True).node.chunk_checkpoint is False
+    got = c.alloc_device({"fh": 1, "swa": 4})
+    res = c.insert(("a",), {"fh": got["fh"]}, {"swa": got["swa"]})  # no chunk_checkpoint argument
+    assert res.node.chunk_checkpoint is False
     assert put(c, "ab", ckpt=True, chunk=True).node.chunk_checkpoint is True
 
 
