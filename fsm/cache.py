@@ -818,8 +818,6 @@ class TieredPrefixCache:
         """
         self._check_need(need)
         freed = {g: 0 for g in self.device}
-        if not any(n > 0 for n in need.values()):
-            return freed
         heap = self._dev_lru
         queued: list[Node] = []
         while heap and any(freed[g] < k for g, k in need.items()):
@@ -903,8 +901,6 @@ class TieredPrefixCache:
         if self.host is None:
             return {}
         freed = {g: 0 for g in self.host}
-        if not any(n > 0 for n in need.values()):
-            return freed
         keep = {id(n) for n in protect}
         heap = self._host_lru
         spared: list[Node] = []

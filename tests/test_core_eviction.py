@@ -9,6 +9,7 @@ import pytest
 from core_helpers import ack, free, h1, h2, put, src, state
 
 from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm.node import Node
 from kvtier.fsm.errors import CapacityError, ConfigError
 
 
@@ -303,4 +304,51 @@ def test_a_parent_dropped_from_the_heap_comes_back_when_its_last_child_leaves():
     c.release(borrow)  # touches B only
     assert c.evict_device({"kv": 4}) == {"kv": 4}  # B goes, then A (touched by B's eviction)
     assert state(c) == {} and c.stats.device_evictions == 2
+    c.check_invariants()
+
+
+def _backed(c: TieredPrefixCache, key: str) -> Node:
+    n = put(c, key).node
+    ack(c, c.writeback(n))
+    assert n.state == "backed"
+    return n
+
+
+def test_host_only_eviction_spares_backed_nodes():
+    c = TieredPrefixCache(h1(), 8, 8)
+    x = _backed(c, "x")
+    y = _backed(c, "y")
+    assert c.evict_device({"kv": 1}) == {"kv": 1} and (x.state, y.state) == ("host", "backed")
+    before_y = y.host
+    # two pages asked, one host-only page to give: y's host copy is spared
+    assert c.evict_host({"kv": 2}, host_only=True) == {"kv": 1}
+    assert x.node_id not in state(c) and (y.state, y.host) == ("backed", before_y)
+    assert (c.stats.host_evictions, c.stats.host_drops) == (1, 0)
+    c.check_invariants()
+
+
+def test_host_copies_of_backed_nodes_are_dropped_even_when_locked_and_counted_each_time():
+    c = TieredPrefixCache(h1(), 8, 8)
+    x = _backed(c, "x")
+    y = _backed(c, "y")
+    lock = c.lock(x, "r1")  # a running request uses x: its device pages stay, its host copy may go
+    assert c.evict_host({"kv": 2}) == {"kv": 2}
+    assert (x.state, y.state, x.host, c.stats.host_drops) == ("device", "device", {}, 2)
+    c.unlock(lock)
+    c.check_invariants()
+
+
+def test_a_demoted_chunk_checkpoint_comes_back_as_a_final_one():
+    c = TieredPrefixCache(src(), {"fh": 8, "swa": 16}, {"fh": 8, "swa": 16})
+    ra = put(c, "a", ckpt=True, chunk=True)
+    a = ra.node
+    ack(c, c.writeback(a))
+    assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
+    assert (a.state, a.dev_state, a.chunk_checkpoint) == ("host", {}, False)
+    lr = c.load(c.match("a"), "r1")
+    ack(c, lr.command)
+    c.release(lr.pin)
+    c.unlock(lr.lock)
+    rab = put(c, "ab", c.device_pages(a), ckpt=True)  # a deeper checkpoint does not drop it now
+    assert a.dev_state and not a.chunk_checkpoint and rab.node.dev_state
     c.check_invariants()

@@ -110,3 +110,7 @@ def test_operation_record() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.ok = False  # type: ignore[misc]
     assert LayerProgress(7, 3) == LayerProgress(op_id=7, layer=3)
+    for record, field in ((s, "ok"), (LayerProgress(7, 3), "layer")):
+        assert not hasattr(record, "__dict__")  # slotted
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, field, 1)
