@@ -243,6 +243,42 @@ def device_checkpoint_without_pages(c, n):
     n["a"].dev_state = {"swa": c.device["swa"].alloc(4)}
 
 
+def writing_with_a_lost_op(c, n):
+    writing_without_op(c, n)
+    n["x"].wb_op = 99
+
+
+def writeback_node_claims_another_op(c, n):
+    c.writeback(n["x"])
+    n["x"].wb_op = 98
+
+
+def borrowed_then_demoted(c, n):
+    a = n["a"]
+    c.borrow([a], "r1")
+    c.device["kv"].release(a.dev["kv"])  # a demotion that ignored the borrow
+    a.dev = {}
+    a.state = "host"
+
+
+def _a_back_to_device_only(c, n):
+    a = n["a"]
+    c.host["kv"].release(a.host["kv"])
+    a.host = {}
+    a.state = "device"
+
+
+def child_written_before_parent(c, n):
+    c._submit_writeback([n["b"]], None)  # legal while A is backed...
+    _a_back_to_device_only(c, n)  # ...but A has lost its host copy
+
+
+def child_in_another_parents_writeback(c, n):
+    c._submit_writeback([n["b"]], None)
+    _a_back_to_device_only(c, n)
+    c._submit_writeback([n["a"]], None)  # A written back by another operation than B
+
+
 #: (what, corrupt, setup, invariant, subject, detail): one row per check of check_invariants().
 CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
     ("state", corrupt_state, valid, "state_matches_resources", "node 1 (host)",
@@ -273,6 +309,16 @@ CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
      "pinned without a host copy"),
     ("writing without op", writing_without_op, valid, "writeback_source_immutable", "node 3 (writing)",
      "writing without a writeback in flight"),
+    ("writing with a lost op", writing_with_a_lost_op, valid, "writeback_source_immutable", "node 3 (writing)",
+     "writing without a writeback in flight"),
+    ("writeback node claims another op", writeback_node_claims_another_op, valid, "operation_ends_once",
+     "node 3 (writing)", "in writeback op 2 but not writing it"),
+    ("borrowed then demoted", borrowed_then_demoted, valid, "borrowed_pages_stay", "node 1 (host)",
+     "borrowed by 1 but has no device pages"),
+    ("child written before its parent", child_written_before_parent, valid, "root_closed_host", "node 2 (writing)",
+     "parent 1 is device"),
+    ("child in another writeback than its parent", child_in_another_parents_writeback, valid, "root_closed_host",
+     "node 2 (writing)", "parent 1 is writing"),
     ("depth", broken_depth, valid, "split_preserves_ownership", "node 2 (device)", "depth 7 != 2 + 2"),
     ("orphan", orphan, valid, "split_preserves_ownership", "the cache", "tree and node index disagree: [2]"),
     ("link key", bad_link_key, valid, "split_preserves_ownership", "node 2 (device)", "tree links are inconsistent"),

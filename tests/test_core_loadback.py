@@ -11,6 +11,7 @@ from core_helpers import ack, free, h1, h2, put, snapshot, src, state
 from kvtier.fsm.cache import TieredPrefixCache
 from kvtier.fsm.errors import CapacityError, KvtierError
 from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.node import Node
 from kvtier.fsm.ops import LayerProgress
 from kvtier.fsm.records import CacheGroupSpec, Completion, ComponentSpec, Direction, Family
 
@@ -363,3 +364,44 @@ def test_load_refuses_a_match_whose_nodes_changed_state():
     c.release(lr.pin)
     c.unlock(lr.lock)
     c.check_invariants()
+
+
+def _host_checkpoint(dev: dict[str, int]) -> tuple[TieredPrefixCache, Node]:
+    """src layout: A = (a) with its checkpoint, written back and demoted (on the host only)."""
+    c = TieredPrefixCache(src(), dev, {"fh": 4, "swa": 8})
+    a = put(c, "a", ckpt=True).node
+    ack(c, c.writeback(a))
+    assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4} and a.state == "host"
+    return c, a
+
+
+def test_load_reserves_exactly_history_checkpoint_and_extra_pages():
+    c, a = _host_checkpoint({"fh": 4, "swa": 8})
+    x = put(c, "x", ckpt=True).node  # fh 1, swa 4: free fh 3, swa 4
+    lr = c.load(c.match("a"), "r1", extra={"fh": 2, "swa": 0})
+    # 1 fh page + 4 swa pages for A and 2 fh pages of its own: everything fits, nothing evicted
+    assert (len(lr.device_pages["fh"]), {g: len(p) for g, p in lr.extra.items()}) == (1, {"fh": 2})
+    assert x.state == "device" and c.stats.device_evictions == 0 and free(c) == {"fh": 0, "swa": 0}
+    ack(c, lr.command)
+    c.check_invariants()
+
+
+def test_load_evicts_exactly_the_checkpoint_shortfall():
+    c, a = _host_checkpoint({"fh": 4, "swa": 10})
+    x = put(c, "x", ckpt=True).node
+    z = put(c, "z", ckpt=True).node  # free: fh 2, swa 2
+    lr = c.load(c.match("a"), "r1")  # swa short by 2: x (least recently used) goes, z stays
+    assert x.node_id not in state(c) and z.state == "device" and c.stats.device_evictions == 1
+    ack(c, lr.command)
+    c.check_invariants()
+
+
+def test_load_refusal_names_the_short_group():
+    c, a = _host_checkpoint({"fh": 4, "swa": 8})
+    put(c, "x", ckpt=True)
+    put(c, "y", ckpt=True)  # free: fh 2, swa 0
+    before = snapshot(c)
+    with pytest.raises(CapacityError) as exc:
+        c.load(c.match("a"), "r1", evict=False, extra={"fh": 1})  # fh exactly fits, swa is short
+    assert str(exc.value) == "device pool of cache group 'swa': need 4 pages, 0 free"
+    assert snapshot(c) == before

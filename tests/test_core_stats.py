@@ -67,3 +67,14 @@ def test_splits_are_counted_each_time() -> None:
     put(c, "ay", {"kv": [0]})  # (a) | (b), (y)
     assert c.stats.splits == 2
     assert sorted(n.key for n in c.nodes()) == [("a",), ("b",), ("c",), ("x",), ("y",)]
+
+
+def test_joined_loadbacks_are_counted_each_time() -> None:
+    c = TieredPrefixCache(h1(), 8, 8)
+    a = put(c, "ab").node
+    ack(c, c.writeback(a))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    first = c.load(c.match("ab"), "r1")
+    joins = [c.load(c.match("ab"), r) for r in ("r2", "r3")]
+    assert (c.stats.loadbacks, c.stats.joined_loadbacks) == (1, 2)
+    assert all(j.command is None and j.op_ids == (first.command.op_id,) for j in joins)
