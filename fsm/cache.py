@@ -1057,16 +1057,17 @@ class TieredPrefixCache:
         self._tree_nodes("writeback", [node])
         if self.host is None:
             return None
+        # The device-only nodes of a path are consecutive and end it (the device set is
+        # root-closed, and a host-visible or writing node's parent is host-visible or in the
+        # same writeback), so the run is that chain, when its first node's parent is the root
+        # or on the host; behind a writeback in flight elsewhere it waits in the tree queue.
         run: list[Node] = []
-        blocked = False  # behind a node whose writeback is in flight elsewhere
         for n in reversed(node.path()):
             if n.state != "device":
-                blocked = blocked or n.state not in HOST_VISIBLE
                 continue
             p = n.parent
             assert p is not None
-            if not blocked and ((not run and (p.parent is None or p.state in HOST_VISIBLE))
-                                or (run and p is run[-1])):
+            if run or p.parent is None or p.state in HOST_VISIBLE:
                 run.append(n)
             else:
                 self._wb_queue[n.node_id] = n

@@ -164,6 +164,26 @@ def test_request_writeback_behind_an_inflight_one_is_queued():
     c.check_invariants()
 
 
+def test_a_chain_behind_an_inflight_writeback_is_queued_whole_parent_first():
+    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    ra = put(c, "ab")
+    cmd_a = c.writeback(ra.node)
+    rb = put(c, "abc", ra.pages)
+    rc = put(c, "abcd", rb.pages)
+    assert c.writeback(rc.node, "r1") is None
+    assert (rb.node.state, rc.node.state) == ("device", "device")
+    assert c.queued_writebacks() == [rb.node.node_id, rc.node.node_id]
+    ack(c, cmd_a)
+    issued = []
+    while c.queued_writebacks():
+        for cmd in c.issue_writebacks():
+            issued.append(cmd.node_ids)
+            ack(c, cmd)
+    assert issued[0][0] == rb.node.node_id and [n for ids in issued for n in ids] == [rb.node.node_id, rc.node.node_id]
+    assert (rb.node.state, rc.node.state) == ("backed", "backed")
+    c.check_invariants()
+
+
 def test_failed_writeback_frees_reservation_publishes_nothing_keeps_device():
     # source tests 4 and 20
     c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
