@@ -181,15 +181,15 @@ def _check_conservation(cache: TieredPrefixCache, nodes: dict[int, Node]) -> Non
                         if p in owner:
                             raise _fail("conservation", n, f"{pool} page {p} of {g!r} also owned by {owner[p]}")
                         owner[p] = f"node {n.node_id}"
-            if pool == "device":
-                for p in cache._external[g]:
-                    if p in owner:
-                        raise _fail("conservation", None, f"device page {p} of {g!r}: caller and {owner[p]}")
-                    owner[p] = "a caller"
+            callers = cache._external[g] if pool == "device" else set()
+            clash = sorted(callers & owner.keys())
+            if clash:
+                raise _fail("conservation", None, f"device page {clash[0]} of {g!r}: caller and {owner[clash[0]]}")
+            owned = owner.keys() | callers
             free = alloc.free_pages()
-            both = free & owner.keys()
+            both = free & owned
             if both:
                 raise _fail("conservation", None, f"{pool} pages {sorted(both)[:5]} of {g!r} free and owned")
-            if len(free) + len(owner) != alloc.capacity:
-                raise _fail("conservation", None, f"{pool} pool of {g!r}: {len(free)} free + {len(owner)} owned "
+            if len(free) + len(owned) != alloc.capacity:
+                raise _fail("conservation", None, f"{pool} pool of {g!r}: {len(free)} free + {len(owned)} owned "
                                                   f"!= capacity {alloc.capacity}")

@@ -279,6 +279,15 @@ def child_in_another_parents_writeback(c, n):
     c._submit_writeback([n["a"]], None)  # A written back by another operation than B
 
 
+def loadback_source_moved(c, n):
+    n["a"].host["kv"] = [5, 6]  # (checked before conservation)
+
+
+def many_free_and_owned(c, n):
+    put(c, "qrs")  # device pages 5, 6, 7: eight pages owned
+    c.device["kv"].release(range(8))
+
+
 #: (what, corrupt, setup, invariant, subject, detail): one row per check of check_invariants().
 CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
     ("state", corrupt_state, valid, "state_matches_resources", "node 1 (host)",
@@ -319,6 +328,10 @@ CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
      "parent 1 is device"),
     ("child in another writeback than its parent", child_in_another_parents_writeback, valid, "root_closed_host",
      "node 2 (writing)", "parent 1 is writing"),
+    ("loadback source moved", loadback_source_moved, loading_a, "loadback_source_pinned", "node 1 (loading)",
+     "op 2 copies from {'kv': [0, 1]}, its nodes hold {'kv': [5, 6]}"),
+    ("many free and owned", many_free_and_owned, valid, "conservation", "the cache",
+     "device pages [0, 1, 2, 3, 4] of 'kv' free and owned"),
     ("depth", broken_depth, valid, "split_preserves_ownership", "node 2 (device)", "depth 7 != 2 + 2"),
     ("orphan", orphan, valid, "split_preserves_ownership", "the cache", "tree and node index disagree: [2]"),
     ("link key", bad_link_key, valid, "split_preserves_ownership", "node 2 (device)", "tree links are inconsistent"),
