@@ -1143,11 +1143,9 @@ class TieredPrefixCache:
         if cmd is not None:
             return [cmd]
         out: list[TransferCommand] = []
-        for n in ready:
+        for n in ready:  # (still device nodes: host eviction below only touches host copies)
             if limit is not None and len(out) >= limit:
                 break
-            if n.state != "device" or n.node_id not in self._nodes:
-                continue
             p = n.parent
             assert p is not None
             if not (p.parent is None or p.state in HOST_VISIBLE):

@@ -265,3 +265,64 @@ def test_host_eviction_frees_several_snapshots_for_one_allocation():
     c.check_invariants()
     assert state(c) == {r3.node.node_id: "writing"} and c.stats.host_evictions == 2
     assert sorted(cmd.transfers[0].dst_pages) == [0, 1]
+
+
+def test_batched_tree_writeback_falls_back_to_one_node_at_a_time_within_the_limit():
+    # three queued device leaves, room for two pages on the host: the batch of three does not
+    # fit, so nodes go one by one; with limit=1 only one operation is issued per call
+    c = TieredPrefixCache(h1(), 8, 2, policy="write_back")
+    nodes = [put(c, k).node for k in "xyz"]
+    for n in nodes:
+        c._wb_queue[n.node_id] = n
+    (first,) = c.issue_writebacks(limit=1)
+    assert first.node_ids == (nodes[0].node_id,) and c.queued_writebacks() == [n.node_id for n in nodes[1:]]
+    ack(c, first)
+    cmds = c.issue_writebacks()
+    assert [cmd.node_ids for cmd in cmds] == [(nodes[1].node_id,)]  # the last one does not fit
+    assert c.queued_writebacks() == [] and nodes[2].state == "device"
+    ack(c, cmds[0])
+    c.check_invariants()
+
+
+def test_queued_nodes_that_left_the_device_state_are_dropped():
+    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    a = put(c, "a").node
+    b = put(c, "b").node
+    c._wb_queue[a.node_id] = a
+    c._wb_queue[b.node_id] = b
+    ack(c, c.writeback(a, "r1"))  # a request wrote A back meanwhile
+    (cmd,) = c.issue_writebacks()
+    assert cmd.node_ids == (b.node_id,) and c.queued_writebacks() == []
+    ack(c, cmd)
+    c.check_invariants()
+
+
+def test_a_queued_child_whose_parent_will_not_be_written_is_dropped():
+    c = TieredPrefixCache(h1(), 8, 0, policy="write_back")  # a host tier without room
+    a = put(c, "a")
+    b = put(c, "ab", a.pages)
+    c._wb_queue[a.node.node_id] = a.node
+    c._wb_queue[b.node.node_id] = b.node
+    assert c.issue_writebacks() == []  # A does not fit and leaves the queue; B waits for A
+    assert c.queued_writebacks() == [b.node.node_id]
+    assert c.issue_writebacks() == [] and c.queued_writebacks() == []  # A will never be written
+    c.check_invariants()
+
+
+def test_write_back_never_takes_another_nodes_host_copy_for_a_writeback():
+    c = TieredPrefixCache(h1(), 8, 1, policy="write_back")
+    x = put(c, "x").node
+    ack(c, c.writeback(x, "r1"))  # the host's only page holds x's copy
+    y = put(c, "y").node
+    c._wb_queue[y.node_id] = y
+    assert c.issue_writebacks() == []  # y is refused rather than making x device-only again
+    assert (x.state, y.state, c.queued_writebacks()) == ("backed", "device", [])
+    wt = TieredPrefixCache(h1(), 8, 1, policy="write_through")
+    x2 = put(wt, "x").node
+    ack(wt, wt.writeback(x2))
+    y2 = put(wt, "y").node
+    wt._wb_queue[y2.node_id] = y2
+    (cmd,) = wt.issue_writebacks()  # other policies may take it
+    assert cmd.node_ids == (y2.node_id,) and x2.state == "device"
+    c.check_invariants()
+    wt.check_invariants()
