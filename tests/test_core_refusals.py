@@ -97,6 +97,7 @@ def test_completion_and_loadback_refusals() -> None:
     c.complete(Completion(1, 1, True))
     refused(c, lambda: c.complete(Completion(1, 1, True)), UnknownOperation, "completion for op 1: already settled")
     refused(c, lambda: c.poison(99), UnknownOperation, "poison: op 99 is not in flight")
+    refused(c, lambda: c.complete(1), ConfigError, "complete() takes a Completion, got 1")  # type: ignore[arg-type]
     assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"
     refused(c, lambda: c.borrow([a], "r"), KvtierError, "borrow: nodes [1] have no device pages")
     m = c.match("ab")

@@ -270,8 +270,10 @@ def test_host_eviction_frees_several_snapshots_for_one_allocation():
 def test_batched_tree_writeback_falls_back_to_one_node_at_a_time_within_the_limit():
     # three queued device leaves, room for two pages on the host: the batch of three does not
     # fit, so nodes go one by one; with limit=1 only one operation is issued per call
-    c = TieredPrefixCache(h1(), 8, 2, policy="write_back")
-    nodes = [put(c, k).node for k in "xyz"]
+    c = TieredPrefixCache(h1(), 8, 3, policy="write_back")
+    p = put(c, "p")
+    ack(c, c.writeback(p.node, "r0"))  # a backed parent: its children may be written back
+    nodes = [put(c, k).node for k in "xy"] + [put(c, "pz", p.pages).node]
     for n in nodes:
         c._wb_queue[n.node_id] = n
     (first,) = c.issue_writebacks(limit=1)
