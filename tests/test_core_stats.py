@@ -78,3 +78,58 @@ def test_joined_loadbacks_are_counted_each_time() -> None:
     joins = [c.load(c.match("ab"), r) for r in ("r2", "r3")]
     assert (c.stats.loadbacks, c.stats.joined_loadbacks) == (1, 2)
     assert all(j.command is None and j.op_ids == (first.command.op_id,) for j in joins)
+
+
+def test_failures_settle_with_ok_false_and_are_counted_each_time() -> None:
+    c = TieredPrefixCache(h1(), 8, 8, world_size=2)
+    a = put(c, "ab").node
+    ack(c, c.writeback(a))
+    failures = []
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    for _ in range(2):  # the failed loadback leaves A on the host: load it again
+        assert a.state == "host"
+        lr = c.load(c.match("ab"), "r1")
+        op = lr.command.op_id
+        c.complete(Completion(op, 0, False, 0))  # a failed layer fails the whole loadback
+        c.complete(Completion(op, 1, True))
+        (settled,) = c.complete(Completion(op, 0, True))
+        failures.append(settled.ok)
+        c.release(lr.pin)
+        c.unlock(lr.lock)
+    assert failures == [False, False] and all(ok is False for ok in failures)
+    assert c.stats.loadback_failures == 2
+    w = put(c, "x").node
+    cmd = c.writeback(w)
+    c.poison(cmd.op_id)
+    c.complete(Completion(cmd.op_id, 0, True))
+    (settled,) = c.complete(Completion(cmd.op_id, 1, True))
+    assert settled.ok is False and w.state == "device"
+
+
+def test_a_failed_writeback_drops_only_its_own_queued_children() -> None:
+    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    a = put(c, "a")
+    child = put(c, "ab", a.pages).node
+    other = put(c, "x").node
+    other_child = put(c, "xy", {"kv": other.dev["kv"]}).node
+    cmd_a = c.writeback(a.node, "r1")
+    cmd_x = c.writeback(other, "r2")
+    c._wb_queue[child.node_id] = child
+    c._wb_queue[other_child.node_id] = other_child
+    ack(c, cmd_a, ok=False)  # A's copy failed: its child can never be written now
+    assert c.queued_writebacks() == [other_child.node_id]
+    ack(c, cmd_x)
+    c.check_invariants()
+
+
+def test_advance_step_refuses_bad_counts() -> None:
+    c = TieredPrefixCache(h1(), 8, 8)
+    for bad in (0, -1, True, 1.5):
+        try:
+            c.advance_step(bad)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - the exact type and message are checked
+            assert type(exc).__name__ == "ConfigError"
+            assert str(exc) == f"advance_step: steps must be an int >= 1, got {bad!r}"
+        else:
+            raise AssertionError(f"advance_step({bad!r}) was accepted")
+    assert c.step == 0
