@@ -968,16 +968,19 @@ class TieredPrefixCache:
         protect = match.device_node.path()
         for n in protect:  # keep the device part of the hit out of the eviction below
             n.lock_ref += 1
-        need = {g: sum(len(n.host.get(g, ())) for n in host_nodes) for g in self._history}
+        need = {g: 0 for g in self.device}
+        for n in host_nodes:
+            for g in self._history:
+                need[g] += len(n.host.get(g, ()))
         ckpt_node = terminal if (self._state and terminal in host_nodes
                                  and self._has_checkpoint(terminal.host_state)) else None
         if ckpt_node is not None:
             for g in self._state:
-                need[g] = need.get(g, 0) + len(ckpt_node.host_state[g])
+                need[g] += len(ckpt_node.host_state[g])
         if extra:
             self._check_need(extra)
             for g, k in extra.items():
-                need[g] = need.get(g, 0) + k
+                need[g] += k
         try:
             short = {g: k - self.device[g].free for g, k in need.items() if k > self.device[g].free}
             if short and evict:
@@ -1114,9 +1117,9 @@ class TieredPrefixCache:
         """Submit queued tree writebacks whose parent is on the host, at most ``limit``
         operations. Every such node goes into one batched operation (one command, one
         ack: fewer, larger copies); if the host cannot hold the batch, nodes are submitted
-        one by one and those that still do not fit leave the queue. Nodes that left the
-        ``device`` state are dropped from the queue; nodes whose parent is not yet on the
-        host stay queued (invariant 1).
+        one by one and those that still do not fit leave the queue. Nodes whose parent is
+        not yet on the host stay queued (invariant 1); nodes whose parent is only on the
+        device and not queued leave it.
         """
         if self.host is None:
             self._wb_queue.clear()
@@ -1124,10 +1127,9 @@ class TieredPrefixCache:
         if limit is not None and limit < 1:
             return []
         ready: list[Node] = []
+        # (every queued node is a device node of the tree: submitting a writeback and
+        # removing a node both take it out of the queue)
         for n in sorted(self._wb_queue.values(), key=lambda x: (x.depth, x.node_id)):
-            if n.node_id not in self._nodes or n.state != "device":
-                self._wb_queue.pop(n.node_id, None)
-                continue
             p = n.parent
             assert p is not None
             if p.parent is None or p.state in HOST_VISIBLE:

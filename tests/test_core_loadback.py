@@ -405,3 +405,12 @@ def test_load_refusal_names_the_short_group():
         c.load(c.match("a"), "r1", evict=False, extra={"fh": 1})  # fh exactly fits, swa is short
     assert str(exc.value) == "device pool of cache group 'swa': need 4 pages, 0 free"
     assert snapshot(c) == before
+
+
+def test_load_evicts_for_its_extra_pages():
+    c, a = _host_checkpoint({"fh": 3, "swa": 12})
+    x = put(c, "x").node  # fh 1: free fh 2, swa 8
+    lr = c.load(c.match("a"), "r1", extra={"fh": 2})  # 1 fh page for A + 2 of its own: x goes
+    assert x.node_id not in state(c) and {g: len(p) for g, p in lr.extra.items()} == {"fh": 2}
+    ack(c, lr.command)
+    c.check_invariants()

@@ -133,3 +133,10 @@ def test_advance_step_refuses_bad_counts() -> None:
         else:
             raise AssertionError(f"advance_step({bad!r}) was accepted")
     assert c.step == 0
+
+
+def test_expired_operations_are_counted_each_time() -> None:
+    c = TieredPrefixCache(h1(), 8, 8, op_deadline_steps=1)
+    cmds = [c.writeback(put(c, k).node) for k in "xy"]
+    assert all(cmd is not None for cmd in cmds)
+    assert len(c.advance_step(2)) == 2 and c.stats.expired_ops == 2

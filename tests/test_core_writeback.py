@@ -286,7 +286,7 @@ def test_batched_tree_writeback_falls_back_to_one_node_at_a_time_within_the_limi
     c.check_invariants()
 
 
-def test_queued_nodes_that_left_the_device_state_are_dropped():
+def test_a_queued_node_written_back_by_a_request_leaves_the_queue():
     c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
     a = put(c, "a").node
     b = put(c, "b").node
@@ -328,3 +328,20 @@ def test_write_back_never_takes_another_nodes_host_copy_for_a_writeback():
     assert cmd.node_ids == (y2.node_id,) and x2.state == "device"
     c.check_invariants()
     wt.check_invariants()
+
+
+def test_a_writeback_evicts_exactly_its_host_shortfall():
+    # host of 3 pages: two host-only nodes and one free page; a 2-page writeback evicts one
+    c = TieredPrefixCache(h1(), 8, 3, policy="write_through")
+    olds = []
+    for k in "pq":
+        n = put(c, k).node
+        ack(c, c.writeback(n))
+        olds.append(n)
+    assert c.evict_device({"kv": 2}) == {"kv": 2} and [n.state for n in olds] == ["host", "host"]
+    r = put(c, "xy")
+    cmd = c.writeback(r.node)
+    assert cmd is not None and c.stats.host_evictions == 1
+    assert (olds[0].node_id in state(c), olds[1].state) == (False, "host")  # the older one went
+    ack(c, cmd)
+    c.check_invariants()
