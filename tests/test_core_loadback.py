@@ -414,3 +414,20 @@ def test_load_evicts_for_its_extra_pages():
     assert x.node_id not in state(c) and {g: len(p) for g, p in lr.extra.items()} == {"fh": 2}
     ack(c, lr.command)
     c.check_invariants()
+
+
+def test_load_of_several_nodes_reserves_all_their_pages():
+    # A = (a, b) and B = (c, d) under it on the host: loading both needs 4 pages; with 3 free,
+    # the unrelated x (1 page) must be evicted first
+    c = TieredPrefixCache(h1(), 5, 8)
+    a = put(c, "ab")
+    b = put(c, "abcd", a.pages)
+    ack(c, c.writeback(b.node))
+    assert c.evict_device({"kv": 4}) == {"kv": 4}
+    x = put(c, "x").node  # free: 4
+    y = put(c, "y").node  # free: 3
+    c.unlock(c.lock(y))  # y more recently used than x
+    lr = c.load(c.match("abcd"), "r1")
+    assert len(lr.device_pages["kv"]) == 4 and x.node_id not in state(c) and y.state == "device"
+    ack(c, lr.command)
+    c.check_invariants()
