@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, s in rows:
         print(f"| {name} | {s['total']} | {s['tested']} | {s['killed']} | {s['survived']} | {s['timeout']} | "
-              f"{s['excluded']} | {s['untested']} | {s['kill_rate']:.1%} |")
+              f"{s['excluded']} | {s['untested']} | {s['kill_rate']:.2%} |")
     if "--markdown" in argv:
         print("\nSurviving mutants:\n")
         for m in mutants:
