@@ -256,10 +256,9 @@ class TieredPrefixCache:
         # eviction drops them instead of queueing them again (no queue/refuse livelock)
         self._wb_refused: set[int] = set()
         self._outbox: list[TransferCommand] = []
-        # lazy LRU heaps of eviction candidates: (lru key, seq, node); stale entries are
-        # skipped when popped (the key no longer matches), so touching a node is O(log n)
-        # Lazy LRU heaps of (key, node): a touch pushes a new entry and stale ones are skipped
-        # on pop. Keys hold the node id, so two entries never tie between different nodes.
+        # lazy LRU heaps of eviction candidates, (lru key, node): a touch pushes a new entry
+        # and stale ones are skipped when popped (the key no longer matches), so touching a
+        # node is O(log n); keys hold the node id, so entries of different nodes never tie
         self._dev_lru: list[tuple[tuple[int, int, int], Node]] = []
         self._host_lru: list[tuple[tuple[int, int, int], Node]] = []
         self.stats = CacheStats()
