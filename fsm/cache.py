@@ -259,6 +259,7 @@ class TieredPrefixCache:
         # lazy LRU heaps of eviction candidates, (lru key, node): a touch pushes a new entry
         # and stale ones are skipped when popped (the key no longer matches), so touching a
         # node is O(log n); keys hold the node id, so entries of different nodes never tie
+        # and the node itself is never compared
         self._dev_lru: list[tuple[tuple[int, int, int], Node]] = []
         self._host_lru: list[tuple[tuple[int, int, int], Node]] = []
         self.stats = CacheStats()
