@@ -62,7 +62,10 @@ def deepseek_v4(num_layers: int = 43, ratios: Sequence[int] | None = None, slidi
     ratios = list(ratios)
     if len(ratios) != num_layers:
         raise ConfigError(f"deepseek-v4: {len(ratios)} ratios for {num_layers} layers")
-    bad = sorted({r for r in ratios if r not in (1, 4, 128)})
+    bad: list[object] = []
+    for r in ratios:  # ints only: 4.0 is not a ratio
+        if (isinstance(r, bool) or not isinstance(r, int) or r not in (1, 4, 128)) and r not in bad:
+            bad.append(r)
     if bad:
         raise ConfigError(f"deepseek-v4: compression ratios must be 1, 4 or 128, got {bad}")
     nope = head_dim - rope_dim

@@ -185,6 +185,10 @@ def test_deepseek_v3():
      "preset 'llama-3-8b': llama_3_8b() got an unexpected keyword argument 'bogus'"),
     (lambda: deepseek_v4(num_layers=2, ratios=[1, 2]), "deepseek-v4: compression ratios must be 1, 4 or 128, got [2]"),
     (lambda: deepseek_v4(num_layers=3, ratios=[1, 4]), "deepseek-v4: 2 ratios for 3 layers"),
+    (lambda: deepseek_v4(num_layers=4, ratios=[4.0, 4, 3, 3]), "deepseek-v4: compression ratios must be 1, 4 or 128, "
+     "got [4.0, 3]"),
+    (lambda: deepseek_v4(num_layers=2, ratios=[True, 4]), "deepseek-v4: compression ratios must be 1, 4 or 128, "
+     "got [True]"),
     (lambda: deepseek_v4(num_layers=2, ratios=[1, 1]), "layout 'deepseek-v4': needs at least one history group"),
     (lambda: deepseek_v4(sliding_window=0),
      "cache group 'v4.swa_kv': window (tokens, required for state groups) must be a positive int, got 0"),
