@@ -1,6 +1,6 @@
 """Write the mutation section of bench/RESULTS.md from the committed raw results.
 
-Usage: python bench/mutation/record.py   (reads results.xml, exclusions.txt, notes.md here)
+Usage: python bench/mutation/record.py   (reads results/*.xml, exclusions.txt and notes.md here)
 """
 
 from __future__ import annotations
