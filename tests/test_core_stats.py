@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from core_helpers import ack, h1, put, state
 
 from kvtier.fsm.cache import CacheStats, TieredPrefixCache
+from kvtier.fsm.errors import ConfigError
 from kvtier.fsm.records import Completion
 
 
@@ -125,13 +127,9 @@ def test_a_failed_writeback_drops_only_its_own_queued_children() -> None:
 def test_advance_step_refuses_bad_counts() -> None:
     c = TieredPrefixCache(h1(), 8, 8)
     for bad in (0, -1, True, 1.5):
-        try:
+        with pytest.raises(ConfigError) as exc:
             c.advance_step(bad)  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - the exact type and message are checked
-            assert type(exc).__name__ == "ConfigError"
-            assert str(exc) == f"advance_step: steps must be an int >= 1, got {bad!r}"
-        else:
-            raise AssertionError(f"advance_step({bad!r}) was accepted")
+        assert str(exc.value) == f"advance_step: steps must be an int >= 1, got {bad!r}"
     assert c.step == 0
 
 

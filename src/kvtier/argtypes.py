@@ -9,12 +9,23 @@ from collections.abc import Callable
 __all__ = ["positive_int", "int_in_range", "positive_float", "fraction"]
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
+def _int(text: str) -> int:
     try:
-        v = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    v = _int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return v
@@ -24,10 +35,7 @@ def int_in_range(low: int, high: int) -> Callable[[str], int]:
     """argparse type: an int in ``low .. high``."""
 
     def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        v = _int(text)
         if not low <= v <= high:
             raise argparse.ArgumentTypeError(f"{text!r} must be between {low} and {high}")
         return v
@@ -37,10 +45,7 @@ def int_in_range(low: int, high: int) -> Callable[[str], int]:
 
 def positive_float(text: str) -> float:
     """argparse type: a finite float > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    v = _float(text)
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return v
@@ -48,10 +53,7 @@ def positive_float(text: str) -> float:
 
 def fraction(text: str) -> float:
     """argparse type: a float in [0, 1]."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    v = _float(text)
     if not 0.0 <= v <= 1.0:
         raise argparse.ArgumentTypeError(f"{text!r} must be between 0 and 1")
     return v

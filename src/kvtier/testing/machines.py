@@ -384,6 +384,11 @@ class CoreMachine(KitMachine):
             self._insert(tuple(key), True)
 
     # -- helpers -----------------------------------------------------------------
+    def _node_at(self, i: int) -> Node | None:
+        """The ``i``-th node of the tree by node id (modulo the node count), or ``None``."""
+        ids = sorted(self.cache._nodes)
+        return self.cache._nodes[ids[i % len(ids)]] if ids else None
+
     def _take_commands(self) -> None:
         for cmd in self.cache.poll_commands():
             self.commands[cmd.op_id] = cmd
@@ -532,9 +537,9 @@ class CoreMachine(KitMachine):
     @recorded
     def load_node(self, i: int) -> None:
         """Load back the prefix of an existing node (host hits are likely)."""
-        nodes = sorted(self.cache._nodes)
-        if nodes:
-            self._load_key(_prefix(self.cache._nodes[nodes[i % len(nodes)]]))
+        n = self._node_at(i)
+        if n is not None:
+            self._load_key(_prefix(n))
 
     @precondition(lambda self: bool(self.cache._nodes))
     @rule(i=st.integers(0, 100), checkpoint=st.booleans())
@@ -542,10 +547,9 @@ class CoreMachine(KitMachine):
     def insert_split(self, i: int, checkpoint: bool) -> None:
         """Insert a key diverging after the first unit of an existing node (a split in
         whatever state the node is in)."""
-        nodes = sorted(self.cache._nodes)
-        if not nodes:
+        n = self._node_at(i)
+        if n is None:
             return
-        n = self.cache._nodes[nodes[i % len(nodes)]]
         key = _prefix(n)
         if len(n.key) >= 2:
             cut = len(key) - len(n.key) + 1
@@ -587,9 +591,9 @@ class CoreMachine(KitMachine):
     @rule(i=st.integers(0, 100))
     @recorded
     def request_writeback(self, i: int) -> None:
-        nodes = sorted(self.cache._nodes)
-        if nodes:
-            self.cache.writeback(self.cache._nodes[nodes[i % len(nodes)]], "r")
+        n = self._node_at(i)
+        if n is not None:
+            self.cache.writeback(n, "r")
             self._take_commands()
 
     @rule(limit=st.sampled_from([None, 1, 2]))
