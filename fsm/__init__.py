@@ -14,7 +14,9 @@ from .errors import (
     InvariantViolation,
     KvtierError,
     LifecycleError,
+    SpecNameError,
     UnknownOperation,
+    UsageError,
 )
 from .records import CacheGroupSpec, ComponentSpec, Completion, Direction, Family, GroupTransfer, TransferCommand
 
@@ -33,6 +35,8 @@ __all__ = [
     "InvariantViolation",
     "KvtierError",
     "LifecycleError",
+    "SpecNameError",
     "TransferCommand",
     "UnknownOperation",
+    "UsageError",
 ]

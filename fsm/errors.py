@@ -12,6 +12,8 @@ from transitions import MachineError
 __all__ = [
     "KvtierError",
     "ConfigError",
+    "UsageError",
+    "SpecNameError",
     "LifecycleError",
     "IllegalTransition",
     "GuardRejected",
@@ -31,6 +33,19 @@ class ConfigError(KvtierError, ValueError):
 
     The message names the value and what was expected.
     """
+
+
+class UsageError(KvtierError, ValueError):
+    """A call was made with an invalid argument, or in a state where it is not allowed
+    (for example ``reserve`` for a request that is not running). Nothing was changed.
+
+    The message names the call, the value and what was expected.
+    """
+
+
+class SpecNameError(KvtierError, AttributeError):
+    """A state or event name that the lifecycle spec does not declare (a misspelt name in
+    code): raised at import or first use, never mistaken for an illegal transition."""
 
 
 class LifecycleError(KvtierError, MachineError):

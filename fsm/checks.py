@@ -1,0 +1,58 @@
+"""Argument checks shared by the core and the facade: one place, one wording.
+
+Every integer argument goes through :func:`as_int`, which accepts anything
+``operator.index`` accepts (``int``, ``numpy.int64``, ...) except ``bool``, and
+raises the caller's error class with a message that names the value.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from .errors import ConfigError, KvtierError, UsageError
+
+__all__ = ["as_int", "as_bool", "ConfigError", "UsageError"]
+
+
+def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | None = None,
+           error: type[KvtierError] = UsageError) -> int:
+    """``value`` as a plain ``int``, checked against ``minimum`` and ``maximum`` (inclusive).
+
+    Args:
+        value: the value given (``int`` or any integer type ``operator.index`` accepts).
+        what: how the message names it, e.g. ``"reserve: tokens"``.
+        minimum, maximum: bounds (``None``: unbounded).
+        error: the error class to raise (``UsageError`` for calls, ``ConfigError`` for
+            configuration).
+
+    Raises:
+        error: ``value`` is a bool, not an integer, or out of bounds.
+    """
+    if isinstance(value, bool):
+        raise error(f"{what} must be an int{_bounds(minimum, maximum)}, got {value!r}")
+    try:
+        v = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise error(f"{what} must be an int{_bounds(minimum, maximum)}, got {value!r}") from None
+    if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
+        raise error(f"{what} must be an int{_bounds(minimum, maximum)}, got {value!r}")
+    return v
+
+
+def as_bool(value: object, what: str, *, error: type[KvtierError] = UsageError) -> bool:
+    """``value`` if it is a ``bool`` (``numpy.bool_`` too); anything else raises ``error``."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+        return bool(value)
+    raise error(f"{what} must be True or False, got {value!r}")
+
+
+def _bounds(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in {minimum}..{maximum}"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
