@@ -5,7 +5,7 @@ performance targets (issue 3, "Performance").
   shared machines (``kvtier.fsm.machines``) and compares with the same cycles done by
   direct state assignment; also times refused events (GuardRejected / IllegalTransition).
 - Core cycle: node lifecycle triggers per second through the real machine inside
-  :class:`~kvtier.fsm.cache.TieredPrefixCache` (``cache.stats.triggers`` per second) over
+  :class:`~kvtier.fsm.core.CacheCore` (``cache.stats.triggers`` per second) over
   insert / writeback+ack / demote / match / load+ack / drop host / remove cycles, and per
   operation the same core with the machine replaced by direct state assignment (the price
   of verification; reported, not gated). Target: >= 100,000 triggers/s.
@@ -41,7 +41,7 @@ from typing import Any
 from harness import Row, format_table, median_seconds, provenance, record_section
 
 from kvtier.fsm import GuardRejected, IllegalTransition
-from kvtier.fsm.cache import MatchResult, TieredPrefixCache
+from kvtier.fsm import MatchResult, CacheCore
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import Lifecycle, node_lifecycle, request_lifecycle
 from kvtier.fsm.node import Node
@@ -199,7 +199,7 @@ def refusals(args: argparse.Namespace) -> list[Row]:
 
 
 # ---------------------------------------------------------------------------------------
-# The core (TieredPrefixCache): triggers through the machine, the price of verification,
+# The core (CacheCore): triggers through the machine, the price of verification,
 # match latency and memory per node. llama-3-8b with 16-token pages: one page = one unit.
 
 TRIGGER_TARGET = 100_000  # node lifecycle triggers per second through the machine in the core
@@ -242,7 +242,7 @@ class CoreCycle:
     def __init__(self, requests: int, direct: bool) -> None:
         layout = _layout()
         units = requests * CHUNKS * CHUNK_PAGES
-        self.cache = TieredPrefixCache(layout, units, units)
+        self.cache = CacheCore(layout, units, units)
         if direct:
             self.cache._fire = direct_fire()  # the price of verification: no machine
         self.group = g = layout.groups[0].name
@@ -382,12 +382,12 @@ def _tree_plan(nodes: int, seed: int) -> list[tuple[Hashable, ...]]:
 
 
 def _build_tree(plan: Sequence[tuple[Hashable, ...]], nodes: int, capacity: int,
-                host: int | None) -> tuple[TieredPrefixCache, int]:
+                host: int | None) -> tuple[CacheCore, int]:
     """Insert keys of ``plan`` until the tree has ``nodes`` nodes; returns the cache and
     how many keys were inserted."""
     layout = _layout()
     g = layout.groups[0].name
-    cache = TieredPrefixCache(layout, capacity, host)
+    cache = CacheCore(layout, capacity, host)
     inserted = 0
     for key in plan:
         if len(cache._nodes) >= nodes:
@@ -462,7 +462,7 @@ def _excluded_bytes(nodes: Sequence[Node], int_bytes: int) -> int:
     total = 0
     for n in nodes:
         total += sys.getsizeof(n.key)
-        for pages_by_group in (n.dev, n.host, n.pending, n.dev_state, n.host_state, n.pending_state):
+        for pages_by_group in (n.dev, n.host, n.pending, n.dev_ckpt, n.host_ckpt, n.pending_ckpt):
             for pages in pages_by_group.values():
                 total += sys.getsizeof(pages)
                 for p in pages:
@@ -545,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f", transitions {version('transitions')}")
         vs = ("`vs baseline` is the time per op relative to the named row "
               "(machine cost vs direct state assignment; a refusal vs an accepted trigger). "
-              "`core ...` rows run the real TieredPrefixCache (llama-3-8b, 16-token pages); "
+              "`core ...` rows run the real CacheCore (llama-3-8b, 16-token pages); "
               "their `direct assignment` rows are the same core with `cache._fire` replaced "
               "by a spec lookup and assignment (no guards), run interleaved with the machine's.")
         record_section(Path(args.record), "lifecycle", "Lifecycle machines",

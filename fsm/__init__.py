@@ -1,4 +1,5 @@
-"""kvtier's verified core: the lifecycle state machines and the tiered radix prefix cache.
+"""kvtier's verified core: the lifecycle state machines and the tiered radix prefix cache
+(:class:`CacheCore`).
 
 Pure Python and sans-I/O: it never imports torch or numba, never waits and never copies
 bytes. It turns scheduler calls into lifecycle triggers and returns
@@ -18,9 +19,22 @@ from .errors import (
     UnknownOperation,
     UsageError,
 )
+from .core import CacheCore
+from .ledger import units_to_pages
+from .match import MatchMode, MatchResult
+from .results import CacheStats, InsertResult, LoadResult
+from .writeback import WritePolicy
 from .records import CacheGroupSpec, ComponentSpec, Completion, Direction, Family, GroupTransfer, TransferCommand
 
 __all__ = [
+    "CacheCore",
+    "CacheStats",
+    "InsertResult",
+    "LoadResult",
+    "MatchMode",
+    "MatchResult",
+    "WritePolicy",
+    "units_to_pages",
     "CacheGroupSpec",
     "CapacityError",
     "ComponentSpec",

@@ -10,14 +10,11 @@ from __future__ import annotations
 from collections.abc import Hashable
 from collections.abc import Set as AbstractSet
 
-__all__ = ["Node", "NodeReceipt", "LockReceipt", "PageMap", "DEVICE_READABLE", "DEVICE_RESIDENT", "HOST_VISIBLE"]
+from .names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE, NODE_STATE
 
-#: States whose device pages every request may read.
-DEVICE_READABLE = frozenset({"device", "writing", "backed"})
-#: States that hold device pages (loading ones are readable only by the loading request).
-DEVICE_RESIDENT = DEVICE_READABLE | {"loading"}
-#: States with a visible (acknowledged) host copy.
-HOST_VISIBLE = frozenset({"backed", "host", "loading"})
+__all__ = ["Node", "NodeReceipt", "LockReceipt", "PageMap", "DEVICE_READABLE", "DEVICE_RESIDENT", "HOST_VISIBLE",
+           "HOST_PENDING"]
+
 
 #: cache group -> page ids (a page table, or the pages one operation or call involves).
 PageMap = dict[str, list[int]]
@@ -37,8 +34,8 @@ class Node:
         depth: units from the root to the node's end.
         dev, host, pending: history group -> page ids (device, visible host, pending host
             reservation) covering the node's units in order.
-        dev_state, host_state, pending_state: state group -> checkpoint page ids at the
-            node's end, or absent.
+        dev_ckpt, host_ckpt, pending_ckpt: state group -> the continuation-state
+            checkpoint's page ids at the node's end (device, visible host, pending host), or empty.
         lock_ref: running requests holding the node (path-wise: a lock on a node holds
             its ancestors too).
         borrow_ref: requests reading the node's device pages directly.
@@ -52,12 +49,12 @@ class Node:
     """
 
     __slots__ = ("node_id", "state", "key", "parent", "children", "depth", "dev", "host", "pending",
-                 "dev_state", "host_state", "pending_state", "lock_ref", "borrow_ref", "host_pin",
+                 "dev_ckpt", "host_ckpt", "pending_ckpt", "lock_ref", "borrow_ref", "host_pin",
                  "hit_count", "last_access", "wb_op", "lb_op", "_refs", "chunk_checkpoint")
 
     def __init__(self, node_id: int, key: tuple[Hashable, ...], parent: Node | None) -> None:
         self.node_id = node_id
-        self.state = "new"
+        self.state = NODE_STATE.new
         self.key = key
         self.parent = parent
         self.children: dict[Hashable, Node] = {}
@@ -65,9 +62,9 @@ class Node:
         self.dev: PageMap = {}
         self.host: PageMap = {}
         self.pending: PageMap = {}
-        self.dev_state: PageMap = {}
-        self.host_state: PageMap = {}
-        self.pending_state: PageMap = {}
+        self.dev_ckpt: PageMap = {}
+        self.host_ckpt: PageMap = {}
+        self.pending_ckpt: PageMap = {}
         self.lock_ref = 0
         self.borrow_ref = 0
         self.host_pin = 0
@@ -117,7 +114,7 @@ class Node:
         assert p is not None
         if p.parent is None or p.state in HOST_VISIBLE:
             return True
-        return p.state == "writing" and p.wb_op is not None and p.wb_op == self.wb_op
+        return p.state in HOST_PENDING and p.wb_op is not None and p.wb_op == self.wb_op
 
     @property
     def parent_on_device(self) -> bool:
@@ -137,7 +134,7 @@ class Node:
 
     @property
     def has_host_child(self) -> bool:
-        return any(c.state in HOST_VISIBLE or c.state == "writing" for c in self.children.values())
+        return any(c.state in HOST_VISIBLE or c.state in HOST_PENDING for c in self.children.values())
 
     def path(self) -> list[Node]:
         """This node and its ancestors up to (excluding) the root, deepest first."""

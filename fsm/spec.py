@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, SpecNameError
 
 __all__ = [
     "INTERNAL",
@@ -79,6 +79,7 @@ class LifecycleSpec:
     states: tuple[StateSpec, ...]
     transitions: tuple[TransitionSpec, ...]
     guards: dict[str, str]  # name -> doc
+    resources: dict[str, str]  # declared resource vocabulary: name -> doc (may be empty)
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -88,6 +89,33 @@ class LifecycleSpec:
     def events(self) -> tuple[str, ...]:
         """Event names in order of first appearance."""
         return tuple(dict.fromkeys(t.event for t in self.transitions))
+
+    def state(self, name: str) -> StateSpec:
+        """The declared state ``name``.
+
+        Raises:
+            SpecNameError: no such state in this lifecycle.
+        """
+        for st in self.states:
+            if st.name == name:
+                return st
+        raise SpecNameError(f"the {self.name} lifecycle declares no state {name!r}")
+
+    def states_holding(self, resource: str) -> frozenset[str]:
+        """States whose declared resources include ``resource``.
+
+        Raises:
+            SpecNameError: ``resource`` is not in the lifecycle's resource vocabulary.
+        """
+        if resource not in self.resources:
+            raise SpecNameError(f"the {self.name} lifecycle declares no resource {resource!r}")
+        return frozenset(st.name for st in self.states if resource in st.resources)
+
+    @property
+    def terminal_states(self) -> frozenset[str]:
+        """States no transition leaves (the subject's end)."""
+        left = {t.source for t in self.transitions}
+        return frozenset(st.name for st in self.states if st.name not in left and st.name != self.initial)
 
     def candidates(self, state: str, event: str) -> tuple[TransitionSpec, ...]:
         """The transitions ``event`` may take from ``state``, in spec order."""
@@ -121,16 +149,22 @@ def _parse_lifecycle(name: str, raw: dict[str, Any]) -> LifecycleSpec:
             for s, v in raw["states"].items()
         )
         guards = {g: str(v["doc"]) for g, v in raw.get("guards", {}).items()}
+        vocabulary = {str(k): str(v) for k, v in raw.get("resources", {}).items()}
         rows: list[TransitionSpec] = []
         for i, t in enumerate(raw["transitions"]):
             refs = tuple(GuardRef(g.lstrip("!"), g.startswith("!")) for g in t.get("guards", ()))
             for src in t["source"]:
                 rows.append(TransitionSpec(str(t["event"]), src, str(t["dest"]), refs, str(t.get("doc", ""))))
         spec = LifecycleSpec(name, str(raw["title"]), str(raw["description"]), str(raw["subject"]),
-                             str(raw["initial"]), states, tuple(rows), guards)
+                             str(raw["initial"]), states, tuple(rows), guards, vocabulary)
     except (KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"{where}: malformed ({exc!r})") from exc
     names = set(spec.state_names)
+    if vocabulary:
+        for st in spec.states:
+            unknown = [r for r in st.resources if r not in vocabulary]
+            if unknown:
+                raise ConfigError(f"{where}: state {st.name!r} lists undeclared resources {unknown}")
     if spec.initial not in names:
         raise ConfigError(f"{where}: initial state {spec.initial!r} is not declared")
     used: set[str] = set()

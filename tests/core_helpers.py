@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvtier.fsm.cache import InsertResult, TieredPrefixCache
+from kvtier.fsm import InsertResult, CacheCore
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import CacheGroupSpec, Completion, ComponentSpec, Family, TransferCommand
 
@@ -37,7 +37,7 @@ def src() -> CacheLayout:
     return CacheLayout("src", (fh, swa), 2)
 
 
-def put(cache: TieredPrefixCache, key: Sequence[str], table: Mapping[str, Sequence[int]] | None = None, *,
+def put(cache: CacheCore, key: Sequence[str], table: Mapping[str, Sequence[int]] | None = None, *,
         ckpt: bool = False, chunk: bool = False) -> InsertResult:
     """Publish ``key``: ``table`` is the caller's canonical prefix pages (per history
     group); the rest of the key (and a checkpoint if ``ckpt``) is freshly allocated."""
@@ -54,7 +54,7 @@ def put(cache: TieredPrefixCache, key: Sequence[str], table: Mapping[str, Sequen
     return res
 
 
-def ack(cache: TieredPrefixCache, cmd: TransferCommand | int, ok: bool | Sequence[bool] = True) -> list:
+def ack(cache: CacheCore, cmd: TransferCommand | int, ok: bool | Sequence[bool] = True) -> list:
     """Acknowledge ``cmd`` on every rank (``ok`` per rank or for all); returns what the
     last acknowledgement returned. Checks the invariants after each one."""
     op_id = cmd if isinstance(cmd, int) else cmd.op_id
@@ -66,17 +66,17 @@ def ack(cache: TieredPrefixCache, cmd: TransferCommand | int, ok: bool | Sequenc
     return out
 
 
-def free(cache: TieredPrefixCache, pool: str = "device") -> dict[str, int]:
+def free(cache: CacheCore, pool: str = "device") -> dict[str, int]:
     allocs = cache.device if pool == "device" else cache.host
     assert allocs is not None
     return {g: a.free for g, a in allocs.items()}
 
 
-def state(cache: TieredPrefixCache) -> dict[int, str]:
+def state(cache: CacheCore) -> dict[int, str]:
     return {n.node_id: n.state for n in cache.nodes()}
 
 
-def snapshot(cache: TieredPrefixCache) -> tuple:
+def snapshot(cache: CacheCore) -> tuple:
     """Everything observable about the cache, to assert that a refused call changed nothing."""
     nodes = {}
     for n in cache.nodes():
@@ -84,8 +84,8 @@ def snapshot(cache: TieredPrefixCache) -> tuple:
         nodes[n.node_id] = (
             n.state, n.key, n.parent.node_id, n.depth,
             {g: list(p) for g, p in n.dev.items()}, {g: list(p) for g, p in n.host.items()},
-            {g: list(p) for g, p in n.pending.items()}, {g: list(p) for g, p in n.dev_state.items()},
-            {g: list(p) for g, p in n.host_state.items()}, {g: list(p) for g, p in n.pending_state.items()},
+            {g: list(p) for g, p in n.pending.items()}, {g: list(p) for g, p in n.dev_ckpt.items()},
+            {g: list(p) for g, p in n.host_ckpt.items()}, {g: list(p) for g, p in n.pending_ckpt.items()},
             n.lock_ref, n.borrow_ref, n.host_pin, n.hit_count, n.last_access, n.wb_op, n.lb_op,
             n.chunk_checkpoint, sorted(n.refs))
     ops = {i: (sorted(o.acked), o.ok, dict(o.layers), sorted(o.seen, key=repr), [n.node_id for n in o.nodes])

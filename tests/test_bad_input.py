@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, ConfigError, Family
-from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm import CacheCore
 from kvtier.fsm.presets import preset
 from kvtier.tiered import TieredCache
 
@@ -46,7 +46,7 @@ def test_cli_rejects_bad_values_with_a_message(args: tuple[str, ...], message: s
 def test_facade_and_core_reject_bad_values() -> None:
     lay = preset("llama-3-8b", page_tokens=16)
     with pytest.raises(ConfigError, match="layout must be a CacheLayout"):
-        TieredPrefixCache("llama-3-8b", 10)  # type: ignore[arg-type]
+        CacheCore("llama-3-8b", 10)  # type: ignore[arg-type]
     c = TieredCache(lay, 64, 64)
     with pytest.raises(ConfigError, match="complete\\(\\) takes a Completion"):
         c.complete(999)  # type: ignore[arg-type]
@@ -66,13 +66,13 @@ def test_facade_and_core_reject_bad_values() -> None:
 
 
 @pytest.mark.parametrize(("make", "message"), [
-    (lambda lay: TieredPrefixCache(lay, {"llama.full_attention": "3"}),
+    (lambda lay: CacheCore(lay, {"llama.full_attention": "3"}),
      "device_pages: pages of group 'llama.full_attention' must be an int >= 0, got '3'"),
-    (lambda lay: TieredPrefixCache(lay, {"llama.full_attention": 8.9}),
+    (lambda lay: CacheCore(lay, {"llama.full_attention": 8.9}),
      "device_pages: pages of group 'llama.full_attention' must be an int >= 0, got 8.9"),
-    (lambda lay: TieredPrefixCache(lay, 8, {"llama.full_attention": True}),
+    (lambda lay: CacheCore(lay, 8, {"llama.full_attention": True}),
      "host_pages: pages of group 'llama.full_attention' must be an int >= 0, got True"),
-    (lambda lay: TieredPrefixCache(lay, 8, op_deadline_steps=True),
+    (lambda lay: CacheCore(lay, 8, op_deadline_steps=True),
      "op_deadline_steps must be None or an int >= 1, got True"),
     (lambda lay: TieredCache(lay, 8, 8, history_replay="no"), "history_replay must be True or False, got 'no'"),
     (lambda lay: TieredCache(lay, 8, 8, finish_writeback="yes"),

@@ -9,7 +9,7 @@ import typing
 import pytest
 
 from kvtier.fsm import cache
-from kvtier.fsm.cache import InsertResult, LoadResult, MatchMode, MatchResult, WritePolicy
+from kvtier.fsm import InsertResult, LoadResult, MatchMode, MatchResult, WritePolicy
 
 
 def _dummy(cls: type) -> object:
@@ -48,7 +48,7 @@ def test_page_map_alias_and_type_hints() -> None:
 
 from core_helpers import h2, src  # noqa: E402
 
-from kvtier.fsm.cache import CacheStats, TieredPrefixCache, units_to_pages  # noqa: E402
+from kvtier.fsm import CacheStats, CacheCore, units_to_pages  # noqa: E402
 from kvtier.fsm.errors import ConfigError  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def test_stats_start_at_zero_and_do_not_share_extra() -> None:
     assert all(getattr(s, f.name) == 0 for f in dataclasses.fields(s) if f.name != "extra")
     assert s.extra == {} and s.extra is not t.extra
     assert s == t and dataclasses.asdict(s)["triggers"] == 0
-    c = TieredPrefixCache(src(), device_pages=8, host_pages=None)
+    c = CacheCore(src(), device_pages=8, host_pages=None)
     assert c.stats == CacheStats()
 
 
@@ -76,7 +76,7 @@ def test_units_to_pages_checkpoints_default(units: int, swa: int) -> None:
 
 
 def test_capacity_zero_units_is_allowed() -> None:
-    c = TieredPrefixCache(h2(), device_pages=0, host_pages=0)
+    c = CacheCore(h2(), device_pages=0, host_pages=0)
     assert c is not None
 
 
@@ -92,12 +92,12 @@ def test_capacity_zero_units_is_allowed() -> None:
 ])
 def test_capacity_errors(value: object, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
-        TieredPrefixCache(h2(), device_pages=value, host_pages=None)  # type: ignore[arg-type]
+        CacheCore(h2(), device_pages=value, host_pages=None)  # type: ignore[arg-type]
     assert str(exc.value) == message
 
 
 def test_a_group_may_have_zero_pages() -> None:
-    c = TieredPrefixCache(h2(), device_pages={"a": 4, "b": 0}, host_pages=None)
+    c = CacheCore(h2(), device_pages={"a": 4, "b": 0}, host_pages=None)
     assert {g: a.capacity for g, a in c.device.items()} == {"a": 4, "b": 0}
 
 
@@ -120,12 +120,12 @@ def test_constructor_errors(kwargs: dict[str, typing.Any], message: str) -> None
     args.update(kwargs)
     layout = args.pop("layout")
     with pytest.raises(ConfigError) as exc:
-        TieredPrefixCache(layout, **args)
+        CacheCore(layout, **args)
     assert str(exc.value) == message
 
 
 def test_constructor_accepts_the_boundaries_and_names_pools() -> None:
-    c = TieredPrefixCache(h2(), device_pages=4, host_pages={"a": 3, "b": 5}, write_threshold=1,
+    c = CacheCore(h2(), device_pages=4, host_pages={"a": 3, "b": 5}, write_threshold=1,
                           world_size=1, op_deadline_steps=1)
     assert (c.write_threshold, c.world_size, c.op_deadline_steps) == (1, 1, 1)
     assert {g: (a.pool, a.group, a.capacity) for g, a in c.device.items()} == \
@@ -133,7 +133,7 @@ def test_constructor_accepts_the_boundaries_and_names_pools() -> None:
     assert c.host is not None
     assert {g: (a.pool, a.group, a.capacity) for g, a in c.host.items()} == \
         {"a": ("host", "a", 3), "b": ("host", "b", 5)}
-    assert TieredPrefixCache(h2(), device_pages=4).host is None
+    assert CacheCore(h2(), device_pages=4).host is None
 
 
 # --- fresh cache: root, ids, counters ----------------------------------------------------
@@ -145,7 +145,7 @@ from kvtier.fsm.records import Direction  # noqa: E402
 
 
 def test_fresh_cache_root_clock_and_first_ids() -> None:
-    c = TieredPrefixCache(h1(), 8, 8, policy="write_through")
+    c = CacheCore(h1(), 8, 8, policy="write_through")
     assert (c.root.node_id, c.root.state, c.clock, c.step) == (0, "root", 0, 0)
     assert c.stats.triggers == 0
     with pytest.raises(KvtierError) as exc:
@@ -172,12 +172,12 @@ from kvtier.fsm.errors import CapacityError  # noqa: E402
 
 
 def test_alloc_device_evicts_only_the_shortfall() -> None:
-    c = TieredPrefixCache(h1(), device_pages=4, host_pages=None)
+    c = CacheCore(h1(), device_pages=4, host_pages=None)
     for k in ("a", "b", "c"):
         put(c, k)
     assert free(c) == {"kv": 1} and list(state(c).values()) == ["device"] * 3
     # exactly the free pages: nothing is evicted
-    c2 = TieredPrefixCache(h1(), device_pages=4, host_pages=None)
+    c2 = CacheCore(h1(), device_pages=4, host_pages=None)
     for k in ("a", "b", "c"):
         put(c2, k)
     assert len(c2.alloc_device({"kv": 1})["kv"]) == 1
@@ -189,7 +189,7 @@ def test_alloc_device_evicts_only_the_shortfall() -> None:
 
 
 def test_alloc_device_without_eviction_refuses_and_changes_nothing() -> None:
-    c = TieredPrefixCache(h1(), device_pages=4, host_pages=None)
+    c = CacheCore(h1(), device_pages=4, host_pages=None)
     for k in ("a", "b", "c"):
         put(c, k)
     before = snapshot(c)
@@ -201,7 +201,7 @@ def test_alloc_device_without_eviction_refuses_and_changes_nothing() -> None:
 
 
 def test_caller_pages_round_trip_and_bad_frees_change_nothing() -> None:
-    c = TieredPrefixCache(h1(), device_pages=8, host_pages=None)
+    c = CacheCore(h1(), device_pages=8, host_pages=None)
     put(c, "a")  # the tree holds page 0
     assert c.alloc_device({"kv": 0}) == {}  # nothing asked, no entry
     got = c.alloc_device({"kv": 2})
@@ -230,7 +230,7 @@ def test_caller_pages_round_trip_and_bad_frees_change_nothing() -> None:
     ({"kv": 1.0}, "page count for group 'kv' must be an int >= 0, got 1.0"),
 ])
 def test_page_counts_are_checked(need: dict, message: str) -> None:
-    c = TieredPrefixCache(h1(), device_pages=8, host_pages=None)
+    c = CacheCore(h1(), device_pages=8, host_pages=None)
     for call in (c.alloc_device, c.evict_device):
         with pytest.raises(ConfigError) as exc:
             call(need)
@@ -239,7 +239,7 @@ def test_page_counts_are_checked(need: dict, message: str) -> None:
 
 
 def test_logical_clock_advances_by_one_per_use() -> None:
-    c = TieredPrefixCache(h1(), device_pages=4, host_pages=None)
+    c = CacheCore(h1(), device_pages=4, host_pages=None)
     assert c.clock == 0
     a = put(c, "a").node
     assert (c.clock, a.last_access) == (1, 1)

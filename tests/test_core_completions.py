@@ -8,17 +8,17 @@ from __future__ import annotations
 import pytest
 from core_helpers import ack, free, h1, put, snapshot, state
 
-from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation
 from kvtier.fsm.ops import LayerProgress, Settled
 from kvtier.fsm.records import Completion, Direction
 
 
 def tp2(**kw):
-    return TieredPrefixCache(h1(), 8, 8, world_size=2, **kw)
+    return CacheCore(h1(), 8, 8, world_size=2, **kw)
 
 
-def loading(c: TieredPrefixCache):
+def loading(c: CacheCore):
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
@@ -30,10 +30,10 @@ def loading(c: TieredPrefixCache):
 def test_world_size_validation():
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ConfigError):
-            TieredPrefixCache(h1(), 4, 4, world_size=bad)
+            CacheCore(h1(), 4, 4, world_size=bad)
     for bad in (0, -3, 1.5):
         with pytest.raises(ConfigError):
-            TieredPrefixCache(h1(), 4, 4, op_deadline_steps=bad)
+            CacheCore(h1(), 4, 4, op_deadline_steps=bad)
 
 
 def test_ack_only_after_every_rank():
@@ -120,7 +120,7 @@ def test_duplicate_ack_changes_nothing():
 
 
 def test_unknown_and_settled_operations():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     before = snapshot(c)
     with pytest.raises(UnknownOperation, match="never issued"):
         c.complete(Completion(42))
@@ -134,7 +134,7 @@ def test_unknown_and_settled_operations():
     c.check_invariants()
     # without a host tier there are no operations at all
     with pytest.raises(UnknownOperation):
-        TieredPrefixCache(h1(), 4, None).complete(Completion(1))
+        CacheCore(h1(), 4, None).complete(Completion(1))
 
 
 def test_deadline_fails_writeback_and_absorbs_late_completions():
@@ -159,7 +159,7 @@ def test_deadline_fails_writeback_and_absorbs_late_completions():
 
 
 def test_deadline_fails_loadback():
-    c = TieredPrefixCache(h1(), 8, 8, op_deadline_steps=1)
+    c = CacheCore(h1(), 8, 8, op_deadline_steps=1)
     a = put(c, "ab").node
     c.advance_step(3)
     ack(c, c.writeback(a))
@@ -179,7 +179,7 @@ def test_deadline_fails_loadback():
 
 
 def test_completion_after_the_request_let_go_still_settles():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a, lr = loading(c)
     c.release(lr.pin)  # the request is gone (aborted) before the ack
     c.unlock(lr.lock)
@@ -193,7 +193,7 @@ def test_completion_after_the_request_let_go_still_settles():
 
 # ---------------------------------------------------------------------- receipts
 def test_receipts_release_exactly_once():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     lk = c.lock(a, "r1")
@@ -214,7 +214,7 @@ def test_receipts_release_exactly_once():
     assert snapshot(c) == before
     assert (a.lock_ref, a.borrow_ref, a.host_pin) == (0, 0, 0)
     # a receipt of another cache is refused too
-    other = TieredPrefixCache(h1(), 8, 8)
+    other = CacheCore(h1(), 8, 8)
     o = put(other, "ab").node
     olk = other.lock(o)
     with pytest.raises(KvtierError):
@@ -224,7 +224,7 @@ def test_receipts_release_exactly_once():
 
 
 def test_counts_with_several_receipts():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     locks = [c.lock(rb.node, f"r{i}") for i in range(3)]
@@ -238,7 +238,7 @@ def test_counts_with_several_receipts():
 
 
 def test_pin_and_borrow_refuse_wrong_nodes():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     before = snapshot(c)
     with pytest.raises(KvtierError):
@@ -254,7 +254,7 @@ def test_pin_and_borrow_refuse_wrong_nodes():
 
 
 def test_advance_step_refuses_a_non_positive_step():
-    c = TieredPrefixCache(h1(), 4, 4, op_deadline_steps=2)
+    c = CacheCore(h1(), 4, 4, op_deadline_steps=2)
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ConfigError, match="steps must be an int >= 1"):
             c.advance_step(bad)  # type: ignore[arg-type]

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 from core_helpers import ack, free, h1, h2, put, src, state
 
-from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm import CacheCore
 from kvtier.fsm.node import Node
 from kvtier.fsm.errors import CapacityError, ConfigError
 
 
 def three_leaves():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     x = put(c, "x").node
     y = put(c, "y").node
     z = put(c, "z").node
@@ -41,7 +41,7 @@ def test_device_eviction_tie_break_is_total():
     assert c.evict_device({"kv": 1}) == {"kv": 1}
     assert state(c) == {y.node_id: "device", z.node_id: "device"}  # lowest node id
     # deeper first on equal stamps
-    c2 = TieredPrefixCache(h1(), 8, 8)
+    c2 = CacheCore(h1(), 8, 8)
     r = put(c2, "p")
     deep = put(c2, "pq", r.pages).node
     shallow = put(c2, "s").node
@@ -53,7 +53,7 @@ def test_device_eviction_tie_break_is_total():
     c2.check_invariants()
 
 
-def history(c: TieredPrefixCache) -> list:
+def history(c: CacheCore) -> list:
     out = []
     ra = put(c, "ab")
     put(c, "abc", ra.pages)
@@ -69,7 +69,7 @@ def history(c: TieredPrefixCache) -> list:
 
 
 def test_same_history_same_decisions():
-    runs = [history(TieredPrefixCache(h1(), 6, 8)) for _ in range(2)]
+    runs = [history(CacheCore(h1(), 6, 8)) for _ in range(2)]
     assert runs[0] == runs[1]
     # and exactly: leaves C (stamp 2) and D (stamp 3) dropped, then X (stamp 4, backed)
     # demoted; A (stamp 6, after the lock) stays
@@ -82,7 +82,7 @@ def test_same_history_same_decisions():
 
 
 def test_backed_demoted_device_dropped():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     b = put(c, "ab").node
     ack(c, c.writeback(b))
     d = put(c, "cd").node
@@ -94,7 +94,7 @@ def test_backed_demoted_device_dropped():
 
 
 def test_chain_eviction_reaches_parents_after_children():
-    c = TieredPrefixCache(h1(), 8, None)
+    c = CacheCore(h1(), 8, None)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     c.unlock(c.lock(rb.node))
@@ -104,7 +104,7 @@ def test_chain_eviction_reaches_parents_after_children():
 
 
 def test_locked_and_borrowed_never_evicted_and_eviction_terminates():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     b = put(c, "cd").node
     ack(c, c.writeback(b))
@@ -125,7 +125,7 @@ def test_locked_and_borrowed_never_evicted_and_eviction_terminates():
 
 
 def test_locked_child_protects_parent_path():
-    c = TieredPrefixCache(h1(), 8, None)
+    c = CacheCore(h1(), 8, None)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     lk = c.lock(rb.node)
@@ -136,7 +136,7 @@ def test_locked_child_protects_parent_path():
 
 
 def test_eviction_returns_checkpoint_pages_too():
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, None)
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, None)
     put(c, "ab", ckpt=True)
     assert c.evict_device({"fh": 1}) == {"fh": 2, "swa": 4}
     assert free(c) == {"fh": 4, "swa": 8}
@@ -144,7 +144,7 @@ def test_eviction_returns_checkpoint_pages_too():
 
 
 def test_eviction_multi_group_need():
-    c = TieredPrefixCache(h2(), {"a": 8, "b": 4}, None)
+    c = CacheCore(h2(), {"a": 8, "b": 4}, None)
     x = put(c, "x").node
     put(c, "y")
     assert c.evict_device({"b": 1}) == {"a": 2, "b": 1}
@@ -161,7 +161,7 @@ def test_eviction_multi_group_need():
 # ---------------------------------------------------------------------- host eviction
 def test_host_eviction_frees_history_and_state_pages():
     # source test 15: KVHostEvictReleasesPagedCacheHostSnapshotPages
-    c = TieredPrefixCache(src(), {"fh": 2, "swa": 4}, {"fh": 2, "swa": 4})
+    c = CacheCore(src(), {"fh": 2, "swa": 4}, {"fh": 2, "swa": 4})
     a = put(c, "a", ckpt=True).node
     ack(c, c.writeback(a))
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
@@ -173,7 +173,7 @@ def test_host_eviction_frees_history_and_state_pages():
 
 
 def test_host_eviction_only_from_host_leaves():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     ack(c, c.writeback(rb.node))
@@ -190,7 +190,7 @@ def test_host_eviction_only_from_host_leaves():
 
 
 def test_backed_node_sheds_host_copy_and_stays_on_device():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     ack(c, c.writeback(ra.node))
@@ -202,7 +202,7 @@ def test_backed_node_sheds_host_copy_and_stays_on_device():
 
 
 def test_host_eviction_skips_pinned_and_terminates():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     x = put(c, "x").node
     y = put(c, "y").node
     for n in (x, y):
@@ -220,7 +220,7 @@ def test_host_eviction_skips_pinned_and_terminates():
 
 
 def test_host_eviction_is_lru_and_protects():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     nodes = [put(c, k).node for k in "pqr"]
     for n in nodes:
         ack(c, c.writeback(n))
@@ -233,7 +233,7 @@ def test_host_eviction_is_lru_and_protects():
 
 
 def test_no_host_tier_host_eviction_is_empty():
-    c = TieredPrefixCache(h1(), 4, None)
+    c = CacheCore(h1(), 4, None)
     put(c, "ab")
     assert c.evict_host({"kv": 4}) == {}
     c.check_invariants()
@@ -241,7 +241,7 @@ def test_no_host_tier_host_eviction_is_empty():
 
 def test_host_eviction_skips_a_locked_host_node():
     # after a failed loadback the request still holds its lock on the (host) terminal
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
@@ -260,7 +260,7 @@ def test_host_eviction_skips_a_locked_host_node():
 def test_lazy_lru_heaps_are_rebuilt_and_keep_lru_order():
     """Every touch pushes a heap entry; past 4 x nodes + 256 entries the heaps are rebuilt
     from the live nodes, and eviction still takes the least recently used leaf."""
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     x = put(c, "x").node
     y = put(c, "y").node
     for _ in range(400):  # y is used over and over: its stale entries pile up
@@ -277,7 +277,7 @@ def test_lazy_lru_heaps_are_rebuilt_and_keep_lru_order():
 def test_lazy_lru_heaps_grow_to_their_bound_and_no_further():
     """The heaps are rebuilt exactly when they pass 4 x nodes + 256 entries: never longer
     (memory), never rebuilt earlier (a rebuild costs O(nodes))."""
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     y = put(c, "y").node
     put(c, "x")
     assert all(n is not c.root for _, n in c._dev_lru + c._host_lru)  # only tree nodes
@@ -295,7 +295,7 @@ def test_lazy_lru_heaps_grow_to_their_bound_and_no_further():
 def test_a_parent_dropped_from_the_heap_comes_back_when_its_last_child_leaves():
     """An eviction pass drops nodes that are not victims from the LRU heap; a parent whose
     device child leaves later must become a candidate again (the trigger touches it)."""
-    c = TieredPrefixCache(h1(), 4, None)
+    c = CacheCore(h1(), 4, None)
     a = put(c, "ab")
     b = put(c, "abcd", a.pages)
     borrow = c.borrow([b.node], "r1")
@@ -307,7 +307,7 @@ def test_a_parent_dropped_from_the_heap_comes_back_when_its_last_child_leaves():
     c.check_invariants()
 
 
-def _backed(c: TieredPrefixCache, key: str) -> Node:
+def _backed(c: CacheCore, key: str) -> Node:
     n = put(c, key).node
     ack(c, c.writeback(n))
     assert n.state == "backed"
@@ -315,7 +315,7 @@ def _backed(c: TieredPrefixCache, key: str) -> Node:
 
 
 def test_host_only_eviction_spares_backed_nodes():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     x = _backed(c, "x")
     y = _backed(c, "y")
     assert c.evict_device({"kv": 1}) == {"kv": 1} and (x.state, y.state) == ("host", "backed")
@@ -328,7 +328,7 @@ def test_host_only_eviction_spares_backed_nodes():
 
 
 def test_host_copies_of_backed_nodes_are_dropped_even_when_locked_and_counted_each_time():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     x = _backed(c, "x")
     y = _backed(c, "y")
     lock = c.lock(x, "r1")  # a running request uses x: its device pages stay, its host copy may go
@@ -339,16 +339,16 @@ def test_host_copies_of_backed_nodes_are_dropped_even_when_locked_and_counted_ea
 
 
 def test_a_demoted_chunk_checkpoint_comes_back_as_a_final_one():
-    c = TieredPrefixCache(src(), {"fh": 8, "swa": 16}, {"fh": 8, "swa": 16})
+    c = CacheCore(src(), {"fh": 8, "swa": 16}, {"fh": 8, "swa": 16})
     ra = put(c, "a", ckpt=True, chunk=True)
     a = ra.node
     ack(c, c.writeback(a))
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
-    assert (a.state, a.dev_state, a.chunk_checkpoint) == ("host", {}, False)
+    assert (a.state, a.dev_ckpt, a.chunk_checkpoint) == ("host", {}, False)
     lr = c.load(c.match("a"), "r1")
     ack(c, lr.command)
     c.release(lr.pin)
     c.unlock(lr.lock)
     rab = put(c, "ab", c.device_pages(a), ckpt=True)  # a deeper checkpoint does not drop it now
-    assert a.dev_state and not a.chunk_checkpoint and rab.node.dev_state
+    assert a.dev_ckpt and not a.chunk_checkpoint and rab.node.dev_ckpt
     c.check_invariants()

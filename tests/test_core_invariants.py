@@ -9,15 +9,15 @@ from collections.abc import Callable
 import pytest
 from core_helpers import ack, h1, put, src
 
-from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node import Node
 from kvtier.fsm.spec import load_spec
 
 
-def valid() -> tuple[TieredPrefixCache, dict]:
+def valid() -> tuple[CacheCore, dict]:
     """h1: A=(a,b) backed [0,1], B=(c,d) device child [2,3], X=(x) device [4]."""
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     ra = put(c, "ab")
     ack(c, c.writeback(ra.node))
     rb = put(c, "abcd", ra.pages)
@@ -177,7 +177,7 @@ def host_leak(c, n):
 
 def loading_a():
     """h1: A=(a,b) in host, loaded back by op 2 for r1 (pinned, locked), device pages [1, 0]."""
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
@@ -210,24 +210,24 @@ def loadback_unpinned(c, n):
 
 def with_checkpoint():
     """src: A=(a) on device with its swa checkpoint (4 pages)."""
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     return c, {"a": put(c, "a", ckpt=True).node}
 
 
 def host_checkpoint_on_device(c, n):
-    n["a"].host_state = {"swa": c.host["swa"].alloc(4)}
+    n["a"].host_ckpt = {"swa": c.host["swa"].alloc(4)}
 
 
 def checkpoint_extra_group(c, n):
-    n["a"].dev_state["fh"] = c.device["fh"].alloc(1)
+    n["a"].dev_ckpt["fh"] = c.device["fh"].alloc(1)
 
 
 def short_checkpoint(c, n):
-    n["a"].dev_state["swa"] = n["a"].dev_state["swa"][:3]
+    n["a"].dev_ckpt["swa"] = n["a"].dev_ckpt["swa"][:3]
 
 
 def pending_checkpoint(c, n):
-    n["a"].pending_state = {"swa": c.host["swa"].alloc(4)}
+    n["a"].pending_ckpt = {"swa": c.host["swa"].alloc(4)}
 
 
 def device_checkpoint_on_host():
@@ -240,7 +240,7 @@ def device_checkpoint_on_host():
 
 
 def device_checkpoint_without_pages(c, n):
-    n["a"].dev_state = {"swa": c.device["swa"].alloc(4)}
+    n["a"].dev_ckpt = {"swa": c.device["swa"].alloc(4)}
 
 
 def writing_with_a_lost_op(c, n):
@@ -365,9 +365,9 @@ CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
     ("device checkpoint on host", device_checkpoint_without_pages, device_checkpoint_on_host,
      "state_matches_resources", "node 1 (host)", "a device checkpoint without device pages"),
     ("checkpoint in a history group", checkpoint_extra_group, with_checkpoint, "exact_continuation_state",
-     "node 1 (device)", "dev_state covers ['fh', 'swa'], not every state group"),
+     "node 1 (device)", "dev_ckpt covers ['fh', 'swa'], not every state group"),
     ("short checkpoint", short_checkpoint, with_checkpoint, "exact_continuation_state", "node 1 (device)",
-     "dev_state of 'swa' has 3 pages"),
+     "dev_ckpt of 'swa' has 3 pages"),
     ("pending checkpoint", pending_checkpoint, with_checkpoint, "host_means_acked", "node 1 (device)",
      "a pending checkpoint outside a writeback"),
 ]
@@ -395,7 +395,7 @@ def test_violation_names_the_node():
 
 
 def test_loadback_corruptions_detected():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
@@ -419,7 +419,7 @@ def test_loadback_corruptions_detected():
 
 
 def test_borrowed_pages_demoted_detected():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     c.borrow([a], "r1")

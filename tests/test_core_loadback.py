@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from core_helpers import ack, free, h1, h2, put, snapshot, src, state
 
-from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import CapacityError, KvtierError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.node import Node
@@ -22,7 +22,7 @@ def pairs(cmd):
 
 def demoted(units: int = 4, host_units: int = 8, key: str = "abcd"):
     """h1 cache: one node ``key`` written back and demoted (host pages 0..n-1)."""
-    c = TieredPrefixCache(h1(), units, host_units)
+    c = CacheCore(h1(), units, host_units)
     r = put(c, key)
     ack(c, c.writeback(r.node))
     assert c.evict_device({"kv": len(key)}) == {"kv": len(key)}
@@ -63,7 +63,7 @@ def test_loadback_pins_until_ack_and_returns_device_pages():
 
 
 def test_loadback_under_a_device_prefix():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     ack(c, c.writeback(rb.node))
@@ -82,7 +82,7 @@ def test_loadback_under_a_device_prefix():
 
 def test_load_is_all_or_nothing_on_device_pages():
     # h2: group "a" has room, group "b" does not; nothing is allocated, pinned or changed
-    c = TieredPrefixCache(h2(), {"a": 8, "b": 2}, {"a": 8, "b": 4})
+    c = CacheCore(h2(), {"a": 8, "b": 2}, {"a": 8, "b": 4})
     r = put(c, "xy")
     ack(c, c.writeback(r.node))
     assert c.evict_device({"a": 4}) == {"a": 4, "b": 2}
@@ -102,7 +102,7 @@ def test_load_is_all_or_nothing_on_device_pages():
 
 
 def test_load_evicts_other_nodes_but_never_the_hit():
-    c = TieredPrefixCache(h1(), 4, 8)
+    c = CacheCore(h1(), 4, 8)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     ack(c, c.writeback(rb.node))
@@ -143,7 +143,7 @@ def test_second_request_joins_the_loadback_in_flight():
 def test_a_host_hit_joins_a_loadback_in_flight_and_stops_after_it():
     # A = (a, b), B = (c, d) under it, both on the host; r1 loads A only. A match for the
     # whole prompt joins A's loadback and stops there: B would need a loadback behind A's.
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab")
     b = put(c, "abcd", a.pages)
     ack(c, c.writeback(b.node))
@@ -160,7 +160,7 @@ def test_a_host_hit_joins_a_loadback_in_flight_and_stops_after_it():
 def test_a_joined_loadback_of_several_nodes_is_joined_whole():
     # A = (a), B = (b) under it, C = (c) under B, all on the host; r1 loads A and B in one
     # operation. A match for (a, b, c) joins both and stops before C.
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "a")
     b = put(c, "ab", a.pages)
     cc = put(c, "abc", b.pages)
@@ -177,7 +177,7 @@ def test_a_joined_loadback_of_several_nodes_is_joined_whole():
 def test_a_loadback_in_flight_under_a_device_prefix_is_joined():
     # A = (a) on the device; B = (b) under it on the host, loaded by r1. r2 reads A from the
     # device and joins B's loadback.
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "a")
     b = put(c, "ab", a.pages)
     ack(c, c.writeback(b.node))
@@ -210,7 +210,7 @@ def test_join_then_split_keeps_every_pin():
 
 
 def test_failed_loadback_frees_destination_unpins_and_shortens_match():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     ack(c, c.writeback(rb.node))
@@ -247,7 +247,7 @@ def test_layer_progress_then_ack():
 
 def test_loadback_with_checkpoint_loads_history_and_state():
     # source test 18: writeback ack, demote, same tokens -> loadback with fh and swa pairs
-    c = TieredPrefixCache(src(), {"fh": 2, "swa": 8}, {"fh": 2, "swa": 8})
+    c = CacheCore(src(), {"fh": 2, "swa": 8}, {"fh": 2, "swa": 8})
     r = put(c, "a", ckpt=True)
     ack(c, c.writeback(r.node))
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
@@ -263,7 +263,7 @@ def test_loadback_with_checkpoint_loads_history_and_state():
     m2 = c.match("a", "state_recovery")
     assert (m2.joined_nodes, m2.host_units) == ((r.node,), 1)
     ack(c, lr.command, ok=False)
-    assert (r.node.dev, r.node.dev_state, free(c)) == ({}, {}, {"fh": 2, "swa": 8})
+    assert (r.node.dev, r.node.dev_ckpt, free(c)) == ({}, {}, {"fh": 2, "swa": 8})
     c.release(lr.pin)
     c.unlock(lr.lock)
     c.check_invariants()
@@ -272,20 +272,20 @@ def test_loadback_with_checkpoint_loads_history_and_state():
     c.release(lr.pin)
     c.unlock(lr.lock)
     c.check_invariants()
-    assert (r.node.state, r.node.dev_state) == ("backed", {"swa": [0, 1, 2, 3]})
+    assert (r.node.state, r.node.dev_ckpt) == ("backed", {"swa": [0, 1, 2, 3]})
     assert c.match("a", "state_recovery").device_units == 1
 
 
 def test_a_loading_node_without_a_checkpoint_is_no_hit_end():
     # A = (a) without a checkpoint, B = (a, b) with one; both loaded back by r1. A second
     # request for (a) alone finds no state at A's end: no hit, even though A is loading.
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     ra = put(c, "a")
     rb = put(c, "ab", ra.pages, ckpt=True)
     ack(c, c.writeback(rb.node))
     assert c.evict_device({"fh": 2}) == {"fh": 2, "swa": 4}
     lr = c.load(c.match("ab"), "r1")
-    assert (ra.node.state, rb.node.state, ra.node.dev_state) == ("loading", "loading", {})
+    assert (ra.node.state, rb.node.state, ra.node.dev_ckpt) == ("loading", "loading", {})
     m = c.match("a")
     assert (m.hit_tokens, m.host_units, m.joined_nodes, m.needs_loadback) == (0, 0, (), False)
     m = c.match("ab")  # the loading terminal's (host) checkpoint does end a hit
@@ -297,7 +297,7 @@ def test_a_loading_node_without_a_checkpoint_is_no_hit_end():
 def test_history_only_loaded_prefix_extends_on_device():
     # source test 11: host hit of 4 tokens, loadback, extend to 8 tokens -> device hit 8, 2 pages
     fh = CacheGroupSpec("fh", Family.HISTORY, 4, 1, (0, 1), (ComponentSpec("kv", 16),))
-    c = TieredPrefixCache(CacheLayout("fh", (fh,), 2), 4, 4)
+    c = CacheCore(CacheLayout("fh", (fh,), 2), 4, 4)
     r = put(c, "a")
     ack(c, c.writeback(r.node))
     assert c.evict_device({"fh": 1}) == {"fh": 1}
@@ -315,7 +315,7 @@ def test_history_only_loaded_prefix_extends_on_device():
 
 
 def test_load_refuses_no_host_hit():
-    c = TieredPrefixCache(h1(), 4, 4)
+    c = CacheCore(h1(), 4, 4)
     put(c, "ab")
     with pytest.raises(KvtierError):
         c.load(c.match("ab"))
@@ -339,7 +339,7 @@ def test_load_refuses_a_match_made_stale_by_a_split():
 
 
 def test_load_refuses_a_match_made_stale_by_a_demotion():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     ack(c, c.writeback(rb.node))
@@ -366,9 +366,9 @@ def test_load_refuses_a_match_whose_nodes_changed_state():
     c.check_invariants()
 
 
-def _host_checkpoint(dev: dict[str, int]) -> tuple[TieredPrefixCache, Node]:
+def _host_checkpoint(dev: dict[str, int]) -> tuple[CacheCore, Node]:
     """src layout: A = (a) with its checkpoint, written back and demoted (on the host only)."""
-    c = TieredPrefixCache(src(), dev, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), dev, {"fh": 4, "swa": 8})
     a = put(c, "a", ckpt=True).node
     ack(c, c.writeback(a))
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4} and a.state == "host"
@@ -419,7 +419,7 @@ def test_load_evicts_for_its_extra_pages():
 def test_load_of_several_nodes_reserves_all_their_pages():
     # A = (a, b) and B = (c, d) under it on the host: loading both needs 4 pages; with 3 free,
     # the unrelated x (1 page) must be evicted first
-    c = TieredPrefixCache(h1(), 5, 8)
+    c = CacheCore(h1(), 5, 8)
     a = put(c, "ab")
     b = put(c, "abcd", a.pages)
     ack(c, c.writeback(b.node))

@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 from core_helpers import ack, free, h1, h2, put, snapshot, src, state
 
-from kvtier.fsm.cache import MatchMode, TieredPrefixCache
+from kvtier.fsm import MatchMode, CacheCore
 from kvtier.fsm.errors import ConfigError, KvtierError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import CacheGroupSpec, ComponentSpec, Family
 
 
-def backed_chain(policy: str = "write_through_selective") -> tuple[TieredPrefixCache, object, object]:
+def backed_chain(policy: str = "write_through_selective") -> tuple[CacheCore, object, object]:
     """h1 cache (8 device / 8 host units): A=(a,b) pages 0,1 and B=(c,d) pages 2,3, both backed."""
-    c = TieredPrefixCache(h1(), 8, 8, policy=policy)
+    c = CacheCore(h1(), 8, 8, policy=policy)
     ra = put(c, "ab")
     ack(c, c.writeback(ra.node))
     rb = put(c, "abcd", ra.pages)
@@ -78,15 +78,15 @@ def test_match_splits_mid_node_and_exact_boundaries_do_not():
 
 def test_pending_writeback_invisible_to_host_matching_but_device_matchable():
     # source test 3: PendingHostSnapshotInvisibleUntilWriteBackAck (src fixture: 2 transfers)
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     r = put(c, "a", ckpt=True)
     a = r.node
-    assert (a.dev, a.dev_state) == ({"fh": [0]}, {"swa": [0, 1, 2, 3]})
+    assert (a.dev, a.dev_ckpt) == ({"fh": [0]}, {"swa": [0, 1, 2, 3]})
     cmd = c.writeback(a)
     c.check_invariants()
     assert [(t.group, t.src_pages, t.dst_pages) for t in cmd.transfers] == [
         ("fh", (0,), (0,)), ("swa", (0, 1, 2, 3), (0, 1, 2, 3))]
-    assert (a.state, a.pending, a.pending_state, a.host, a.host_state) == (
+    assert (a.state, a.pending, a.pending_ckpt, a.host, a.host_ckpt) == (
         "writing", {"fh": [0]}, {"swa": [0, 1, 2, 3]}, {}, {})
     assert free(c, "host") == {"fh": 3, "swa": 4}
     m = c.match("a")
@@ -96,7 +96,7 @@ def test_pending_writeback_invisible_to_host_matching_but_device_matchable():
     assert c.evict_host({"fh": 1}) == {"fh": 0, "swa": 0}
     c.check_invariants()
     assert ack(c, cmd)[0].ok
-    assert (a.state, a.host, a.host_state, a.pending, a.pending_state) == (
+    assert (a.state, a.host, a.host_ckpt, a.pending, a.pending_ckpt) == (
         "backed", {"fh": [0]}, {"swa": [0, 1, 2, 3]}, {}, {})
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
     c.check_invariants()
@@ -106,7 +106,7 @@ def test_pending_writeback_invisible_to_host_matching_but_device_matchable():
 
 def test_no_host_tier_is_a_plain_device_cache():
     for policy in ("write_through", "write_through_selective", "write_back"):
-        c = TieredPrefixCache(h1(), 3, None, policy=policy)
+        c = CacheCore(h1(), 3, None, policy=policy)
         assert not c.has_host and c.host is None
         r = put(c, "ab")
         lk = c.lock(r.node)
@@ -129,7 +129,7 @@ def test_no_host_tier_is_a_plain_device_cache():
 
 
 def test_match_mode_validation():
-    c = TieredPrefixCache(src(), 4, 4)
+    c = CacheCore(src(), 4, 4)
     with pytest.raises(ConfigError):
         c.match("a", "sideways")
     with pytest.raises(ConfigError):
@@ -138,11 +138,11 @@ def test_match_mode_validation():
 
 # ---------------------------------------------------------------------- continuation state
 def test_prefix_reuse_ends_only_at_exact_checkpoints():
-    c = TieredPrefixCache(src(), {"fh": 8, "swa": 16}, None)
+    c = CacheCore(src(), {"fh": 8, "swa": 16}, None)
     ra = put(c, "a", ckpt=True)
     rb = put(c, "abc", ra.pages)  # history only past unit 1
     a, b = ra.node, rb.node
-    assert (a.dev_state, b.dev_state) == ({"swa": [0, 1, 2, 3]}, {})
+    assert (a.dev_ckpt, b.dev_ckpt) == ({"swa": [0, 1, 2, 3]}, {})
     m = c.match("abc")
     assert (m.device_node, m.device_units, m.terminal, m.host_units, m.history_units) == (a, 1, a, 1, 3)
     assert m.hit_tokens == 4
@@ -159,7 +159,7 @@ def test_prefix_reuse_ends_only_at_exact_checkpoints():
     got = c.alloc_device({"swa": 4})
     r = c.insert(tuple("abc"), {"fh": [0, 1, 2]}, got)
     c.check_invariants()
-    assert (r.node, r.duplicates, r.kept, b.dev_state) == (b, {}, {}, {"swa": [4, 5, 6, 7]})
+    assert (r.node, r.duplicates, r.kept, b.dev_ckpt) == (b, {}, {}, {"swa": [4, 5, 6, 7]})
     assert c.match("abc", "state_recovery").device_units == 3
     assert c.match("abc").device_units == 3
     assert c.match("ab").device_units == 1  # splits B; the new fragment has no checkpoint
@@ -168,7 +168,7 @@ def test_prefix_reuse_ends_only_at_exact_checkpoints():
 
 def test_prefix_reuse_misses_when_continuation_state_missing():
     # source test 14: history pages without the swa checkpoint -> miss on device and on host
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     a = put(c, "a").node
     m = c.match("a")
     assert (m.device_node, m.device_units, m.host_units, m.history_units) == (c.root, 0, 0, 1)
@@ -184,7 +184,7 @@ def test_prefix_reuse_misses_when_continuation_state_missing():
 
 def test_host_state_recovery_with_exact_terminal_checkpoint():
     # source test 12
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     ra = put(c, "a", ckpt=True)
     rb = put(c, "ab", ra.pages, ckpt=True)
     a, b = ra.node, rb.node
@@ -200,7 +200,7 @@ def test_host_state_recovery_with_exact_terminal_checkpoint():
 
 
 def test_history_replay_returns_deeper_history_hit():
-    c = TieredPrefixCache(src(), {"fh": 8, "swa": 8}, None)
+    c = CacheCore(src(), {"fh": 8, "swa": 8}, None)
     assert c.layout.replay_span_tokens() == 16  # window 8 on each of 2 layers
     ra = put(c, "a", ckpt=True)
     r = put(c, "abcdefg", ra.pages)
@@ -222,7 +222,7 @@ def test_history_replay_returns_deeper_history_hit():
 
 
 def test_history_replay_without_any_checkpoint():
-    c = TieredPrefixCache(src(), {"fh": 8, "swa": 8}, {"fh": 8, "swa": 8})
+    c = CacheCore(src(), {"fh": 8, "swa": 8}, {"fh": 8, "swa": 8})
     r = put(c, "abcde")
     ack(c, c.writeback(r.node))
     assert c.evict_device({"fh": 5}) == {"fh": 5, "swa": 0}
@@ -238,7 +238,7 @@ def test_history_replay_pays_off_from_one_token():
     # without any checkpoint give a 1-token hit (recompute 7); one unit (4 tokens) gives none.
     fh = CacheGroupSpec("fh", Family.HISTORY, 4, 1, (0,), (ComponentSpec("kv", 16),))
     swa = CacheGroupSpec("swa", Family.STATE, 2, 1, (0,), (ComponentSpec("kv", 8),), window=7)
-    c = TieredPrefixCache(CacheLayout("w7", (fh, swa), 1), {"fh": 8, "swa": 8}, None)
+    c = CacheCore(CacheLayout("w7", (fh, swa), 1), {"fh": 8, "swa": 8}, None)
     assert c.layout.replay_span_tokens() == 7
     put(c, "ab")
     m = c.match("ab", history_replay=True)
@@ -248,7 +248,7 @@ def test_history_replay_pays_off_from_one_token():
 
 
 def test_insert_new_nodes_multi_group_page_counts():
-    c = TieredPrefixCache(h2(), {"a": 12, "b": 6}, None)
+    c = CacheCore(h2(), {"a": 12, "b": 6}, None)
     r = put(c, "xy")
     assert (r.published_units, r.pages, r.duplicates, r.kept) == (
         2, {"a": [0, 1, 2, 3], "b": [0, 1]}, {}, {})
@@ -260,7 +260,7 @@ def test_insert_new_nodes_multi_group_page_counts():
 
 
 def test_insert_duplicates_adopt_canonical_pages():
-    c = TieredPrefixCache(h2(), {"a": 12, "b": 6}, None)
+    c = CacheCore(h2(), {"a": 12, "b": 6}, None)
     r = put(c, "xy")
     # a second request computed the same prefix (and one more unit) in its own pages
     own = c.alloc_device({"a": 6, "b": 3})
@@ -313,7 +313,7 @@ def test_insert_republish_keeps_unrepublished_suffix_on_host():
 
 
 def test_insert_wrong_counts_or_foreign_pages_change_nothing():
-    c = TieredPrefixCache(src(), {"fh": 8, "swa": 12}, None)
+    c = CacheCore(src(), {"fh": 8, "swa": 12}, None)
     r = put(c, "ab", ckpt=True)
     own = c.alloc_device({"fh": 1, "swa": 4})
     before = snapshot(c)
@@ -337,14 +337,14 @@ def test_insert_wrong_counts_or_foreign_pages_change_nothing():
 
 
 def test_insert_refuses_a_page_given_twice():
-    c = TieredPrefixCache(h1(), 4, None)
+    c = CacheCore(h1(), 4, None)
     own = c.alloc_device({"kv": 1})
     before = snapshot(c)
     with pytest.raises(ConfigError):
         c.insert(("x", "y"), {"kv": own["kv"] * 2})
     assert snapshot(c) == before
     c.check_invariants()
-    c2 = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, None)
+    c2 = CacheCore(src(), {"fh": 4, "swa": 8}, None)
     got = c2.alloc_device({"fh": 1, "swa": 2})
     before = snapshot(c2)
     with pytest.raises(ConfigError):
@@ -354,27 +354,27 @@ def test_insert_refuses_a_page_given_twice():
 
 
 def test_insert_checkpoint_adoption_and_duplicate_checkpoint():
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 12}, None)
+    c = CacheCore(src(), {"fh": 4, "swa": 12}, None)
     r = put(c, "a", ckpt=True)
-    assert (r.node.dev_state, r.node.chunk_checkpoint, c.external_pages("swa")) == (
+    assert (r.node.dev_ckpt, r.node.chunk_checkpoint, c.external_pages("swa")) == (
         {"swa": [0, 1, 2, 3]}, False, frozenset())
     got = c.alloc_device({"swa": 4})
     r2 = c.insert(("a",), {"fh": [0]}, got)
     c.check_invariants()
-    assert r2.duplicates == {"swa": [4, 5, 6, 7]} and r.node.dev_state == {"swa": [0, 1, 2, 3]}
+    assert r2.duplicates == {"swa": [4, 5, 6, 7]} and r.node.dev_ckpt == {"swa": [0, 1, 2, 3]}
     c.free_device(r2.duplicates)
     assert free(c) == {"fh": 3, "swa": 8}
     c.check_invariants()
 
 
 def test_chunk_checkpoint_dropped_by_deeper_one():
-    c = TieredPrefixCache(src(), {"fh": 8, "swa": 16}, None)
+    c = CacheCore(src(), {"fh": 8, "swa": 16}, None)
     ra = put(c, "a", ckpt=True, chunk=True)
     a = ra.node
     assert (a.chunk_checkpoint, free(c)) == (True, {"fh": 7, "swa": 12})
     lk = c.lock(a)  # the inserting request's own lock does not keep it
     rb = put(c, "ab", ra.pages, ckpt=True)
-    assert (a.dev_state, a.chunk_checkpoint, rb.node.dev_state) == ({}, False, {"swa": [4, 5, 6, 7]})
+    assert (a.dev_ckpt, a.chunk_checkpoint, rb.node.dev_ckpt) == ({}, False, {"swa": [4, 5, 6, 7]})
     assert free(c) == {"fh": 6, "swa": 12}
     c.unlock(lk)
     c.check_invariants()
@@ -383,44 +383,44 @@ def test_chunk_checkpoint_dropped_by_deeper_one():
     rx = put(c, "x", ckpt=True)
     put(c, "xy", rx.pages, ckpt=True)
     # A's dropped checkpoint pages 0-3 are reused (released last, handed out first)
-    assert rx.node.dev_state == {"swa": [3, 2, 1, 0]} and free(c) == {"fh": 4, "swa": 4}
+    assert rx.node.dev_ckpt == {"swa": [3, 2, 1, 0]} and free(c) == {"fh": 4, "swa": 4}
     c.check_invariants()
 
 
 def test_borrowed_chunk_checkpoint_is_not_dropped():
-    c = TieredPrefixCache(src(), {"fh": 8, "swa": 8}, None)
+    c = CacheCore(src(), {"fh": 8, "swa": 8}, None)
     ra = put(c, "a", ckpt=True, chunk=True)
     rcpt = c.borrow([ra.node])
     put(c, "ab", ra.pages, ckpt=True)
-    assert ra.node.dev_state == {"swa": [0, 1, 2, 3]} and ra.node.chunk_checkpoint
+    assert ra.node.dev_ckpt == {"swa": [0, 1, 2, 3]} and ra.node.chunk_checkpoint
     c.release(rcpt)
     c.check_invariants()
 
 
 def test_a_second_checkpoint_settles_the_chunk_flag():
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 16}, None)
+    c = CacheCore(src(), {"fh": 4, "swa": 16}, None)
     a = put(c, "a", ckpt=True, chunk=True).node
     for chunk, flag in ((True, True), (False, False), (True, False)):
         got = c.alloc_device({"swa": 4})
         res = c.insert(("a",), {"fh": [0]}, got, chunk_checkpoint=chunk)
         # the first checkpoint stays; a final one only clears the chunk flag
-        assert (a.dev_state, a.chunk_checkpoint, res.duplicates) == ({"swa": [0, 1, 2, 3]}, flag, got)
+        assert (a.dev_ckpt, a.chunk_checkpoint, res.duplicates) == ({"swa": [0, 1, 2, 3]}, flag, got)
         c.free_device(res.duplicates)
     c.check_invariants()
 
 
 def test_chunk_checkpoints_shared_or_backed():
-    c = TieredPrefixCache(src(), {"fh": 8, "swa": 16}, {"fh": 8, "swa": 16})
+    c = CacheCore(src(), {"fh": 8, "swa": 16}, {"fh": 8, "swa": 16})
     ra = put(c, "a", ckpt=True, chunk=True)
     a = ra.node
     ack(c, c.writeback(a))
     assert (a.state, a.chunk_checkpoint) == ("backed", True)
     locks = [c.lock(a, "r1"), c.lock(a, "r2")]  # two requests still use A
     rab = put(c, "ab", ra.pages, ckpt=True)
-    assert a.dev_state == {"swa": [0, 1, 2, 3]} and a.chunk_checkpoint  # kept: r2 may need it
+    assert a.dev_ckpt == {"swa": [0, 1, 2, 3]} and a.chunk_checkpoint  # kept: r2 may need it
     c.unlock(locks.pop())
     put(c, "abc", rab.pages, ckpt=True)
-    assert (a.dev_state, a.chunk_checkpoint) == ({}, False)  # backed, one lock: dropped
+    assert (a.dev_ckpt, a.chunk_checkpoint) == ({}, False)  # backed, one lock: dropped
     c.unlock(locks.pop())
     c.check_invariants()
 
@@ -428,7 +428,7 @@ def test_chunk_checkpoints_shared_or_backed():
 def test_a_stopped_insert_keeps_its_checkpoint_even_under_a_device_prefix():
     # A = (a) on the device, B = (b) under it loading for r1: an insert of (a, b) with a
     # checkpoint stops at B; the checkpoint is for (a, b), so A must not adopt it.
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 16}, {"fh": 4, "swa": 16})
+    c = CacheCore(src(), {"fh": 4, "swa": 16}, {"fh": 4, "swa": 16})
     ra = put(c, "a")
     rb = put(c, "ab", ra.pages, ckpt=True)
     ack(c, c.writeback(rb.node))
@@ -437,7 +437,7 @@ def test_a_stopped_insert_keeps_its_checkpoint_even_under_a_device_prefix():
     lr = c.load(c.match("ab"), "r1")
     got = c.alloc_device({"swa": 4})
     res = c.insert(("a", "b"), {"fh": ra.pages["fh"] + lr.device_pages["fh"][1:]}, got)
-    assert (res.node, res.published_units, ra.node.dev_state, res.kept) == (ra.node, 1, {}, got)
+    assert (res.node, res.published_units, ra.node.dev_ckpt, res.kept) == (ra.node, 1, {}, got)
     c.free_device(res.kept)
     ack(c, lr.command)
     c.unlock(keep)
@@ -447,7 +447,7 @@ def test_a_stopped_insert_keeps_its_checkpoint_even_under_a_device_prefix():
 def test_insert_publishes_nothing_beyond_a_loading_node():
     # A = (a, b) loading for r1, B = (c, d) under it still on the host: an insert of the
     # whole prefix stops at A; B is not republished and the caller keeps all its pages.
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab")
     b = put(c, "abcd", a.pages)
     ack(c, c.writeback(b.node))
@@ -463,7 +463,7 @@ def test_insert_publishes_nothing_beyond_a_loading_node():
 
 
 def test_insert_checkpoint_is_not_a_chunk_checkpoint_by_default():
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, None)
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, None)
     got = c.alloc_device({"fh": 1, "swa": 4})
     res = c.insert(("a",), {"fh": got["fh"]}, {"swa": got["swa"]})  # no chunk_checkpoint argument
     assert res.node.chunk_checkpoint is False
@@ -474,7 +474,7 @@ def test_insert_refuses_a_checkpoint_missing_a_state_group():
     fh = CacheGroupSpec("fh", Family.HISTORY, 4, 1, (0,), (ComponentSpec("kv", 16),))
     s1 = CacheGroupSpec("s1", Family.STATE, 2, 1, (0,), (ComponentSpec("kv", 8),), window=4)
     s2 = CacheGroupSpec("s2", Family.STATE, 4, 1, (0,), (ComponentSpec("kv", 8),), window=4)
-    c = TieredPrefixCache(CacheLayout("two-states", (fh, s1, s2), 1), {"fh": 4, "s1": 4, "s2": 4}, None)
+    c = CacheCore(CacheLayout("two-states", (fh, s1, s2), 1), {"fh": 4, "s1": 4, "s2": 4}, None)
     got = c.alloc_device({"fh": 1, "s1": 2})
     before = snapshot(c)
     with pytest.raises(ConfigError) as exc:
@@ -501,7 +501,7 @@ def test_insert_stops_at_loading_node_and_keeps_caller_pages():
     c.free_device(res.kept)
     c.check_invariants()
     # the checkpoint of a stopped insert stays the caller's too (src fixture)
-    c2 = TieredPrefixCache(src(), {"fh": 4, "swa": 12}, {"fh": 4, "swa": 8})
+    c2 = CacheCore(src(), {"fh": 4, "swa": 12}, {"fh": 4, "swa": 8})
     r = put(c2, "a", ckpt=True)
     ack(c2, c2.writeback(r.node))
     assert c2.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from core_helpers import ack, h1, put, snapshot, src
 
-from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation
 from kvtier.fsm.records import Completion
 
 
-def ack_all(c: TieredPrefixCache) -> None:
+def ack_all(c: CacheCore) -> None:
     """Write back every device node and acknowledge it."""
     for n in c.nodes():
         cmd = c.writeback(n)
@@ -22,7 +22,7 @@ def ack_all(c: TieredPrefixCache) -> None:
             ack(c, cmd)
 
 
-def refused(c: TieredPrefixCache, call: Callable[[], Any], error: type[Exception], message: str) -> None:
+def refused(c: CacheCore, call: Callable[[], Any], error: type[Exception], message: str) -> None:
     before = snapshot(c)
     with pytest.raises(error) as exc:
         call()
@@ -33,7 +33,7 @@ def refused(c: TieredPrefixCache, call: Callable[[], Any], error: type[Exception
 
 
 def test_match_lock_borrow_pin_refusals() -> None:
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     refused(c, lambda: c.match("ab", "nope"), ConfigError,
             "match mode must be one of ['prefix_reuse', 'state_recovery'], got 'nope'")
@@ -51,7 +51,7 @@ def test_match_lock_borrow_pin_refusals() -> None:
 
 
 def test_insert_refusals() -> None:
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     put(c, "ab")
     mine = c.alloc_device({"kv": 3})["kv"]
     assert mine == [2, 3, 4]
@@ -72,7 +72,7 @@ def test_insert_refusals() -> None:
 
 
 def test_checkpoint_refusals() -> None:
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     got = c.alloc_device({"fh": 1, "swa": 4})
     refused(c, lambda: c.insert(("a",), {"fh": got["fh"]}, {"swa": got["swa"][:3]}), ConfigError,
             "insert: checkpoint of 'swa' needs 4 pages, got 3")
@@ -81,7 +81,7 @@ def test_checkpoint_refusals() -> None:
 
 
 def test_completion_and_loadback_refusals() -> None:
-    c = TieredPrefixCache(h1(), 8, 8, world_size=2)
+    c = CacheCore(h1(), 8, 8, world_size=2)
     a = put(c, "ab").node
     refused(c, lambda: c.load(c.match("ab"), "r"), KvtierError, "load: the match has no host hit to load back")
     cmd = c.writeback(a)
@@ -114,9 +114,9 @@ def test_completion_and_loadback_refusals() -> None:
 
 
 def test_values_that_are_not_this_trees_nodes_or_receipts_are_refused() -> None:
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
-    other = TieredPrefixCache(h1(), 8, 8)
+    other = CacheCore(h1(), 8, 8)
     stranger = put(other, "ab").node
     for call, message in [
         (lambda: c.lock(None), "lock: None is not a node of this cache's tree"),  # type: ignore[arg-type]
@@ -140,14 +140,14 @@ def test_values_that_are_not_this_trees_nodes_or_receipts_are_refused() -> None:
 
 
 def test_receipts_are_marked_released_and_foreign_ones_refused() -> None:
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     lock = c.lock(a, "r")
     c.unlock(lock)
     borrow = c.borrow([a], "r")
     c.release(borrow)
     assert (lock.released, borrow.released) == (True, True)
-    other = TieredPrefixCache(h1(), 8, 8)
+    other = CacheCore(h1(), 8, 8)
     foreign = other.borrow([put(other, "ab").node], "r")
     refused(c, lambda: c.release(foreign), KvtierError,
             "<borrow receipt 2 owner='r' nodes=[1]> was already released or is unknown (counts_with_receipts)")
@@ -155,7 +155,7 @@ def test_receipts_are_marked_released_and_foreign_ones_refused() -> None:
 
 
 def test_a_loading_node_may_be_borrowed() -> None:
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     ack_all(c)
     assert c.evict_device({"kv": 2}) == {"kv": 2}
@@ -169,7 +169,7 @@ def test_a_loading_node_may_be_borrowed() -> None:
 
 
 def test_insert_over_a_host_node_refuses_a_page_not_the_callers() -> None:
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     ack_all(c)
     assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"

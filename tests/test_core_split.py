@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from core_helpers import ack, free, h1, h2, put, src, state
 
-from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm import CacheCore
 from kvtier.fsm.records import Completion
 
 
 def test_split_keeps_pages_identity_and_lock():
-    c = TieredPrefixCache(h2(), {"a": 16, "b": 8}, {"a": 16, "b": 8})
+    c = CacheCore(h2(), {"a": 16, "b": 8}, {"a": 16, "b": 8})
     r = put(c, "wxyz")
     a = r.node
     lk = c.lock(a)
@@ -30,7 +30,7 @@ def test_split_keeps_pages_identity_and_lock():
 
 def test_split_keeps_borrow_and_pending_writeback():
     # source test 8: PendingSnapshotPartialSplitPreservesSuffixIdentityAndBorrowedPages
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     r = put(c, "abcd", ckpt=True)
     a = r.node
     rcpt = c.borrow([a], "r1")
@@ -42,12 +42,12 @@ def test_split_keeps_borrow_and_pending_writeback():
     assert (p.pending, a.pending) == ({"fh": [0, 1]}, {"fh": [2, 3]})
     assert (p.dev, a.dev, a.depth) == ({"fh": [0, 1]}, {"fh": [2, 3]}, 4)
     # the checkpoint stays at the suffix end
-    assert (p.dev_state, p.pending_state, a.dev_state, a.pending_state) == (
+    assert (p.dev_ckpt, p.pending_ckpt, a.dev_ckpt, a.pending_ckpt) == (
         {}, {}, {"swa": [0, 1, 2, 3]}, {"swa": [0, 1, 2, 3]})
     assert rcpt.nodes == [p, a] and (p.borrow_ref, a.borrow_ref) == (1, 1)
     (s,) = ack(c, cmd)
     assert s.node_ids == (p.node_id, a.node_id)  # the ack covers the whole original range
-    assert (p.state, a.state, p.host, a.host, a.host_state) == (
+    assert (p.state, a.state, p.host, a.host, a.host_ckpt) == (
         "backed", "backed", {"fh": [0, 1]}, {"fh": [2, 3]}, {"swa": [0, 1, 2, 3]})
     # borrowed: neither fragment is demoted
     assert c.evict_device({"fh": 4}) == {"fh": 0, "swa": 0}
@@ -60,7 +60,7 @@ def test_split_keeps_borrow_and_pending_writeback():
 
 
 def test_split_then_writeback_failure_rolls_back_both_fragments():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "abcd").node
     cmd = c.writeback(a)
     assert free(c, "host") == {"kv": 4}
@@ -75,7 +75,7 @@ def test_split_then_writeback_failure_rolls_back_both_fragments():
 
 def test_host_node_split_stays_on_suffix():
     # source test 9: HostSnapshotPartialSplitStaysOnSuffix
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     a = put(c, "abcd", ckpt=True).node
     ack(c, c.writeback(a))
     assert c.evict_device({"fh": 4}) == {"fh": 4, "swa": 4}
@@ -83,8 +83,8 @@ def test_host_node_split_stays_on_suffix():
     c.match("abz")
     c.check_invariants()
     p = a.parent
-    assert (p.state, p.host, p.host_state, p.host_pin) == ("host", {"fh": [0, 1]}, {}, 1)
-    assert (a.state, a.host, a.host_state, a.host_pin, a.depth) == (
+    assert (p.state, p.host, p.host_ckpt, p.host_pin) == ("host", {"fh": [0, 1]}, {}, 1)
+    assert (a.state, a.host, a.host_ckpt, a.host_pin, a.depth) == (
         "host", {"fh": [2, 3]}, {"swa": [0, 1, 2, 3]}, 1, 4)
     assert pin.nodes == [p, a]
     c.release(pin)
@@ -94,7 +94,7 @@ def test_host_node_split_stays_on_suffix():
 
 def test_split_of_loading_node_ack_and_failure_apply_to_every_fragment():
     for ok in (True, False):
-        c = TieredPrefixCache(h1(), 4, 4)
+        c = CacheCore(h1(), 4, 4)
         a = put(c, "abcd").node
         ack(c, c.writeback(a))
         assert c.evict_device({"kv": 4}) == {"kv": 4}
@@ -117,7 +117,7 @@ def test_split_of_loading_node_ack_and_failure_apply_to_every_fragment():
 
 
 def test_split_of_queued_writeback_queues_both_fragments():
-    c = TieredPrefixCache(h1(), 8, 8, policy="write_through")
+    c = CacheCore(h1(), 8, 8, policy="write_through")
     a = put(c, "abcd").node
     assert c.queued_writebacks() == [a.node_id]
     c.match("ab")
@@ -135,7 +135,7 @@ def test_split_of_queued_writeback_queues_both_fragments():
 
 
 def test_split_at_zero_or_full_length_is_a_no_op():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     cmd = c.writeback(rb.node, "r1")

@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 from core_helpers import ack, h1, put, state
 
-from kvtier.fsm.cache import CacheStats, TieredPrefixCache
+from kvtier.fsm import CacheStats, CacheCore
 from kvtier.fsm.errors import ConfigError
 from kvtier.fsm.records import Completion
 
 
 def test_every_counter_counts_each_event_once() -> None:
-    c = TieredPrefixCache(h1(), 8, 8, op_deadline_steps=1)
+    c = CacheCore(h1(), 8, 8, op_deadline_steps=1)
 
     def counts() -> dict[str, int]:
         return {k: v for k, v in dataclasses.asdict(c.stats).items() if v}
@@ -63,7 +63,7 @@ def test_stats_start_at_zero() -> None:
 
 
 def test_splits_are_counted_each_time() -> None:
-    c = TieredPrefixCache(h1(), 8, None)
+    c = CacheCore(h1(), 8, None)
     assert put(c, "abc").node.dev == {"kv": [0, 1, 2]}
     put(c, "abx", {"kv": [0, 1]})  # (a, b) | (c), (x)
     put(c, "ay", {"kv": [0]})  # (a) | (b), (y)
@@ -72,7 +72,7 @@ def test_splits_are_counted_each_time() -> None:
 
 
 def test_joined_loadbacks_are_counted_each_time() -> None:
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
@@ -83,7 +83,7 @@ def test_joined_loadbacks_are_counted_each_time() -> None:
 
 
 def test_failures_settle_with_ok_false_and_are_counted_each_time() -> None:
-    c = TieredPrefixCache(h1(), 8, 8, world_size=2)
+    c = CacheCore(h1(), 8, 8, world_size=2)
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     failures = []
@@ -109,7 +109,7 @@ def test_failures_settle_with_ok_false_and_are_counted_each_time() -> None:
 
 
 def test_a_failed_writeback_drops_only_its_own_queued_children() -> None:
-    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    c = CacheCore(h1(), 8, 8, policy="write_back")
     a = put(c, "a")
     child = put(c, "ab", a.pages).node
     other = put(c, "x").node
@@ -125,7 +125,7 @@ def test_a_failed_writeback_drops_only_its_own_queued_children() -> None:
 
 
 def test_advance_step_refuses_bad_counts() -> None:
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ConfigError) as exc:
             c.advance_step(bad)  # type: ignore[arg-type]
@@ -134,7 +134,7 @@ def test_advance_step_refuses_bad_counts() -> None:
 
 
 def test_expired_operations_are_counted_each_time() -> None:
-    c = TieredPrefixCache(h1(), 8, 8, op_deadline_steps=1)
+    c = CacheCore(h1(), 8, 8, op_deadline_steps=1)
     cmds = [c.writeback(put(c, k).node) for k in "xy"]
     assert all(cmd is not None for cmd in cmds)
     assert len(c.advance_step(2)) == 2 and c.stats.expired_ops == 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from core_helpers import ack, free, h1, put, snapshot, src, state
 
-from kvtier.fsm.cache import TieredPrefixCache
+from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import CapacityError, ConfigError
 from kvtier.fsm.records import Direction
 
@@ -20,16 +20,16 @@ def pairs(cmd):
 
 def test_policy_validation():
     with pytest.raises(ConfigError):
-        TieredPrefixCache(h1(), 4, 4, policy="write_sometimes")
+        CacheCore(h1(), 4, 4, policy="write_sometimes")
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ConfigError):
-            TieredPrefixCache(h1(), 4, 4, write_threshold=bad)
-    assert TieredPrefixCache(h1(), 4, 4).write_threshold == 2
-    assert TieredPrefixCache(h1(), 4, 4).policy.value == "write_through_selective"
+            CacheCore(h1(), 4, 4, write_threshold=bad)
+    assert CacheCore(h1(), 4, 4).write_threshold == 2
+    assert CacheCore(h1(), 4, 4).policy.value == "write_through_selective"
 
 
 def test_write_through_child_waits_for_parent_ack():
-    c = TieredPrefixCache(h1(), 8, 8, policy="write_through")
+    c = CacheCore(h1(), 8, 8, policy="write_through")
     ra = put(c, "ab")
     a = ra.node
     assert c.queued_writebacks() == [a.node_id]
@@ -57,7 +57,7 @@ def test_write_through_child_waits_for_parent_ack():
 
 
 def test_parent_writeback_failure_drops_queued_child():
-    c = TieredPrefixCache(h1(), 8, 8, policy="write_through")
+    c = CacheCore(h1(), 8, 8, policy="write_through")
     ra = put(c, "ab")
     (cmd_a,) = c.issue_writebacks()
     b = put(c, "abc", ra.pages).node
@@ -71,7 +71,7 @@ def test_parent_writeback_failure_drops_queued_child():
 
 
 def test_write_through_selective_threshold():
-    c = TieredPrefixCache(h1(), 8, 8)  # threshold 2
+    c = CacheCore(h1(), 8, 8)  # threshold 2
     r = put(c, "ab")
     assert c.queued_writebacks() == [] and r.node.hit_count == 0
     c.unlock(c.lock(r.node))
@@ -85,7 +85,7 @@ def test_write_through_selective_threshold():
     c.unlock(lk)
     ack(c, cmd)
     assert r.node.state == "backed"
-    c3 = TieredPrefixCache(h1(), 8, 8, write_threshold=3)
+    c3 = CacheCore(h1(), 8, 8, write_threshold=3)
     r3 = put(c3, "ab")
     for _ in range(2):
         c3.unlock(c3.lock(r3.node))
@@ -96,7 +96,7 @@ def test_write_through_selective_threshold():
 
 
 def test_selective_queues_parent_and_child_parent_first():
-    c = TieredPrefixCache(h1(), 8, 8)
+    c = CacheCore(h1(), 8, 8)
     ra = put(c, "ab")
     rb = put(c, "abc", ra.pages)
     c.unlock(c.lock(rb.node))
@@ -112,7 +112,7 @@ def test_selective_queues_parent_and_child_parent_first():
 
 
 def test_write_back_eviction_queues_and_frees_nothing_now():
-    c = TieredPrefixCache(h1(), 4, 8, policy="write_back")
+    c = CacheCore(h1(), 4, 8, policy="write_back")
     a = put(c, "ab").node
     b = put(c, "cd").node
     assert c.queued_writebacks() == [] and free(c) == {"kv": 0}
@@ -136,7 +136,7 @@ def test_write_back_eviction_queues_and_frees_nothing_now():
 
 
 def test_request_writeback_of_a_chain_is_one_operation():
-    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    c = CacheCore(h1(), 8, 8, policy="write_back")
     ra = put(c, "ab")
     rb = put(c, "abc", ra.pages)
     cmd = c.writeback(rb.node, "r1")
@@ -150,7 +150,7 @@ def test_request_writeback_of_a_chain_is_one_operation():
 
 
 def test_request_writeback_behind_an_inflight_one_is_queued():
-    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    c = CacheCore(h1(), 8, 8, policy="write_back")
     ra = put(c, "ab")
     cmd_a = c.writeback(ra.node)
     rb = put(c, "abc", ra.pages)
@@ -165,7 +165,7 @@ def test_request_writeback_behind_an_inflight_one_is_queued():
 
 
 def test_a_chain_behind_an_inflight_writeback_is_queued_whole_parent_first():
-    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    c = CacheCore(h1(), 8, 8, policy="write_back")
     ra = put(c, "ab")
     cmd_a = c.writeback(ra.node)
     rb = put(c, "abc", ra.pages)
@@ -186,15 +186,15 @@ def test_a_chain_behind_an_inflight_writeback_is_queued_whole_parent_first():
 
 def test_failed_writeback_frees_reservation_publishes_nothing_keeps_device():
     # source tests 4 and 20
-    c = TieredPrefixCache(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
+    c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     a = put(c, "a", ckpt=True).node
     dev_before = free(c)
     cmd = c.writeback(a)
     assert free(c, "host") == {"fh": 3, "swa": 4}
     (settled,) = ack(c, cmd, ok=False)
     assert (settled.ok, settled.expired) == (False, False)
-    assert (a.state, a.pending, a.pending_state, a.host, a.host_state) == ("device", {}, {}, {}, {})
-    assert (a.dev, a.dev_state) == ({"fh": [0]}, {"swa": [0, 1, 2, 3]})
+    assert (a.state, a.pending, a.pending_ckpt, a.host, a.host_ckpt) == ("device", {}, {}, {}, {})
+    assert (a.dev, a.dev_ckpt) == ({"fh": [0]}, {"swa": [0, 1, 2, 3]})
     assert free(c, "host") == {"fh": 4, "swa": 8} and free(c) == dev_before
     assert c.operations() == {}
     # a same-prefix request gets a device hit and no loadback
@@ -207,7 +207,7 @@ def test_failed_writeback_frees_reservation_publishes_nothing_keeps_device():
 
 
 def test_writeback_with_host_full_changes_nothing():
-    c = TieredPrefixCache(h1(), 8, 1, policy="write_back")
+    c = CacheCore(h1(), 8, 1, policy="write_back")
     r = put(c, "ab")
     before = snapshot(c)
     assert c.writeback(r.node) is None
@@ -217,7 +217,7 @@ def test_writeback_with_host_full_changes_nothing():
 
 def test_writeback_does_not_evict_the_parent_host_copy():
     # the parent is the only host leaf; evicting it for the child would break invariant 1
-    c = TieredPrefixCache(h1(), 8, 1, policy="write_back")
+    c = CacheCore(h1(), 8, 1, policy="write_back")
     ra = put(c, "a")
     ack(c, c.writeback(ra.node))
     assert free(c, "host") == {"kv": 0}
@@ -233,7 +233,7 @@ def test_writeback_does_not_evict_the_parent_host_copy():
 
 def test_host_eviction_for_writeback_skips_pinned_nodes():
     # source test 16: HostWriteBackPrunesOnlyUnpinnedPagedCacheHostSnapshots
-    c = TieredPrefixCache(h1(), 8, 2, policy="write_back")
+    c = CacheCore(h1(), 8, 2, policy="write_back")
     rx = put(c, "xy")
     ack(c, c.writeback(rx.node))
     assert free(c, "host") == {"kv": 0}
@@ -253,7 +253,7 @@ def test_host_eviction_for_writeback_skips_pinned_nodes():
 
 def test_host_eviction_frees_several_snapshots_for_one_allocation():
     # source test 17: two 1-page host snapshots pruned for one 2-page writeback
-    c = TieredPrefixCache(h1(), 8, 2, policy="write_back")
+    c = CacheCore(h1(), 8, 2, policy="write_back")
     r1 = put(c, "p")
     r2 = put(c, "q")
     ack(c, c.writeback(r1.node))
@@ -270,7 +270,7 @@ def test_host_eviction_frees_several_snapshots_for_one_allocation():
 def test_batched_tree_writeback_falls_back_to_one_node_at_a_time_within_the_limit():
     # three queued device leaves, room for two pages on the host: the batch of three does not
     # fit, so nodes go one by one; with limit=1 only one operation is issued per call
-    c = TieredPrefixCache(h1(), 8, 3, policy="write_back")
+    c = CacheCore(h1(), 8, 3, policy="write_back")
     p = put(c, "p")
     ack(c, c.writeback(p.node, "r0"))  # a backed parent: its children may be written back
     nodes = [put(c, k).node for k in "xy"] + [put(c, "pz", p.pages).node]
@@ -287,7 +287,7 @@ def test_batched_tree_writeback_falls_back_to_one_node_at_a_time_within_the_limi
 
 
 def test_a_queued_node_written_back_by_a_request_leaves_the_queue():
-    c = TieredPrefixCache(h1(), 8, 8, policy="write_back")
+    c = CacheCore(h1(), 8, 8, policy="write_back")
     a = put(c, "a").node
     b = put(c, "b").node
     c._wb_queue[a.node_id] = a
@@ -300,7 +300,7 @@ def test_a_queued_node_written_back_by_a_request_leaves_the_queue():
 
 
 def test_a_queued_child_whose_parent_will_not_be_written_is_dropped():
-    c = TieredPrefixCache(h1(), 8, 0, policy="write_back")  # a host tier without room
+    c = CacheCore(h1(), 8, 0, policy="write_back")  # a host tier without room
     a = put(c, "a")
     b = put(c, "ab", a.pages)
     c._wb_queue[a.node.node_id] = a.node
@@ -312,14 +312,14 @@ def test_a_queued_child_whose_parent_will_not_be_written_is_dropped():
 
 
 def test_write_back_never_takes_another_nodes_host_copy_for_a_writeback():
-    c = TieredPrefixCache(h1(), 8, 1, policy="write_back")
+    c = CacheCore(h1(), 8, 1, policy="write_back")
     x = put(c, "x").node
     ack(c, c.writeback(x, "r1"))  # the host's only page holds x's copy
     y = put(c, "y").node
     c._wb_queue[y.node_id] = y
     assert c.issue_writebacks() == []  # y is refused rather than making x device-only again
     assert (x.state, y.state, c.queued_writebacks()) == ("backed", "device", [])
-    wt = TieredPrefixCache(h1(), 8, 1, policy="write_through")
+    wt = CacheCore(h1(), 8, 1, policy="write_through")
     x2 = put(wt, "x").node
     ack(wt, wt.writeback(x2))
     y2 = put(wt, "y").node
@@ -332,7 +332,7 @@ def test_write_back_never_takes_another_nodes_host_copy_for_a_writeback():
 
 def test_a_writeback_evicts_exactly_its_host_shortfall():
     # host of 3 pages: two host-only nodes and one free page; a 2-page writeback evicts one
-    c = TieredPrefixCache(h1(), 8, 3, policy="write_through")
+    c = CacheCore(h1(), 8, 3, policy="write_through")
     olds = []
     for k in "pq":
         n = put(c, k).node

@@ -657,9 +657,9 @@ class FacadeMachine(RuleBasedStateMachine):
             lo = len(prefix) - len(n.key)
             stores = []
             if n.state in DEVICE_READABLE:
-                stores.append(("device", self.dev_bytes, n.dev, n.dev_state))
+                stores.append(("device", self.dev_bytes, n.dev, n.dev_ckpt))
             if n.state in HOST_VISIBLE:
-                stores.append(("host", self.host_bytes, n.host, n.host_state))
+                stores.append(("host", self.host_bytes, n.host, n.host_ckpt))
             for pool, store, hist, state in stores:
                 for g, pages in hist.items():
                     for i, p in enumerate(pages):

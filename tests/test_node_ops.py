@@ -33,7 +33,7 @@ def test_new_node_fields() -> None:
     assert root.is_root and not a.is_root
     assert (b.lock_ref, b.borrow_ref, b.host_pin, b.hit_count, b.last_access) == (0, 0, 0, 0, 0)
     assert (b.wb_op, b.lb_op, b.chunk_checkpoint) == (None, None, False)
-    assert b.dev == b.host == b.pending == b.dev_state == b.host_state == b.pending_state == {}
+    assert b.dev == b.host == b.pending == b.dev_ckpt == b.host_ckpt == b.pending_ckpt == {}
     assert b.children == {} and b.refs == frozenset()
     assert repr(b) == "<node 2 new depth=3 units=1>"
     assert b.path() == [b, a] and a.path() == [a] and root.path() == []

@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.fingerprint import BytesExecutor, FingerprintMismatch
 from kvtier.fsm import GroupTransfer, TransferCommand
-from kvtier.fsm.cache import units_to_pages
+from kvtier.fsm import units_to_pages
 from kvtier.fsm.presets import preset
 from kvtier.replay import ReplaySetup, make_executor, run_replay, working_set_units
 from kvtier.trace import load_trace

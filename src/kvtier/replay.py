@@ -214,7 +214,7 @@ def make_executor(setup: ReplaySetup, layout: CacheLayout, device_units: int, ho
     the scaled geometry with fingerprint checks."""
     if setup.backend == "none":
         return InstantExecutor()
-    from kvtier.fsm.cache import units_to_pages
+    from kvtier.fsm import units_to_pages
 
     from .fingerprint import BytesExecutor, scaled_layout
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.fsm import CapacityError, Completion, ConfigError, Direction, KvtierError, TransferCommand
-from kvtier.fsm.cache import MatchMode, TieredPrefixCache, WritePolicy
+from kvtier.fsm import MatchMode, CacheCore, WritePolicy
 from kvtier.fsm.ops import LayerProgress, Settled
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import request_lifecycle
@@ -175,7 +175,7 @@ class TieredCache:
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (see
-            :meth:`TieredPrefixCache.match`).
+            :meth:`CacheCore.match`).
 
     Raises:
         ConfigError: bad capacities or options.
@@ -186,7 +186,7 @@ class TieredCache:
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
                  world_size: int = 1, max_writebacks_in_flight: int = 2, op_deadline_steps: int | None = None,
                  finish_writeback: bool | None = None, history_replay: bool = False) -> None:
-        self.core = TieredPrefixCache(layout, device_pages, host_pages, policy=policy,
+        self.core = CacheCore(layout, device_pages, host_pages, policy=policy,
                                       write_threshold=write_threshold, world_size=world_size,
                                       op_deadline_steps=op_deadline_steps)
         if isinstance(max_writebacks_in_flight, bool) or not isinstance(max_writebacks_in_flight, int) \
@@ -382,7 +382,7 @@ class TieredCache:
         upto = min(max(limit, start + 1), start + chunk) if limit > start else start + chunk
         need: dict[str, int] = {}
         for g in self._hist:
-            need[g] = max(0, self._pages_for(upto, g) - hit_units * core._ppu[g])
+            need[g] = max(0, self._pages_for(upto, g) - hit_units * core.pages_per_unit[g])
         for g, k in self._state_pages.items():
             need[g] = k
         load = None
@@ -545,9 +545,9 @@ class TieredCache:
             # inside a history-replay span (tokens below the hit end are recomputed only to
             # rebuild continuation state): nothing new, and no state there is exact yet
             return {}
-        if n_units == r.published and not (checkpoint and core._state and n_units > 0):
+        if n_units == r.published and not (checkpoint and core.ckpt_groups and n_units > 0):
             return {}
-        ppu = core._ppu
+        ppu = core.pages_per_unit
         pages = {g: (r.canon.get(g, []) + r.own.get(g, []))[: n_units * ppu[g]] for g in self._hist}
         ckpt = None
         if checkpoint and self._state_pages and n_units > 0 and n_units * self._align <= r.tokens:

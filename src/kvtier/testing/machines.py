@@ -1,6 +1,6 @@
 """Public Hypothesis state machines for kvtier and for engines that embed it.
 
-- :class:`CoreMachine` drives a :class:`~kvtier.fsm.cache.TieredPrefixCache` the way a
+- :class:`CoreMachine` drives a :class:`~kvtier.fsm.core.CacheCore` the way a
   scheduler plus a transfer engine would (inserts, matches, locks, loadbacks,
   writebacks, completions in any order across ranks, failures, deadlines, pressure),
   with a byte-content model for invariant 12.
@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.fsm import CacheGroupSpec, CapacityError, ComponentSpec, Completion, Direction, Family
-from kvtier.fsm.cache import MatchMode, TieredPrefixCache
+from kvtier.fsm import MatchMode, CacheCore
 from kvtier.fsm.errors import (
     DuplicateCompletion,
     IllegalTransition,
@@ -210,7 +210,7 @@ def _prefix(node: Node) -> tuple[Hashable, ...]:
     return tuple(out)
 
 
-def _check_tree_bytes(cache: TieredPrefixCache, dev: Mapping[tuple[str, int], Any],
+def _check_tree_bytes(cache: CacheCore, dev: Mapping[tuple[str, int], Any],
                       host: Mapping[tuple[str, int], Any]) -> None:
     """Invariant 12 on the tree: every page a node exposes holds its prefix's content."""
     ppu = cache._ppu
@@ -219,9 +219,9 @@ def _check_tree_bytes(cache: TieredPrefixCache, dev: Mapping[tuple[str, int], An
         lo = len(key) - len(n.key)
         checks = []
         if n.state in DEVICE_READABLE:
-            checks.append(("device", dev, n.dev, n.dev_state))
+            checks.append(("device", dev, n.dev, n.dev_ckpt))
         if n.state in HOST_VISIBLE:
-            checks.append(("host", host, n.host, n.host_state))
+            checks.append(("host", host, n.host, n.host_ckpt))
         for tier, store, hist, state in checks:
             for g, pages in hist.items():
                 first = lo * ppu[g]
@@ -343,7 +343,7 @@ _ROLL = st.integers(0, 999)
 
 
 class CoreMachine(KitMachine):
-    """Drives one :class:`TieredPrefixCache` like a scheduler plus a transfer engine.
+    """Drives one :class:`CacheCore` like a scheduler plus a transfer engine.
 
     After every step ``check_invariants()`` holds, and the byte model checks invariant
     12: every device or host page a node exposes holds exactly the content written for
@@ -355,7 +355,7 @@ class CoreMachine(KitMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache: TieredPrefixCache
+        self.cache: CacheCore
         self.dev_bytes: dict[tuple[str, int], Any] = {}
         self.host_bytes: dict[tuple[str, int], Any] = {}
         self.inserted: set[tuple[str, ...]] = set()
@@ -378,7 +378,7 @@ class CoreMachine(KitMachine):
         self.kit_set_args(with_state=with_state, world=world, policy=policy, dev_units=dev_units,
                           host_units=host_units, deadline=deadline, seed_keys=seed_keys)
         self.world = world
-        self.cache = TieredPrefixCache(kit_layout(with_state), dev_units, host_units, policy=policy,
+        self.cache = CacheCore(kit_layout(with_state), dev_units, host_units, policy=policy,
                                        world_size=world, op_deadline_steps=deadline)
         for key in seed_keys:
             self._insert(tuple(key), True)
@@ -482,8 +482,8 @@ class CoreMachine(KitMachine):
         c = self.cache
         if c._state and m.host_units and not m.recompute_tokens:
             t = m.terminal
-            exact = (len(t.dev_state) == len(c._state) if t.state in DEVICE_READABLE and m.host_units == m.device_units
-                     else len(t.host_state) == len(c._state) or len(t.dev_state) == len(c._state))
+            exact = (len(t.dev_ckpt) == len(c._state) if t.state in DEVICE_READABLE and m.host_units == m.device_units
+                     else len(t.host_ckpt) == len(c._state) or len(t.dev_ckpt) == len(c._state))
             if not exact:
                 raise InvariantViolation("exact_continuation_state", f"node {t.node_id} ({t.state})",
                                          f"a {mode} hit of {m.host_units} units ends where no checkpoint is held")
@@ -526,7 +526,7 @@ class CoreMachine(KitMachine):
         if res.command is not None:
             want = sum(len(ps) for n in m.host_nodes for ps in n.host.values())
             if m.terminal in m.host_nodes:
-                want += sum(len(ps) for ps in m.terminal.host_state.values())
+                want += sum(len(ps) for ps in m.terminal.host_ckpt.values())
             if res.command.pages != want:
                 raise InvariantViolation("atomic_admission", f"loadback op {res.command.op_id}",
                                          f"moves {res.command.pages} pages, the hit has {want}")
@@ -1170,8 +1170,8 @@ class _Canon:
                 c = n.children[key]
                 self.nodes[c.node_id] = _prefix(c)
                 tree.append((self.nodes[c.node_id], c.state, self.pmap("d", c.dev), self.pmap("h", c.host),
-                             self.pmap("h", c.pending), self.pmap("d", c.dev_state), self.pmap("h", c.host_state),
-                             self.pmap("h", c.pending_state), c.lock_ref, c.borrow_ref, c.host_pin,
+                             self.pmap("h", c.pending), self.pmap("d", c.dev_ckpt), self.pmap("h", c.host_ckpt),
+                             self.pmap("h", c.pending_ckpt), c.lock_ref, c.borrow_ref, c.host_pin,
                              min(c.hit_count, thr), stamps.index(c.last_access), ids.index(c.node_id),
                              self.op(c.wb_op), self.op(c.lb_op), c.chunk_checkpoint, c.node_id in core._wb_queue))
                 walk(c)
