@@ -95,7 +95,9 @@ class RadixTree:
             ck = child.key
             m = 1
             limit = min(len(ck), n - i)
-            while m < limit and ck[m] == key[i + m]:
+            # identity first, as the children dict does: a key not equal to itself (NaN)
+            # still matches its own node, so lookups and comparisons agree
+            while m < limit and (ck[m] is key[i + m] or ck[m] == key[i + m]):
                 m += 1
             if m < len(ck):
                 child = split(child, m)
