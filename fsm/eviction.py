@@ -95,3 +95,8 @@ class LRUIndex:
     def heap_sizes(self) -> tuple[int, int]:
         """Entries on the device and host heaps (stale ones included), for tests."""
         return len(self._dev), len(self._host)
+
+    def heap_nodes(self) -> tuple[Node, ...]:
+        """The node of every entry on the device heap, then the host heap, in heap order
+        (stale entries included; a node may appear several times), for tests."""
+        return tuple(n for _, n in self._dev) + tuple(n for _, n in self._host)

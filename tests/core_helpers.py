@@ -94,4 +94,5 @@ def snapshot(cache: CacheCore) -> tuple:
     host_free = {g: sorted(a.free_pages()) for g, a in (cache.host or {}).items()}
     external = {g.name: sorted(cache.external_pages(g.name)) for g in cache.layout.groups}
     return (nodes, ops, dev_free, host_free, external, cache.queued_writebacks(), cache.clock, cache.step,
-            sorted(cache._locks), sorted(cache._receipts))
+            sorted(r.receipt_id for r in cache.receipts.locks()),
+            sorted(r.receipt_id for r in cache.receipts.node_receipts()))

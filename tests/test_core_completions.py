@@ -9,7 +9,7 @@ import pytest
 from core_helpers import ack, free, h1, put, snapshot, state
 
 from kvtier.fsm import CacheCore
-from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation
+from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation, UsageError
 from kvtier.fsm.ops import LayerProgress, Settled
 from kvtier.fsm.records import Completion, Direction
 
@@ -74,9 +74,9 @@ def test_layer_progress_per_rank():
         c.complete(Completion(op, rank=0, layer=1))
     with pytest.raises(DuplicateCompletion):
         c.complete(Completion(op, rank=1, layer=1))
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError, match=rf"^op {op}: layer 2 outside 0\.\.1$"):
         c.complete(Completion(op, rank=0, layer=2))  # the model has 2 layers
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError, match=rf"^completion for op {op}: rank 2 outside world size 2$"):
         c.complete(Completion(op, rank=2))
     assert snapshot(c) == before
     assert c.complete(Completion(op, rank=0)) == []
@@ -101,7 +101,7 @@ def test_layer_completion_on_a_writeback_is_refused():
     c = tp2()
     cmd = c.writeback(put(c, "ab").node)
     before = snapshot(c)
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError, match=rf"^op {cmd.op_id} is a writeback: layer completions are for loadbacks$"):
         c.complete(Completion(cmd.op_id, rank=0, layer=0))
     assert snapshot(c) == before
 
@@ -128,10 +128,18 @@ def test_unknown_and_settled_operations():
     cmd = c.writeback(put(c, "ab").node)
     ack(c, cmd)
     before = snapshot(c)
-    with pytest.raises(UnknownOperation, match="already settled"):
-        c.complete(Completion(cmd.op_id))
-    assert snapshot(c) == before
+    assert c.stats.absorbed_late_completions == 0
+    # a settled operation's late or duplicate completion is absorbed and counted by op id
+    assert c.complete(Completion(cmd.op_id)) == []
+    assert c.complete(Completion(cmd.op_id, ok=False)) == []
+    assert snapshot(c) == before and c.stats.absorbed_late_completions == 2
     c.check_invariants()
+    # an id past the last one issued was never issued, even after others settled
+    with pytest.raises(UnknownOperation, match=rf"^completion for op {cmd.op_id + 1}: never issued$"):
+        c.complete(Completion(cmd.op_id + 1))
+    with pytest.raises(UnknownOperation, match="^completion for op 0: never issued$"):
+        c.complete(Completion(0))
+    assert snapshot(c) == before and c.stats.absorbed_late_completions == 2
     # without a host tier there are no operations at all
     with pytest.raises(UnknownOperation):
         CacheCore(h1(), 4, None).complete(Completion(1))
@@ -256,6 +264,6 @@ def test_pin_and_borrow_refuse_wrong_nodes():
 def test_advance_step_refuses_a_non_positive_step():
     c = CacheCore(h1(), 4, 4, op_deadline_steps=2)
     for bad in (0, -1, True, 1.5):
-        with pytest.raises(ConfigError, match="steps must be an int >= 1"):
+        with pytest.raises(UsageError, match=rf"^advance_step: steps must be an int >= 1, got {bad!r}$"):
             c.advance_step(bad)  # type: ignore[arg-type]
     assert c.step == 0

@@ -10,7 +10,14 @@ from core_helpers import ack, free, h1, h2, put, src, state
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.node import Node
-from kvtier.fsm.errors import CapacityError, ConfigError
+from kvtier.fsm.errors import CapacityError, UsageError
+from kvtier.fsm.eviction import LRUIndex
+
+
+def lru(c: CacheCore) -> LRUIndex:
+    """The core's eviction index (the default LRU one)."""
+    assert isinstance(c.eviction, LRUIndex)
+    return c.eviction
 
 
 def three_leaves():
@@ -36,7 +43,7 @@ def test_device_eviction_tie_break_is_total():
     c, x, y, z = three_leaves()
     for n in (x, y, z):
         n.last_access = 5  # a tie on the clock
-        c._touch(n)  # the LRU heap is lazy: a hand-set stamp needs a touch
+        c.eviction.touch(n)  # the LRU heap is lazy: a hand-set stamp needs a touch
     c.check_invariants()
     assert c.evict_device({"kv": 1}) == {"kv": 1}
     assert state(c) == {y.node_id: "device", z.node_id: "device"}  # lowest node id
@@ -47,7 +54,7 @@ def test_device_eviction_tie_break_is_total():
     shallow = put(c2, "s").node
     r.node.last_access = deep.last_access = shallow.last_access = 9
     for n in (r.node, deep, shallow):
-        c2._touch(n)
+        c2.eviction.touch(n)
     assert c2.evict_device({"kv": 1}) == {"kv": 1}
     assert state(c2) == {r.node.node_id: "device", shallow.node_id: "device"}
     c2.check_invariants()
@@ -151,9 +158,9 @@ def test_eviction_multi_group_need():
     assert [n.key for n in c.nodes()] == [("y",)] and x.state == "removed"
     assert c.evict_device({"a": 0, "b": 0}) == {"a": 0, "b": 0}
     assert c.evict_device({}) == {"a": 0, "b": 0}
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError, match=r"^unknown cache group 'nope'; groups: \['a', 'b'\]$"):
         c.evict_device({"nope": 1})
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError, match="^page count for group 'a' must be an int >= 0, got -1$"):
         c.evict_device({"a": -1})
     c.check_invariants()
 
@@ -180,8 +187,8 @@ def test_host_eviction_only_from_host_leaves():
     assert c.evict_device({"kv": 4}) == {"kv": 4}
     a, b = ra.node, rb.node
     a.last_access, b.last_access = 1, 100  # the parent is older, but not a leaf
-    c._touch(a)
-    c._touch(b)
+    c.eviction.touch(a)
+    c.eviction.touch(b)
     assert c.evict_host({"kv": 1}) == {"kv": 2}
     c.check_invariants()
     assert state(c) == {a.node_id: "host"}
@@ -266,9 +273,10 @@ def test_lazy_lru_heaps_are_rebuilt_and_keep_lru_order():
     for _ in range(400):  # y is used over and over: its stale entries pile up
         c.unlock(c.lock(y))
     limit = 4 * len(c.nodes()) + 256
-    assert len(c._dev_lru) <= limit and len(c._host_lru) <= limit
-    assert len(c._dev_lru) < 400  # rebuilt at least once
-    assert all(n is not c.root for _, n in c._dev_lru + c._host_lru)  # only tree nodes
+    dev_len, host_len = lru(c).heap_sizes()
+    assert dev_len <= limit and host_len <= limit
+    assert dev_len < 400  # rebuilt at least once
+    assert all(n is not c.root for n in lru(c).heap_nodes())  # only tree nodes
     c.check_invariants()
     assert c.evict_device({"kv": 1}) == {"kv": 1}  # x (older, one page) goes first
     assert state(c) == {y.node_id: "device"} and x.node_id not in state(c)
@@ -280,13 +288,14 @@ def test_lazy_lru_heaps_grow_to_their_bound_and_no_further():
     c = CacheCore(h1(), 8, 8)
     y = put(c, "y").node
     put(c, "x")
-    assert all(n is not c.root for _, n in c._dev_lru + c._host_lru)  # only tree nodes
+    assert all(n is not c.root for n in lru(c).heap_nodes())  # only tree nodes
     limit = 4 * len(c.nodes()) + 256
     lengths = []
     for _ in range(300):
-        c._touch(y)  # one entry per touch
-        lengths.append(len(c._dev_lru))
-        assert len(c._host_lru) == len(c._dev_lru)  # nothing popped: both grow alike
+        c.eviction.touch(y)  # one entry per touch
+        dev_len, host_len = lru(c).heap_sizes()
+        lengths.append(dev_len)
+        assert host_len == dev_len  # nothing popped: both grow alike
     assert max(lengths) == limit
     after = lengths[lengths.index(limit) + 1]
     assert len(c.nodes()) <= after <= len(c.nodes()) + 2  # rebuilt from the live nodes only
@@ -300,7 +309,7 @@ def test_a_parent_dropped_from_the_heap_comes_back_when_its_last_child_leaves():
     b = put(c, "abcd", a.pages)
     borrow = c.borrow([b.node], "r1")
     assert c.evict_device({"kv": 1}) == {"kv": 0}  # B borrowed, A has a device child
-    assert c._dev_lru == []  # both were dropped from the heap
+    assert lru(c).heap_sizes()[0] == 0  # both were dropped from the device heap
     c.release(borrow)  # touches B only
     assert c.evict_device({"kv": 4}) == {"kv": 4}  # B goes, then A (touched by B's eviction)
     assert state(c) == {} and c.stats.device_evictions == 2
