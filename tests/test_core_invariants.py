@@ -117,8 +117,7 @@ def empty_key(c, n):
 
 
 def _detach(c, node):
-    del node.parent.children[node.key[0]]
-    del c._nodes[node.node_id]
+    c.tree.unlink(node)  # out of the tree, bypassing its lifecycle event and its receipts
 
 
 def lock_on_removed(c, n):
@@ -192,8 +191,7 @@ def readable_under_loading(c, n):
     child = Node(99, ("c",), a)
     child.state = "device"
     child.dev = {"kv": c.device["kv"].alloc(1)}
-    a.children["c"] = child
-    c._nodes[99] = child
+    c.tree.link(child)
 
 
 def loadback_node_forgot(c, n):
@@ -201,7 +199,7 @@ def loadback_node_forgot(c, n):
 
 
 def loadback_vanished(c, n):
-    del c._ops[n["op"]]
+    c.optable.remove(c.optable.get(n["op"]))
 
 
 def loadback_unpinned(c, n):
@@ -269,14 +267,14 @@ def _a_back_to_device_only(c, n):
 
 
 def child_written_before_parent(c, n):
-    c._submit_writeback([n["b"]], None)  # legal while A is backed...
+    assert c.writeback(n["b"]).node_ids == (n["b"].node_id,)  # legal while A is backed...
     _a_back_to_device_only(c, n)  # ...but A has lost its host copy
 
 
 def child_in_another_parents_writeback(c, n):
-    c._submit_writeback([n["b"]], None)
+    assert c.writeback(n["b"]).node_ids == (n["b"].node_id,)
     _a_back_to_device_only(c, n)
-    c._submit_writeback([n["a"]], None)  # A written back by another operation than B
+    assert c.writeback(n["a"]).node_ids == (n["a"].node_id,)  # A written back by another operation than B
 
 
 def loadback_source_moved(c, n):
@@ -291,11 +289,11 @@ def many_free_and_owned(c, n):
 #: (what, corrupt, setup, invariant, subject, detail): one row per check of check_invariants().
 CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
     ("state", corrupt_state, valid, "state_matches_resources", "node 1 (host)",
-     "device pages True, host pages True, pending reservation False"),
+     "holds device_pages but state 'host' declares ['host_pages']"),
     ("short page list", short_page_list, valid, "state_matches_resources", "node 2 (device)",
      "dev pages of 'kv': 1 for 2 units"),
     ("host pages on a device node", host_on_device_node, valid, "host_means_acked", "node 3 (device)",
-     "visible host pages without an acknowledged writeback"),
+     "holds host_pages but state 'device' declares ['device_pages', 'shared_read']"),
     ("double owner", double_owner, valid, "conservation", "node 2 (device)",
      "device page 0 of 'kv' also owned by node 1"),
     ("caller page in the tree", caller_page_in_tree, valid, "conservation", "the cache",
@@ -305,21 +303,23 @@ CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
     ("borrow count", borrow_count, valid, "counts_with_receipts", "node 3 (device)",
      "borrow count 1 but 0 receipts"),
     ("negative count", negative, valid, "counts_with_receipts", "node 3 (device)", "a negative count"),
-    ("leaked page", leak, valid, "conservation", "the cache", "device pool of 'kv': 2 free + 5 owned != capacity 8"),
+    ("leaked page", leak, valid, "conservation", "the cache", "device pool of 'kv': 6 pages allocated but 5 owned"),
     ("leaked host page", host_leak, valid, "conservation", "the cache",
-     "host pool of 'kv': 5 free + 2 owned != capacity 8"),
+     "host pool of 'kv': 3 pages allocated but 2 owned"),
     ("free and owned", free_and_owned, valid, "conservation", "the cache", "device pages [4] of 'kv' free and owned"),
     ("root-closed host set", root_closed, valid, "root_closed_host", "node 2 (backed)", "parent 1 is device"),
     ("device under host", device_under_host, valid, "state_matches_resources", "node 2 (device)",
      "device set not root-closed: on device under parent 1 in host"),
-    ("stale op", stale_op, valid, "operation_ends_once", "node 3 (device)", "stale writeback op 99"),
-    ("stale loadback op", stale_loadback, valid, "operation_ends_once", "node 3 (device)", "stale loadback op 42"),
+    ("stale op", stale_op, valid, "operation_ends_once", "node 3 (device)",
+     "holds writeback_op but state 'device' declares ['device_pages', 'shared_read']"),
+    ("stale loadback op", stale_loadback, valid, "operation_ends_once", "node 3 (device)",
+     "holds loadback_op but state 'device' declares ['device_pages', 'shared_read']"),
     ("pin without host copy", pin_without_host, valid, "loadback_source_pinned", "node 3 (device)",
-     "pinned without a host copy"),
+     "holds host_pin but state 'device' declares ['device_pages', 'shared_read']"),
     ("writing without op", writing_without_op, valid, "writeback_source_immutable", "node 3 (writing)",
-     "writing without a writeback in flight"),
+     "state 'writing' declares writeback_op but the node has none"),
     ("writing with a lost op", writing_with_a_lost_op, valid, "writeback_source_immutable", "node 3 (writing)",
-     "writing without a writeback in flight"),
+     "its writeback op 99 is not in flight"),
     ("writeback node claims another op", writeback_node_claims_another_op, valid, "operation_ends_once",
      "node 3 (writing)", "in writeback op 2 but not writing it"),
     ("borrowed then demoted", borrowed_then_demoted, valid, "borrowed_pages_stay", "node 1 (host)",
@@ -329,7 +329,7 @@ CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
     ("child in another writeback than its parent", child_in_another_parents_writeback, valid, "root_closed_host",
      "node 2 (writing)", "parent 1 is writing"),
     ("loadback source moved", loadback_source_moved, loading_a, "loadback_source_pinned", "node 1 (loading)",
-     "op 2 copies from {'kv': [0, 1]}, its nodes hold {'kv': [5, 6]}"),
+     "op 2 copies pages of 'kv' its nodes no longer hold"),
     ("many free and owned", many_free_and_owned, valid, "conservation", "the cache",
      "device pages [0, 1, 2, 3, 4] of 'kv' free and owned"),
     ("depth", broken_depth, valid, "split_preserves_ownership", "node 2 (device)", "depth 7 != 2 + 2"),
@@ -351,15 +351,15 @@ CASES: list[tuple[str, Callable, Callable, str, str, str]] = [
     ("writeback node not writing", writeback_node_not_writing, valid, "operation_ends_once", "node 3 (device)",
      "in writeback op 2 but not writing it"),
     ("writeback source moved", writeback_source_moved, valid, "writeback_source_immutable", "node 3 (writing)",
-     "op 2 copies from {'kv': [4]}, its nodes hold {'kv': [5]}"),
+     "op 2 copies pages of 'kv' its nodes no longer hold"),
     ("readable under loading", readable_under_loading, loading_a, "state_matches_resources", "node 99 (device)",
      "readable under unreadable parent 1 in loading"),
     ("loadback node forgot its op", loadback_node_forgot, loading_a, "operation_ends_once", "node 1 (loading)",
      "in loadback op 2 but not loading it"),
     ("loadback vanished", loadback_vanished, loading_a, "loadback_source_pinned", "node 1 (loading)",
-     "loading without a loadback in flight"),
+     "its loadback op 2 is not in flight"),
     ("loadback unpinned", loadback_unpinned, loading_a, "loadback_source_pinned", "node 1 (loading)",
-     "loading but the host copy is not pinned"),
+     "state 'loading' declares host_pin but the node has none"),
     ("host checkpoint on device", host_checkpoint_on_device, with_checkpoint, "host_means_acked", "node 1 (device)",
      "a host checkpoint without a visible host copy"),
     ("device checkpoint on host", device_checkpoint_without_pages, device_checkpoint_on_host,
@@ -411,7 +411,7 @@ def test_loadback_corruptions_detected():
     c.release(lr.pin)
     c.unlock(lr.lock)
     c.check_invariants()
-    del c._ops[op_id]  # the operation vanished while the node is still loading
+    c.optable.remove(c.optable.get(op_id))  # the operation vanished while the node is still loading
     a.host_pin = 0
     with pytest.raises(InvariantViolation) as exc:
         c.check_invariants()
