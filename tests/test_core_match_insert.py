@@ -9,7 +9,7 @@ import pytest
 from core_helpers import ack, free, h1, h2, put, snapshot, src, state
 
 from kvtier.fsm import MatchMode, CacheCore
-from kvtier.fsm.errors import ConfigError, KvtierError
+from kvtier.fsm.errors import KvtierError, UsageError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import CacheGroupSpec, ComponentSpec, Family
 
@@ -130,9 +130,9 @@ def test_no_host_tier_is_a_plain_device_cache():
 
 def test_match_mode_validation():
     c = CacheCore(src(), 4, 4)
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError, match=r"^match mode must be one of \['prefix_reuse', 'state_recovery'\], got 'sideways'$"):
         c.match("a", "sideways")
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError, match="^history_replay applies to prefix_reuse matches only$"):
         c.match("a", MatchMode.STATE_RECOVERY, history_replay=True)
 
 
@@ -317,20 +317,31 @@ def test_insert_wrong_counts_or_foreign_pages_change_nothing():
     r = put(c, "ab", ckpt=True)
     own = c.alloc_device({"fh": 1, "swa": 4})
     before = snapshot(c)
-    bad_calls = [
-        dict(pages={"fh": [0, 1]}),  # 2 pages for 3 units
-        dict(pages={"fh": [0, 1, own["fh"][0], 7]}),  # 4 pages for 3 units
-        dict(pages={"fh": [0, 1, own["fh"][0]], "swa": own["swa"]}),  # pages for a state group
-        dict(pages={"fh": [0, 1, 6]}),  # page 6 is free, not the caller's
-        dict(pages={"fh": [1, 0, own["fh"][0]]}),  # tree pages at the wrong positions
-        dict(pages={"fh": [0, 1, 0]}),  # a tree page as the caller's own
-        dict(pages={"fh": [0, 1, own["fh"][0]]}, checkpoint={"swa": own["swa"][:3]}),
-        dict(pages={"fh": [0, 1, own["fh"][0]]}, checkpoint={"swa": [8, 9, 10, 11]}),  # free pages
-        dict(pages={"fh": [0, 1, own["fh"][0]]}, checkpoint={"nope": own["swa"]}),
+    assert own == {"fh": [2], "swa": [4, 5, 6, 7]}
+    bad_calls = [  # (arguments, the exact refusal)
+        (dict(pages={"fh": [0, 1]}),  # 2 pages for 3 units
+         "insert: group 'fh' needs 3 pages for 3 units, got 2"),
+        (dict(pages={"fh": [0, 1, own["fh"][0], 7]}),  # 4 pages for 3 units
+         "insert: group 'fh' needs 3 pages for 3 units, got 4"),
+        (dict(pages={"fh": [0, 1, own["fh"][0]], "swa": own["swa"]}),  # pages for a state group
+         "insert: pages given for non-history groups ['swa']"),
+        (dict(pages={"fh": [0, 1, 6]}),  # page 6 is free, not the caller's
+         "insert: pages [6] of group 'fh' are not held by the caller"),
+        (dict(pages={"fh": [1, 0, own["fh"][0]]}),  # tree pages at the wrong positions
+         "insert: page 1 of group 'fh' at unit 0 is neither the caller's nor node 1's"),
+        (dict(pages={"fh": [0, 1, 0]}),  # a tree page as the caller's own
+         "insert: the page table of group 'fh' lists a page twice"),
+        (dict(pages={"fh": [0, 1, own["fh"][0]]}, checkpoint={"swa": own["swa"][:3]}),
+         "insert: checkpoint of 'swa' needs 4 pages, got 3"),
+        (dict(pages={"fh": [0, 1, own["fh"][0]]}, checkpoint={"swa": [8, 9, 10, 11]}),  # free pages
+         "insert: pages [8, 9, 10, 11] of group 'swa' are not held by the caller"),
+        (dict(pages={"fh": [0, 1, own["fh"][0]]}, checkpoint={"nope": own["swa"]}),
+         "insert: checkpoint for unknown state group 'nope'"),
     ]
-    for kw in bad_calls:
-        with pytest.raises(ConfigError):
+    for kw, message in bad_calls:
+        with pytest.raises(UsageError) as exc:
             c.insert(tuple("abc"), kw["pages"], kw.get("checkpoint"))
+        assert str(exc.value) == message
         assert snapshot(c) == before, kw
         c.check_invariants()
     assert r.node.dev == {"fh": [0, 1]}
@@ -340,14 +351,14 @@ def test_insert_refuses_a_page_given_twice():
     c = CacheCore(h1(), 4, None)
     own = c.alloc_device({"kv": 1})
     before = snapshot(c)
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError, match="^insert: the page table of group 'kv' lists a page twice$"):
         c.insert(("x", "y"), {"kv": own["kv"] * 2})
     assert snapshot(c) == before
     c.check_invariants()
     c2 = CacheCore(src(), {"fh": 4, "swa": 8}, None)
     got = c2.alloc_device({"fh": 1, "swa": 2})
     before = snapshot(c2)
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError, match="^insert: the page table of group 'swa' lists a page twice$"):
         c2.insert(("x",), {"fh": got["fh"]}, {"swa": got["swa"] * 2})
     assert snapshot(c2) == before
     c2.check_invariants()
@@ -477,7 +488,7 @@ def test_insert_refuses_a_checkpoint_missing_a_state_group():
     c = CacheCore(CacheLayout("two-states", (fh, s1, s2), 1), {"fh": 4, "s1": 4, "s2": 4}, None)
     got = c.alloc_device({"fh": 1, "s1": 2})
     before = snapshot(c)
-    with pytest.raises(ConfigError) as exc:
+    with pytest.raises(UsageError) as exc:
         c.insert(("a",), {"fh": got["fh"]}, {"s1": got["s1"]})
     assert str(exc.value) == "insert: a checkpoint needs every state group ['s1', 's2'], got ['s1']"
     assert snapshot(c) == before

@@ -10,7 +10,7 @@ import pytest
 from core_helpers import ack, h1, put, snapshot, src
 
 from kvtier.fsm import CacheCore
-from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation
+from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation, UsageError
 from kvtier.fsm.records import Completion
 
 
@@ -35,9 +35,9 @@ def refused(c: CacheCore, call: Callable[[], Any], error: type[Exception], messa
 def test_match_lock_borrow_pin_refusals() -> None:
     c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
-    refused(c, lambda: c.match("ab", "nope"), ConfigError,
+    refused(c, lambda: c.match("ab", "nope"), UsageError,
             "match mode must be one of ['prefix_reuse', 'state_recovery'], got 'nope'")
-    refused(c, lambda: c.match("ab", "state_recovery", history_replay=True), ConfigError,
+    refused(c, lambda: c.match("ab", "state_recovery", history_replay=True), UsageError,
             "history_replay applies to prefix_reuse matches only")
     lock = c.lock(a)
     c.unlock(lock)
@@ -55,28 +55,28 @@ def test_insert_refusals() -> None:
     put(c, "ab")
     mine = c.alloc_device({"kv": 3})["kv"]
     assert mine == [2, 3, 4]
-    refused(c, lambda: c.insert(("q", "r"), {"kv": mine[:1]}), ConfigError,
+    refused(c, lambda: c.insert(("q", "r"), {"kv": mine[:1]}), UsageError,
             "insert: group 'kv' needs 2 pages for 2 units, got 1")
-    refused(c, lambda: c.insert(("q",), {"kv": mine[:1], "zz": [1]}), ConfigError,
+    refused(c, lambda: c.insert(("q",), {"kv": mine[:1], "zz": [1]}), UsageError,
             "insert: pages given for non-history groups ['zz']")
-    refused(c, lambda: c.insert(("q", "r"), {"kv": [2, 2]}), ConfigError,
+    refused(c, lambda: c.insert(("q", "r"), {"kv": [2, 2]}), UsageError,
             "insert: the page table of group 'kv' lists a page twice")
-    refused(c, lambda: c.insert(("q",), {"kv": [7]}), ConfigError,
+    refused(c, lambda: c.insert(("q",), {"kv": [7]}), UsageError,
             "insert: pages [7] of group 'kv' are not held by the caller")
-    refused(c, lambda: c.insert(("a", "b", "c"), {"kv": [7, 1, 2]}), ConfigError,
+    refused(c, lambda: c.insert(("a", "b", "c"), {"kv": [7, 1, 2]}), UsageError,
             "insert: page 7 of group 'kv' at unit 0 is neither the caller's nor node 1's")
-    refused(c, lambda: c.insert(("a", "b", "c"), {"kv": [0, 7, 2]}), ConfigError,
+    refused(c, lambda: c.insert(("a", "b", "c"), {"kv": [0, 7, 2]}), UsageError,
             "insert: page 7 of group 'kv' at unit 1 is neither the caller's nor node 1's")
-    refused(c, lambda: c.insert(("q",), {"kv": mine[:1]}, {"swa": [1]}), ConfigError,
+    refused(c, lambda: c.insert(("q",), {"kv": mine[:1]}, {"swa": [1]}), UsageError,
             "insert: checkpoint for unknown state group 'swa'")
 
 
 def test_checkpoint_refusals() -> None:
     c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     got = c.alloc_device({"fh": 1, "swa": 4})
-    refused(c, lambda: c.insert(("a",), {"fh": got["fh"]}, {"swa": got["swa"][:3]}), ConfigError,
+    refused(c, lambda: c.insert(("a",), {"fh": got["fh"]}, {"swa": got["swa"][:3]}), UsageError,
             "insert: checkpoint of 'swa' needs 4 pages, got 3")
-    refused(c, lambda: c.insert(("a",), {"fh": got["fh"]}, {"swa": [got["swa"][0]] * 4}), ConfigError,
+    refused(c, lambda: c.insert(("a",), {"fh": got["fh"]}, {"swa": [got["swa"][0]] * 4}), UsageError,
             "insert: the page table of group 'swa' lists a page twice")
 
 
@@ -87,23 +87,26 @@ def test_completion_and_loadback_refusals() -> None:
     cmd = c.writeback(a)
     assert cmd is not None and cmd.op_id == 1
     refused(c, lambda: c.complete(Completion(99, 0, True)), UnknownOperation, "completion for op 99: never issued")
-    refused(c, lambda: c.complete(Completion(1, 2, True)), ConfigError,
+    refused(c, lambda: c.complete(Completion(1, 2, True)), UsageError,
             "completion for op 1: rank 2 outside world size 2")
-    refused(c, lambda: c.complete(Completion(1, 0, True, layer=0)), ConfigError,
+    refused(c, lambda: c.complete(Completion(1, 0, True, layer=0)), UsageError,
             "op 1 is a writeback: layer completions are for loadbacks")
     c.complete(Completion(1, 0, True))
     refused(c, lambda: c.complete(Completion(1, 0, True)), DuplicateCompletion,
             "op 1: completion from rank 0 layer None arrived twice (or after its ack)")
     c.complete(Completion(1, 1, True))
-    refused(c, lambda: c.complete(Completion(1, 1, True)), UnknownOperation, "completion for op 1: already settled")
+    before = snapshot(c)  # a settled operation's late or duplicate completion is absorbed, counted by op id
+    assert c.complete(Completion(1, 1, True)) == [] and c.complete(Completion(1, 0, False)) == []
+    assert snapshot(c) == before and c.stats.absorbed_late_completions == 2
+    refused(c, lambda: c.complete(Completion(2, 0, True)), UnknownOperation, "completion for op 2: never issued")
     refused(c, lambda: c.poison(99), UnknownOperation, "poison: op 99 is not in flight")
-    refused(c, lambda: c.complete(1), ConfigError, "complete() takes a Completion, got 1")  # type: ignore[arg-type]
+    refused(c, lambda: c.complete(1), UsageError, "complete() takes a Completion, got 1")  # type: ignore[arg-type]
     assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"
     refused(c, lambda: c.borrow([a], "r"), KvtierError, "borrow: nodes [1] have no device pages")
     m = c.match("ab")
     lr = c.load(m, "r")
     assert lr.command.op_id == 2
-    refused(c, lambda: c.complete(Completion(2, 0, True, layer=5)), ConfigError, "op 2: layer 5 outside 0..1")
+    refused(c, lambda: c.complete(Completion(2, 0, True, layer=5)), UsageError, "op 2: layer 5 outside 0..1")
     refused(c, lambda: c.complete(Completion(2, 0, True, layer=-1)), ConfigError,
             "completion for op 2: layer must be an int >= 0, got -1")
     c.complete(Completion(2, 0, True, layer=0))
@@ -131,11 +134,11 @@ def test_values_that_are_not_this_trees_nodes_or_receipts_are_refused() -> None:
         (lambda: c.unlock(None), "unlock takes a LockReceipt, got None"),  # type: ignore[arg-type]
     ]:
         refused(c, call, KvtierError, message)
-    refused(c, lambda: c.match(None), ConfigError,  # type: ignore[arg-type]
+    refused(c, lambda: c.match(None), UsageError,  # type: ignore[arg-type]
             "match: key must be a sequence of unit keys, got None")
-    refused(c, lambda: c.insert((), {"kv": []}), ConfigError,
+    refused(c, lambda: c.insert((), {"kv": []}), UsageError,
             "insert: key must be a non-empty sequence of unit keys, got ()")
-    refused(c, lambda: c.insert(("q",), [5]), ConfigError,  # type: ignore[arg-type]
+    refused(c, lambda: c.insert(("q",), [5]), UsageError,  # type: ignore[arg-type]
             "insert: pages must be a mapping group -> page ids, got [5]")
 
 
@@ -173,5 +176,5 @@ def test_insert_over_a_host_node_refuses_a_page_not_the_callers() -> None:
     a = put(c, "ab").node
     ack_all(c)
     assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"
-    refused(c, lambda: c.insert(("a", "b"), {"kv": [6, 7]}), ConfigError,
+    refused(c, lambda: c.insert(("a", "b"), {"kv": [6, 7]}), UsageError,
             "insert: page 6 of group 'kv' at unit 0 is neither the caller's nor node 1's")

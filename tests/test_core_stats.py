@@ -8,7 +8,7 @@ import pytest
 from core_helpers import ack, h1, put, state
 
 from kvtier.fsm import CacheStats, CacheCore
-from kvtier.fsm.errors import ConfigError
+from kvtier.fsm.errors import UsageError
 from kvtier.fsm.records import Completion
 
 
@@ -116,8 +116,8 @@ def test_a_failed_writeback_drops_only_its_own_queued_children() -> None:
     other_child = put(c, "xy", {"kv": other.dev["kv"]}).node
     cmd_a = c.writeback(a.node, "r1")
     cmd_x = c.writeback(other, "r2")
-    c._wb_queue[child.node_id] = child
-    c._wb_queue[other_child.node_id] = other_child
+    c.writebacks.want(child)
+    c.writebacks.want(other_child)
     ack(c, cmd_a, ok=False)  # A's copy failed: its child can never be written now
     assert c.queued_writebacks() == [other_child.node_id]
     ack(c, cmd_x)
@@ -127,7 +127,7 @@ def test_a_failed_writeback_drops_only_its_own_queued_children() -> None:
 def test_advance_step_refuses_bad_counts() -> None:
     c = CacheCore(h1(), 8, 8)
     for bad in (0, -1, True, 1.5):
-        with pytest.raises(ConfigError) as exc:
+        with pytest.raises(UsageError) as exc:
             c.advance_step(bad)  # type: ignore[arg-type]
         assert str(exc.value) == f"advance_step: steps must be an int >= 1, got {bad!r}"
     assert c.step == 0

@@ -275,7 +275,7 @@ def test_batched_tree_writeback_falls_back_to_one_node_at_a_time_within_the_limi
     ack(c, c.writeback(p.node, "r0"))  # a backed parent: its children may be written back
     nodes = [put(c, k).node for k in "xy"] + [put(c, "pz", p.pages).node]
     for n in nodes:
-        c._wb_queue[n.node_id] = n
+        c.writebacks.want(n)
     (first,) = c.issue_writebacks(limit=1)
     assert first.node_ids == (nodes[0].node_id,) and c.queued_writebacks() == [n.node_id for n in nodes[1:]]
     ack(c, first)
@@ -290,8 +290,8 @@ def test_a_queued_node_written_back_by_a_request_leaves_the_queue():
     c = CacheCore(h1(), 8, 8, policy="write_back")
     a = put(c, "a").node
     b = put(c, "b").node
-    c._wb_queue[a.node_id] = a
-    c._wb_queue[b.node_id] = b
+    c.writebacks.want(a)
+    c.writebacks.want(b)
     ack(c, c.writeback(a, "r1"))  # a request wrote A back meanwhile
     (cmd,) = c.issue_writebacks()
     assert cmd.node_ids == (b.node_id,) and c.queued_writebacks() == []
@@ -303,8 +303,8 @@ def test_a_queued_child_whose_parent_will_not_be_written_is_dropped():
     c = CacheCore(h1(), 8, 0, policy="write_back")  # a host tier without room
     a = put(c, "a")
     b = put(c, "ab", a.pages)
-    c._wb_queue[a.node.node_id] = a.node
-    c._wb_queue[b.node.node_id] = b.node
+    c.writebacks.want(a.node)
+    c.writebacks.want(b.node)
     assert c.issue_writebacks() == []  # A does not fit and leaves the queue; B waits for A
     assert c.queued_writebacks() == [b.node.node_id]
     assert c.issue_writebacks() == [] and c.queued_writebacks() == []  # A will never be written
@@ -316,14 +316,14 @@ def test_write_back_never_takes_another_nodes_host_copy_for_a_writeback():
     x = put(c, "x").node
     ack(c, c.writeback(x, "r1"))  # the host's only page holds x's copy
     y = put(c, "y").node
-    c._wb_queue[y.node_id] = y
+    c.writebacks.want(y)
     assert c.issue_writebacks() == []  # y is refused rather than making x device-only again
     assert (x.state, y.state, c.queued_writebacks()) == ("backed", "device", [])
     wt = CacheCore(h1(), 8, 1, policy="write_through")
     x2 = put(wt, "x").node
     ack(wt, wt.writeback(x2))
     y2 = put(wt, "y").node
-    wt._wb_queue[y2.node_id] = y2
+    wt.writebacks.want(y2)
     (cmd,) = wt.issue_writebacks()  # other policies may take it
     assert cmd.node_ids == (y2.node_id,) and x2.state == "device"
     c.check_invariants()
