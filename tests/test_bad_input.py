@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvtier.fsm import CacheGroupSpec, ComponentSpec, ConfigError, Family
+from kvtier.fsm import CacheGroupSpec, ComponentSpec, ConfigError, Family, UsageError
 from kvtier.fsm import CacheCore
 from kvtier.fsm.presets import preset
 from kvtier.tiered import TieredCache
@@ -43,12 +43,20 @@ def test_cli_rejects_bad_values_with_a_message(args: tuple[str, ...], message: s
     assert "Traceback" not in out.stderr
 
 
+def test_core_rejects_bad_values() -> None:
+    lay = preset("llama-3-8b", page_tokens=16)
+    with pytest.raises(ConfigError) as exc:
+        CacheCore("llama-3-8b", 10)  # type: ignore[arg-type]
+    assert str(exc.value) == "layout must be a CacheLayout (see kvtier.fsm.presets.preset), got 'llama-3-8b'"
+    with pytest.raises(UsageError) as exc:  # misuse of a call, not a configuration
+        CacheCore(lay, 64, 64).complete(999)  # type: ignore[arg-type]
+    assert type(exc.value) is UsageError and str(exc.value) == "complete() takes a Completion, got 999"
+
+
 def test_facade_and_core_reject_bad_values() -> None:
     lay = preset("llama-3-8b", page_tokens=16)
-    with pytest.raises(ConfigError, match="layout must be a CacheLayout"):
-        CacheCore("llama-3-8b", 10)  # type: ignore[arg-type]
     c = TieredCache(lay, 64, 64)
-    with pytest.raises(ConfigError, match="complete\\(\\) takes a Completion"):
+    with pytest.raises(UsageError, match="^complete\\(\\) takes a Completion, got 999$"):  # the core's refusal
         c.complete(999)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="units must be a list or tuple"):
         c.admit("a", "abcd", prompt_tokens=64, chunk_tokens=64)  # type: ignore[arg-type]
