@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kvtier.fsm.node import DEVICE_READABLE, DEVICE_RESIDENT, HOST_VISIBLE, LockReceipt, Node, NodeReceipt
+from kvtier.fsm.node import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE, LockReceipt, Node, NodeReceipt
 from kvtier.fsm.ops import LayerProgress, Operation, Settled
 from kvtier.fsm.records import Direction, TransferCommand
 
@@ -24,6 +24,7 @@ def test_state_sets() -> None:
     assert DEVICE_READABLE == {"device", "writing", "backed"}
     assert DEVICE_RESIDENT == {"device", "writing", "backed", "loading"}
     assert HOST_VISIBLE == {"backed", "host", "loading"}
+    assert HOST_PENDING == {"writing"}
 
 
 def test_new_node_fields() -> None:
@@ -40,16 +41,17 @@ def test_new_node_fields() -> None:
 
 
 def test_refs_set_exists_only_while_a_receipt_lists_the_node() -> None:
-    _, a, _ = chain()
+    # a node no receipt lists allocates no set: every such node shows the one shared empty view
+    _, a, b = chain()
     a.discard_ref(5)  # absent: no error
-    assert a._refs is None
+    assert a.refs == frozenset() and a.refs is b.refs
     a.add_ref(5)
     a.add_ref(6)
-    assert a.refs == {5, 6}
+    assert a.refs == {5, 6} and a.refs is not b.refs and b.refs == frozenset()
     a.discard_ref(5)
-    assert a.refs == {6} and a._refs == {6}
+    assert a.refs == {6}
     a.discard_ref(6)
-    assert a._refs is None and a.refs == frozenset()
+    assert a.refs == frozenset() and a.refs is b.refs  # the set was dropped once empty
 
 
 def test_parent_on_host() -> None:

@@ -243,3 +243,27 @@ def test_pytest_configuration() -> None:
     ini = PYPROJECT["tool"]["pytest"]["ini_options"]
     assert "--import-mode=importlib" in ini["addopts"].split()
     assert ini["testpaths"] == ["tests"]
+
+
+#: the most lines one module of the verified core may have (issue 11: one job per module).
+FSM_MODULE_LINES = 500
+
+
+def _long_modules(folder: Path, limit: int) -> dict[str, int]:
+    """Python files under ``folder`` with more than ``limit`` lines: relative path -> lines."""
+    out = {}
+    for f in sorted(folder.rglob("*.py")):
+        if "__pycache__" not in f.parts:
+            lines = len(f.read_text(encoding="utf-8").splitlines())
+            if lines > limit:
+                out[str(f.relative_to(folder))] = lines
+    return out
+
+
+def test_no_module_of_the_core_is_over_500_lines(tmp_path: Path) -> None:
+    assert _long_modules(REPO / "fsm", FSM_MODULE_LINES) == {}
+    assert (REPO / "fsm" / "core.py").exists() and not (REPO / "fsm" / "cache.py").exists()
+    # the check itself counts lines exactly: 500 pass, 501 do not
+    (tmp_path / "ok.py").write_text("x = 1\n" * FSM_MODULE_LINES, encoding="utf-8")
+    (tmp_path / "long.py").write_text("x = 1\n" * (FSM_MODULE_LINES + 1), encoding="utf-8")
+    assert _long_modules(tmp_path, FSM_MODULE_LINES) == {"long.py": FSM_MODULE_LINES + 1}
