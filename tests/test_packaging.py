@@ -267,3 +267,26 @@ def test_no_module_of_the_core_is_over_500_lines(tmp_path: Path) -> None:
     (tmp_path / "ok.py").write_text("x = 1\n" * FSM_MODULE_LINES, encoding="utf-8")
     (tmp_path / "long.py").write_text("x = 1\n" * (FSM_MODULE_LINES + 1), encoding="utf-8")
     assert _long_modules(tmp_path, FSM_MODULE_LINES) == {"long.py": FSM_MODULE_LINES + 1}
+
+
+
+def _foreign_private_reads(text: str, where: str) -> list[str]:
+    """``x._name`` in ``text`` where ``x`` is not ``self`` or ``cls``: another object's
+    private attribute (dunders excluded)."""
+    return [f"{where}:{n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(text))
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+
+
+def test_the_core_and_its_tests_use_only_public_views() -> None:
+    """No code outside a class reads its private attributes (issue 11): the node core's
+    parts talk through their public views, and so do its tests and its benchmark."""
+    files = [*_py_files("fsm"), *sorted((REPO / "tests").glob("test_core_*.py")),
+             REPO / "tests" / "core_helpers.py", REPO / "tests" / "test_node_ops.py",
+             REPO / "tests" / "test_cache_results.py", REPO / "bench" / "lifecycle.py"]
+    assert len(files) > 30
+    found = [p for f in files for p in _foreign_private_reads(f.read_text(encoding="utf-8"), f.name)]
+    assert found == []
+    # the scan itself: another object's private attribute is found, self's, cls's and dunders are not
+    assert _foreign_private_reads("c._x\nself._y\ncls._z\nc.__class__\nc.tree._nodes[1]\n", "t") == [
+        "t:1: c._x", "t:5: c.tree._nodes"]
