@@ -18,39 +18,40 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "01-root-closed-host": ("root_closed_host", [
         ("fsm/guards.py", '"parent_on_host": lambda n: bool(n.parent_on_host),',
          '"parent_on_host": lambda n: True,  # BROKEN'),
-        ("fsm/cache.py", "            if p.parent is None or p.state in HOST_VISIBLE:\n                ready.append(n)",
-         "            if p.parent is None or p.state in HOST_VISIBLE or p.state == \"writing\":  # BROKEN\n"
-         "                ready.append(n)  # a child is written back before its parent's copy is acknowledged"),
+        ("fsm/writeback.py", "            if p.parent is None or p.state in HOST_VISIBLE:\n                out.append(n)",
+         "            if p.parent is None or p.state in HOST_VISIBLE or p.state == NODE_STATE.writing:  # BROKEN\n"
+         "                out.append(n)  # a child is written back before its parent's copy is acknowledged"),
     ]),
     "02-host-means-acked": ("host_means_acked", [
-        ("fsm/cache.py", 'for attr_src, attr_dst in (("dev", "pending"), ("dev_state", "pending_state")):',
-         'for attr_src, attr_dst in (("dev", "host"), ("dev_state", "pending_state")):  # BROKEN: visible at once'),
+        ("fsm/transfers.py", "            n.pending = self._reserve(transfers, n.dev)",
+         "            n.host = self._reserve(transfers, n.dev)  # BROKEN: visible at once"),
     ]),
     "03-writeback-source-immutable": ("writeback_source_immutable", [
-        ("fsm/cache.py", 'return (n.state in ("device", "backed") and n.lock_ref == 0 and n.borrow_ref == 0',
-         'return (n.state in ("device", "backed", "writing") and n.lock_ref == 0 and n.borrow_ref == 0'),
-        ("fsm/cache.py", '            if n.state == "backed":\n                got = self._release_device(n)',
-         '            if n.state == "writing":  # BROKEN: frees the source of a copy in flight\n'
-         '                for g, k in self._release_device(n).items():\n'
-         '                    freed[g] += k\n'
-         '                continue\n'
-         '            if n.state == "backed":\n                got = self._release_device(n)'),
+        ("fsm/reclaim.py", "if not (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
+         "if not (n.state in (NS.device, NS.backed, NS.writing) and n.lock_ref == 0 and n.borrow_ref == 0"),
+        ("fsm/reclaim.py", "            if n.state == NS.backed:\n                got = self._release_device(n)",
+         "            if n.state == NS.writing:  # BROKEN: frees the source of a copy in flight\n"
+         "                for g, k in self._release_device(n).items():\n"
+         "                    freed[g] += k\n"
+         "                continue\n"
+         "            if n.state == NS.backed:\n                got = self._release_device(n)"),
     ]),
     "04-loadback-source-pinned": ("loadback_source_pinned", [
         ("fsm/guards.py", '"unpinned": lambda n: n.host_pin == 0,', '"unpinned": lambda n: True,  # BROKEN'),
-        ("fsm/cache.py", "return (n.state in (\"host\", \"backed\") and n.host_pin == 0 and not n.has_host_child",
-         "return (n.state in (\"host\", \"backed\") and not n.has_host_child  # BROKEN: pins ignored"),
+        ("fsm/reclaim.py", "if not (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
+         "if not (n.state in (NS.host, NS.backed) and not n.has_host_child  # BROKEN: pins ignored"),
     ]),
     "05-counts-with-receipts": ("counts_with_receipts", [
-        ("fsm/cache.py", "        for n in node.path():\n            n.lock_ref += 1",
-         "        for n in node.path()[:1]:  # BROKEN: the ancestors are not counted\n            n.lock_ref += 1"),
+        ("fsm/receipts.py", "        for n in node.path():\n            n.lock_ref += 1\n            n.hit_count += 1",
+         "        for n in node.path()[:1]:  # BROKEN: the ancestors are not counted\n"
+         "            n.lock_ref += 1\n            n.hit_count += 1"),
     ]),
     "06-split-preserves-ownership": ("split_preserves_ownership", [
-        ("fsm/cache.py", "            op.nodes.insert(op.nodes.index(node), prefix)",
+        ("fsm/optable.py", "            op.nodes.insert(op.nodes.index(node), prefix)",
          "            pass  # BROKEN: the new fragment is not part of the operation"),
     ]),
     "07-operation-ends-once": ("operation_ends_once", [
-        ("fsm/cache.py", "        if key in op.seen or completion.rank in op.acked:",
+        ("fsm/optable.py", "        if key in op.seen or c.rank in op.acked:",
          "        if False:  # BROKEN: duplicate completions are accepted"),
     ]),
     "08-release-once-after-fence": ("release_once_after_fence", [
@@ -62,13 +63,15 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "09-host-evict-leaves": ("host_evict_leaves", [
         ("fsm/guards.py", '"has_host_child": lambda n: bool(n.has_host_child),',
          '"has_host_child": lambda n: False,  # BROKEN'),
-        ("fsm/cache.py", "return (n.state in (\"host\", \"backed\") and n.host_pin == 0 and not n.has_host_child",
-         "return (n.state in (\"host\", \"backed\") and n.host_pin == 0  # BROKEN: inner nodes too"),
+        ("fsm/reclaim.py", "if not (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
+         "if not (n.state in (NS.host, NS.backed) and n.host_pin == 0  # BROKEN: inner nodes too"),
     ]),
     "10-failure-not-success": ("failure_not_success", [
-        ("fsm/cache.py", '                if ok:\n                    self._trigger(n, "loadback_ack")',
-         '                if True:  # BROKEN: a failed loadback is reported as success\n'
-         '                    self._trigger(n, "loadback_ack")'),
+        ("fsm/transfers.py", "                if not ok:\n                    core.ledger.release_device(n.dev)",
+         "                if False:  # BROKEN: a failed loadback is reported as success\n"
+         "                    core.ledger.release_device(n.dev)"),
+        ("fsm/transfers.py", "                core.trigger(n, EV.loadback_ack if ok else EV.loadback_fail)",
+         "                core.trigger(n, EV.loadback_ack)"),
     ]),
     "11-atomic-admission": ("atomic_admission", [
         ("src/kvtier/tiered.py", "        except CapacityError:\n            if hold is not None:\n"
@@ -76,22 +79,22 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "        except CapacityError:\n            return None  # BROKEN: the device-hit lock is not rolled back"),
     ]),
     "12-loaded-equals-written": ("loaded_equals_written", [
-        ("fsm/cache.py", "                    dst = self.device[g].alloc(len(src))\n                    n.dev[g] = dst",
-         "                    dst = self.device[g].alloc(len(src))\n"
-         "                    n.dev[g] = dst[::-1]  # BROKEN: the mapping disagrees with the copy"),
+        ("fsm/transfers.py", "                n.dev[g] = self._move(transfers, g, src, core.device[g].alloc(len(src)))",
+         "                n.dev[g] = self._move(transfers, g, src, core.device[g].alloc(len(src)))[::-1]"
+         "  # BROKEN: the mapping disagrees with the copy"),
     ]),
     "13-conservation": ("conservation", [
-        ("fsm/cache.py", "        for g, ps in lists.items():\n            self._external[g].difference_update(ps)",
+        ("fsm/ledger.py", "        for g, ps in lists.items():\n            self._callers[g].difference_update(ps)",
          "        for g, ps in lists.items():  # BROKEN: freed pages stay the caller's too"),
     ]),
     "14-borrowed-pages-stay": ("borrowed_pages_stay", [
         ("fsm/guards.py", '"unborrowed": lambda n: n.borrow_ref == 0,', '"unborrowed": lambda n: True,  # BROKEN'),
-        ("fsm/cache.py", 'return (n.state in ("device", "backed") and n.lock_ref == 0 and n.borrow_ref == 0',
-         'return (n.state in ("device", "backed") and n.lock_ref == 0  # BROKEN: borrows ignored'),
+        ("fsm/reclaim.py", "if not (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
+         "if not (n.state in (NS.device, NS.backed) and n.lock_ref == 0  # BROKEN: borrows ignored"),
     ]),
     "15-exact-continuation-state": ("exact_continuation_state", [
-        ("fsm/cache.py", "                if i < d and self._has_checkpoint(nd.dev_state):",
-         "                if i < d:  # BROKEN: any device node ends a hit"),
+        ("fsm/match.py", "            if i < d and has_checkpoint(nd.dev_ckpt, n_state):",
+         "            if i < d:  # BROKEN: any device node ends a hit"),
     ]),
 }
 
