@@ -14,7 +14,9 @@ from kvtier.fsm.errors import (
     InvariantViolation,
     KvtierError,
     LifecycleError,
+    SpecNameError,
     UnknownOperation,
+    UsageError,
 )
 
 
@@ -56,6 +58,18 @@ def test_capacity_error_names_pool_group_and_counts() -> None:
 
 
 @pytest.mark.parametrize("cls, base", [(ConfigError, ValueError), (DuplicateCompletion, ValueError),
-                                       (CapacityError, KvtierError), (LifecycleError, KvtierError)])
+                                       (CapacityError, KvtierError), (LifecycleError, KvtierError),
+                                       (UsageError, ValueError), (SpecNameError, AttributeError)])
 def test_errors_keep_their_builtin_bases(cls: type, base: type) -> None:
     assert issubclass(cls, base) and issubclass(cls, KvtierError)
+
+
+def test_usage_configuration_and_spec_name_errors_are_distinct() -> None:
+    """Misuse of a call is a UsageError, a bad configuration a ConfigError, a misspelt
+    lifecycle name a SpecNameError; none of them catches another, none is a lifecycle refusal."""
+    kinds = (UsageError, ConfigError, SpecNameError)
+    for a in kinds:
+        for b in kinds:
+            assert issubclass(a, b) == (a is b)
+        assert not issubclass(a, LifecycleError) and not issubclass(a, MachineError)
+    assert str(UsageError("reserve: tokens must be an int >= 0, got -1")) == "reserve: tokens must be an int >= 0, got -1"
