@@ -108,6 +108,8 @@ DUPLICATE = ('[[node.transitions]]\nevent = "go"\nsource = ["a"]\ndest = "a"\ngu
     (MINIMAL.replace('[[request.transitions]]\nevent = "go"\nsource = ["a"]\ndest = "b"',
                      '[[request.transitions]]\nevent = "go"\nsource = ["q"]\ndest = "b"'),
      r"spec \[request\]: event 'go' has undeclared source 'q'"),
+    (_node_only("[node.states.a]", '[node.resources]\nother = "O"\n\n[node.states.a]'),
+     r"spec \[node\]: state 'b' lists undeclared resources \['pages'\]"),
     (MINIMAL + "[broken\n", r"spec: not valid TOML: .+"),
     (MINIMAL.replace("version = 1\n", ""), r"spec: malformed \(KeyError\('version'\)\)"),
     (MINIMAL.split("\n[request]")[0] + '\n[invariants.x]\nstatement = "S"\n',
@@ -118,6 +120,13 @@ def test_bad_specs_are_refused_naming_the_problem(text: str, message: str) -> No
     with pytest.raises(ConfigError) as exc:
         parse_spec(text)
     assert re.fullmatch(message, str(exc.value)), str(exc.value)
+
+
+def test_resource_vocabulary_is_optional_and_parsed() -> None:
+    assert parse_spec(MINIMAL).node.resources == {}  # none declared: resources stay free-form prose
+    declared = parse_spec(_node_only("[node.states.a]", '[node.resources]\npages = "P"\n\n[node.states.a]'))
+    assert declared.node.resources == {"pages": "P"} and declared.request.resources == {}
+    assert declared.node.states_holding("pages") == {"b"}
 
 
 def test_guard_refs_docs_and_records() -> None:
