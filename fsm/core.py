@@ -22,7 +22,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from .checks import as_int
 from .errors import CapacityError, ConfigError, KvtierError, UsageError
-from .eviction import EvictionPolicy, LRUIndex
+from .eviction import EvictionPolicy, make_policy
 from .publish import Publisher
 from .reclaim import Reclaimer
 from .transfers import Mover
@@ -58,15 +58,21 @@ class CacheCore:
         write_threshold: hit count at which ``write_through_selective`` backs a node up.
         world_size: tensor-parallel ranks that must acknowledge every operation.
         op_deadline_steps: scheduler steps after which an operation fails (``None``: never).
+        eviction: eviction policy name (:data:`kvtier.fsm.eviction.POLICIES`: ``lru``,
+            ``lru2``).
+        exclusive: an exclusive host tier: the host keeps what the device does not, so
+            host eviction drops duplicate copies first (a loaded-back node gives up its
+            host copy when the host needs the room).
 
     Raises:
-        ConfigError: bad capacities, policy, threshold or world size.
+        ConfigError: bad capacities, policy, eviction policy, threshold or world size.
     """
 
     def __init__(self, layout: CacheLayout, device_pages: int | Mapping[str, int],
                  host_pages: int | Mapping[str, int] | None = None, *,
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
-                 world_size: int = 1, op_deadline_steps: int | None = None) -> None:
+                 world_size: int = 1, op_deadline_steps: int | None = None, eviction: str = "lru",
+                 exclusive: bool = False) -> None:
         if not isinstance(layout, CacheLayout):
             raise ConfigError(f"layout must be a CacheLayout (see kvtier.fsm.presets.preset), got {layout!r}")
         self.layout = layout
@@ -94,7 +100,12 @@ class CacheCore:
         self.ledger = PageLedger(layout, dev, host)
         self.device = self.ledger.device
         self.host = self.ledger.host
-        self.eviction: EvictionPolicy = LRUIndex(lambda: iter(self.tree), lambda: len(self.tree), self.tree.has)
+        if not isinstance(exclusive, bool):
+            raise ConfigError(f"exclusive must be True or False, got {exclusive!r}")
+        #: exclusive host tier: host eviction drops duplicate copies (backed nodes) first
+        self.exclusive = exclusive and host is not None
+        self.eviction: EvictionPolicy = make_policy(eviction, lambda: iter(self.tree), lambda: len(self.tree),
+                                                    self.tree.has, exclusive=self.exclusive)
         self.receipts = ReceiptBook(ids, self.eviction.touch)
         self.writebacks = WritebackQueue(self.policy, self.write_threshold, enabled=host is not None)
         self.optable = OperationTable(self.world_size, layout.num_layers, op_deadline_steps)

@@ -2,11 +2,24 @@
 
 A policy orders candidates; it never decides legality (the core checks the lifecycle's
 guards: unlocked, unborrowed, unpinned, no child on that tier). Every policy must decide
-the same on every tensor-parallel rank: it may read only logical clocks and node ids,
-never wall time, and its order must be total.
+the same on every tensor-parallel rank: it reads only logical clocks, reuse counts and
+node ids, never wall time, and its order is total (the node id breaks every tie).
 
-:class:`EvictionPolicy` is the interface; :class:`LRUIndex` (least recently used, ties
-to the deepest node, then the node id) is the default.
+:class:`EvictionPolicy` is the interface the core uses; :class:`HeapIndex` implements it
+with one lazy heap per tier and a sort key per tier. Policies by name
+(:data:`POLICIES`, :func:`make_policy`):
+
+- ``lru`` (default): least recently used first, ties to the deepest node.
+- ``lru2``: LRU-2 (O'Neil, O'Neil and Weikum, SIGMOD 1993): by the time of the
+  second-to-last use by a distinct request, so a node used by only one request goes
+  before any node two requests used; ties by the last use. It keeps shared prefixes and
+  revisited conversations over one-off tails.
+
+With an *exclusive* host tier, the host key puts nodes that a loadback brought back to
+the device (``backed`` and ``reloaded``: their host copy duplicates device pages) before
+every other node, so host eviction drops those duplicate copies first and the host keeps
+what the device does not. (Nodes backed by a writeback are not preferred: under
+``write_back`` they are about to be demoted, and their host copy is what stays.)
 """
 
 from __future__ import annotations
@@ -15,9 +28,14 @@ import heapq
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
+from .errors import ConfigError
+from .names import DEVICE_RESIDENT
 from .node import Node
 
-__all__ = ["EvictionPolicy", "LRUIndex"]
+__all__ = ["EvictionPolicy", "HeapIndex", "POLICIES", "make_policy"]
+
+Key = tuple[int, ...]
+KeyFn = Callable[[Node], Key]
 
 
 class EvictionPolicy(Protocol):
@@ -29,6 +47,8 @@ class EvictionPolicy(Protocol):
     it a victim later, an unlock, a release, a child leaving, a state change, touches it).
     """
 
+    name: str
+
     def touch(self, node: Node) -> None: ...
 
     def device_candidates(self) -> Iterator[Node]: ...
@@ -36,61 +56,82 @@ class EvictionPolicy(Protocol):
     def host_candidates(self) -> Iterator[Node]: ...
 
 
-_Entry = tuple[tuple[int, int, int], Node]
+def lru_key(n: Node) -> Key:
+    """Oldest first, then deepest first, then node id: a total order every rank shares."""
+    return (n.last_access, -n.depth, n.node_id)
 
 
-class LRUIndex:
-    """Least-recently-used order on lazy heaps, one per tier.
+def lru2_key(n: Node) -> Key:
+    """Second-to-last distinct use first (0: used by one request only), then as LRU."""
+    return (n.prev_use, n.last_access, -n.depth, n.node_id)
+
+
+#: eviction policy name -> its key (smaller goes first).
+POLICIES: dict[str, KeyFn] = {"lru": lru_key, "lru2": lru2_key}
+
+
+def _exclusive(key: KeyFn) -> KeyFn:
+    def host_key(n: Node) -> Key:
+        return (0 if n.reloaded and n.state in DEVICE_RESIDENT else 1,) + key(n)
+
+    return host_key
+
+
+_Entry = tuple[Key, Node]
+
+
+class HeapIndex:
+    """Candidates on lazy heaps, one per tier, each ordered by its key function.
 
     A touch pushes a new entry; stale entries (the node left the tree, or its key
-    changed) are skipped when popped, so a touch costs O(log n). Keys hold the node id,
-    so entries never tie and nodes are never compared. Each heap holds at most
+    changed) are skipped when popped, so a touch costs O(log n). Keys end with the node
+    id, so entries never tie and nodes are never compared. Each heap holds at most
     ``4 x nodes + 256`` entries: past that it is rebuilt from the live nodes.
 
     Args:
-        live: the tree's nodes (an iterable re-read at each rebuild) and its size.
+        name: the policy's name (:data:`POLICIES`).
+        nodes: returns an iterator over the tree's nodes (re-read at each rebuild).
+        size: the tree's node count.
         is_live: whether a node is still in the tree.
+        exclusive: host eviction takes duplicate copies (nodes also on the device) first.
     """
 
-    def __init__(self, nodes: Callable[[], Iterator[Node]], size: Callable[[], int],
-                 is_live: Callable[[Node], bool]) -> None:
+    def __init__(self, name: str, nodes: Callable[[], Iterator[Node]], size: Callable[[], int],
+                 is_live: Callable[[Node], bool], *, exclusive: bool = False) -> None:
+        self.name = name
+        self.dev_key = POLICIES[name]
+        self.host_key = _exclusive(self.dev_key) if exclusive else self.dev_key
         self._nodes = nodes
         self._size = size
         self._is_live = is_live
         self._dev: list[_Entry] = []
         self._host: list[_Entry] = []
 
-    @staticmethod
-    def key(n: Node) -> tuple[int, int, int]:
-        """Oldest first, then deepest first, then node id: a total order every rank shares."""
-        return (n.last_access, -n.depth, n.node_id)
-
     def touch(self, node: Node) -> None:
-        key = self.key(node)
-        heapq.heappush(self._dev, (key, node))
-        heapq.heappush(self._host, (key, node))
+        heapq.heappush(self._dev, (self.dev_key(node), node))
+        heapq.heappush(self._host, (self.host_key(node), node))
         limit = 4 * self._size() + 256
         if len(self._dev) > limit:
-            self._dev = self._rebuilt()
+            self._dev = self._rebuilt(self.dev_key)
         if len(self._host) > limit:
-            self._host = self._rebuilt()
+            self._host = self._rebuilt(self.host_key)
 
-    def _rebuilt(self) -> list[_Entry]:
-        heap = [(self.key(n), n) for n in self._nodes()]
+    def _rebuilt(self, key: KeyFn) -> list[_Entry]:
+        heap = [(key(n), n) for n in self._nodes()]
         heapq.heapify(heap)
         return heap
 
-    def _pop(self, heap: list[_Entry]) -> Iterator[Node]:
+    def _pop(self, heap: list[_Entry], key: KeyFn) -> Iterator[Node]:
         while heap:
-            key, n = heapq.heappop(heap)
-            if self._is_live(n) and key == self.key(n):
+            k, n = heapq.heappop(heap)
+            if self._is_live(n) and k == key(n):
                 yield n
 
     def device_candidates(self) -> Iterator[Node]:
-        return self._pop(self._dev)
+        return self._pop(self._dev, self.dev_key)
 
     def host_candidates(self) -> Iterator[Node]:
-        return self._pop(self._host)
+        return self._pop(self._host, self.host_key)
 
     def heap_sizes(self) -> tuple[int, int]:
         """Entries on the device and host heaps (stale ones included), for tests."""
@@ -100,3 +141,15 @@ class LRUIndex:
         """The node of every entry on the device heap, then the host heap, in heap order
         (stale entries included; a node may appear several times), for tests."""
         return tuple(n for _, n in self._dev) + tuple(n for _, n in self._host)
+
+
+def make_policy(name: str, nodes: Callable[[], Iterator[Node]], size: Callable[[], int],
+                is_live: Callable[[Node], bool], *, exclusive: bool = False) -> HeapIndex:
+    """The eviction index of the policy ``name``.
+
+    Raises:
+        ConfigError: unknown policy name.
+    """
+    if name not in POLICIES:
+        raise ConfigError(f"eviction policy must be one of {sorted(POLICIES)}, got {name!r}")
+    return HeapIndex(name, nodes, size, is_live, exclusive=exclusive)

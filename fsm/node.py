@@ -40,8 +40,14 @@ class Node:
             its ancestors too).
         borrow_ref: requests reading the node's device pages directly.
         host_pin: pins on the host copy (in-flight loadbacks and requests waiting on them).
-        hit_count: times a request used the node (write_through_selective counts this).
+        hit_count: reuse count: distinct requests that locked the node, counted when a
+            request other than the last one locks it (a request re-locking its own path
+            after each prefill chunk counts once); ``write_through_selective`` and the
+            frequency-aware eviction policies read it.
+        last_owner: the request that counted the last reuse.
         last_access: logical clock stamp of the last use (never wall time).
+        prev_use: ``last_access`` when the current reuse began (0 before a second use):
+            the second-to-last use, for LRU-2 eviction.
         wb_op, lb_op: op id of the in-flight writeback / loadback, or ``None``.
         refs: ids of the pin and borrow receipts (:class:`NodeReceipt`) that list this
             node; read-only (the set exists only while some receipt lists the node, which
@@ -50,7 +56,8 @@ class Node:
 
     __slots__ = ("node_id", "state", "key", "parent", "children", "depth", "dev", "host", "pending",
                  "dev_ckpt", "host_ckpt", "pending_ckpt", "lock_ref", "borrow_ref", "host_pin",
-                 "hit_count", "last_access", "wb_op", "lb_op", "_refs", "chunk_checkpoint")
+                 "hit_count", "last_owner", "last_access", "prev_use", "wb_op", "lb_op", "_refs",
+                 "chunk_checkpoint", "reloaded")
 
     def __init__(self, node_id: int, key: tuple[Hashable, ...], parent: Node | None) -> None:
         self.node_id = node_id
@@ -69,11 +76,14 @@ class Node:
         self.borrow_ref = 0
         self.host_pin = 0
         self.hit_count = 0
+        self.last_owner: str | None = None
         self.last_access = 0
+        self.prev_use = 0
         self.wb_op: int | None = None
         self.lb_op: int | None = None
         self._refs: set[int] | None = None  # ids of NodeReceipts that list this node, once any does
         self.chunk_checkpoint = False  # checkpoint left by an intermediate prefill chunk
+        self.reloaded = False  # backed because a loadback brought it back (its host copy is a duplicate)
 
     @property
     def label(self) -> int:

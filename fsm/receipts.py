@@ -55,11 +55,16 @@ class ReceiptBook:
 
     # -- locks ------------------------------------------------------------------------
     def lock(self, node: Node, owner: str | None, stamp: int) -> LockReceipt:
-        """Lock ``node``'s path, count a hit on each node and stamp it with ``stamp``."""
+        """Lock ``node``'s path and stamp it with ``stamp``; a node counts a reuse when
+        ``owner`` is not the request that counted its last one (``None`` always counts)."""
         receipt = LockReceipt(next(self._ids), node, owner)
         for n in node.path():
             n.lock_ref += 1
-            n.hit_count += 1
+            if owner is None or owner != n.last_owner:
+                if n.hit_count:
+                    n.prev_use = n.last_access
+                n.hit_count += 1
+                n.last_owner = owner
             n.last_access = stamp
             self._touch(n)
         self._locks[receipt.receipt_id] = receipt

@@ -159,6 +159,7 @@ class Mover:
                 if ok:
                     n.host, n.pending = n.pending, {}
                     n.host_ckpt, n.pending_ckpt = n.pending_ckpt, {}
+                    n.reloaded = False
                 else:
                     core.ledger.release_host(n.pending, n.pending_ckpt)
                     n.pending, n.pending_ckpt = {}, {}
@@ -171,6 +172,7 @@ class Mover:
             core.receipts.release(core.receipts.get(-op.op_id))  # the operation's own pin
             for n in reversed(op.nodes):
                 n.lb_op = None
+                n.reloaded = ok
                 if not ok:
                     core.ledger.release_device(n.dev)
                     n.dev = {}

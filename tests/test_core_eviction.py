@@ -11,12 +11,12 @@ from core_helpers import ack, free, h1, h2, put, src, state
 from kvtier.fsm import CacheCore
 from kvtier.fsm.node import Node
 from kvtier.fsm.errors import CapacityError, UsageError
-from kvtier.fsm.eviction import LRUIndex
+from kvtier.fsm.eviction import HeapIndex
 
 
-def lru(c: CacheCore) -> LRUIndex:
+def lru(c: CacheCore) -> HeapIndex:
     """The core's eviction index (the default LRU one)."""
-    assert isinstance(c.eviction, LRUIndex)
+    assert isinstance(c.eviction, HeapIndex)
     return c.eviction
 
 

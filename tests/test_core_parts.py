@@ -13,7 +13,7 @@ from core_helpers import ack, free, h1, put
 
 from kvtier.fsm import CacheCore, KvtierError, UnknownOperation
 from kvtier.fsm.errors import InvariantViolation
-from kvtier.fsm.eviction import EvictionPolicy, LRUIndex
+from kvtier.fsm.eviction import EvictionPolicy, HeapIndex
 from kvtier.fsm.node import Node
 from kvtier.fsm.pages import PageAllocator
 from kvtier.fsm.receipts import ReceiptBook
@@ -129,8 +129,8 @@ def test_the_writeback_queue_views() -> None:
 
 def test_the_default_eviction_index_is_an_eviction_policy() -> None:
     c = CacheCore(h1(), 8, 8)
-    assert isinstance(c.eviction, LRUIndex)
-    policy: EvictionPolicy = c.eviction  # (structural: mypy checks LRUIndex against the protocol)
+    assert isinstance(c.eviction, HeapIndex)
+    policy: EvictionPolicy = c.eviction  # (structural: mypy checks HeapIndex against the protocol)
     x = put(c, "x").node
     y = put(c, "y").node
     assert [n.node_id for n in policy.device_candidates()] == [x.node_id, y.node_id]  # oldest first

@@ -185,10 +185,11 @@ class TieredCache:
                  host_pages: int | Mapping[str, int] | None = None, *,
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
                  world_size: int = 1, max_writebacks_in_flight: int = 2, op_deadline_steps: int | None = None,
-                 finish_writeback: bool | None = None, history_replay: bool = False) -> None:
+                 finish_writeback: bool | None = None, history_replay: bool = False, eviction: str = "lru",
+                 exclusive: bool = False) -> None:
         self.core = CacheCore(layout, device_pages, host_pages, policy=policy,
                                       write_threshold=write_threshold, world_size=world_size,
-                                      op_deadline_steps=op_deadline_steps)
+                                      op_deadline_steps=op_deadline_steps, eviction=eviction, exclusive=exclusive)
         if isinstance(max_writebacks_in_flight, bool) or not isinstance(max_writebacks_in_flight, int) \
                 or max_writebacks_in_flight < 1:
             raise ConfigError(f"max_writebacks_in_flight must be an int >= 1, got {max_writebacks_in_flight!r}")
