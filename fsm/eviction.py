@@ -10,10 +10,12 @@ with one lazy heap per tier and a sort key per tier. Policies by name
 (:data:`POLICIES`, :func:`make_policy`):
 
 - ``lru`` (default): least recently used first, ties to the deepest node.
-- ``lru2``: LRU-2 (O'Neil, O'Neil and Weikum, SIGMOD 1993): by the time of the
-  second-to-last use by a distinct request, so a node used by only one request goes
-  before any node two requests used; ties by the last use. It keeps shared prefixes and
-  revisited conversations over one-off tails.
+- ``lru2``: LRU on the device, LRU-2 (O'Neil, O'Neil and Weikum, SIGMOD 1993) on the
+  host. Host eviction goes by the time of the second-to-last use by a distinct request,
+  so a host copy only one request used goes before any two requests used (ties by the
+  last use): across long gaps the host keeps shared prefixes and conversations that came
+  back over one-off tails. The device stays LRU: a fresh leaf is used once by
+  definition, and the next turn of its conversation is the likeliest next hit.
 
 With an *exclusive* host tier, the host key puts nodes that a loadback brought back to
 the device (``backed`` and ``reloaded``: their host copy duplicates device pages) before
@@ -66,8 +68,8 @@ def lru2_key(n: Node) -> Key:
     return (n.prev_use, n.last_access, -n.depth, n.node_id)
 
 
-#: eviction policy name -> its key (smaller goes first).
-POLICIES: dict[str, KeyFn] = {"lru": lru_key, "lru2": lru2_key}
+#: eviction policy name -> (device key, host key); smaller goes first.
+POLICIES: dict[str, tuple[KeyFn, KeyFn]] = {"lru": (lru_key, lru_key), "lru2": (lru_key, lru2_key)}
 
 
 def _exclusive(key: KeyFn) -> KeyFn:
@@ -99,8 +101,8 @@ class HeapIndex:
     def __init__(self, name: str, nodes: Callable[[], Iterator[Node]], size: Callable[[], int],
                  is_live: Callable[[Node], bool], *, exclusive: bool = False) -> None:
         self.name = name
-        self.dev_key = POLICIES[name]
-        self.host_key = _exclusive(self.dev_key) if exclusive else self.dev_key
+        self.dev_key, host_key = POLICIES[name]
+        self.host_key = _exclusive(host_key) if exclusive else host_key
         self._nodes = nodes
         self._size = size
         self._is_live = is_live

@@ -168,19 +168,34 @@ def test_unknown_eviction_policy_is_refused_by_name() -> None:
         CacheCore(h1(), 4, eviction="mru")
 
 
-def test_lru2_keeps_a_node_two_requests_used_over_a_newer_one_request_node() -> None:
-    c = CacheCore(h1(), 4, eviction="lru2")
+def _host_pair(policy: str) -> tuple[object, object]:
+    """Two host-only nodes: 'shared' (two requests used it, older) and 'once' (one, newer)."""
+    c = CacheCore(h1(), 4, 4, policy="write_through", eviction=policy)
     shared = put(c, keys("s", 2)).node
     c.unlock(c.lock(shared, "r1"))
     c.unlock(c.lock(shared, "r2"))
     once = put(c, keys("o", 2)).node
-    c.unlock(c.lock(once, "r3"))  # newer, but one request only
-    c.evict_device({"kv": 2})
-    assert once.state == "removed" and shared.state == "device"
+    c.unlock(c.lock(once, "r3"))
+    for cmd in c.issue_writebacks():
+        ack(c, cmd)
+    c.evict_device({"kv": 4})
+    assert shared.state == once.state == "host"
+    c.evict_host({"kv": 2})
+    return shared, once
 
 
-def test_lru_evicts_the_older_node() -> None:
-    c = CacheCore(h1(), 4, eviction="lru")
+def test_lru2_host_keeps_what_two_requests_used_over_a_newer_one_off() -> None:
+    shared, once = _host_pair("lru2")
+    assert once.state == "removed" and shared.state == "host"
+
+
+def test_lru_host_evicts_the_older_node() -> None:
+    shared, once = _host_pair("lru")
+    assert shared.state == "removed" and once.state == "host"
+
+
+def test_lru2_device_side_is_lru() -> None:
+    c = CacheCore(h1(), 4, eviction="lru2")
     shared = put(c, keys("s", 2)).node
     c.unlock(c.lock(shared, "r1"))
     c.unlock(c.lock(shared, "r2"))
