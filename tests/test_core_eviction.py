@@ -79,12 +79,14 @@ def test_same_history_same_decisions():
     runs = [history(CacheCore(h1(), 6, 8)) for _ in range(2)]
     assert runs[0] == runs[1]
     # and exactly: leaves C (stamp 2) and D (stamp 3) dropped, then X (stamp 4, backed)
-    # demoted; A (stamp 6, after the lock) stays
+    # split so that only its last unit is demoted (exact eviction: 3 pages asked, 3
+    # freed); its prefix fragment (node 6) stays backed until the allocation of 4 pages
+    # demotes it too; A (stamp 6, after the lock) stays
     assert runs[0] == [
-        {"kv": 4},
-        [(1, "device", (0, 1)), (4, "host", ())],
-        {"kv": [5, 4, 3, 2]},
-        [(1, "device"), (4, "host")],
+        {"kv": 3},
+        [(1, "device", (0, 1)), (4, "host", ()), (6, "backed", (4,))],
+        {"kv": [4, 5, 3, 2]},
+        [(1, "device"), (4, "host"), (6, "host")],
     ]
 
 
@@ -105,8 +107,9 @@ def test_chain_eviction_reaches_parents_after_children():
     ra = put(c, "ab")
     rb = put(c, "abcd", ra.pages)
     c.unlock(c.lock(rb.node))
-    assert c.evict_device({"kv": 3}) == {"kv": 4}  # B (2 pages) then A (2 pages)
-    assert c.nodes() == [] and free(c) == {"kv": 8}
+    # B (2 pages) then the last unit of A, split off: exactly the 3 pages asked for
+    assert c.evict_device({"kv": 3}) == {"kv": 3}
+    assert [(n.key, n.state) for n in c.nodes()] == [(("a",), "device")] and free(c) == {"kv": 7}
     c.check_invariants()
 
 
@@ -145,8 +148,10 @@ def test_locked_child_protects_parent_path():
 def test_eviction_returns_checkpoint_pages_too():
     c = CacheCore(src(), {"fh": 4, "swa": 8}, None)
     put(c, "ab", ckpt=True)
-    assert c.evict_device({"fh": 1}) == {"fh": 2, "swa": 4}
-    assert free(c) == {"fh": 4, "swa": 8}
+    # one unit is enough: the tail "b" goes with the checkpoint at its end, "a" stays
+    assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
+    assert free(c) == {"fh": 3, "swa": 8}
+    assert [(n.key, n.state, bool(n.dev_ckpt)) for n in c.nodes()] == [(("a",), "device", False)]
     c.check_invariants()
 
 
@@ -189,11 +194,11 @@ def test_host_eviction_only_from_host_leaves():
     a.last_access, b.last_access = 1, 100  # the parent is older, but not a leaf
     c.eviction.touch(a)
     c.eviction.touch(b)
-    assert c.evict_host({"kv": 1}) == {"kv": 2}
+    assert c.evict_host({"kv": 1}) == {"kv": 1}  # the last unit of the leaf b, split off
     c.check_invariants()
-    assert state(c) == {a.node_id: "host"}
+    assert state(c) == {a.node_id: "host", b.parent.node_id: "host"}
     m = c.match("abcd")
-    assert (m.host_nodes, m.host_units) == ((a,), 2)
+    assert (m.host_nodes, m.host_units) == ((a, b.parent), 3)
 
 
 def test_backed_node_sheds_host_copy_and_stays_on_device():

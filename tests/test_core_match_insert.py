@@ -120,12 +120,14 @@ def test_no_host_tier_is_a_plain_device_cache():
         assert (m.device_units, m.host_units, m.needs_loadback) == (2, 2, False)
         with pytest.raises(KvtierError):
             c.load(m)
-        # eviction drops (never demotes, never queues a writeback)
-        assert c.evict_device({"kv": 1}) == {"kv": 2}
+        # eviction drops (never demotes, never queues a writeback), exactly what is asked
+        assert c.evict_device({"kv": 1}) == {"kv": 1}
         c.check_invariants()
+        assert [n.key for n in c.nodes()] == [("a",)] and free(c) == {"kv": 2}
+        assert c.evict_device({"kv": 1}) == {"kv": 1}
         assert c.nodes() == [] and free(c) == {"kv": 3}
         assert c.poll_commands() == [] and c.operations() == {}
-        assert (c.stats.device_evictions, c.stats.demotions, c.stats.writebacks) == (1, 0, 0)
+        assert (c.stats.device_evictions, c.stats.demotions, c.stats.writebacks) == (2, 0, 0)
 
 
 def test_match_mode_validation():

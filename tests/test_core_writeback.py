@@ -121,17 +121,19 @@ def test_write_back_eviction_queues_and_frees_nothing_now():
         c.alloc_device({"kv": 1})
     c.check_invariants()
     assert free(c) == before_free and state(c) == {a.node_id: "device", b.node_id: "device"}
-    assert c.queued_writebacks() == [a.node_id, b.node_id]
+    # one queued leaf covers the page asked for: the newer one is not queued
+    assert c.queued_writebacks() == [a.node_id]
     assert c.evict_device({"kv": 4}) == {"kv": 0}
+    assert c.queued_writebacks() == [a.node_id, b.node_id]
     cmds = c.issue_writebacks()  # both nodes' parents are the root: one batched operation
     assert [pairs(x) for x in cmds] == [[("kv", (0, 1, 2, 3), (0, 1, 2, 3))]]
     assert cmds[0].node_ids == (a.node_id, b.node_id)
     for cmd in cmds:
         ack(c, cmd)
-    # now eviction demotes the oldest: A
+    # now eviction demotes the last unit of the oldest, A (split off: exact eviction)
     assert c.alloc_device({"kv": 1}) == {"kv": [1]}
     c.check_invariants()
-    assert state(c) == {a.node_id: "host", b.node_id: "backed"}
+    assert state(c) == {a.parent.node_id: "backed", a.node_id: "host", b.node_id: "backed"}
     assert c.stats.demotions == 1 and c.external_pages("kv") == frozenset({1})
 
 
