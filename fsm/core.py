@@ -150,6 +150,18 @@ class CacheCore:
         """Device pages of ``group`` handed to callers (requests) and not yet published or freed."""
         return self.ledger.caller_pages(group)
 
+    def pending_commands(self) -> tuple[TransferCommand, ...]:
+        """Commands created and not yet handed out by :meth:`poll_commands` (a snapshot)."""
+        return tuple(self._mover.outbox)
+
+    def evictable_on_device(self, node: Node) -> bool:
+        """Whether device eviction may take ``node`` now (demote or drop it)."""
+        return self._reclaimer.device_victim(node)
+
+    def evictable_on_host(self, node: Node) -> bool:
+        """Whether host eviction may take ``node``'s host copy now (nothing protected)."""
+        return self._reclaimer.host_victim(node)
+
     def queued_writebacks(self) -> list[int]:
         """Node ids waiting for a tree writeback."""
         return self.writebacks.node_ids()

@@ -53,8 +53,7 @@ class Reclaimer:
             n = next(candidates, None)
             if n is None:
                 break
-            if not (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0
-                    and not n.has_device_child):
+            if not self.device_victim(n):
                 continue
             if n.state == NS.backed:
                 n = self._tail(n, need, freed)
@@ -103,8 +102,7 @@ class Reclaimer:
             if id(n) in keep or (host_only and n.state == NS.backed and not (core.exclusive and n.reloaded)):
                 spared.append(n)  # spared this time only: a candidate again after this call
                 continue
-            if not (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child
-                    and (n.state == NS.backed or n.lock_ref == 0)):
+            if not self.host_victim(n):
                 continue
             n = self._tail(n, need, freed)
             got = core.ledger.release_host(n.host, n.host_ckpt)
@@ -122,6 +120,20 @@ class Reclaimer:
         for n in spared:
             core.eviction.touch(n)
         return freed
+
+    @staticmethod
+    def device_victim(n: Node) -> bool:
+        """Device eviction may take ``n``: an unlocked, unborrowed device or backed leaf of
+        the device set (the guards of ``evict_device`` and ``demote``)."""
+        return (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0
+                and not n.has_device_child)
+
+    @staticmethod
+    def host_victim(n: Node) -> bool:
+        """Host eviction may take ``n``'s host copy: an unpinned leaf of the host set, and
+        unlocked unless it stays on the device (the guards of ``evict_host`` and ``drop_host``)."""
+        return (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child
+                and (n.state == NS.backed or n.lock_ref == 0))
 
     def _tail(self, n: Node, need: Mapping[str, int], freed: Mapping[str, int]) -> Node:
         """``n``, or its tail after a split when fewer of its units cover what is still

@@ -48,6 +48,10 @@ class WritebackQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def queued(self) -> dict[int, Node]:
+        """Queued nodes by node id (a copy)."""
+        return dict(self._queue)
+
     def node_ids(self) -> list[int]:
         """Queued node ids, sorted."""
         return sorted(self._queue)

@@ -3,6 +3,9 @@
 - imports: inside a package relative, across packages ``kvtier.``-absolute; nothing
   imports ``fsm``, ``transfer`` or ``spec`` as top-level modules; ``fsm/`` never
   imports torch or numba;
+- which package may import which (README.md, "Layout"): ``fsm/`` imports no other kvtier
+  package (neither ``transfer`` nor the facade); ``transfer/`` imports only ``fsm``'s
+  records and errors; the facade (``src/kvtier/``) imports both;
 - nothing can shadow a mapped package (``src/kvtier/fsm*``, a root-level ``kvtier/``);
 - ``import kvtier``, ``kvtier.fsm`` and building the command line load neither torch,
   numba nor hypothesis (checked in a fresh interpreter);
@@ -36,6 +39,9 @@ SCANNED = ("fsm", "transfer", "src/kvtier", "tests", "bench")
 FORBIDDEN_TOP_LEVEL = {"fsm", "transfer", "spec"}
 #: modules that ``import kvtier`` / ``kvtier.fsm`` / ``kvtier --help`` must not load.
 HEAVY = ("torch", "numba", "hypothesis")
+#: the modules of ``fsm/`` that ``transfer/`` may import: the records that cross the
+#: boundary (commands, completions, cache groups) and the errors.
+FSM_FOR_TRANSFER = ("records", "errors")
 
 
 def _py_files(folder: str) -> Iterator[Path]:
@@ -75,6 +81,42 @@ def _relative_target(node: ast.ImportFrom, package: str) -> list[str] | None:
     return [base] + [f"{base}.{a.name}" for a in node.names]
 
 
+def _top_level_names(path: Path) -> set[str]:
+    """Names a module defines at its top level (classes, functions, assignments)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+#: what ``from kvtier.fsm import X`` may name in ``transfer/``: the records and errors
+#: (read from this repository's fsm/, whatever ``repo`` a scan is given).
+FSM_NAMES_FOR_TRANSFER = frozenset(set(FSM_FOR_TRANSFER).union(
+    *(_top_level_names(REPO / "fsm" / f"{m}.py") for m in FSM_FOR_TRANSFER)))
+
+
+def _layer_problem(where: str, node: ast.Import | ast.ImportFrom, target: str) -> str | None:
+    """Whether the mapped package ``where`` may import ``target`` (an absolute module)."""
+    owner = _owner(target)
+    if owner is None or owner == where:
+        return None
+    if where == "kvtier.fsm":
+        return f"fsm/ imports {target} (the core imports no other kvtier package)"
+    if where == "kvtier.transfer":
+        allowed = owner == "kvtier.fsm" and (
+            target in {f"kvtier.fsm.{m}" for m in FSM_FOR_TRANSFER}
+            or (target == "kvtier.fsm" and (isinstance(node, ast.Import)
+                                           or all(a.name in FSM_NAMES_FOR_TRANSFER for a in node.names))))
+        if not allowed:
+            return f"transfer/ imports {target} (it may import only kvtier.fsm's records and errors)"
+    return None
+
+
 def _import_problems(path: Path, repo: Path = REPO) -> list[str]:
     rel = path.relative_to(repo)
     where = _dotted(path, repo)
@@ -110,6 +152,9 @@ def _import_problems(path: Path, repo: Path = REPO) -> list[str]:
                                 f"{where[0]}; use a relative import")
             if where is not None and where[0] == "kvtier.fsm" and top in ("torch", "numba"):
                 problems.append(f"{line}: fsm/ imports {top} (the core is pure Python)")
+            layer = None if where is None else _layer_problem(where[0], node, target)
+            if layer is not None:
+                problems.append(f"{line}: {layer}")
     return problems
 
 
@@ -154,14 +199,38 @@ def test_the_import_scan_catches(tmp_path: Path, source: str, problem: str | Non
     ("transfer", "from kvtier.transfer.plan import x\n", "inside its own package kvtier.transfer"),
     ("tests", "from .helpers import x\n", "relative import outside a kvtier package"),
     ("bench", "import transfer.engine\n", "'transfer.engine' as a top-level module"),
+    ("fsm", "from kvtier.transfer import TransferEngine\n", "fsm/ imports kvtier.transfer (the core imports no"),
+    ("fsm", "def f():\n    import kvtier.transfer.plan\n", "fsm/ imports kvtier.transfer.plan"),
+    ("fsm", "from kvtier.tiered import TieredCache\n", "fsm/ imports kvtier.tiered"),
+    ("fsm", "from kvtier import tiered\n", "fsm/ imports kvtier (the core"),
+    ("transfer", "from kvtier.fsm.cache import TieredPrefixCache\n", "transfer/ imports kvtier.fsm.cache"),
+    ("transfer", "from kvtier.fsm import cache\n", "may import only kvtier.fsm's records and errors"),
+    ("transfer", "from kvtier.fsm import Direction, TieredPrefixCache\n", "transfer/ imports kvtier.fsm "),
+    ("transfer", "from kvtier.tiered import TieredCache\n", "transfer/ imports kvtier.tiered"),
+    ("transfer", "from kvtier.fsm import ConfigError, Direction, records\n", None),
+    ("transfer", "from kvtier.fsm.records import TransferCommand\n", None),
+    ("transfer", "import kvtier.fsm.errors\n", None),
+    ("src/kvtier", "from kvtier.transfer import TransferEngine\nfrom kvtier.fsm.cache import MatchMode\n", None),
 ])
 def test_the_import_scan_catches_elsewhere(tmp_path: Path, folder: str, source: str,
-                                           problem: str) -> None:
+                                           problem: str | None) -> None:
+    """The scanner on a file in another folder (problem None: allowed)."""
     target = tmp_path / folder / "bad.py"
-    target.parent.mkdir()
+    target.parent.mkdir(parents=True)
     target.write_text(source)
     problems = _import_problems(target, tmp_path)
-    assert len(problems) == 1 and problem in problems[0], problems
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_transfer_may_name_the_records_and_errors() -> None:
+    """The names transfer/ may import from kvtier.fsm are exactly those of fsm's records and
+    errors modules, and they include what transfer/ uses today."""
+    assert {"Direction", "TransferCommand", "Completion", "CacheGroupSpec", "ConfigError", "KvtierError"} \
+        <= FSM_NAMES_FOR_TRANSFER
+    assert not {"TieredPrefixCache", "MatchMode", "Node", "Operation", "cache"} & FSM_NAMES_FOR_TRANSFER
 
 
 def test_nothing_shadows_a_mapped_package() -> None:

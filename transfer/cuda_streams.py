@@ -1,10 +1,10 @@
 """CUDA streams and events shared by the ``torch`` and ``numba`` backends.
 
 Loadbacks run on a high-priority stream and writebacks on a low-priority one (as in
-the source system, ``source_system.md`` 4.1). At the start of each flush's direction
-the transfer stream waits for the current (compute) stream, so a writeback does not
-read pages the forward pass is still writing, and a loadback does not overwrite pages
-that work already queued on the compute stream still uses.
+TokenSpeed; ``spec/README.md``, Sources: TokenSpeed's host transfer path). At the start
+of each flush's direction the transfer stream waits for the current (compute) stream,
+so a writeback does not read pages the forward pass is still writing, and a loadback
+does not overwrite pages that work already queued on the compute stream still uses.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Typical use::
     ...
     engine.wait_layer(op_id, layer)   # before the forward pass reads that layer
     for c in engine.poll_completions():
-        core.on_completion(c)
+        cache.complete(c)             # the facade's (or the core's) complete
 """
 
 from __future__ import annotations

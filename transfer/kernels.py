@@ -23,7 +23,7 @@ kernel (tests).
 
 Before numba-cuda is imported, numpy gets ``np.row_stack = np.vstack`` if it lacks it:
 numpy 2.5 removed ``row_stack`` and numba-cuda 0.30.4 still registers an overload for it
-(seen on the H200 machine; ``../shared/reference/ecosystem.md`` 3.1).
+(seen on the H200 machine; ``spec/README.md``, Sources: numba-cuda and numpy 2.5).
 
 Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the 16-byte accesses are plain
 Python on a uint32 view; on the GPU they are one ``ld.global.v4.u32`` /

@@ -112,8 +112,9 @@ def pages_for_budget(specs: Sequence[CacheGroupSpec], budget_bytes: int,
     """Split a byte budget into page counts per group.
 
     Each group gets the share ``weights[g] / sum(weights)`` of the budget (equal shares
-    when ``weights`` is None; the source system weighs by device bytes per group) and
-    as many whole pages (``CacheGroupSpec.page_bytes``, all layers and components) as fit.
+    when ``weights`` is None; TokenSpeed weighs by device bytes per group: ``spec/README.md``,
+    Sources: TokenSpeed's host transfer path) and as many whole pages
+    (``CacheGroupSpec.page_bytes``, all layers and components) as fit.
 
     Raises:
         ConfigError: budget not a positive int, weights missing/negative, or a group

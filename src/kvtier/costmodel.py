@@ -7,14 +7,15 @@ Default constants and their sources:
 
 - ``prefill_s_per_token = 1.316e-5`` s: one SGLang user measured a time to first token of
   1,725 ms when recomputing 16 concurrent 8K-token prompts (131,072 tokens) on a GQA model
-  (SGLang issue #26305, quoted in shared/reference/anchors.md section 3):
+  (SGLang issue #26305; ``spec/README.md``, Sources: Prefill cost):
   1.725 s / 131,072 tokens.
 - ``step_overhead_s = 0.02`` s per forward step (a decode step of a batch): an assumption
   of this project, not a measurement; override it for your model and GPU.
 - ``decode_s_per_token = 2e-5`` s per decoded token in the batch: an assumption, likewise.
 - ``link_bytes_per_s = 48e9``: the H200's measured scattered-page kernel rate for loadback
-  over PCIe Gen5 x16 (shared/reference/transfer_ceilings.md: 45-50 GB/s); a loadback
-  overlaps the step's compute layer by layer, so a step takes the longer of the two.
+  over PCIe Gen5 x16 (45-50 GB/s; ``spec/README.md``, Sources: H200 host link and copy
+  costs); a loadback overlaps the step's compute layer by layer, so a step takes the
+  longer of the two.
 """
 
 from __future__ import annotations

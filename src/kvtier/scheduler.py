@@ -216,6 +216,12 @@ class ReferenceScheduler:
         self.now = 0.0
         self._order = 0
         self._group_bytes = {g.name: g.page_bytes for g in cache.layout.groups}
+        # the queues of one run (set by run)
+        self._pending: deque[SchedRequest] = deque()
+        self._waiting: deque[SchedRequest] = deque()
+        self._retracted: deque[SchedRequest] = deque()
+        self._live: dict[str, SchedRequest] = {}
+        self._running: list[SchedRequest] = []
 
     # -- helpers ---------------------------------------------------------------------
     def _command_bytes(self, cmd: TransferCommand) -> int:
@@ -297,159 +303,40 @@ class ReferenceScheduler:
             max_steps: int | None = None) -> RunStats:
         """Run every request to its end; returns the statistics.
 
+        Each step: arrivals, completions and deadlines, decode tokens (:meth:`_decode`),
+        prefill chunks (:meth:`_continue_prefills`), resumptions and admissions
+        (:meth:`_resume_and_admit`), then either the forward pass and its results
+        (:meth:`_forward`, :meth:`_step_results`) or, with nothing to run, :meth:`_idle`.
+
         Args:
             requests: the requests, by arrival time.
             progress: called with the number of requests that ended since the last call.
             max_steps: stop after this many steps (``None``: until every request ended).
         """
-        pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
-        self._waiting: deque[SchedRequest] = deque()
-        self._retracted: deque[SchedRequest] = deque()
-        self._live: dict[str, SchedRequest] = {}
-        self._running: list[SchedRequest] = []
-        running = self._running
-        cache = self.cache
+        self._pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
+        self._waiting = deque()
+        self._retracted = deque()
+        self._live = {}
+        self._running = []
         ended_before = 0
-        while pending or self._live:
+        while self._pending or self._live:
             if max_steps is not None and self.stats.steps >= max_steps:
                 break
-            if not self._live and pending and pending[0].arrival_s > self.now:
-                self.now = pending[0].arrival_s
-            while pending and pending[0].arrival_s <= self.now:
-                r = pending.popleft()
-                self._live[r.request_id] = r
-                self._waiting.append(r)
-                self.stats.prompt_tokens += r.prompt_tokens
+            self._arrivals()
             self._deliver()
-            cache.advance_step()
+            self.cache.advance_step()
             self._submit()
-            running[:] = [r for r in running if r.request_id in self._live and not r.done]
-            batch: list[tuple[SchedRequest, int]] = []
-            budget = self.token_budget
-            blocked: list[str] = []
-            # 1. decode tokens; retract the newest request when pages run out
-            decoding = sorted((r for r in running if r.tokens >= r.kv_target), key=lambda r: r.admitted_order)
-            for r in list(decoding):
-                if budget <= 0 or r not in running:
-                    continue
-                self._timed.decode = True
-                table = cache.reserve(r.request_id, 1)
-                self._timed.decode = False
-                while table is None:
-                    victim = max((x for x in running if x.tokens >= x.kv_target and
-                                  all(x is not b for b, _ in batch)), key=lambda x: x.admitted_order)
-                    cache.retract(victim.request_id)
-                    self.stats.retractions += 1
-                    running.remove(victim)
-                    victim.resume_to = victim.tokens
-                    victim.kv_target = max(victim.prompt_tokens, victim.tokens)
-                    self._retracted.append(victim)
-                    if victim is r:
-                        break
-                    table = cache.reserve(r.request_id, 1)
-                if table is not None:
-                    batch.append((r, 1))
-                    budget -= 1
-            # 2. continue prefills
-            for r in sorted((r for r in running if r.tokens < r.kv_target), key=lambda r: r.admitted_order):
-                if budget <= 0:
-                    break
-                if cache.state(r.request_id) not in ("running", "loading"):
-                    continue
-                end = self._chunk_end(r, r.tokens, budget)
-                if cache.reserve(r.request_id, end - r.tokens) is None:
-                    blocked.append(r.request_id)
-                    continue
-                batch.append((r, end - r.tokens))
-                budget -= end - r.tokens
-            # 3. resume retracted, 4. admit waiting (FIFO; stop at the first that does not fit)
-            for queue, resume in ((self._retracted, True), (self._waiting, False)):
-                while queue and budget > 0:
-                    r = queue[0]
-                    if resume and cache.state(r.request_id) != "retracted":
-                        break  # its retract writeback is still in flight
-                    adm = (cache.resume(r.request_id, budget) if resume else
-                           cache.admit(r.request_id, r.units, r.prompt_tokens, budget))
-                    if adm is None:
-                        blocked.append(r.request_id)
-                        break
-                    queue.popleft()
-                    self.executor.admitted(self._real_cache, adm)
-                    if not resume:
-                        r.hit_tokens = adm.hit_tokens
-                        r.device_hit_tokens = adm.device_hit_tokens
-                        r.history_hit_tokens = adm.history_hit_tokens
-                        self.stats.hit_tokens += adm.hit_tokens
-                        self.stats.device_hit_tokens += adm.device_hit_tokens
-                        self.stats.host_hit_tokens += adm.hit_tokens - adm.device_hit_tokens
-                        self.stats.history_hit_tokens += adm.history_hit_tokens
-                        r.admitted_order = self._order
-                        self._order += 1
-                    r.tokens = adm.start_token
-                    end = self._chunk_end(r, r.tokens, adm.chunk_tokens)
-                    n = max(1, end - r.tokens)
-                    running.append(r)
-                    batch.append((r, n))
-                    budget -= n
+            self._running[:] = [r for r in self._running if r.request_id in self._live and not r.done]
+            plan = _StepPlan(self.token_budget)
+            self._decode(plan)
+            self._continue_prefills(plan)
+            self._resume_and_admit(plan)
             load_s = self._submit()
-            if not batch:
-                if blocked and not cache.in_flight():
-                    victim_id = cache.abort_victim(blocked)
-                    if victim_id is not None:
-                        self._submit()
-                        continue
-                if not cache.in_flight() and not pending and not self._waiting and not self._retracted \
-                        and not running and self._live:
-                    for rid in list(self._live):
-                        cache.abort(rid, "scheduler stalled")
-                    self._submit()
-                    continue
-                # wait for transfers or the next arrival
-                self.stats.steps += 1
-                if pending and not cache.in_flight():
-                    self.now = max(self.now, pending[0].arrival_s)
+            if not plan.batch:
+                self._idle(plan.blocked)
                 continue
-            # forward pass: loadbacks complete layer by layer during it
-            self._deliver()
-            self.executor.forward(self._real_cache, [(r.request_id, r.tokens, n) for r, n in batch])
-            prefill = sum(n for r, n in batch if r.tokens < r.kv_target)
-            decode = sum(n for r, n in batch if r.tokens >= r.kv_target)
-            self.stats.prefill_tokens += prefill
-            self.stats.decode_tokens += decode
-            step_s = max(self.cost.compute_s(prefill, decode), load_s)
-            self.now += step_s
-            self.stats.modeled_s += step_s
-            self.stats.steps += 1
-            for r, n in batch:
-                if r.request_id not in self._live:
-                    continue
-                if cache.state(r.request_id) not in ("running", "loading"):
-                    cache.step_done(r.request_id, 0)  # a discarded result (retracted, requeued, aborting)
-                    continue
-                before = r.tokens
-                r.tokens += n
-                units = self._units_for(r, r.tokens) if r.tokens // self.align > len(r.units) + r.decode_units \
-                    else ()
-                ckpt = r.tokens % self.align == 0
-                self._timed.decode = before >= r.kv_target
-                adopted = cache.step_done(r.request_id, n, new_units=units, checkpoint=ckpt)
-                self._timed.decode = False
-                if adopted:
-                    self.executor.checkpointed(self._real_cache, r.request_id, adopted, r.tokens)
-                if before < r.kv_target and r.resume_to:
-                    pass  # recomputing what it had before it was retracted: no new token
-                elif before < r.prompt_tokens <= r.tokens:
-                    r.generated = 1
-                    if r.first_token_s is None:
-                        r.first_token_s = self.now
-                        self.stats.ttft_s.append(self.now - r.arrival_s)
-                elif before >= r.kv_target:
-                    r.generated += 1
-                if r.generated >= max(1, r.output_tokens) and cache.state(r.request_id) == "running":
-                    cache.finish(r.request_id)
-                    r.done = True
-                    self._live.pop(r.request_id, None)
-                    self.stats.finished += 1
+            self._forward(plan.batch, load_s)
+            self._step_results(plan.batch)
             self._submit()
             if self.stats.steps % 64 == 0:
                 self._sample()
@@ -457,15 +344,199 @@ class ReferenceScheduler:
             if progress is not None and ended > ended_before:
                 progress(ended - ended_before)
                 ended_before = ended
-        # drain: deliver what is still in flight
-        for _ in range(1000):
-            if not cache.in_flight():
-                break
-            self._deliver()
-            cache.advance_step()
-            self._submit()
+        self._drain()
         return self.stats
 
+    # -- the phases of a step ----------------------------------------------------------
+    def _arrivals(self) -> None:
+        """Requests that arrived by now join the waiting queue (with nothing live, time
+        jumps to the next arrival)."""
+        pending = self._pending
+        if not self._live and pending and pending[0].arrival_s > self.now:
+            self.now = pending[0].arrival_s
+        while pending and pending[0].arrival_s <= self.now:
+            r = pending.popleft()
+            self._live[r.request_id] = r
+            self._waiting.append(r)
+            self.stats.prompt_tokens += r.prompt_tokens
+
+    def _decode(self, plan: _StepPlan) -> None:
+        """One decode token for each decoding request, oldest admission first; when pages
+        run out, retract the newest decoding request not yet in the batch."""
+        running = self._running
+        decoding = sorted((r for r in running if r.tokens >= r.kv_target), key=lambda r: r.admitted_order)
+        for r in list(decoding):
+            if plan.budget <= 0 or r not in running:
+                continue
+            self._timed.decode = True
+            table = self.cache.reserve(r.request_id, 1)
+            self._timed.decode = False
+            while table is None:
+                victim = max((x for x in running if x.tokens >= x.kv_target and
+                              all(x is not b for b, _ in plan.batch)), key=lambda x: x.admitted_order)
+                self._retract(victim)
+                if victim is r:
+                    break
+                table = self.cache.reserve(r.request_id, 1)
+            if table is not None:
+                plan.add(r, 1)
+
+    def _retract(self, victim: SchedRequest) -> None:
+        """Retract ``victim``: it resumes later by recomputing what it had."""
+        self.cache.retract(victim.request_id)
+        self.stats.retractions += 1
+        self._running.remove(victim)
+        victim.resume_to = victim.tokens
+        victim.kv_target = max(victim.prompt_tokens, victim.tokens)
+        self._retracted.append(victim)
+
+    def _continue_prefills(self, plan: _StepPlan) -> None:
+        """The next prefill chunk of each running prefill, oldest admission first."""
+        cache = self.cache
+        for r in sorted((r for r in self._running if r.tokens < r.kv_target), key=lambda r: r.admitted_order):
+            if plan.budget <= 0:
+                break
+            if cache.state(r.request_id) not in ("running", "loading"):
+                continue
+            end = self._chunk_end(r, r.tokens, plan.budget)
+            if cache.reserve(r.request_id, end - r.tokens) is None:
+                plan.blocked.append(r.request_id)
+                continue
+            plan.add(r, end - r.tokens)
+
+    def _resume_and_admit(self, plan: _StepPlan) -> None:
+        """Resume retracted requests, then admit waiting ones (FIFO each; a queue stops at
+        the first request that does not fit)."""
+        cache = self.cache
+        for queue, resume in ((self._retracted, True), (self._waiting, False)):
+            while queue and plan.budget > 0:
+                r = queue[0]
+                if resume and cache.state(r.request_id) != "retracted":
+                    break  # its retract writeback is still in flight
+                adm = (cache.resume(r.request_id, plan.budget) if resume else
+                       cache.admit(r.request_id, r.units, r.prompt_tokens, plan.budget))
+                if adm is None:
+                    plan.blocked.append(r.request_id)
+                    break
+                queue.popleft()
+                self.executor.admitted(self._real_cache, adm)
+                if not resume:
+                    self._count_admission(r, adm)
+                r.tokens = adm.start_token
+                end = self._chunk_end(r, r.tokens, adm.chunk_tokens)
+                self._running.append(r)
+                plan.add(r, max(1, end - r.tokens))
+
+    def _count_admission(self, r: SchedRequest, adm: Admission) -> None:
+        """A first admission: its hits, and its place in the admission order."""
+        r.hit_tokens = adm.hit_tokens
+        r.device_hit_tokens = adm.device_hit_tokens
+        r.history_hit_tokens = adm.history_hit_tokens
+        self.stats.hit_tokens += adm.hit_tokens
+        self.stats.device_hit_tokens += adm.device_hit_tokens
+        self.stats.host_hit_tokens += adm.hit_tokens - adm.device_hit_tokens
+        self.stats.history_hit_tokens += adm.history_hit_tokens
+        r.admitted_order = self._order
+        self._order += 1
+
+    def _idle(self, blocked: list[str]) -> None:
+        """Nothing could run this step: abort one victim when every blocked request is
+        short of cache and nothing is in flight; abort everything live when the scheduler
+        has stalled; otherwise wait for transfers or the next arrival."""
+        cache = self.cache
+        if blocked and not cache.in_flight():
+            victim_id = cache.abort_victim(blocked)
+            if victim_id is not None:
+                self._submit()
+                return
+        if not cache.in_flight() and not self._pending and not self._waiting and not self._retracted \
+                and not self._running and self._live:
+            for rid in list(self._live):
+                cache.abort(rid, "scheduler stalled")
+            self._submit()
+            return
+        self.stats.steps += 1
+        if self._pending and not cache.in_flight():
+            self.now = max(self.now, self._pending[0].arrival_s)
+
+    def _forward(self, batch: list[tuple[SchedRequest, int]], load_s: float) -> None:
+        """The forward pass (loadbacks complete layer by layer during it) and its modeled
+        time: the compute time, or the loadback time when that is longer."""
+        self._deliver()
+        self.executor.forward(self._real_cache, [(r.request_id, r.tokens, n) for r, n in batch])
+        prefill = sum(n for r, n in batch if r.tokens < r.kv_target)
+        decode = sum(n for r, n in batch if r.tokens >= r.kv_target)
+        self.stats.prefill_tokens += prefill
+        self.stats.decode_tokens += decode
+        step_s = max(self.cost.compute_s(prefill, decode), load_s)
+        self.now += step_s
+        self.stats.modeled_s += step_s
+        self.stats.steps += 1
+
+    def _step_results(self, batch: list[tuple[SchedRequest, int]]) -> None:
+        """Report the forward results; finish the requests that are done."""
+        cache = self.cache
+        for r, n in batch:
+            if r.request_id not in self._live:
+                continue
+            if cache.state(r.request_id) not in ("running", "loading"):
+                cache.step_done(r.request_id, 0)  # a discarded result (retracted, requeued, aborting)
+                continue
+            before = r.tokens
+            r.tokens += n
+            units = self._units_for(r, r.tokens) if r.tokens // self.align > len(r.units) + r.decode_units \
+                else ()
+            ckpt = r.tokens % self.align == 0
+            self._timed.decode = before >= r.kv_target
+            adopted = cache.step_done(r.request_id, n, new_units=units, checkpoint=ckpt)
+            self._timed.decode = False
+            if adopted:
+                self.executor.checkpointed(self._real_cache, r.request_id, adopted, r.tokens)
+            self._count_tokens(r, before)
+            if r.generated >= max(1, r.output_tokens) and cache.state(r.request_id) == "running":
+                self._finish(r)
+
+    def _count_tokens(self, r: SchedRequest, before: int) -> None:
+        """Generated tokens after a step that took ``r`` from ``before`` tokens to
+        ``r.tokens`` (and the time to its first token)."""
+        if before < r.kv_target and r.resume_to:
+            pass  # recomputing what it had before it was retracted: no new token
+        elif before < r.prompt_tokens <= r.tokens:
+            r.generated = 1
+            if r.first_token_s is None:
+                r.first_token_s = self.now
+                self.stats.ttft_s.append(self.now - r.arrival_s)
+        elif before >= r.kv_target:
+            r.generated += 1
+
+    def _finish(self, r: SchedRequest) -> None:
+        self.cache.finish(r.request_id)
+        r.done = True
+        self._live.pop(r.request_id, None)
+        self.stats.finished += 1
+
+    def _drain(self) -> None:
+        """After the loop: deliver what is still in flight (bounded)."""
+        for _ in range(1000):
+            if not self.cache.in_flight():
+                break
+            self._deliver()
+            self.cache.advance_step()
+            self._submit()
+
+
+@dataclass
+class _StepPlan:
+    """What one step runs: ``(request, tokens)`` items, the token budget left, and the
+    requests that could not get pages."""
+
+    budget: int
+    batch: list[tuple[SchedRequest, int]] = field(default_factory=list)
+    blocked: list[str] = field(default_factory=list)
+
+    def add(self, r: SchedRequest, tokens: int) -> None:
+        self.batch.append((r, tokens))
+        self.budget -= tokens
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0..1) by nearest rank; 0.0 for no values."""

@@ -4,7 +4,11 @@ Needs the ``testing`` extra: ``pip install 'kvtier[testing]'``. Modules:
 
 - :mod:`kvtier.testing.profiles`: the ``kvtier-dev``, ``kvtier-ci`` and ``kvtier-fuzz`` profiles;
 - :mod:`kvtier.testing.machines`: the public state machines (core, facade with pluggable
-  scheduler adapter and transfer backend, raw node and request lifecycles);
+  scheduler adapter and transfer backend, raw node and request lifecycles), re-exported
+  from the modules they live in: ``base`` (the machines' base), ``content`` (the
+  byte-content model), ``core_machine``, ``facade_machine`` with ``plugs`` and
+  ``canonical``, ``raw_machines``; ``_views`` holds the kit's reads of core and facade
+  internals;
 - :mod:`kvtier.testing.sequence`: the kvtier event-sequence JSON format, exact replay, minimization;
 - :mod:`kvtier.testing.coverage`: lifecycle coverage computed from the spec;
 - :mod:`kvtier.testing.fuzz`: the ``kvtier fuzz`` campaign driver;

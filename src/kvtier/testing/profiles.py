@@ -28,7 +28,7 @@ PROFILES = ("kvtier-dev", "kvtier-ci", "kvtier-fuzz")
 def register_profiles() -> None:
     """Register the three profiles (idempotent). Each names its parent explicitly: a
     profile registered without one inherits whatever profile is active at the time
-    (ecosystem.md 2.1)."""
+    (``spec/README.md``, Sources: Hypothesis profiles)."""
     default = settings.get_profile("default")
     settings.register_profile(
         "kvtier-dev", parent=default, deadline=None, max_examples=100, stateful_step_count=50,

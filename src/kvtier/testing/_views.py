@@ -1,0 +1,113 @@
+"""The kit's reads of core and facade internals, one accessor per concept.
+
+The kit's machines check invariants against the state of the system under test: the
+tree's nodes, the operations in flight, the receipts, the facade's request records.
+Every such read goes through one function here, so that the kit depends on the
+read-only views of :class:`~kvtier.fsm.core.CacheCore`'s parts and of
+:class:`~kvtier.tiered.TieredCache` in this module only. Accessors return snapshots
+(copies) unless they say otherwise: callers only read them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtier.fsm import CacheCore
+from kvtier.fsm.node import LockReceipt, Node, NodeReceipt
+from kvtier.fsm.ops import Operation
+from kvtier.fsm.records import TransferCommand
+
+if TYPE_CHECKING:
+    from ..tiered import RequestEvent, TieredCache, _Request
+
+__all__ = [
+    "nodes",
+    "ops",
+    "outbox",
+    "writeback_queue",
+    "locks",
+    "receipts",
+    "history_groups",
+    "checkpoint_groups",
+    "pages_per_unit",
+    "checkpoint_pages",
+    "device_victim",
+    "host_victim",
+    "requests",
+    "request_events",
+]
+
+
+# -- the core (CacheCore) ----------------------------------------------------------
+
+def nodes(core: CacheCore) -> dict[int, Node]:
+    """Every node of the tree but the root, by node id."""
+    return {n.node_id: n for n in core.tree}
+
+
+def ops(core: CacheCore) -> dict[int, Operation]:
+    """The operations in flight, by op id."""
+    return core.optable.snapshot()
+
+
+def outbox(core: CacheCore) -> tuple[TransferCommand, ...]:
+    """Transfer commands issued and not yet taken by ``poll_commands``."""
+    return core.pending_commands()
+
+
+def writeback_queue(core: CacheCore) -> dict[int, Node]:
+    """Nodes waiting for a tree writeback, by node id."""
+    return core.writebacks.queued()
+
+
+def locks(core: CacheCore) -> dict[int, LockReceipt]:
+    """Lock receipts outstanding, by receipt id."""
+    return {r.receipt_id: r for r in core.receipts.locks()}
+
+
+def receipts(core: CacheCore) -> dict[int, NodeReceipt]:
+    """Borrow and pin receipts callers hold, by receipt id (an operation's own pin, with
+    a negative id, is the operation's, not a caller's)."""
+    return {r.receipt_id: r for r in core.receipts.node_receipts() if r.receipt_id > 0}
+
+
+def history_groups(core: CacheCore) -> list[str]:
+    """Names of the history cache groups, in layout order."""
+    return list(core.history_groups)
+
+
+def checkpoint_groups(core: CacheCore) -> list[str]:
+    """Names of the continuation-state (checkpoint) cache groups, in layout order."""
+    return list(core.ckpt_groups)
+
+
+def pages_per_unit(core: CacheCore) -> dict[str, int]:
+    """Pages per alignment unit of each history group."""
+    return dict(core.pages_per_unit)
+
+
+def checkpoint_pages(core: CacheCore) -> dict[str, int]:
+    """Pages one checkpoint holds in each continuation-state group."""
+    return {g.name: g.state_pages for g in core.layout.state_groups}
+
+
+def device_victim(core: CacheCore, node: Node) -> bool:
+    """Whether device eviction may take ``node`` now."""
+    return core.evictable_on_device(node)
+
+
+def host_victim(core: CacheCore, node: Node) -> bool:
+    """Whether host eviction may take ``node`` now (nothing protected)."""
+    return core.evictable_on_host(node)
+
+
+# -- the facade (TieredCache) --------------------------------------------------------------
+
+def requests(cache: TieredCache) -> dict[str, _Request]:
+    """The facade's request records, by request id."""
+    return cache._requests
+
+
+def request_events(cache: TieredCache) -> list[RequestEvent]:
+    """Request state changes not yet reported by ``poll``."""
+    return cache._events

@@ -1,0 +1,118 @@
+"""The canonical abstraction of a facade machine's state, by which ``kvtier verify``
+merges states that behave the same (:meth:`~kvtier.testing.machines.FacadeMachine.kit_canonical`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvtier.fsm import Direction
+from kvtier.fsm.node import Node
+
+from . import _views as views
+from .content import node_prefix
+
+if TYPE_CHECKING:
+    from .facade_machine import FacadeMachine
+
+__all__ = ["CanonicalState"]
+
+
+class CanonicalState:
+    """Canonical abstraction of a facade machine's state: nodes by their prefix, page ids,
+    op ids and receipt ids renumbered by first appearance, clock stamps replaced by
+    their order (LRU order kept), deadlines relative to the current step."""
+
+    def __init__(self, m: FacadeMachine) -> None:
+        self.m = m
+        self.pages: dict[tuple[str, str, int], int] = {}
+        self.ops: dict[int, int] = {}
+        self.nodes: dict[int, tuple[Hashable, ...]] = {}
+
+    def page(self, pool: str, g: str, p: int) -> int:
+        k = (pool, g, p)
+        if k not in self.pages:
+            self.pages[k] = sum(1 for x in self.pages if x[0] == pool and x[1] == g)
+        return self.pages[k]
+
+    def pmap(self, pool: str, pm: Mapping[str, Sequence[int]]) -> tuple[Any, ...]:
+        return tuple((g, tuple(self.page(pool, g, p) for p in ps)) for g, ps in sorted(pm.items()))
+
+    def op(self, op_id: int | None) -> int | None:
+        if op_id is None:
+            return None
+        if op_id not in self.ops:
+            self.ops[op_id] = len(self.ops)
+        return self.ops[op_id]
+
+    def node(self, n: Node) -> tuple[Hashable, ...]:
+        return self.nodes.get(n.node_id) or node_prefix(n)
+
+    def value(self) -> Hashable:
+        m = self.m
+        core = m.cache.core
+        nodes, op_table, wb_queue = views.nodes(core), views.ops(core), views.writeback_queue(core)
+        stamps = sorted({n.last_access for n in nodes.values()})
+        ids = sorted(nodes)
+        thr = core.write_threshold
+        tree: list[Any] = []
+
+        def walk(n: Node) -> None:
+            for key in sorted(n.children, key=repr):
+                c = n.children[key]
+                self.nodes[c.node_id] = node_prefix(c)
+                tree.append((self.nodes[c.node_id], c.state, self.pmap("d", c.dev), self.pmap("h", c.host),
+                             self.pmap("h", c.pending), self.pmap("d", c.dev_ckpt), self.pmap("h", c.host_ckpt),
+                             self.pmap("h", c.pending_ckpt), c.lock_ref, c.borrow_ref, c.host_pin,
+                             min(c.hit_count, thr), stamps.index(c.last_access), ids.index(c.node_id),
+                             self.op(c.wb_op), self.op(c.lb_op), c.chunk_checkpoint, c.node_id in wb_queue))
+                walk(c)
+
+        walk(core.root)
+        ops = []
+        for op_id in sorted(op_table, key=lambda o: (self.op(o) is None, self.op(o) or 0, o)):
+            op = op_table[op_id]
+            cmd = op.command
+            dl = None if cmd.deadline_step is None else cmd.deadline_step - core.step
+            src_pool, dst_pool = ("d", "h") if cmd.direction is Direction.WRITEBACK else ("h", "d")
+            ops.append((self.op(op_id), cmd.direction.value, cmd.request_id, dl,
+                        tuple((t.group, tuple(self.page(src_pool, t.group, p) for p in t.src_pages),
+                               tuple(self.page(dst_pool, t.group, p) for p in t.dst_pages)) for t in cmd.transfers),
+                        tuple(self.node(n) for n in op.nodes), tuple(sorted(op.acked)), op.ok,
+                        tuple(sorted(op.layers.items())), tuple(sorted(op.seen, key=repr)),
+                        None if op.checkpoint is None else self.node(op.checkpoint)))
+        reqs = []
+        requests = views.requests(m.cache)
+        for rid in sorted(requests):
+            r = requests[rid]
+            reqs.append((rid, r.state, tuple(r.units), r.prompt_tokens, r.tokens, r.reserved,
+                         self.pmap("d", r.canon), self.pmap("d", r.own), r.published,
+                         None if r.lock is None else self.node(r.lock.node),
+                         tuple(tuple(self.node(n) for n in p.nodes) for p in r.pins),
+                         tuple(sorted(self.op(o) or 0 for o in r.ops)), r.owed_forward, r.reason,
+                         r.has_loadback, r.has_own_writeback, r.hit_tokens,
+                         tuple(sorted((self.op(o), v) for o, v in r.layers.items())), r.poisoned, r.retract_ckpt))
+        outbox = tuple(self.op(c.op_id) for c in views.outbox(core))
+        queues = tuple(sorted((self.op(op), tuple(tuple((c.rank, c.layer) for c in q) for q in qs))
+                              for op, qs in m.xfer.queues.items()))
+        expired = tuple(sorted(self.op(op) or 0 for op in m.expired if op in m.xfer.queues))
+        free = []
+        for pool, allocs in (("d", core.device), ("h", core.host or {})):
+            for g, a in sorted(allocs.items()):
+                free.append((pool, g, tuple(self.page(pool, g, p) for p in a.free_order())))
+        store = []
+        # bytes of allocated pages only: a free page's stale content is never read before written
+        free_now = {(pool, g, p) for pool, allocs in (("d", core.device), ("h", core.host or {}))
+                    for g, a in allocs.items() for p in a.free_order()}
+        for pool, data in (("d", m.xfer.dev), ("h", m.xfer.host)):
+            for (g, p), v in data.items():
+                if (pool, g, p) in self.pages and (pool, g, p) not in free_now:
+                    garbage = isinstance(v, tuple) and len(v) == 2 and v[0] == "garbage"
+                    store.append((pool, g, self.pages[(pool, g, p)], "garbage" if garbage else repr(v)))
+        # unreported request events: which ones are pending, not how many times (poll reports them)
+        events = tuple(sorted({(e.request_id, e.state, e.reason or "") for e in views.request_events(m.cache)}))
+        fenced = tuple(sorted((rid, self.pmap("d", own)) for rid, own in m.fenced.items()))
+        return (tuple(tree), tuple(ops), tuple(reqs), outbox, queues, expired, tuple(free),
+                tuple(sorted(store)), events, fenced)
+

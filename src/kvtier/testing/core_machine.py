@@ -1,0 +1,385 @@
+"""The core machine: drives one :class:`~kvtier.fsm.core.CacheCore` the way a
+scheduler plus a transfer engine would (inserts, matches, locks, loadbacks, writebacks,
+completions in any order across ranks, failures, deadlines, pressure), with a
+byte-content model for invariant 12 (:mod:`kvtier.testing.content`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule
+
+from kvtier.fsm import CapacityError, Completion, Direction
+from kvtier.fsm import MatchMode, CacheCore
+from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, KvtierError, UnknownOperation
+from kvtier.fsm.node import DEVICE_READABLE, Node
+from kvtier.fsm.ops import Settled
+from kvtier.fsm.records import TransferCommand
+
+from . import _views as views
+from .base import ROLL, KitMachine, kit_layout, recorded
+from .content import check_tree_bytes, content, node_prefix
+from .sequence import register_machine
+
+__all__ = ["CoreMachine"]
+
+_ALPHABET = "abc"
+_KEYS = st.lists(st.sampled_from(_ALPHABET), min_size=1, max_size=5)
+
+
+class CoreMachine(KitMachine):
+    """Drives one :class:`CacheCore` like a scheduler plus a transfer engine.
+
+    After every step ``check_invariants()`` holds, and the byte model checks invariant
+    12: every device or host page a node exposes holds exactly the content written for
+    its prefix (located through the page mapping). A reference set of inserted keys
+    checks that nothing is matched beyond an inserted prefix.
+    """
+
+    kit_invariants = ("check_cache_invariants", "check_loaded_equals_written")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: CacheCore
+        self.dev_bytes: dict[tuple[str, int], Any] = {}
+        self.host_bytes: dict[tuple[str, int], Any] = {}
+        self.inserted: set[tuple[str, ...]] = set()
+        self.locks: list[Any] = []
+        self.receipts: list[Any] = []
+        self.events: dict[int, list[list[Completion]]] = {}  # op -> per-rank queue
+        self.expired: set[int] = set()  # ops their deadline settled (late completions absorbed)
+        self.commands: dict[int, TransferCommand] = {}
+        self.failed_ops: set[int] = set()
+        self.world = 1
+
+    @initialize(with_state=st.booleans(), world=st.sampled_from([1, 2]), policy=st.sampled_from(
+        ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 8),
+        host_units=st.integers(2, 10), deadline=st.sampled_from([None, 3]),
+        seed_keys=st.lists(_KEYS, max_size=3))
+    @recorded
+    def setup(self, with_state: bool, world: int, policy: str, dev_units: int, host_units: int,
+              deadline: int | None, seed_keys: list[list[str]]) -> None:
+        if self.world_size is not None and not self.kit_replaying:
+            world = self.world_size
+        self.kit_set_args(with_state=with_state, world=world, policy=policy, dev_units=dev_units,
+                          host_units=host_units, deadline=deadline, seed_keys=seed_keys)
+        self.world = world
+        self.cache = CacheCore(kit_layout(with_state), dev_units, host_units, policy=policy,
+                                       world_size=world, op_deadline_steps=deadline)
+        for key in seed_keys:
+            self._insert(tuple(key), True)
+
+    # -- helpers -----------------------------------------------------------------
+    def _node_at(self, i: int) -> Node | None:
+        """The ``i``-th node of the tree by node id (modulo the node count), or ``None``."""
+        nodes = views.nodes(self.cache)
+        ids = sorted(nodes)
+        return nodes[ids[i % len(ids)]] if ids else None
+
+    def _take_commands(self) -> None:
+        for cmd in self.cache.poll_commands():
+            self.commands[cmd.op_id] = cmd
+            queues = []
+            for rank in range(self.world):
+                q: list[Completion] = []
+                if cmd.direction is Direction.LOADBACK:
+                    q += [Completion(cmd.op_id, rank, True, layer) for layer in (0, 2)]
+                q.append(Completion(cmd.op_id, rank, True, None))
+                queues.append(q)
+            self.events[cmd.op_id] = queues
+
+    def _check_settled(self, s: Settled) -> None:
+        """Invariant 10: an operation with a failed completion never settles as a success,
+        and a failed loadback leaves its nodes on the host only."""
+        if s.ok and s.op_id in self.failed_ops:
+            raise InvariantViolation("failure_not_success", f"op {s.op_id}", "a rank reported failure, it settled ok")
+        if not s.ok and s.direction is Direction.LOADBACK:
+            for nid in s.node_ids:
+                n = views.nodes(self.cache).get(nid)
+                if n is not None and n.state != "host":
+                    raise InvariantViolation("failure_not_success", f"node {nid} ({n.state})",
+                                             f"loadback op {s.op_id} failed but the node did not fall back to host")
+
+    def _apply_bytes(self, op_id: int, ok: bool) -> None:
+        cmd = self.commands.pop(op_id)
+        src, dst = ((self.dev_bytes, self.host_bytes) if cmd.direction is Direction.WRITEBACK
+                    else (self.host_bytes, self.dev_bytes))
+        for t in cmd.transfers:
+            for s, d in zip(t.src_pages, t.dst_pages):
+                dst[(t.group, d)] = src.get((t.group, s)) if ok else ("garbage", op_id)
+
+    def _insert(self, key: tuple[str, ...], checkpoint: bool) -> None:
+        c = self.cache
+        ppu, history = views.pages_per_unit(c), views.history_groups(c)
+        m = c.match(key)
+        base = c.device_pages(m.device_node)
+        rest = len(key) - m.device_units
+        need = {g: rest * ppu[g] for g in history}
+        state_groups = views.checkpoint_groups(c) if checkpoint else []
+        for g in state_groups:
+            need[g] = views.checkpoint_pages(c)[g]
+        hold = c.lock(m.device_node, "r") if m.device_node is not c.root else None
+        try:
+            fresh = c.alloc_device(need)
+        except CapacityError:
+            if hold is not None:
+                c.unlock(hold)
+            return
+        pages = {}
+        for g in history:
+            own = fresh.get(g, [])
+            pages[g] = base[g] + own
+            for j, p in enumerate(own):
+                self.dev_bytes[(g, p)] = content(key, g, len(base[g]) + j, ppu)
+        ckpt = {g: fresh[g] for g in state_groups}
+        for g, ps in ckpt.items():
+            for j, p in enumerate(ps):
+                self.dev_bytes[(g, p)] = content(key, g, j, ppu)
+        result = c.insert(key, pages, ckpt or None)
+        if hold is not None:
+            c.unlock(hold)
+        self.inserted.add(key)
+        for g, ps in result.duplicates.items():
+            c.free_device({g: ps})
+        for g, ps in result.kept.items():
+            c.free_device({g: ps})
+        self._take_commands()
+
+    # -- rules ---------------------------------------------------------------------
+    @rule(key=_KEYS, checkpoint=st.booleans())
+    @recorded
+    def insert(self, key: list[str], checkpoint: bool) -> None:
+        self._insert(tuple(key), checkpoint)
+
+    @rule(key=_KEYS)
+    @recorded
+    def insert_and_write_through(self, key: list[str]) -> None:
+        self._insert(tuple(key), True)
+        self.cache.issue_writebacks()
+        self._take_commands()
+
+    @rule(key=_KEYS, mode=st.sampled_from([m.value for m in MatchMode]), replay=st.booleans())
+    @recorded
+    def match_and_lock(self, key: list[str], mode: str, replay: bool) -> None:
+        k = tuple(key)
+        m = self.cache.match(k, mode, history_replay=replay and mode == MatchMode.PREFIX_REUSE.value)
+        assert m.device_units <= m.host_units <= m.history_units <= len(k), "match bounds"
+        if not (any(x[: m.history_units] == k[: m.history_units] for x in self.inserted) or m.history_units == 0):
+            raise InvariantViolation("host_evict_leaves", f"match of {''.join(k)!r}",
+                                     f"matched {m.history_units} units beyond any inserted prefix")
+        ckpt_groups = views.checkpoint_groups(self.cache)
+        if ckpt_groups and m.host_units and not m.recompute_tokens:
+            t = m.terminal
+            n = len(ckpt_groups)
+            exact = (len(t.dev_ckpt) == n if t.state in DEVICE_READABLE and m.host_units == m.device_units
+                     else len(t.host_ckpt) == n or len(t.dev_ckpt) == n)
+            if not exact:
+                raise InvariantViolation("exact_continuation_state", f"node {t.node_id} ({t.state})",
+                                         f"a {mode} hit of {m.host_units} units ends where no checkpoint is held")
+        if m.device_node is not self.cache.root and m.device_node.state in DEVICE_READABLE:
+            self.locks.append(self.cache.lock(m.device_node, "r"))
+
+    @precondition(lambda self: bool(self.locks))
+    @rule(i=st.integers(0, 100), again=st.booleans())
+    @recorded
+    def unlock(self, i: int, again: bool) -> None:
+        if not self.locks:
+            return
+        r = self.locks.pop(i % len(self.locks))
+        self.cache.unlock(r)
+        if again:  # a receipt is released exactly once
+            try:
+                self.cache.unlock(r)
+            except KvtierError:
+                return
+            raise InvariantViolation("counts_with_receipts", repr(r), "a receipt was released twice")
+
+    @rule(key=_KEYS)
+    @recorded
+    def load(self, key: list[str]) -> None:
+        self._load_key(tuple(key))
+
+    def _load_key(self, key: tuple[Hashable, ...]) -> None:
+        c = self.cache
+        m = c.match(key)
+        if not m.needs_loadback:
+            return
+        try:
+            res = c.load(m, "r")
+        except CapacityError:
+            assert m.host_nodes and all(n.state == "host" for n in m.host_nodes), "load refused a join"
+            return
+        assert res.op_ids, "a loadback without operations"
+        self.receipts.append(res.pin)
+        self.locks.append(res.lock)
+        if res.command is not None:
+            want = sum(len(ps) for n in m.host_nodes for ps in n.host.values())
+            if m.terminal in m.host_nodes:
+                want += sum(len(ps) for ps in m.terminal.host_ckpt.values())
+            if res.command.pages != want:
+                raise InvariantViolation("atomic_admission", f"loadback op {res.command.op_id}",
+                                         f"moves {res.command.pages} pages, the hit has {want}")
+        self._take_commands()
+
+    @precondition(lambda self: bool(views.nodes(self.cache)))
+    @rule(i=st.integers(0, 100))
+    @recorded
+    def load_node(self, i: int) -> None:
+        """Load back the prefix of an existing node (host hits are likely)."""
+        n = self._node_at(i)
+        if n is not None:
+            self._load_key(node_prefix(n))
+
+    @precondition(lambda self: bool(views.nodes(self.cache)))
+    @rule(i=st.integers(0, 100), checkpoint=st.booleans())
+    @recorded
+    def insert_split(self, i: int, checkpoint: bool) -> None:
+        """Insert a key diverging after the first unit of an existing node (a split in
+        whatever state the node is in)."""
+        n = self._node_at(i)
+        if n is None:
+            return
+        key = node_prefix(n)
+        if len(n.key) >= 2:
+            cut = len(key) - len(n.key) + 1
+            self._insert(tuple(str(u) for u in key[:cut]) + ("z",), checkpoint)
+
+    @precondition(lambda self: any(any(q) for qs in self.events.values() for q in qs))
+    @rule()
+    @recorded
+    def drain(self) -> None:
+        """Deliver every pending completion successfully, oldest op first."""
+        while self.events:
+            op = min(self.events)
+            for rank, q in enumerate(self.events[op]):
+                while q:
+                    ev = q.pop(0)
+                    for st_ in self.cache.complete(ev):
+                        if isinstance(st_, Settled):
+                            self._check_settled(st_)
+                            self._apply_bytes(st_.op_id, st_.ok)
+            self.events.pop(op, None)
+
+    @precondition(lambda self: bool(views.nodes(self.cache)))
+    @rule(i=st.integers(0, 100))
+    @recorded
+    def borrow(self, i: int) -> None:
+        """A request reads a node's device pages directly (invariant 14)."""
+        nodes = [n for _, n in sorted(views.nodes(self.cache).items()) if n.state in DEVICE_READABLE]
+        if nodes:
+            self.receipts.append(self.cache.borrow([nodes[i % len(nodes)]], "r"))
+
+    @precondition(lambda self: bool(self.receipts))
+    @rule(i=st.integers(0, 100))
+    @recorded
+    def release_pin(self, i: int) -> None:
+        if self.receipts:
+            self.cache.release(self.receipts.pop(i % len(self.receipts)))
+
+    @precondition(lambda self: bool(views.nodes(self.cache)))
+    @rule(i=st.integers(0, 100))
+    @recorded
+    def request_writeback(self, i: int) -> None:
+        n = self._node_at(i)
+        if n is not None:
+            self.cache.writeback(n, "r")
+            self._take_commands()
+
+    @rule(limit=st.sampled_from([None, 1, 2]))
+    @recorded
+    def tree_writebacks(self, limit: int | None) -> None:
+        self.cache.issue_writebacks(limit)
+        self._take_commands()
+
+    @precondition(lambda self: any(any(q) for qs in self.events.values() for q in qs))
+    @rule(i=st.integers(0, 1000), roll=ROLL)
+    @recorded
+    def deliver(self, i: int, roll: int = 0, ok: bool | None = None) -> None:
+        if ok is None:
+            ok = not self.kit_fail(roll)
+        self.kit_set_args(i=i, ok=ok)
+        if i % 17 == 0:
+            try:
+                self.cache.complete(Completion(10**9))
+            except UnknownOperation:
+                pass
+            else:
+                raise InvariantViolation("operation_ends_once", "op 1000000000",
+                                         "a completion for an unknown op was accepted")
+        ready = [(op, r) for op, qs in sorted(self.events.items()) for r, q in enumerate(qs) if q]
+        if not ready:
+            return
+        op, rank = ready[i % len(ready)]
+        ev = self.events[op][rank].pop(0)
+        ev = Completion(ev.op_id, ev.rank, ok, ev.layer)
+        if not ok:
+            self.failed_ops.add(op)
+        out = self.cache.complete(ev)
+        for s in out:
+            if isinstance(s, Settled):
+                self._check_settled(s)
+                self._apply_bytes(s.op_id, s.ok)
+                del self.events[s.op_id]
+        if not any(self.events.get(op, [[]])) and op in self.events:
+            del self.events[op]
+        # a second delivery of the same event is refused and changes nothing
+        if op in self.events or ev.layer is not None:
+            try:
+                self.cache.complete(ev)
+            except (DuplicateCompletion, UnknownOperation):
+                pass
+            else:
+                raise InvariantViolation("operation_ends_once", f"op {op}",
+                                         f"duplicate completion {ev} was accepted")
+
+    @rule(steps=st.integers(1, 3))
+    @recorded
+    def advance(self, steps: int) -> None:
+        for s in self.cache.advance_step(steps):
+            self._apply_bytes(s.op_id, False)
+            self.expired.add(s.op_id)
+            # the real completions may still arrive: they are absorbed
+        for op in list(self.events):
+            if op in self.expired:
+                for q in self.events.pop(op):
+                    for ev in q:
+                        if self.cache.complete(ev) != []:
+                            raise InvariantViolation("operation_ends_once", f"op {op}",
+                                                     "a late completion after the deadline was not absorbed")
+
+    @rule(g=st.sampled_from(["kv", "c4"]), n=st.integers(1, 8), tier=st.sampled_from(["device", "host"]))
+    @recorded
+    def pressure(self, g: str, n: int, tier: str) -> None:
+        c = self.cache
+        pool = c.device if tier == "device" else c.host
+        assert pool is not None
+        before = pool[g].free
+        freed = c.evict_device({g: n}) if tier == "device" else c.evict_host({g: n})
+        if pool[g].free != before + freed[g]:
+            raise InvariantViolation("conservation", f"{tier} pool of {g!r}",
+                                     f"eviction reported {freed[g]} pages freed, {pool[g].free - before} were")
+        if freed[g] < n:  # it stopped early: nothing it may evict is left
+            if tier == "host":
+                left = [x for x in c.nodes() if views.host_victim(c, x)]
+            elif c.policy.value != "write_back":
+                left = [x for x in c.nodes() if views.device_victim(c, x)]
+            else:
+                left = []
+            if left:
+                raise InvariantViolation("host_evict_leaves" if tier == "host" else "conservation",
+                                         f"{tier} eviction", f"stopped with victims left: {left}")
+
+    # -- invariants ------------------------------------------------------------------
+    def check_cache_invariants(self) -> None:
+        if hasattr(self, "cache"):
+            self.cache.check_invariants()
+
+    def check_loaded_equals_written(self) -> None:
+        if hasattr(self, "cache"):
+            check_tree_bytes(self.cache, self.dev_bytes, self.host_bytes)
+
+
+register_machine("core", CoreMachine)
