@@ -128,7 +128,7 @@ def test_abort_during_loadback_waits_for_ack(ack_first: bool) -> None:
     # released exactly once: the loaded node stays in the tree (both copies), nothing held
     assert (node.state, node.host_pin, node.lock_ref, node.borrow_ref) == ("backed", 0, 0, 0)
     assert held(c) == {"kv": 0} and free(c) == {"kv": 4}
-    assert not c.core._locks and not c.core._receipts
+    assert not c.core.receipts.locks() and not c.core.receipts.node_receipts()
     out = c.poll()
     assert out.events == (RequestEvent("b", "aborted", "client went away"),)
     assert c.requests() == [] and c.stats()["scheduler_aborts"] == 0

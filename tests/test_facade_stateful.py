@@ -318,7 +318,7 @@ class FacadeMachine(RuleBasedStateMachine):
     def _admit(self, r: Req) -> None:
         c = self.cache
         ext_before = {g: len(c.core.external_pages(g)) for g in c.core.device}
-        locks_before = len(c.core._locks)
+        locks_before = len(c.core.receipts.locks())
         adm = c.admit(r.rid, r.prompt_units, prompt_tokens=r.prompt_tokens, chunk_tokens=r.chunk)
         r.known = len(r.prompt_units)
         if adm is None:
@@ -327,7 +327,7 @@ class FacadeMachine(RuleBasedStateMachine):
             v = c.request(r.rid)
             assert (v.state, v.owed_forward, v.ops, v.reserved_tokens) == ("waiting", 0, (), 0)
             assert {g: len(c.core.external_pages(g)) for g in c.core.device} == ext_before, "admission leaked"
-            assert len(c.core._locks) == locks_before
+            assert len(c.core.receipts.locks()) == locks_before
             return
         self._admitted(r, adm)
 
@@ -700,7 +700,7 @@ class FacadeMachine(RuleBasedStateMachine):
         self._poll()
         core = c.core
         assert c.requests() == [], f"requests left after poll: {c.requests()}"
-        assert not core.operations() and not core._locks and not core._receipts
+        assert not core.operations() and not core.receipts.locks() and not core.receipts.node_receipts()
         for g in core.device:
             assert not core.external_pages(g), f"device pages of {g} still held outside the tree"
         for n in core.nodes():

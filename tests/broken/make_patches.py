@@ -27,24 +27,24 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "            n.host = self._reserve(transfers, n.dev)  # BROKEN: visible at once"),
     ]),
     "03-writeback-source-immutable": ("writeback_source_immutable", [
-        ("fsm/reclaim.py", "if not (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
-         "if not (n.state in (NS.device, NS.backed, NS.writing) and n.lock_ref == 0 and n.borrow_ref == 0"),
-        ("fsm/reclaim.py", "            if n.state == NS.backed:\n                got = self._release_device(n)",
+        ("fsm/reclaim.py", "return (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
+         "return (n.state in (NS.device, NS.backed, NS.writing) and n.lock_ref == 0 and n.borrow_ref == 0"),
+        ("fsm/reclaim.py", "            if n.state == NS.backed:\n                n = self._tail(n, need, freed)",
          "            if n.state == NS.writing:  # BROKEN: frees the source of a copy in flight\n"
          "                for g, k in self._release_device(n).items():\n"
          "                    freed[g] += k\n"
          "                continue\n"
-         "            if n.state == NS.backed:\n                got = self._release_device(n)"),
+         "            if n.state == NS.backed:\n                n = self._tail(n, need, freed)"),
     ]),
     "04-loadback-source-pinned": ("loadback_source_pinned", [
         ("fsm/guards.py", '"unpinned": lambda n: n.host_pin == 0,', '"unpinned": lambda n: True,  # BROKEN'),
-        ("fsm/reclaim.py", "if not (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
-         "if not (n.state in (NS.host, NS.backed) and not n.has_host_child  # BROKEN: pins ignored"),
+        ("fsm/reclaim.py", "return (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
+         "return (n.state in (NS.host, NS.backed) and not n.has_host_child  # BROKEN: pins ignored"),
     ]),
     "05-counts-with-receipts": ("counts_with_receipts", [
-        ("fsm/receipts.py", "        for n in node.path():\n            n.lock_ref += 1\n            n.hit_count += 1",
+        ("fsm/receipts.py", "        for n in node.path():\n            n.lock_ref += 1\n            if owner is None",
          "        for n in node.path()[:1]:  # BROKEN: the ancestors are not counted\n"
-         "            n.lock_ref += 1\n            n.hit_count += 1"),
+         "            n.lock_ref += 1\n            if owner is None"),
     ]),
     "06-split-preserves-ownership": ("split_preserves_ownership", [
         ("fsm/optable.py", "            op.nodes.insert(op.nodes.index(node), prefix)",
@@ -63,8 +63,8 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "09-host-evict-leaves": ("host_evict_leaves", [
         ("fsm/guards.py", '"has_host_child": lambda n: bool(n.has_host_child),',
          '"has_host_child": lambda n: False,  # BROKEN'),
-        ("fsm/reclaim.py", "if not (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
-         "if not (n.state in (NS.host, NS.backed) and n.host_pin == 0  # BROKEN: inner nodes too"),
+        ("fsm/reclaim.py", "return (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
+         "return (n.state in (NS.host, NS.backed) and n.host_pin == 0  # BROKEN: inner nodes too"),
     ]),
     "10-failure-not-success": ("failure_not_success", [
         ("fsm/transfers.py", "                if not ok:\n                    core.ledger.release_device(n.dev)",
@@ -89,8 +89,8 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     ]),
     "14-borrowed-pages-stay": ("borrowed_pages_stay", [
         ("fsm/guards.py", '"unborrowed": lambda n: n.borrow_ref == 0,', '"unborrowed": lambda n: True,  # BROKEN'),
-        ("fsm/reclaim.py", "if not (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
-         "if not (n.state in (NS.device, NS.backed) and n.lock_ref == 0  # BROKEN: borrows ignored"),
+        ("fsm/reclaim.py", "return (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
+         "return (n.state in (NS.device, NS.backed) and n.lock_ref == 0  # BROKEN: borrows ignored"),
     ]),
     "15-exact-continuation-state": ("exact_continuation_state", [
         ("fsm/match.py", "            if i < d and has_checkpoint(nd.dev_ckpt, n_state):",

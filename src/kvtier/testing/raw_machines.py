@@ -122,10 +122,10 @@ class NodeLifecycleMachine(KitMachine):
                            and (st_ not in _HOST_COPY | {"writing"} or p.state in _HOST_COPY))]
             node.state = options[picks[i] % len(options)]
             declared = _NODE_RESOURCES[node.state]
-            node.device = "device pages" in declared
-            node.host = "host pages" in declared
-            node.pending = "pending host reservation" in declared
-            node.op_pin = "host pin" in declared
+            node.device = "device_pages" in declared
+            node.host = "host_pages" in declared
+            node.pending = "pending_host" in declared
+            node.op_pin = "host_pin" in declared
             self.nodes.append(node)
 
     @rule(index=st.integers(min_value=0, max_value=3), event=st.sampled_from(_NODE_SPEC.events))
@@ -230,8 +230,8 @@ class NodeLifecycleMachine(KitMachine):
         for n in self.nodes:
             declared = _NODE_RESOURCES[n.state]
             got = (n.device, n.host, n.pending, n.op_pin)
-            want = ("device pages" in declared, "host pages" in declared,
-                    "pending host reservation" in declared, "host pin" in declared)
+            want = ("device_pages" in declared, "host_pages" in declared,
+                    "pending_host" in declared, "host_pin" in declared)
             if got != want:
                 raise InvariantViolation("state_matches_resources", f"node {n.label} ({n.state})",
                                          f"device/host/pending/pin {got}, the spec declares {want}")
