@@ -44,7 +44,7 @@ from .backend import ChunkCounts, TransferEvent
 from .backend_numba import NumbaBackend
 from .copy_engine import BatchCopier, DriverBatchCopier, HostBatchCopier
 from .errors import BackendUnavailable
-from .hybrid import CE, DEFAULT_CALIBRATION, SM, Calibration, committed_calibration, copy_bytes, engine_for
+from .hybrid import CE, DEFAULT_CALIBRATION, SM, Calibration, committed_calibration, copy_bytes
 from .plan import DEFAULT_PIECE_BYTES, ChunkPlan, ChunkRef, FlushPlan, Planner, split_rows
 from .pools import DevicePool, HostPool
 
@@ -140,6 +140,7 @@ class HybridBackend(NumbaBackend):
         self._in_flush: set[Direction] = set()
         self._last: dict[Direction, TransferEvent] = {}
         self._split_now: dict[Direction, tuple[FlushPlan, _Split]] = {}
+        self._xover: dict[tuple[Direction, bool], int | None] = {}
         self.waits = 0
 
     # -- binding ---------------------------------------------------------------------------
@@ -185,10 +186,14 @@ class HybridBackend(NumbaBackend):
 
     def engine_of(self, direction: Direction, plan: FlushPlan, ref: ChunkRef, busy: bool) -> str:
         """The engine that moves ``ref`` of ``plan`` (:data:`.hybrid.SM` or :data:`.hybrid.CE`)."""
-        if self.copier is None:
+        if self.copier is None or self.calibration is None:
             return SM
+        key = (direction, busy)
+        x = self._xover.get(key, -1)
+        if x == -1:
+            x = self._xover[key] = self.calibration.crossover(direction, busy)
         g = plan.groups[ref.group_index]
-        return engine_for(copy_bytes(g.pages, g.spans, ref.page_bytes), direction, busy, self.calibration)
+        return CE if x is not None and copy_bytes(g.pages, g.spans, ref.page_bytes) >= x else SM
 
     def split(self, direction: Direction, plan: FlushPlan, busy: bool) -> _Split:
         """The plan's refs split between the engines (cached on the plan per ``busy``)."""
