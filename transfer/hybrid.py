@@ -173,7 +173,17 @@ DEFAULT_CALIBRATION = Calibration(
 
 #: Calibrations measured on devices, keyed by ``torch.cuda.get_device_name()``
 #: (filled from ``bench/results/`` JSON; see ``bench/RESULTS.md``).
-COMMITTED: dict[str, dict[str, Any]] = {}
+COMMITTED: dict[str, dict[str, Any]] = {
+    "NVIDIA H200": {
+        "source": "bench/results/transfer-20261201-ef0825f.json (measured at start-up, H200, commit ef0825f)",
+        "sizes": [4096, 8192, 16384, 32768, 65536, 131072],
+        "sm_gbps": {"loadback": [46.06, 46.43, 46.51, 46.45, 46.13, 46.14],
+                     "writeback": [47.57, 47.47, 47.81, 48.12, 48.03, 47.26]},
+        "ce_gbps": {"loadback": [2.22, 3.59, 4.74, 31.54, 39.52, 45.05],
+                     "writeback": [8.1, 14.79, 22.76, 32.81, 40.44, 46.62]},
+        "ce_pair_gbps": {"loadback": [2.38, 3.39, 4.62, 31.06, 38.19, 41.64],
+                     "writeback": [1.87, 2.76, 3.82, 22.48, 30.77, 37.9]}},
+}
 
 
 def committed_calibration(device_name: str) -> Calibration | None:
