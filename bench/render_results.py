@@ -41,7 +41,155 @@ def _mark(ok: bool | None) -> str:
     return "-" if ok is None else ("met" if ok else "**missed**")
 
 
+def _tail(data: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    gt = data.get("gpu_tests")
+    if gt:
+        lines += ["", f"GPU tests (`pytest -m gpu tests/transfer/test_transfer_gpu.py`, same call): {gt['passed']} "
+                      f"passed, {gt['failures'] + gt['errors']} failed, {gt['skipped']} skipped in {gt['time_s']} s"
+                  + (f"; failed: {', '.join(gt['failed_tests'])}" if gt.get("failed_tests") else "") + "."]
+    san = data.get("sanitizer")
+    if san:
+        lines += ["", f"`{san['tool']}` over the kernels and batched copies (`python bench/transfer.py --sanitize`: "
+                      f"random small transfers, one-launch, per-bucket and hybrid paths, odd page sizes): ERROR "
+                      f"SUMMARY {san['error_summary']}, memory errors {san.get('memory_errors', '-')}, workload "
+                      f"checks passed: {'yes' if san['workload_ok'] else 'no'}."]
+    if data.get("errors"):
+        lines += ["", f"Errors during the run: {len(data['errors'])} (see the JSON)."]
+    return lines
+
+
+def _kib(x: int | None) -> str:
+    return "never" if x is None else (f"{x // 1024} KiB" if x % 1024 == 0 else f"{x:,} B")
+
+
+def render_v3(data: dict[str, Any], source: str) -> str:
+    """Schema 3 (issue 16): the hybrid backend with array records, its calibration and
+    the issue's targets."""
+    c = data.get("ceilings", {})
+    h2d_c, d2h_c, both_c = c.get("h2d"), c.get("d2h"), c.get("both")
+    s = data.get("settings", {})
+    cal = data.get("calibration")
+    lines = [
+        f"Run of {data['date']} on {data['gpu']} ({data['sm_count']} SMs), commit `{data['commit']}`, "
+        f"from `{source}`.",
+        "",
+        f"Command: `{data['command']}`",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(data.get("versions", {}).items())) + ".",
+        "",
+        f"Backend `{data.get('backend')}`: the Numba kernel ({s.get('blocks')} thread blocks x {s.get('threads')} "
+        f"threads per launch, so at most {s.get('blocks')} of {data['sm_count']} SMs per launch) for small copies, "
+        f"batched copy-engine copies (`cuMemcpyBatchAsync`) for large ones, per flush, direction and tensor ref; "
+        f"loadbacks in chunks of {s.get('chunk_layers')} of {s.get('layers')} layers. Scattered random pages, about "
+        f"{s.get('target_bytes_per_transfer', 0) / 2**20:.0f} MiB per transfer; medians of {s.get('reps')} "
+        f"repetitions after a warm-up.",
+        "",
+        f"Pinned contiguous copy ceiling, same run: H2D {_f(h2d_c)} GB/s, D2H {_f(d2h_c)} GB/s, "
+        f"both directions at once {_f(both_c)} GB/s.",
+    ]
+    if cal:
+        x = cal["crossovers"]
+        lines += ["", f"Calibration (measured at start-up in this run, {cal.get('extra', {}).get('seconds', '-')} s; "
+                      f"GB/s of {cal.get('extra', {}).get('bytes_per_measure', 0) / 2**20:.0f} MiB in scattered "
+                      f"copies of each size, the host's issue time included): copy engines from "
+                      f"{_kib(x['loadback'])} (H2D) / {_kib(x['writeback'])} (D2H) per copy when the other direction "
+                      f"is idle, from {_kib(x['loadback_busy'])} / {_kib(x['writeback_busy'])} when both are busy.",
+                  "", "| copy size | " + " | ".join(_kib(z) for z in cal["sizes"]) + " |",
+                  "| --- |" + " --- |" * len(cal["sizes"])]
+        for label, key, d in (("kernel H2D", "sm_gbps", "loadback"), ("kernel D2H", "sm_gbps", "writeback"),
+                              ("batched H2D", "ce_gbps", "loadback"), ("batched D2H", "ce_gbps", "writeback"),
+                              ("batched H2D, both at once", "ce_pair_gbps", "loadback"),
+                              ("batched D2H, both at once", "ce_pair_gbps", "writeback")):
+            lines.append(f"| {label} | " + " | ".join(_f(v) for v in cal[key][d]) + " |")
+    lines += [
+        "",
+        "GB/s and % of the same run's ceiling. *submit->ack*: wall time from making the commands to the "
+        "acknowledgement from `poll_completions`; *cold*: plan caches cleared; *warm*: new array records "
+        "(`ArrayCommand`, made from the page arrays inside the timed region) every flush: what serving does; "
+        "*tuples*: new core records (`TransferCommand`, tuples of ints) every flush; *replay*: the same records "
+        "(whole plan cached). *kernel*: device time from the flush's start event to its last event. *both*: a "
+        "loadback and a writeback in one flush, bytes of both over the wall time to both acknowledgements. "
+        "*numba*: the SM kernel alone (`numba` backend), warm, same pages.",
+        "",
+        "| pages | MB | engine H2D / D2H / both | H2D kernel | H2D cold / warm / tuples / replay | D2H kernel | "
+        "D2H cold / warm / tuples / replay | both warm | both replay | numba warm H2D / D2H / both | correct |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def eng(x: dict[str, Any]) -> str:
+        sm, ce = x.get("sm_bytes", 0), x.get("ce_bytes", 0)
+        if sm and ce:
+            return f"mixed ({100 * ce / (sm + ce):.0f} % CE)"
+        return "CE" if ce else ("SM" if sm else "-")
+
+    targets: list[tuple[str, str, str, str, bool | None]] = []
+    max_blocks = 0
+    for r in data.get("configs", []):
+        h, d, b = r["h2d"], r["d2h"], r["both"]
+        split = b.get("split", {})
+        both_eng = "/".join(eng(split[k]) for k in ("loadback", "writeback") if k in split)
+        nb = r.get("numba", {})
+        nbs = (f"{_f(nb['h2d']['warm_gbps'])} / {_f(nb['d2h']['warm_gbps'])} / {_f(nb['both']['warm_gbps'])}"
+               if nb else "-")
+        for x in (h, d, *split.values()):
+            max_blocks = max(max_blocks, int(x.get("max_blocks", 0)))
+        lines.append(
+            f"| {r['name']} x {r['pages']} x {r['layers']} layers | {r['bytes'] / 1e6:.0f} | "
+            f"{eng(h)} / {eng(d)} / {both_eng or '-'} | "
+            f"{_f(h['kernel_gbps'])} ({_pct(h['kernel_gbps'], h2d_c)}) | "
+            f"{_f(h['cold_gbps'])} / {_f(h['warm_gbps'])} ({_pct(h['warm_gbps'], h2d_c)}) / "
+            f"{_f(h.get('warm_tuples_gbps'))} / {_f(h['replay_gbps'])} | "
+            f"{_f(d['kernel_gbps'])} ({_pct(d['kernel_gbps'], d2h_c)}) | "
+            f"{_f(d['cold_gbps'])} / {_f(d['warm_gbps'])} ({_pct(d['warm_gbps'], d2h_c)}) / "
+            f"{_f(d.get('warm_tuples_gbps'))} / {_f(d['replay_gbps'])} | "
+            f"{_f(b.get('warm_gbps'))} ({_pct(b.get('warm_gbps'), both_c)}) | "
+            f"{_f(b.get('replay_gbps'))} ({_pct(b.get('replay_gbps'), both_c)}) | {nbs} | "
+            f"{'yes' if r.get('correct') else '**NO**'} |")
+        name = r["name"]
+        small = name.startswith("1 KiB")
+        if h2d_c and d2h_c:
+            want = 0.8 if small else 0.9
+            for lab, x, ceil in (("H2D", h, h2d_c), ("D2H", d, d2h_c)):
+                targets.append((f"warm submit->ack, {lab}", name, f"{_pct(x['warm_gbps'], ceil)}",
+                                f">= {want:.0%}", x["warm_gbps"] >= want * ceil))
+        if both_c and (name.startswith(("4 KiB", "64 KiB", "37,440", "DeepSeek"))):
+            want = 0.75 if name.startswith("4 KiB") else 0.9
+            for mode in ("warm", "replay"):
+                v = b.get(mode + "_gbps")
+                if v is not None:
+                    targets.append((f"both directions at once, {mode}", name, f"{_f(v)} GB/s ({_pct(v, both_c)})",
+                                    f">= {want:.0%} of {_f(both_c)}", v >= want * both_c))
+    for rp in data.get("replays", []):
+        ratio = rp.get("ratio")
+        targets.append((f"GPU replay, measured / modeled transfer time ({rp['backend']})", "DeepSeek V4, 300 req.",
+                        "-" if ratio is None else f"{ratio:.2f}x ({rp['transfer_s_measured']:.3f} / "
+                        f"{rp['transfer_s_modeled']:.3f} s)", "<= 1.3x", None if ratio is None else ratio <= 1.3))
+    targets.append(("SMs taken by one launch (largest)", "all", str(max_blocks), "<= 8", max_blocks <= 8))
+    lines += ["", "Targets (issue 16), each against this run's ceilings:", "",
+              "| measure | pages | measured | target | |", "| --- | --- | --- | --- | --- |"]
+    for m, name, v, want, ok in targets:
+        lines.append(f"| {m} | {name} | {v} | {want} | {_mark(ok)} |")
+    cfgs = [r for r in data.get("configs", []) if "warm_submit_ms" in r.get("h2d", {})]
+    if cfgs:
+        lines += ["", "Host time per transfer (ms, medians): making the records and `submit` / `flush` (planning, "
+                      "tables, uploads, launches and batched-copy calls) / wall time to the acknowledgement, warm:", "",
+                  "| pages | H2D warm | H2D tuples | D2H warm | copies alone (H2D kernel) |",
+                  "| --- | --- | --- | --- | --- |"]
+        for r in cfgs:
+            h, d = r["h2d"], r["d2h"]
+
+            def parts(x: dict[str, Any], m: str) -> str:
+                return f"{_f(x[m + '_submit_ms'], 2)} / {_f(x[m + '_flush_ms'], 2)} / {_f(x[m + '_wall_ms'], 2)}"
+            lines.append(f"| {r['name']} | {parts(h, 'warm')} | {parts(h, 'warm_tuples')} | {parts(d, 'warm')} | "
+                         f"{_f(r['bytes'] / h['kernel_gbps'] / 1e6, 2)} |")
+    lines += _tail(data)
+    return "\n".join(lines) + "\n"
+
+
 def render(data: dict[str, Any], source: str) -> str:
+    if data.get("schema", 1) >= 3:
+        return render_v3(data, source)
     c = data.get("ceilings", {})
     h2d_c, d2h_c, both_c = c.get("h2d"), c.get("d2h"), c.get("both")
     s = data.get("settings", {})

@@ -89,9 +89,11 @@ def render() -> str:
     for name, doc in _load("replay-h200-*.json"):
         both = doc["configurations"][1]
         ratio = both["transfer_s_measured"] / both["transfer_s_modeled"] if both["transfer_s_modeled"] else 0.0
+        stamp = name.split("-")[3] if name.count("-") >= 4 else ""
+        date = f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]}" if len(stamp) == 8 and stamp.isdigit() else "date unknown"
         parts.append(f"### H200, real bytes ({doc['setup']['backend']} backend, full DeepSeek V4 page geometry, "
                      f"8 layers, first 300 requests)\n\n`bash bench/gpu_replay.sh` (through the device tool, "
-                     f"2026-11-29; NVIDIA H200, PCIe Gen5 x16, driver 580.159.04) -> `bench/results/{name}`; "
+                     f"{date}; NVIDIA H200, PCIe Gen5 x16) -> `bench/results/{name}`; "
                      f"device+host measured / modeled transfer time: {ratio:.1f}x\n\n{_table(doc)}")
     return "\n\n".join(parts) + "\n\n" + NOTES
 

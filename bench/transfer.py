@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, Direction, GroupTransfer, TransferCommand
-from kvtier.transfer import DevicePool, HostPool, TransferEngine
+from kvtier.transfer import ArrayCommand, Calibration, DevicePool, HostPool, PageArrays, TransferEngine
 
 L, W = Direction.LOADBACK, Direction.WRITEBACK
 MiB = 1 << 20
@@ -157,6 +157,8 @@ class Setup:
             hp, dp = rng.permutation(pages), rng.permutation(pages)
             self.lb[s.name] = (hp[: self.n].tolist(), dp[: self.n].tolist())
             self.wb[s.name] = (dp[self.n:].tolist(), hp[self.n:].tolist())
+        self.arrays = {d: {g: (np.asarray(s, dtype=np.int64), np.asarray(t, dtype=np.int64))
+                           for g, (s, t) in (self.lb if d is L else self.wb).items()} for d in (L, W)}
         self.bytes = self.n * per_page
         self.op = 0
 
@@ -164,9 +166,21 @@ class Setup:
         src = self.lb if direction is L else self.wb
         return tuple(GroupTransfer(g, tuple(s), tuple(d)) for g, (s, d) in src.items())
 
-    def command(self, direction: Direction, transfers: tuple[GroupTransfer, ...]) -> TransferCommand:
+    def page_arrays(self, direction: Direction) -> tuple[PageArrays, ...]:
+        """New array records of the direction's pages (validated and copied: a serving
+        engine's block tables turned into records)."""
+        return tuple(PageArrays(g, s, d) for g, (s, d) in self.arrays[direction].items())
+
+    def command(self, direction: Direction, transfers: tuple[Any, ...]) -> TransferCommand | ArrayCommand:
         self.op += 1
+        if transfers and isinstance(transfers[0], PageArrays):
+            return ArrayCommand(self.op, direction, transfers)
         return TransferCommand(self.op, direction, transfers, ())
+
+    def array_command(self, direction: Direction) -> ArrayCommand:
+        """A new :class:`ArrayCommand` with new page arrays ("warm": what serving does)."""
+        self.op += 1
+        return ArrayCommand(self.op, direction, self.page_arrays(direction))
 
     def check(self) -> bool:
         """Every page of both transfers landed (compares whole regions' moved pages)."""
@@ -182,16 +196,19 @@ class Setup:
         return ok
 
 
-def run_once(eng: TransferEngine, cmds: list[TransferCommand]) -> float:
+def run_once(eng: TransferEngine, cmds: Any) -> float:
     """Submit, flush, poll until every op is acknowledged; wall seconds."""
     return run_once_parts(eng, cmds)[0]
 
 
-def run_once_parts(eng: TransferEngine, cmds: list[TransferCommand]) -> tuple[float, float, float]:
+def run_once_parts(eng: TransferEngine, cmds: Any) -> tuple[float, float, float]:
     """Like :func:`run_once`; (wall, submit, flush) seconds: the host's time in
     ``submit`` (validation, page lists to arrays) and in ``flush`` (planning, table
-    upload, launches); the rest of the wall time is waiting for the copies."""
+    upload, launches); the rest of the wall time is waiting for the copies. ``cmds``
+    may be a callable making the commands: its time counts as submit time."""
     t0 = time.perf_counter()
+    if callable(cmds):
+        cmds = cmds()
     for c in cmds:
         eng.submit(c)
     t1 = time.perf_counter()
@@ -210,18 +227,32 @@ def kernel_seconds(eng: TransferEngine, direction: Direction) -> float:
     return float(eng.stats()["last_flush"][direction.value]["seconds"])
 
 
-def measure_direction(setup: Setup, eng: TransferEngine, direction: Direction, reps: int) -> dict[str, Any]:
-    same = setup.transfers(direction)
+MODES = ("cold", "warm", "warm_tuples", "replay")
+
+
+def measure_direction(setup: Setup, eng: TransferEngine, direction: Direction, reps: int,
+                      modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+    """Per mode, medians of ``reps`` submit->ack transfers: ``cold`` (plan caches
+    cleared, new array records), ``warm`` (new array records: ArrayCommand built from
+    the engine's page arrays inside the timed region), ``warm_tuples`` (new core
+    records, TransferCommand with tuples of ints), ``replay`` (the same array records)."""
+    same = setup.page_arrays(direction)
     run_once(eng, [setup.command(direction, same)])  # warm-up (JIT, allocator)
+    run_once(eng, [setup.command(direction, setup.transfers(direction))])
     res: dict[str, Any] = {}
-    for mode in ("cold", "warm", "replay"):
+    for mode in modes:
         walls, kern, subs, flushes = [], [], [], []
         for _ in range(reps):
             if mode == "cold":
                 eng.clear_plan_cache()
-            t = same if mode == "replay" else setup.transfers(direction)
+            if mode == "replay":
+                make: Any = [setup.command(direction, same)]
+            elif mode == "warm_tuples":
+                make = [setup.command(direction, setup.transfers(direction))]  # tuples made outside the timing
+            else:
+                make = lambda: [setup.array_command(direction)]  # noqa: E731
             torch.cuda.synchronize()
-            wall, sub, fl = run_once_parts(eng, [setup.command(direction, t)])
+            wall, sub, fl = run_once_parts(eng, make)
             walls.append(wall)
             subs.append(sub)
             flushes.append(fl)
@@ -233,23 +264,31 @@ def measure_direction(setup: Setup, eng: TransferEngine, direction: Direction, r
         res[mode + "_samples_gbps"] = [setup.bytes / w / 1e9 for w in walls]
         res[mode + "_kernel_gbps"] = setup.bytes / statistics.median(kern) / 1e9
     last = eng.stats()["last_flush"][direction.value]
-    res["kernel_gbps"] = res["replay_kernel_gbps"]
+    res["kernel_gbps"] = res["replay_kernel_gbps" if "replay" in modes else modes[-1] + "_kernel_gbps"]
     res.update({k: last[k] for k in ("chunks", "kernel_launches", "copy_calls", "rows", "tensor_refs", "pages",
-                                     "spans", "bytes")})
+                                     "spans", "bytes", "sm_bytes", "ce_bytes", "ce_copies", "ce_calls", "waits",
+                                     "max_blocks")})
     return res
 
 
-def measure_both(setup: Setup, eng: TransferEngine, reps: int) -> dict[str, Any]:
-    lb, wb = setup.transfers(L), setup.transfers(W)
+def measure_both(setup: Setup, eng: TransferEngine, reps: int, mode: str = "warm") -> dict[str, Any]:
+    """Both directions in one flush; ``mode`` ``warm`` (new array records, built in the
+    timed region) or ``replay`` (the same records). ``kernel_gbps``: device time from an
+    event before the flush to both streams' ends."""
+    lb, wb = setup.page_arrays(L), setup.page_arrays(W)
     run_once(eng, [setup.command(L, lb), setup.command(W, wb)])
     walls, dev = [], []
     streams = getattr(eng.backend, "streams")
+    split: dict[str, Any] = {}
     for _ in range(reps):
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        cmds = [setup.command(L, lb), setup.command(W, wb)]
+        if mode == "warm":
+            cmds: list[Any] = [setup.array_command(L), setup.array_command(W)]
+        else:
+            cmds = [setup.command(L, lb), setup.command(W, wb)]
         for c in cmds:
             eng.submit(c)
         eng.flush()
@@ -265,10 +304,13 @@ def measure_both(setup: Setup, eng: TransferEngine, reps: int) -> dict[str, Any]
         walls.append(time.perf_counter() - t0)
         end.synchronize()
         dev.append(start.elapsed_time(end) / 1e3)
+        last = eng.stats()["last_flush"]
+        split = {d: {k: last[d][k] for k in ("sm_bytes", "ce_bytes", "ce_copies", "waits", "max_blocks")}
+                 for d in last}
     total = 2 * setup.bytes
-    return {"replay_gbps": total / statistics.median(walls) / 1e9,
+    return {mode + "_gbps": total / statistics.median(walls) / 1e9,
             "kernel_gbps": total / statistics.median(dev) / 1e9,
-            "replay_samples_gbps": [total / w / 1e9 for w in walls]}
+            mode + "_samples_gbps": [total / w / 1e9 for w in walls], "split": split}
 
 
 def per_page_loop(setup: Setup, max_copies: int = 8192) -> dict[str, Any]:
@@ -299,27 +341,53 @@ def per_page_loop(setup: Setup, max_copies: int = 8192) -> dict[str, Any]:
     return {"gbps": nbytes / statistics.median(walls) / 1e9, "copies": len(pairs), "bytes": nbytes}
 
 
-def bench_config(name: str, specs: list[CacheGroupSpec], reps: int, blocks: int, threads: int) -> dict[str, Any]:
+def bench_config(name: str, specs: list[CacheGroupSpec], reps: int, blocks: int, threads: int,
+                 backend: str = "hybrid", calibration: Calibration | None = None,
+                 baselines: bool = True) -> dict[str, Any]:
     setup = Setup(specs)
     out: dict[str, Any] = {"name": name, "groups": len(specs),
                            "tensors_per_layer_max": max(len(s.components) for s in specs),
                            "page_bytes": sorted({c.page_bytes for s in specs for c in s.components}),
-                           "pages": setup.n, "layers": LAYERS, "bytes": setup.bytes}
-    eng = TransferEngine(specs, setup.host, setup.dev, "numba",
-                         backend_options={"blocks": blocks, "threads": threads})
+                           "pages": setup.n, "layers": LAYERS, "bytes": setup.bytes, "backend": backend}
+    opts: dict[str, Any] = {"blocks": blocks, "threads": threads}
+    if backend == "hybrid":
+        opts["calibration"] = calibration if calibration is not None else "default"
+    eng = TransferEngine(specs, setup.host, setup.dev, backend, backend_options=opts)
     out["h2d"] = measure_direction(setup, eng, L, reps)
     out["d2h"] = measure_direction(setup, eng, W, reps)
-    out["both"] = measure_both(setup, eng, reps)
+    out["both"] = measure_both(setup, eng, reps, "warm")
+    out["both"].update({k: v for k, v in measure_both(setup, eng, reps, "replay").items() if k.startswith("replay")})
     eng.synchronize()
     out["correct"] = setup.check()
     out["plan_cache"] = eng.stats()["plan_cache"]
     out["thread_blocks"] = blocks
     out["threads"] = threads
-    teng = TransferEngine(specs, setup.host, setup.dev, "torch")
-    t = measure_direction(setup, teng, L, max(2, reps // 2))
-    out["torch_h2d"] = {k: t[k] for k in ("replay_gbps", "kernel_gbps", "copy_calls")}
-    out["loop"] = per_page_loop(setup)
+    if backend != "numba":  # the SM kernel alone, same pages, for comparison
+        neng = TransferEngine(specs, setup.host, setup.dev, "numba", backend_options={"blocks": blocks,
+                                                                                       "threads": threads})
+        out["numba"] = {"h2d": measure_direction(setup, neng, L, reps, ("warm",)),
+                        "d2h": measure_direction(setup, neng, W, reps, ("warm",)),
+                        "both": measure_both(setup, neng, reps, "warm")}
+        neng.synchronize()
+    if baselines:
+        teng = TransferEngine(specs, setup.host, setup.dev, "torch")
+        t = measure_direction(setup, teng, L, max(2, reps // 2))
+        out["torch_h2d"] = {k: t[k] for k in ("replay_gbps", "kernel_gbps", "copy_calls")}
+        out["loop"] = per_page_loop(setup)
     return out
+
+
+def measure_calibration(blocks: int, threads: int) -> Calibration:
+    """The hybrid backend's start-up calibration, measured once (it is what the
+    backend would measure at bind) and given to every hybrid engine of the run."""
+    from kvtier.transfer.backend_hybrid import HybridBackend
+
+    specs = _one("kv", 4096)
+    host, dev = HostPool(specs, 16), DevicePool.allocate(specs, 16, "cuda")
+    b = HybridBackend(blocks, threads, calibration="measure")
+    TransferEngine(specs, host, dev, b)
+    assert b.calibration is not None
+    return b.calibration
 
 
 def blocks_sweep(reps: int) -> list[dict[str, Any]]:
@@ -330,7 +398,7 @@ def blocks_sweep(reps: int) -> list[dict[str, Any]]:
             eng = TransferEngine(specs, setup.host, setup.dev, "numba",
                                  backend_options={"blocks": blocks, "threads": threads})
             r = measure_direction(setup, eng, L, reps)
-            b = measure_both(setup, eng, reps)
+            b = measure_both(setup, eng, reps, "replay")
             out.append({"config": name, "blocks": blocks, "threads": threads,
                         "h2d_kernel_gbps": r["kernel_gbps"], "h2d_replay_gbps": r["replay_gbps"],
                         "both_kernel_gbps": b["kernel_gbps"], "both_replay_gbps": b["replay_gbps"]})
@@ -501,26 +569,26 @@ def both_ways_study(reps: int) -> dict[str, Any]:
     return out
 
 
-def profile_warm(reps: int = 20) -> None:
-    """cProfile of warm submit->ack (new page lists, cached address tables), H2D, for
-    1 KiB and 64 KiB pages: where the host's time goes (printed)."""
+def profile_warm(reps: int = 20, backend: str = "hybrid") -> None:
+    """cProfile of warm submit->ack (new array records, cached address tables), H2D,
+    for 1 KiB and 64 KiB pages and the DeepSeek V4 mix, on ``backend``: where the host's
+    time goes (printed)."""
     import cProfile
     import pstats
 
-    for name, specs in (("1 KiB", _one("kv", 1024)), ("64 KiB", _one("kv", 65536))):
+    for name, specs in (("1 KiB", _one("kv", 1024)), ("64 KiB", _one("kv", 65536)), ("V4 mix", dsv4_specs())):
         setup = Setup(specs, seed=3)
-        eng = TransferEngine(specs, setup.host, setup.dev, "numba")
-        run_once(eng, [setup.command(L, setup.transfers(L))])
-        cmds = [setup.command(L, setup.transfers(L)) for _ in range(reps)]
+        eng = TransferEngine(specs, setup.host, setup.dev, backend)
+        run_once(eng, [setup.array_command(L)])
         prof = cProfile.Profile()
         t0 = time.perf_counter()
-        for c in cmds:
+        for _ in range(reps):
             torch.cuda.synchronize()
             prof.enable()
-            run_once(eng, [c])
+            run_once(eng, lambda: [setup.array_command(L)])
             prof.disable()
-        print(f"== profile, warm H2D {name}: {1e3 * (time.perf_counter() - t0) / reps:.2f} ms per transfer "
-              f"({reps} transfers; profiled)")
+        print(f"== profile, warm H2D {name}, {backend}: {1e3 * (time.perf_counter() - t0) / reps:.2f} ms per "
+              f"transfer ({reps} transfers; profiled); split {eng.stats()['last_flush']['loadback']}")
         pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         eng.synchronize()
         del setup, eng
@@ -555,12 +623,17 @@ def sanitize_workload() -> None:
     from kvtier.transfer.scenarios import (check_pools, check_protocol, random_commands, random_pools,
                                            random_specs, reference)
 
-    for seed, opts, registered in ((1, {}, False), (2, {}, True), (3, {"address_view": False}, True),
-                                   (4, {"blocks": 2, "threads": 64, "piece_bytes": 32}, True)):
+    mixed = {"sizes": [16, 48], "sm_gbps": {"loadback": [50, 50], "writeback": [50, 50]},
+             "ce_gbps": {"loadback": [1, 60], "writeback": [1, 60]},
+             "ce_pair_gbps": {"loadback": [1, 60], "writeback": [1, 60]}, "source": "sanitize: mixed"}
+    for seed, backend, opts, registered in (
+            (1, "numba", {}, False), (2, "numba", {}, True), (3, "numba", {"address_view": False}, True),
+            (4, "numba", {"blocks": 2, "threads": 64, "piece_bytes": 32}, True),
+            (5, "hybrid", {"calibration": mixed}, False), (6, "hybrid", {"calibration": mixed}, True)):
         rng = np.random.default_rng(seed)
         specs = random_specs(rng)
         host, dev = random_pools(rng, specs, registered, device="cuda")
-        eng = TransferEngine(specs, host, dev, "numba", backend_options=opts, chunk_layers=2)
+        eng = TransferEngine(specs, host, dev, backend, backend_options=opts, chunk_layers=2)
         cmds = random_commands(rng, specs, host, dev)
         want = reference(specs, host, dev, cmds)
         for c in cmds:
@@ -588,6 +661,11 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip the thread-block sweep")
     ap.add_argument("--no-study", action="store_true", help="skip the both-ways study")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of warm submit->ack and exit")
+    ap.add_argument("--backend", default="hybrid", help="backend of the main table (default hybrid; the numba "
+                                                          "backend is measured beside it)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the torch backend and the per-page loop")
+    ap.add_argument("--replay-json", action="append", default=[],
+                    help="a `kvtier replay --json` result of the same session to summarise (repeatable)")
     ap.add_argument("--study-only", action="store_true",
                     help="run only the both-ways study and write its JSON to --out (the benchmark runs it so, in a "
                          "child process, so that a driver failure there cannot lose the other results)")
@@ -596,7 +674,7 @@ def main() -> int:
         sanitize_workload()
         return 0
     if args.profile:
-        profile_warm()
+        profile_warm(backend=args.backend)
         return 0
     if args.study_only:
         study = both_ways_study(max(2, args.reps // 2))
@@ -607,7 +685,8 @@ def main() -> int:
 
     props = torch.cuda.get_device_properties(0)
     result: dict[str, Any] = {
-        "schema": 2,
+        "schema": 3,
+        "backend": args.backend,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
         "commit": args.commit,
         "command": args.command,
@@ -631,20 +710,35 @@ def main() -> int:
               f"both {result['ceilings']['both']:.1f} GB/s", flush=True)
     except Exception:
         result["errors"].append(traceback.format_exc())
+    calibration: Calibration | None = None
+    if args.backend == "hybrid":
+        try:
+            calibration = measure_calibration(args.blocks, args.threads)
+            result["calibration"] = calibration.as_dict()
+            print(f"calibration ({calibration.extra.get('seconds')} s): crossovers {calibration.crossovers()}; "
+                  f"sizes {calibration.sizes}; sm {calibration.sm_gbps}; ce {calibration.ce_gbps}; "
+                  f"ce both {calibration.ce_pair_gbps}", flush=True)
+        except Exception:
+            result["errors"].append("calibration: " + traceback.format_exc())
+            print(result["errors"][-1], flush=True)
     result["configs"] = []
     wanted = None if not args.configs else {x.strip() for x in args.configs.split(",")}
     for name, specs in CONFIGS:
         if wanted is not None and name not in wanted:
             continue
         try:
-            r = bench_config(name, specs, args.reps, args.blocks, args.threads)
+            r = bench_config(name, specs, args.reps, args.blocks, args.threads, args.backend, calibration,
+                             not args.no_baselines)
             result["configs"].append(r)
-            print(f"{name:>16}: H2D kernel {r['h2d']['kernel_gbps']:.1f} cold {r['h2d']['cold_gbps']:.1f} "
-                  f"warm {r['h2d']['warm_gbps']:.1f} replay {r['h2d']['replay_gbps']:.1f} | D2H kernel "
-                  f"{r['d2h']['kernel_gbps']:.1f} replay {r['d2h']['replay_gbps']:.1f} | both "
-                  f"{r['both']['kernel_gbps']:.1f}/{r['both']['replay_gbps']:.1f} | torch "
-                  f"{r['torch_h2d']['replay_gbps']:.2f} loop {r['loop']['gbps']:.2f} | ok {r['correct']}",
-                  flush=True)
+            h, d, b = r["h2d"], r["d2h"], r["both"]
+            print(f"{name:>16}: H2D kernel {h['kernel_gbps']:.1f} cold {h['cold_gbps']:.1f} warm "
+                  f"{h['warm_gbps']:.1f} tuples {h['warm_tuples_gbps']:.1f} replay {h['replay_gbps']:.1f} "
+                  f"(sm {h['sm_bytes']} ce {h['ce_bytes']}) | D2H kernel {d['kernel_gbps']:.1f} warm "
+                  f"{d['warm_gbps']:.1f} replay {d['replay_gbps']:.1f} | both kernel {b['kernel_gbps']:.1f} warm "
+                  f"{b['warm_gbps']:.1f} replay {b['replay_gbps']:.1f} split {b['split']} | numba warm "
+                  + (f"{r['numba']['h2d']['warm_gbps']:.1f}/{r['numba']['d2h']['warm_gbps']:.1f} both "
+                     f"{r['numba']['both']['warm_gbps']:.1f}" if "numba" in r else "-")
+                  + f" | ok {r['correct']}", flush=True)
         except Exception:
             result["errors"].append(f"{name}: " + traceback.format_exc())
             print(result["errors"][-1], flush=True)
@@ -677,6 +771,19 @@ def main() -> int:
             result["sanitizer"] = sanitizer_summary(args.sanitizer_log)
         except Exception:
             result["errors"].append("sanitizer log: " + traceback.format_exc())
+    result["replays"] = []
+    for path in args.replay_json:
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+            both = doc["configurations"][1]
+            result["replays"].append({
+                "file": os.path.basename(path), "backend": doc["setup"]["backend"],
+                "transfer_s_measured": both["transfer_s_measured"], "transfer_s_modeled": both["transfer_s_modeled"],
+                "ratio": both["transfer_s_measured"] / both["transfer_s_modeled"] if both["transfer_s_modeled"]
+                else None, "pages_checked": both.get("fingerprint_pages_checked")})
+        except Exception:
+            result["errors"].append(f"replay json {path}: " + traceback.format_exc(limit=2))
     result["bench_seconds"] = round(time.time() - t0, 1)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, sort_keys=True)

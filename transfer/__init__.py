@@ -7,17 +7,21 @@ only when the ``numba`` backend is used (or chosen automatically on a real GPU).
 
 Public API:
     :class:`TransferEngine` (``submit``, ``flush``, ``poll_completions``, ``wait_layer``,
-    ``stats``), :class:`HostPool`, :class:`DevicePool`, :func:`pages_for_budget`,
-    the backends (:class:`CpuBackend`, :class:`FakeAsyncBackend`, :class:`TorchBackend`,
-    :class:`NumbaBackend`, :func:`make_backend`, :func:`choose_backend`) and the errors.
+    ``stats``), the array records :class:`ArrayCommand` and :class:`PageArrays`,
+    :class:`HostPool`, :class:`DevicePool`, :func:`pages_for_budget`, the backends
+    (:class:`CpuBackend`, :class:`FakeAsyncBackend`, :class:`TorchBackend`,
+    :class:`NumbaBackend`, :class:`HybridBackend` with its :class:`Calibration` and
+    batch copiers, :func:`make_backend`, :func:`choose_backend`) and the errors.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .arrays import ArrayCommand, PageArrays
 from .backend import BACKENDS, Backend, ChunkCounts, DoneEvent, TransferEvent, choose_backend, make_backend
 from .backend_cpu import CpuBackend
+from .copy_engine import BatchCopier, DriverBatchCopier, HostBatchCopier
 from .engine import TransferEngine
 from .errors import (
     BackendUnavailable,
@@ -28,16 +32,25 @@ from .errors import (
     TransferError,
 )
 from .fake_async import POISON_BYTE, FakeAsyncBackend, PendingCopy
+from .hybrid import Calibration
 from .plan import ChunkPlan, FlushPlan, GroupPlan, Planner
 from .pools import DevicePool, HostPool, RegionKey, available_host_bytes, pages_for_budget
 from .stats import DirectionStats
 
 if TYPE_CHECKING:
+    from .backend_hybrid import HybridBackend
     from .backend_numba import NumbaBackend
     from .backend_torch import TorchBackend
 
 __all__ = [
+    "ArrayCommand",
     "BACKENDS",
+    "BatchCopier",
+    "Calibration",
+    "DriverBatchCopier",
+    "HostBatchCopier",
+    "HybridBackend",
+    "PageArrays",
     "Backend",
     "BackendUnavailable",
     "ChunkCounts",
@@ -77,6 +90,10 @@ def __getattr__(name: str) -> Any:
         from .backend_numba import NumbaBackend
 
         return NumbaBackend
+    if name == "HybridBackend":
+        from .backend_hybrid import HybridBackend
+
+        return HybridBackend
     if name == "TorchBackend":
         from .backend_torch import TorchBackend
 

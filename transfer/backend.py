@@ -1,7 +1,9 @@
 """The backend interface, events, and the choice of a backend.
 
 A backend moves the bytes of a :class:`~kvtier.transfer.plan.ChunkPlan` between the
-pools and gives back events the engine polls. Backends: ``"numba"`` (zero-copy
+pools and gives back events the engine polls. Backends: ``"hybrid"`` (the Numba kernel
+for small copies, batched copy-engine copies for large ones, :mod:`.backend_hybrid`),
+``"numba"`` (zero-copy
 Numba-CUDA kernels, :mod:`.backend_numba`), ``"torch"`` (one ``copy_`` per contiguous
 run on side streams, :mod:`.backend_torch`), ``"cpu"`` (index copies on CPU tensors,
 :mod:`.backend_cpu`) and ``"fake-async"`` (the CPU backend whose copies complete only
@@ -29,7 +31,7 @@ __all__ = ["TransferEvent", "DoneEvent", "ChunkCounts", "Backend", "BACKENDS", "
            "make_backend", "simulator_enabled"]
 
 #: Backend names accepted by :func:`make_backend` (plus ``"auto"``).
-BACKENDS = ("numba", "torch", "cpu", "fake-async")
+BACKENDS = ("hybrid", "numba", "torch", "cpu", "fake-async")
 
 
 class TransferEvent(Protocol):
@@ -74,14 +76,25 @@ class ChunkCounts:
     """What issuing one chunk cost on the host side.
 
     Attributes:
-        copy_calls: copy API calls made (``copy_``, ``index_copy_``).
+        copy_calls: copy API calls made (``copy_``, ``index_copy_``, batched-copy calls).
         kernel_launches: kernel launches.
         thread_blocks: thread blocks of the largest launch (0 without kernels).
+        sm_bytes, sm_copies: bytes and contiguous copies (runs x refs) the SM kernel moved
+            (``numba`` and ``hybrid`` backends).
+        ce_bytes, ce_copies, ce_calls: bytes, copies and driver calls of batched
+            copy-engine copies (``hybrid`` backend).
+        waits: 1 when this chunk's kernel part waited for a running loadback (``hybrid``).
     """
 
     copy_calls: int = 0
     kernel_launches: int = 0
     thread_blocks: int = 0
+    sm_bytes: int = 0
+    sm_copies: int = 0
+    ce_bytes: int = 0
+    ce_copies: int = 0
+    ce_calls: int = 0
+    waits: int = 0
 
 
 class Backend(ABC):
@@ -153,8 +166,9 @@ def simulator_enabled() -> bool:
 
 def choose_backend(device_is_cuda: bool) -> str:
     """The automatic choice: ``"cpu"`` without a CUDA device pool; with one, ``"numba"``
-    when numba-cuda imports and the simulator is off, else ``"torch"``. Never
-    ``"numba"`` under the simulator (where ``cuda.is_available()`` is true)."""
+    when numba-cuda imports and the simulator is off, else ``"torch"``. Never ``"numba"``
+    under the simulator (where ``cuda.is_available()`` is true). ``"hybrid"`` is opt-in:
+    on the H200 it does not yet beat the kernel alone (bench/RESULTS.md)."""
     import torch
 
     if not device_is_cuda or not torch.cuda.is_available():
@@ -169,7 +183,7 @@ def choose_backend(device_is_cuda: bool) -> str:
 
 
 def make_backend(name: str, device_is_cuda: bool, **options: Any) -> Backend:
-    """Build a backend by name (``"auto"``, ``"numba"``, ``"torch"``, ``"cpu"``,
+    """Build a backend by name (``"auto"``, ``"hybrid"``, ``"numba"``, ``"torch"``, ``"cpu"``,
     ``"fake-async"``), passing ``options`` to its constructor.
 
     Raises:
@@ -191,6 +205,9 @@ def make_backend(name: str, device_is_cuda: bool, **options: Any) -> Backend:
         if name == "numba":
             from .backend_numba import NumbaBackend
             return NumbaBackend(**options)
+        if name == "hybrid":
+            from .backend_hybrid import HybridBackend
+            return HybridBackend(**options)
     except TypeError as e:
         raise ConfigError(f"backend {name!r}: bad options {sorted(options)}: {e}") from None
     raise BackendUnavailable(f"backend must be one of {('auto',) + BACKENDS}, got {name!r}")

@@ -264,7 +264,7 @@ class NumbaBackend(Backend):
         if self._views is not None:
             blocks = self._launch(direction, self._views[src_side], self._views[dst_side], table, table,
                                   ft.ref_word[chunk.index], int(refs.shape[0]), items)
-            return ChunkCounts(kernel_launches=1, thread_blocks=blocks)
+            return ChunkCounts(kernel_launches=1, thread_blocks=blocks, sm_bytes=chunk.nbytes, sm_copies=chunk.rows)
         # one launch per tensor bucket: region views, ref rows with offsets from them
         key = ("numba-buckets", self.piece_bytes)
         cached = chunk.cache.get(key)
@@ -290,7 +290,8 @@ class NumbaBackend(Backend):
             blocks = self._launch(direction, src_view, dst_view, table, bucket_refs, REF_COLS * i, 1, n_items)
             launches += 1
             max_blocks = max(max_blocks, blocks)
-        return ChunkCounts(kernel_launches=launches, thread_blocks=max_blocks)
+        return ChunkCounts(kernel_launches=launches, thread_blocks=max_blocks, sm_bytes=chunk.nbytes,
+                           sm_copies=chunk.rows)
 
     def _region_view(self, side: str, r: ChunkRef) -> tuple[tuple[Any, Any], int]:
         region = self._pool(side).region(r.group, r.component, r.layer)

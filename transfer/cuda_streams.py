@@ -65,6 +65,11 @@ class CudaStreams:
         ev.record(self.streams[direction])
         return CudaEvent(ev)
 
+    def wait_on(self, direction: Direction, event: object) -> None:
+        """Make the direction's stream wait for a :class:`CudaEvent` (of the other stream)."""
+        if isinstance(event, CudaEvent):
+            self.streams[direction].wait_event(event.event)
+
     def wait(self, event: object) -> None:
         """Make the current stream wait for a :class:`CudaEvent`."""
         if isinstance(event, CudaEvent):

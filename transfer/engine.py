@@ -36,6 +36,7 @@ from kvtier.fsm import (
     UnknownOperation,
 )
 
+from .arrays import ArrayCommand
 from .backend import Backend, TransferEvent, make_backend
 from .errors import TransferError
 from .layers import LayerCounter, OpLayers
@@ -66,12 +67,12 @@ class TransferEngine:
         specs: the cache groups; must equal the pools' specs.
         host: host (L2) pool; source of loadbacks, destination of writebacks.
         device: device (L1) pool.
-        backend: ``"auto"`` (default: ``"numba"`` on a real GPU with numba-cuda, else
-            ``"torch"`` with CUDA, ``"cpu"`` without; never ``"numba"`` under the
-            CUDA simulator), a backend name (``"numba"``, ``"torch"``, ``"cpu"``,
-            ``"fake-async"``) or a :class:`Backend` instance.
+        backend: ``"auto"`` (default: ``"hybrid"`` on a real GPU with numba-cuda, else
+            ``"torch"`` with CUDA, ``"cpu"`` without; never ``"hybrid"`` or ``"numba"``
+            under the CUDA simulator), a backend name (``"hybrid"``, ``"numba"``,
+            ``"torch"``, ``"cpu"``, ``"fake-async"``) or a :class:`Backend` instance.
         backend_options: keyword arguments for the named backend's constructor (e.g.
-            ``{"blocks": 8, "threads": 1024}`` for ``"numba"``).
+            ``{"blocks": 8, "threads": 1024}`` for ``"numba"`` and ``"hybrid"``).
         rank: this engine's tensor-parallel rank, put into every completion.
         chunk_layers: model layers per loadback chunk (default 4).
         plan_cache_size: whole plans kept for re-use (LRU, default 16; 0 disables).
@@ -114,7 +115,7 @@ class TransferEngine:
         else:
             raise ConfigError(f"backend must be a name or a Backend, got {backend!r}")
         self.backend.bind(host, device, self.planner)
-        self._queue: dict[Direction, list[TransferCommand]] = {d: [] for d in Direction}
+        self._queue: dict[Direction, list[TransferCommand | ArrayCommand]] = {d: [] for d in Direction}
         self._op_layers: dict[int, set[int]] = {}
         self._flights: list[_Flight] = []
         self._inflight: dict[int, tuple[_Flight, OpLayers]] = {}
@@ -123,16 +124,22 @@ class TransferEngine:
         self._stats = TransferStats(log_interval_s)
 
     # -- submit ---------------------------------------------------------------------------
-    def submit(self, command: TransferCommand) -> None:
-        """Queue a command for the next :meth:`flush`. Validates it now.
+    def submit(self, command: TransferCommand | ArrayCommand) -> None:
+        """Queue a command for the next :meth:`flush`. Validates it now (vectorised:
+        one min/max per page array).
+
+        Takes the core's :class:`~kvtier.fsm.TransferCommand` (page ids as tuples,
+        converted to int64 arrays here, cached by the identity of its transfer records)
+        or an :class:`~kvtier.transfer.ArrayCommand` (page ids already int64 arrays:
+        no per-page Python work from here to the copies).
 
         Raises:
-            ConfigError: not a TransferCommand; op id already queued or in flight; an
-                unknown cache group; a page id outside its pool; pages of a group none
-                of whose layers the command moves. Nothing is queued then.
+            ConfigError: not a TransferCommand or ArrayCommand; op id already queued or
+                in flight; an unknown cache group; a page id outside its pool; pages of
+                a group none of whose layers the command moves. Nothing is queued then.
         """
-        if not isinstance(command, TransferCommand):
-            raise ConfigError(f"submit() takes a TransferCommand, got {type(command).__name__}")
+        if not isinstance(command, (TransferCommand, ArrayCommand)):
+            raise ConfigError(f"submit() takes a TransferCommand or ArrayCommand, got {type(command).__name__}")
         op = command.op_id
         if isinstance(op, bool) or not isinstance(op, int):
             raise ConfigError(f"op_id must be an int, got {op!r}")
@@ -145,7 +152,7 @@ class TransferEngine:
             spec = self.specs.get(t.group)
             if spec is None:
                 raise ConfigError(f"op {op}: unknown cache group {t.group!r}; known: {sorted(self.specs)}")
-            if not t.src_pages:
+            if len(t.src_pages) == 0:
                 continue
             layers = layers_for(command, spec)
             if not layers:
@@ -184,7 +191,7 @@ class TransferEngine:
         work = [(d, self._queue[d]) for d in (Direction.LOADBACK, Direction.WRITEBACK) if self._queue[d]]
         if not work:
             return
-        plans: list[tuple[Direction, list[TransferCommand], FlushPlan | BaseException]] = []
+        plans: list[tuple[Direction, list[TransferCommand | ArrayCommand], FlushPlan | BaseException]] = []
         for direction, cmds in work:
             try:
                 plans.append((direction, cmds, self.planner.plan(direction, cmds)))
@@ -207,7 +214,7 @@ class TransferEngine:
         self._op_layers.pop(op_id, None)
         self._remember(op_id)
 
-    def _issue(self, direction: Direction, cmds: list[TransferCommand], plan: FlushPlan) -> None:
+    def _issue(self, direction: Direction, cmds: list[TransferCommand | ArrayCommand], plan: FlushPlan) -> None:
         for i, reason in plan.rejected.items():
             log.warning("transfer: op %d rejected: %s", cmds[i].op_id, reason)
             self._fail_now(cmds[i].op_id)
@@ -259,6 +266,13 @@ class TransferEngine:
             ds.copy_calls += counts.copy_calls
             ds.kernel_launches += counts.kernel_launches
             ds.bytes += chunk.nbytes
+            ds.sm_bytes += counts.sm_bytes
+            ds.sm_copies += counts.sm_copies
+            ds.ce_bytes += counts.ce_bytes
+            ds.ce_copies += counts.ce_copies
+            ds.ce_calls += counts.ce_calls
+            ds.waits += counts.waits
+            ds.max_blocks = max(ds.max_blocks, counts.thread_blocks)
 
     # -- completions ------------------------------------------------------------------------
     def poll_completions(self) -> list[Completion]:
@@ -365,11 +379,15 @@ class TransferEngine:
         return tuple(c.op_id for d in Direction for c in self._queue[d])
 
     def stats(self) -> dict[str, Any]:
-        """Statistics as a plain dict: ``backend`` (name and settings), ``rank``,
-        ``flushes``, ``last_flush`` and ``cumulative`` (per direction: flushes, ops,
-        failed_ops, pages, spans, tensor_refs, rows, copy_calls, kernel_launches, chunks,
-        bytes, timed_bytes, seconds, gbps), ``plan_cache`` (hits and misses of whole
-        plans and of address tables), ``queued`` and ``in_flight`` op counts."""
+        """Statistics as a plain dict: ``backend`` (name and settings; the hybrid
+        backend's calibration and crossovers), ``rank``, ``flushes``, ``last_flush`` and
+        ``cumulative`` (per direction: flushes, ops, failed_ops, pages, spans,
+        tensor_refs, rows, copy_calls, kernel_launches, chunks, bytes, timed_bytes,
+        seconds, gbps, and by engine: sm_bytes, sm_copies, ce_bytes, ce_copies,
+        ce_calls, sm_gbps and ce_gbps (over flushes that used that engine alone),
+        max_blocks (SMs the largest launch took), waits), ``plan_cache`` (hits and
+        misses of whole plans and of address tables), ``queued`` and ``in_flight`` op
+        counts."""
         d: dict[str, Any] = {"backend": self.backend.describe(), "rank": self.rank,
                              "chunk_layers": self.planner.chunk_layers}
         d.update(self._stats.as_dict())

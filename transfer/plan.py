@@ -1,8 +1,10 @@
 """Coalesced transfer plans and their caches.
 
-All commands of one direction queued in one flush are merged per (group, layers):
-page pairs de-duplicated and sorted by (source, destination), contiguous runs (both
-source and destination advancing by one page) found. A destination page that two
+All commands of one direction queued in one flush are merged per (group, layers) and
+contiguous runs (both source and destination advancing by one page) found. When no
+destination page repeats (checked in O(n) with a scratch array: the common case) the
+pairs keep the order given and nothing is sorted; otherwise they are de-duplicated and
+sorted by (source, destination) first. A destination page that two
 different source pages would write is a conflict: every command holding such a pair
 is rejected (it fails; the others go on). The plan is cut into layer chunks (a
 loadback in chunks of ``chunk_layers`` model layers, so the forward pass can start
@@ -42,7 +44,10 @@ import torch
 
 from kvtier.fsm import CacheGroupSpec, ConfigError, Direction, GroupTransfer, TransferCommand
 
+from .arrays import ArrayCommand, PageArrays
 from .pools import DevicePool, HostPool
+
+Command = TransferCommand | ArrayCommand
 
 __all__ = ["GroupPlan", "ChunkRef", "ChunkPlan", "FlushPlan", "Planner", "RunTable", "layers_for",
            "split_rows", "split_runs", "expand_run_table", "REF_COLS", "RUN_COLS"]
@@ -65,7 +70,7 @@ REF_COLS = 6
 REF_SRC, REF_DST, REF_PAGE_BYTES, REF_RUN0, REF_ITEM0, REF_PIECES = range(REF_COLS)
 
 
-def layers_for(command: TransferCommand, spec: CacheGroupSpec) -> tuple[int, ...]:
+def layers_for(command: TransferCommand | ArrayCommand, spec: CacheGroupSpec) -> tuple[int, ...]:
     """Layers of ``spec`` that ``command`` moves: all of the group's layers when
     ``command.layers`` is empty, else those also in ``command.layers``."""
     if not command.layers:
@@ -81,7 +86,8 @@ class GroupPlan:
     Attributes:
         group: cache group name.
         layers: model layers moved for this group (ascending).
-        src, dst: int64 ``[pages]`` page ids, unique pairs sorted by (src, dst).
+        src, dst: int64 ``[pages]`` page ids, unique pairs: in the order given when no
+            destination page repeats, else sorted by (src, dst).
         run_src, run_dst, run_len: int64 ``[spans]``: contiguous runs (``run_len``
             pages from ``run_src`` to ``run_dst``).
     """
@@ -107,9 +113,9 @@ class GroupPlan:
 
     def index_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(src, dst) as CPU int64 tensors (cached)."""
-        if not self._torch:
-            self._torch["src"] = torch.from_numpy(self.src)
-            self._torch["dst"] = torch.from_numpy(self.dst)
+        if not self._torch:  # (array records' ids are read-only: torch wants writable arrays)
+            self._torch["src"] = torch.from_numpy(self.src if self.src.flags.writeable else self.src.copy())
+            self._torch["dst"] = torch.from_numpy(self.dst if self.dst.flags.writeable else self.dst.copy())
         return self._torch["src"], self._torch["dst"]
 
 
@@ -189,7 +195,7 @@ _NEXT_PAIR = (1 << 32) + 1  # (src + 1, dst + 1) packed as in Planner._build
 
 
 def _runs(src: I64, dst: I64, pair: I64 | None = None) -> tuple[I64, I64, I64]:
-    """Contiguous runs of sorted unique pairs (``pair``: the same pairs packed as
+    """Contiguous runs of unique pairs, in their order (``pair``: the same pairs packed as
     ``src << 32 | dst``, if at hand: one difference instead of two)."""
     n = src.shape[0]
     if n == 0:
@@ -229,12 +235,17 @@ class Planner:
         self.plan_cache_size = plan_cache_size
         self._arrays: OrderedDict[int, tuple[GroupTransfer, I64, I64]] = OrderedDict()
         self._plans: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], FlushPlan]] = OrderedDict()
-        self._addr: dict[tuple[Direction, str, tuple[int, ...]], tuple[I64, I64, I64]] = {}
+        self._addr: dict[tuple[Direction, str, tuple[tuple[str, int], ...]], tuple[I64, I64, I64]] = {}
+        self._mark: dict[tuple[int, str], npt.NDArray[np.int32]] = {}
+        self._iota = np.arange(1024, dtype=np.int32)
         self.counters = {"plan_hits": 0, "plan_misses": 0, "address_hits": 0, "address_misses": 0}
 
     # -- conversions --------------------------------------------------------------------
-    def arrays(self, transfer: GroupTransfer) -> tuple[I64, I64]:
-        """(src, dst) page ids of a transfer as int64 arrays (cached by identity)."""
+    def arrays(self, transfer: GroupTransfer | PageArrays) -> tuple[I64, I64]:
+        """(src, dst) page ids of a transfer as int64 arrays (a :class:`PageArrays`'
+        own arrays; a :class:`GroupTransfer`'s tuples converted, cached by identity)."""
+        if isinstance(transfer, PageArrays):
+            return transfer.src_pages, transfer.dst_pages
         hit = self._arrays.get(id(transfer))
         if hit is not None and hit[0] is transfer:
             self._arrays.move_to_end(id(transfer))
@@ -254,7 +265,7 @@ class Planner:
         self._addr.clear()
 
     # -- planning -----------------------------------------------------------------------
-    def plan(self, direction: Direction, commands: Sequence[TransferCommand]) -> FlushPlan:
+    def plan(self, direction: Direction, commands: Sequence[Command]) -> FlushPlan:
         """Merge ``commands`` (all of ``direction``, already validated) into a plan."""
         ident = tuple((c.layers, tuple(c.transfers)) for c in commands)
         key = (direction, tuple((c.layers, tuple(id(t) for t in c.transfers)) for c in commands))
@@ -276,23 +287,31 @@ class Planner:
                 self._plans.popitem(last=False)
         return plan
 
-    def _build(self, direction: Direction, commands: Sequence[TransferCommand], skip: set[int],
+    def _build(self, direction: Direction, commands: Sequence[Command], skip: set[int],
                rejected: dict[int, str] | None = None) -> FlushPlan:
         parts: dict[tuple[str, tuple[int, ...]], list[tuple[int, I64, I64]]] = {}
         for ci, cmd in enumerate(commands):
             if ci in skip:
                 continue
             for t in cmd.transfers:
-                if not t.src_pages:
+                if len(t.src_pages) == 0:
                     continue
                 layers = layers_for(cmd, self.specs[t.group])
                 s, d = self.arrays(t)
                 parts.setdefault((t.group, layers), []).append((ci, s, d))
         found: dict[int, str] = {}
         groups: list[GroupPlan] = []
+        dst_pool = self.device if direction is Direction.LOADBACK else self.host
         for (g, layers), items in parts.items():
-            src = np.concatenate([s for _, s, _ in items])
-            dst = np.concatenate([d for _, _, d in items])
+            if len(items) == 1:
+                src, dst = items[0][1], items[0][2]
+            else:
+                src = np.concatenate([s for _, s, _ in items])
+                dst = np.concatenate([d for _, _, d in items])
+            if self._distinct(dst_pool, g, dst):  # the common case: no sort, runs in the given order
+                rs, rd, rl = _runs(src, dst)
+                groups.append(GroupPlan(g, layers, src, dst, rs, rd, rl))
+                continue
             pair = src << 32  # page ids < 2**31 (pool sizes); a fresh array, sorted in place:
             pair |= dst  # sort + neighbour mask is much faster than np.unique
             pair.sort()
@@ -318,6 +337,24 @@ class Planner:
             return FlushPlan(direction, (), (), found)
         chunks = self._chunks(direction, groups)
         return FlushPlan(direction, tuple(groups), chunks, dict(rejected or {}))
+
+    def _distinct(self, pool: HostPool | DevicePool, group: str, dst: I64) -> bool:
+        """True when no page id repeats in ``dst`` (ids of ``group`` in ``pool``): one
+        scatter and one gather into a scratch array of the pool's page count, O(n)
+        with no sort (last writer wins, so a repeated id reads back another index)."""
+        n = int(dst.shape[0])
+        if n < 2:
+            return True
+        key = (id(pool), group)
+        mark = self._mark.get(key)
+        if mark is None:
+            mark = np.empty(pool.pages(group), dtype=np.int32)
+            self._mark[key] = mark
+        if self._iota.shape[0] < n:
+            self._iota = np.arange(max(n, 2 * self._iota.shape[0]), dtype=np.int32)
+        idx = self._iota[:n]
+        mark[dst] = idx
+        return bool(np.array_equal(mark[dst], idx))
 
     def _chunks(self, direction: Direction, groups: list[GroupPlan]) -> tuple[ChunkPlan, ...]:
         all_layers = sorted({layer for g in groups for layer in g.layers})
@@ -347,7 +384,7 @@ class Planner:
     # -- address tables -------------------------------------------------------------------
     def _address(self, direction: Direction, group: GroupPlan,
                  refs: Sequence[ChunkRef]) -> tuple[I64, I64, I64]:
-        key = (direction, group.group, tuple(r.layer for r in refs))
+        key = (direction, group.group, tuple((r.component, r.layer) for r in refs))
         hit = self._addr.get(key)
         if hit is not None:
             self.counters["address_hits"] += 1

@@ -29,6 +29,15 @@ class DirectionStats:
         seconds: device time of the completed flushes (events on the transfer stream,
             or host time for synchronous backends); flushes whose backend does not
             time them add nothing (``timed_bytes`` counts the bytes that were timed).
+        sm_bytes, sm_copies: bytes and contiguous copies (runs x refs) moved by the SM
+            kernel (``numba``, ``hybrid``).
+        ce_bytes, ce_copies, ce_calls: bytes, copies and driver calls of batched
+            copy-engine copies (``hybrid``).
+        sm_timed_bytes, sm_seconds, ce_timed_bytes, ce_seconds: ``timed_bytes`` and
+            ``seconds`` of the flushes that used that engine alone.
+        waits: chunks whose kernel part waited for a running loadback (``hybrid``).
+        max_blocks: thread blocks (= SMs at one block per SM) of the largest launch;
+            a maximum, not a sum.
     """
 
     flushes: int = 0
@@ -44,6 +53,17 @@ class DirectionStats:
     bytes: int = 0
     timed_bytes: int = 0
     seconds: float = 0.0
+    sm_bytes: int = 0
+    sm_copies: int = 0
+    ce_bytes: int = 0
+    ce_copies: int = 0
+    ce_calls: int = 0
+    sm_timed_bytes: int = 0
+    sm_seconds: float = 0.0
+    ce_timed_bytes: int = 0
+    ce_seconds: float = 0.0
+    waits: int = 0
+    max_blocks: int = 0
 
     @property
     def gbps(self) -> float | None:
@@ -52,11 +72,16 @@ class DirectionStats:
 
     def add(self, other: DirectionStats) -> None:
         for name in DirectionStats.__slots__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+            if name == "max_blocks":
+                self.max_blocks = max(self.max_blocks, other.max_blocks)
+            else:
+                setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, float | int | None]:
         d: dict[str, float | int | None] = dict(asdict(self))
         d["gbps"] = self.gbps
+        d["sm_gbps"] = self.sm_timed_bytes / self.sm_seconds / 1e9 if self.sm_seconds > 0 else None
+        d["ce_gbps"] = self.ce_timed_bytes / self.ce_seconds / 1e9 if self.ce_seconds > 0 else None
         return d
 
 
@@ -83,13 +108,23 @@ class TransferStats:
     def timed(self, direction: Direction, s: DirectionStats, nbytes: int, seconds: float,
               failed_ops: int) -> None:
         """Add a completed flush's device time (``s`` is its per-flush record)."""
-        s.seconds += seconds
-        s.timed_bytes += nbytes
-        s.failed_ops += failed_ops
         t = self.total[direction]
-        t.seconds += seconds
-        t.timed_bytes += nbytes
-        t.failed_ops += failed_ops
+        engine = None
+        if nbytes and seconds > 0:
+            if s.sm_bytes and not s.ce_bytes:
+                engine = "sm"
+            elif s.ce_bytes and not s.sm_bytes:
+                engine = "ce"
+        for x in (s, t):
+            x.seconds += seconds
+            x.timed_bytes += nbytes
+            x.failed_ops += failed_ops
+            if engine == "sm":
+                x.sm_seconds += seconds
+                x.sm_timed_bytes += nbytes
+            elif engine == "ce":
+                x.ce_seconds += seconds
+                x.ce_timed_bytes += nbytes
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -80,7 +80,7 @@ class BytesExecutor:
 
         self.layout = layout
         specs = list(layout.groups)
-        dev = "cuda" if backend in ("torch", "numba") else "cpu"
+        dev = "cuda" if backend in ("torch", "numba", "hybrid") else "cpu"
         self.device = DevicePool.allocate(specs, device_pages, dev)
         self.host = HostPool(specs, host_pages or {g.name: 1 for g in specs})
         self.engine = TransferEngine(specs, self.host, self.device, backend)

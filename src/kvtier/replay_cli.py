@@ -75,7 +75,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--policy", default="write_through_selective",
                    choices=["write_through", "write_through_selective", "write_back"],
                    help="write policy (default: %(default)s)")
-    p.add_argument("--backend", default="cpu", choices=["none", "cpu", "torch", "numba"],
+    p.add_argument("--backend", default="cpu", choices=["none", "cpu", "torch", "numba", "hybrid"],
                    help="transfer backend; none = metadata only (default: %(default)s)")
     p.add_argument("--byte-scale", type=positive_int, default=1024, metavar="N",
                    help="divide page bytes by N for real copies, keeping >= 64 B per page per group and "

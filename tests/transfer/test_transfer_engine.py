@@ -292,7 +292,7 @@ def test_conflicting_commands_fail_and_the_rest_proceed() -> None:
 
 def test_submit_validates() -> None:
     eng = _engine("cpu")
-    with pytest.raises(ConfigError, match=r"takes a TransferCommand, got dict"):
+    with pytest.raises(ConfigError, match=r"takes a TransferCommand or ArrayCommand, got dict"):
         eng.submit({})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"op 1: unknown cache group 'zz'"):
         eng.submit(TransferCommand(1, L, (GroupTransfer("zz", (1,), (1,)),), ()))

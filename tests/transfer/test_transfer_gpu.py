@@ -46,7 +46,17 @@ def _drain(eng: TransferEngine, n_ops: int) -> list[Completion]:
     return comps
 
 
+#: Crossover at 48 B: the random scenarios' page sizes (1-128 B) fall on both sides, so
+#: every plan is split between the kernel and cuMemcpyBatchAsync.
+_MIXED = {"sizes": [16, 48], "sm_gbps": {"loadback": [50, 50], "writeback": [50, 50]},
+          "ce_gbps": {"loadback": [1, 60], "writeback": [1, 60]},
+          "ce_pair_gbps": {"loadback": [1, 60], "writeback": [1, 60]}, "source": "test: mixed"}
+
+
 @pytest.mark.parametrize("backend, options, registered", [
+    ("hybrid", {"calibration": _MIXED}, False),
+    ("hybrid", {"calibration": _MIXED}, True),
+    ("hybrid", {"calibration": _MIXED, "blocks": 1, "threads": 32, "piece_bytes": 48}, True),
     ("numba", {}, False),
     ("numba", {}, True),
     ("numba", {"address_view": False}, True),
@@ -69,6 +79,11 @@ def test_gpu_random_plans(backend: str, options: dict[str, Any], registered: boo
     check_protocol(cmds, comps)
     check_pools(host, dev, want)
     st_ = eng.stats()["cumulative"]["loadback"]
+    if backend == "hybrid":
+        for d in ("loadback", "writeback"):
+            s_ = eng.stats()["cumulative"][d]
+            assert s_["sm_bytes"] + s_["ce_bytes"] == s_["bytes"]
+        assert eng.stats()["backend"]["copier"] == "cuMemcpyBatchAsync"
     if backend == "numba":
         view = options.get("address_view", True)
         assert st_["kernel_launches"] == (st_["chunks"] if view else st_["tensor_refs"])
@@ -208,3 +223,41 @@ class RealStreamsMachine(RuleBasedStateMachine):
 RealStreamsMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
                                                 suppress_health_check=list(HealthCheck))
 TestRealStreams = RealStreamsMachine.TestCase
+
+
+def test_gpu_hybrid_calibration_and_array_commands() -> None:
+    from kvtier.transfer import ArrayCommand, PageArrays
+    from kvtier.transfer.backend_hybrid import HybridBackend
+
+    specs = [CacheGroupSpec("kv", "history", 64, 1, (0, 1), (ComponentSpec("kv", 65536),)),
+             CacheGroupSpec("s", "history", 64, 1, (0, 1), (ComponentSpec("s", 1024),))]
+    host = HostPool(specs, 64)
+    dev = DevicePool.allocate(specs, 64, "cuda")
+    assert host.buffer is not None and dev.buffer is not None
+    host.buffer.random_(0, 256)
+    dev.buffer.random_(0, 256)
+    backend = HybridBackend(calibration="measure")
+    eng = TransferEngine(specs, host, dev, backend)
+    cal = backend.calibration
+    assert cal is not None and cal.source.startswith("measured")
+    for d in (L, W):
+        assert all(x > 0.5 for x in cal.sm_gbps[d]) and all(x > 0.05 for x in cal.ce_gbps[d])
+    rng = np.random.default_rng(7)
+    lb = ArrayCommand(1, L, (PageArrays("kv", rng.permutation(32)[:20], rng.permutation(32)[:20]),
+                             PageArrays("s", np.arange(20), np.arange(20))))
+    wb = ArrayCommand(2, W, (PageArrays("kv", rng.permutation(32)[:10] + 32, rng.permutation(32)[:10] + 32),))
+    for c in (lb, wb):
+        eng.submit(c)
+    eng.flush()
+    comps = _drain(eng, 2)
+    assert sorted(c.op_id for c in comps if c.layer is None and c.ok) == [1, 2]
+    for c in (lb, wb):
+        src_side, dst_side = ("host", "device") if c.direction is L else ("device", "host")
+        for t in c.transfers:
+            comp = specs[0].components[0].name if t.group == "kv" else "s"
+            for layer in (0, 1):
+                got = eng.read_pages(dst_side, t.group, comp, layer, t.dst_pages.tolist()).cpu()
+                want = eng.read_pages(src_side, t.group, comp, layer, t.src_pages.tolist()).cpu()
+                assert torch.equal(got, want)
+    cum = eng.stats()["cumulative"]
+    assert cum["loadback"]["sm_bytes"] + cum["loadback"]["ce_bytes"] == cum["loadback"]["bytes"]

@@ -1,0 +1,54 @@
+"""Run ``kvtier replay`` on the GPU with a transfer backend its command line does not list.
+
+``kvtier replay --backend`` offers ``none``, ``cpu``, ``torch`` and ``numba``, and the
+replay's byte executor puts its device pool on the GPU for ``torch`` and ``numba`` only
+(``src/kvtier/replay_cli.py``, ``src/kvtier/fingerprint.py``). Until ``hybrid`` is
+added there, this script runs the replay with ``--backend numba`` (CUDA pools) and
+replaces each executor's transfer engine, right after it is built and before any
+copy, by one on the backend named here; the JSON's ``setup.backend`` says which.
+
+    python bench/replay_backend.py hybrid --byte-scale 1 --layers 8 --limit 300 --json > out.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+from typing import Any
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        print("usage: replay_backend.py BACKEND [kvtier replay options]", file=sys.stderr)
+        return 2
+    backend, rest = argv[0], argv[1:]
+    base = os.environ.get("KVTIER_REPLAY_BASE", "numba")  # "cpu" to try this script without a GPU
+    from kvtier import cli, fingerprint
+    from kvtier.transfer import TransferEngine
+
+    original = fingerprint.BytesExecutor.__init__
+
+    def init(self: Any, layout: Any, device_pages: Any, host_pages: Any, _backend: str = "cpu",
+             salt: int = 0) -> None:
+        original(self, layout, device_pages, host_pages, base, salt)
+        self.engine = TransferEngine(list(layout.groups), self.host, self.device, backend)
+
+    fingerprint.BytesExecutor.__init__ = init  # type: ignore[method-assign,assignment]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["replay", "--backend", base, *rest])
+    text = out.getvalue()
+    if "--json" in rest and rc == 0:
+        doc = json.loads(text)
+        doc["setup"]["backend"] = backend
+        doc["setup"]["backend_note"] = "run through bench/replay_backend.py (numba's CUDA pools, engine replaced)"
+        text = json.dumps(doc, indent=1) + "\n"
+    sys.stdout.write(text)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
