@@ -50,8 +50,9 @@ class Ender:
         cmd = None
         if self.finish_writeback and r.lock is not None:
             cmd = self.core.writeback(r.lock.node, r.request_id)
-        self._own_writeback(r, cmd)
+        r.has_own_writeback = cmd is not None
         self.table.fire(r, "finish")
+        self._wait_own(r, cmd)
         return adopted
 
     def retract(self, r: Request) -> PageMap:
@@ -66,14 +67,16 @@ class Ender:
         self.table.check(r, "retract")
         adopted = self.publisher.publish(r, checkpoint=True, final=True)
         cmd = self.core.writeback(r.lock.node, r.request_id) if r.lock is not None else None
-        self._own_writeback(r, cmd)
+        r.has_own_writeback = cmd is not None
         self.table.free_own(r)
         r.reserved = r.tokens
         self.table.fire(r, "retract")
+        self._wait_own(r, cmd)
         return adopted
 
-    def _own_writeback(self, r: Request, cmd: TransferCommand | None) -> None:
-        r.has_own_writeback = cmd is not None
+    def _wait_own(self, r: Request, cmd: TransferCommand | None) -> None:
+        """The event's own writeback: ``settled`` was checked before it (the guard is about
+        what was owed when the call came); from now on the request waits on it."""
         if cmd is not None:
             self.table.wait(r, cmd.op_id)
 

@@ -211,7 +211,7 @@ class TieredCache:
         """
         r = self._table.get(request_id)
         self._table.require(r, "reserve")
-        return self._admitter.reserve(r, as_int(tokens, "reserve: tokens", minimum=1))
+        return self._admitter.reserve(r, as_int(tokens, f"request {request_id!r}: reserve tokens", minimum=1))
 
     # ------------------------------------------------------------------ forward results
     def step_done(self, request_id: str, computed_tokens: int, *, new_units: Sequence[Hashable] = (),
@@ -237,9 +237,10 @@ class TieredCache:
         """
         r = self._table.get(request_id)
         computed_tokens = as_int(computed_tokens, f"request {request_id!r}: computed_tokens")
-        checkpoint = as_bool(checkpoint, "step_done: checkpoint")
+        checkpoint = as_bool(checkpoint, f"request {request_id!r}: step_done checkpoint")
         if isinstance(new_units, (str, bytes)) or not isinstance(new_units, Sequence):
-            raise UsageError(f"step_done: new_units must be a list or tuple of unit keys, got {new_units!r}")
+            raise UsageError(f"request {request_id!r}: step_done new_units must be a list or tuple of unit keys, "
+                             f"got {new_units!r}")
         return self._publisher.step_done(r, computed_tokens, new_units, checkpoint)
 
     # ------------------------------------------------------------------ ends
@@ -322,7 +323,7 @@ class TieredCache:
             UsageError: unknown request or ``layer`` outside ``0 .. num_layers - 1``.
         """
         r = self._table.get(request_id)
-        layer = as_int(layer, "layer", maximum=self.layout.num_layers - 1)
+        layer = as_int(layer, f"request {request_id!r}: layer", maximum=self.layout.num_layers - 1)
         return self._router.layer_ready(r, layer)
 
     # ------------------------------------------------------------------ poll
