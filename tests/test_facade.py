@@ -376,6 +376,8 @@ def test_loadback_failure_fences_the_pages_until_the_pass_returns() -> None:
     assert (v.state, v.tokens, v.reserved_tokens, v.owed_forward, v.own_pages) == ("waiting", 0, 0, 0, {})
     assert node.lock_ref == 0 and held(c) == {"kv": 4} and [e.state for e in c.poll().events] == ["waiting"]
     assert [c.layer_ready("b", k) for k in range(2)] == [False, False]
+    c.step_done("o", 7)
+    c.abort("o")
     again = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     assert again is not None and again.loadback is not None and c.state("b") == "loading"
     assert c.layer_ready("b", 0) is False
