@@ -137,7 +137,9 @@ class Admitter:
             The pages newly added to its table, or ``None`` if pages are short after
             eviction (nothing changed).
         """
-        upto = max(r.reserved, r.tokens + tokens)
+        # with a pass out (overlapped scheduling) the next pass starts where it ends
+        start = r.reserved if r.passes > r.results else r.tokens
+        upto = max(r.reserved, start + tokens)
         if upto <= r.room:  # the pages it holds already cover them (most decode steps)
             r.reserved = upto
             r.passes += 1

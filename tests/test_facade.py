@@ -608,6 +608,50 @@ def test_retract_with_a_pass_in_flight_is_refused_and_its_pages_stay() -> None:
     c.check_invariants()
 
 
+def test_overlapped_pass_keeps_the_pages_step_done_lets_go_of() -> None:
+    """Overlapped scheduling: pass 2 of ``b`` is reserved before step_done of pass 1. That
+    step_done publishes b's units, which ``a`` already published: b's copies leave its
+    table, but pass 2 may still read them, so they are freed only at step_done of pass 2."""
+    c = TieredCache(h1(), 12, None)
+    a = c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    assert a is not None and b is not None
+    assert (a.page_table, b.page_table) == ({"kv": [0, 1, 2, 3, 4]}, {"kv": [5, 6, 7, 8, 9]})
+    c.step_done("a", 9)
+    assert c.reserve("b", 1) == {} and c.request("b").reserved_tokens == 10  # pass 2 starts at token 9
+    assert c.step_done("b", 9) == {}
+    v = c.request("b")
+    assert c.page_table("b") == {"kv": [0, 1, 2, 3, 9]}  # canonical pages from now on
+    assert (v.owed_forward, v.own_pages, v.deferred_pages) == (1, {"kv": [9]}, {"kv": [5, 6, 7, 8]})
+    assert free(c) == {"kv": 2} and held(c) == {"kv": 6}
+    c.check_invariants()
+    x = c.admit("x", list("w"), prompt_tokens=3, chunk_tokens=3)
+    assert x is not None and x.page_table == {"kv": [10, 11]}  # never b's copies
+    assert c.admit("y", list("v"), prompt_tokens=1, chunk_tokens=1) is None  # nothing else is free
+    c.step_done("b", 1)
+    v = c.request("b")
+    assert (v.tokens, v.owed_forward, v.deferred_pages) == (10, 0, {})
+    assert free(c) == {"kv": 4} and held(c) == {"kv": 4}
+    y = c.admit("y", list("v"), prompt_tokens=1, chunk_tokens=1)
+    assert y is not None and y.page_table["kv"][0] in (5, 6, 7, 8)
+    c.check_invariants()
+
+
+def test_abort_frees_deferred_pages_once_its_passes_return() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    c.reserve("b", 1)
+    c.step_done("b", 9)
+    c.abort("b")
+    assert c.state("b") == "aborting" and c.request("b").deferred_pages == {"kv": [5, 6, 7, 8]}
+    c.check_invariants()
+    c.step_done("b", 0)
+    assert c.state("b") == "aborted" and held(c) == {"kv": 1} and free(c) == {"kv": 7}
+    c.check_invariants()
+
+
 # ---------------------------------------------------------------------------- poll
 def wb_in_flight(c: TieredCache) -> list[int]:
     return sorted(op for op, o in c.core.operations().items() if o.direction is Direction.WRITEBACK)

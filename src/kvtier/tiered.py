@@ -197,7 +197,8 @@ class TieredCache:
     def reserve(self, request_id: str, tokens: int) -> PageMap | None:
         """Reserve device pages for ``tokens`` more tokens (the next prefill chunk or decode
         step) and count one forward pass owed; all or nothing. The pass may be reserved
-        before the previous one's :meth:`step_done` (overlapped scheduling).
+        before the previous one's :meth:`step_done` (overlapped scheduling): it then
+        starts where the reserved tokens end, else where the computed tokens end.
 
         Returns:
             The pages newly added to the request's page table (group -> page ids, appended
