@@ -105,7 +105,7 @@ class Ender:
             UsageError: an unknown request id in ``blocked``.
         """
         victims = [self.table.get(b) for b in blocked]
-        if not victims or self.core.operations() or any(r.passes != r.results for r in self.table):
+        if not victims or self.core.operations() or self.table.owes_forward():
             return None
         victim = min(victims, key=lambda r: (-max(r.tokens, r.prompt_tokens), r.request_id))
         self.abort(victim, reason)

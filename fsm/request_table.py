@@ -72,7 +72,11 @@ class RequestTable:
         return self._records.get(request_id)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(list(self._records.values()))
+        return iter(self._records.values())
+
+    def owes_forward(self) -> bool:
+        """True while some request owes a forward result."""
+        return any(r.passes != r.results for r in self._records.values())
 
     def __len__(self) -> int:
         return len(self._records)

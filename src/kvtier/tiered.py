@@ -1,12 +1,9 @@
 """The facade an engine embeds in its scheduler's step loop: :class:`TieredCache`.
 
-One instance per scheduler, driven on the scheduler's thread, sans-I/O like the core: it
-returns transfer commands to submit and takes completions back. It checks arguments and
-composes the verified parts in ``kvtier.fsm``: the node core (radix tree, pools,
-operations), the request table (:mod:`kvtier.fsm.request_table`), admission
-(:mod:`~kvtier.fsm.admission`), forward results and publishing (:mod:`~kvtier.fsm.publish`),
-finish/retract/abort (:mod:`~kvtier.fsm.request_ends`), completion routing
-(:mod:`~kvtier.fsm.completions`) and the request invariants (:mod:`~kvtier.fsm.fence`).
+One instance per scheduler, driven on its thread, sans-I/O: it returns transfer commands
+and takes completions back. It checks arguments and composes the parts in ``kvtier.fsm``:
+the node core, the request table (``request_table``), ``admission``, ``publish``,
+``request_ends``, ``completions`` and the request invariants (``fence``).
 
 A step, as an engine runs it::
 
@@ -21,9 +18,9 @@ A step, as an engine runs it::
     cache.finish("r1")
 
 Which call is accepted in which request state is declared in ``spec/lifecycle.toml``
-(``[request.calls]`` and the transitions); a call in another state raises
-:class:`~kvtier.fsm.errors.UsageError` (or, for the lifecycle events finish, retract,
-resume and abort, :class:`IllegalTransition` / :class:`GuardRejected`) and changes nothing.
+(``[request.calls]``, and the transitions for finish, retract, resume and abort); a call
+in another state raises ``UsageError`` (or ``IllegalTransition`` / ``GuardRejected``) and
+changes nothing.
 
 Units: tokens; a *unit* is ``layout.alignment`` tokens, the granularity of prefix reuse.
 """
@@ -35,7 +32,7 @@ from typing import Any
 
 from kvtier.fsm import Completion, ConfigError, Direction, UsageError
 from kvtier.fsm.admission import Admitter
-from kvtier.fsm.checks import as_bool, as_int
+from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
 from kvtier.fsm.completions import CompletionRouter
 from kvtier.fsm.fence import check_requests
 from kvtier.fsm.layout import CacheLayout
@@ -46,12 +43,6 @@ from kvtier.fsm.request_ends import Ender
 from kvtier.fsm.request_table import NodeCore, RequestTable, WritePolicy
 
 __all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView", "TERMINAL"]
-
-
-def _text(value: object, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise UsageError(f"{what} must be a non-empty str, got {value!r}")
-    return value
 
 
 class TieredCache:
@@ -69,8 +60,7 @@ class TieredCache:
         op_deadline_steps: steps after which an operation fails (``None``: never).
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
-        history_replay: allow history-only hits plus a recompute span (see the core's
-            ``match``).
+        history_replay: allow history-only hits plus a recompute span (core ``match``).
 
     Raises:
         ConfigError: bad capacities or options.
@@ -86,7 +76,7 @@ class TieredCache:
         self.max_writebacks_in_flight = as_int(max_writebacks_in_flight, "max_writebacks_in_flight", minimum=1,
                                                error=ConfigError)
         if finish_writeback is not None:
-            finish_writeback = as_bool(finish_writeback, "finish_writeback", error=ConfigError)
+            finish_writeback = as_bool(finish_writeback, "finish_writeback (or None)", error=ConfigError)
         self.history_replay = as_bool(history_replay, "history_replay", error=ConfigError)
         self.layout = layout
         self.finish_writeback = (self.core.policy is WritePolicy.WRITE_THROUGH) if finish_writeback is None \
@@ -100,11 +90,7 @@ class TieredCache:
 
     # ------------------------------------------------------------------ lookups
     def request(self, request_id: str) -> RequestView:
-        """A summary of one request.
-
-        Raises:
-            UsageError: unknown request.
-        """
+        """A summary of one request (UsageError: unknown request)."""
         return self._table.get(request_id).view()
 
     def unit_keys(self, request_id: str) -> tuple[Hashable, ...]:
@@ -112,11 +98,7 @@ class TieredCache:
         return tuple(self._table.get(request_id).units)
 
     def state(self, request_id: str) -> str:
-        """The request's lifecycle state.
-
-        Raises:
-            UsageError: unknown request.
-        """
+        """The request's lifecycle state (UsageError: unknown request)."""
         return self._table.get(request_id).state
 
     def requests(self) -> list[RequestView]:
@@ -130,11 +112,8 @@ class TieredCache:
 
     def allows(self, request_id: str, call: str) -> bool:
         """Whether ``call`` (``"admit"``, ``"reserve"``, ``"step_done"``, ``"layer_ready"``) is
-        accepted in the request's state, as the spec's ``[request.calls]`` declares.
-
-        Raises:
-            UsageError: unknown request or call.
-        """
+        accepted in the request's state, as the spec's ``[request.calls]`` declares
+        (UsageError: unknown request or call)."""
         if call not in CALLS:
             raise UsageError(f"allows: call must be one of {sorted(CALLS)}, got {call!r}")
         return self._table.get(request_id).state in CALLS[call]
@@ -164,31 +143,22 @@ class TieredCache:
 
         Returns:
             The :class:`Admission` (one forward pass owed), or ``None`` when device pages
-            are short even after eviction: the request stays ``waiting`` and holds nothing.
+            are short after eviction: the request stays ``waiting``, holding nothing.
 
         Raises:
             UsageError: the id is admitted and not ``waiting``, bad lengths, or too few
                 (or unhashable) unit keys; nothing changes.
         """
-        _text(request_id, "request_id")
+        as_text(request_id, "request_id")
         prompt_tokens = as_int(prompt_tokens, "prompt_tokens", minimum=1)
         chunk_tokens = as_int(chunk_tokens, "chunk_tokens", minimum=1)
-        if isinstance(units, (str, bytes)) or not isinstance(units, Sequence):
-            raise UsageError(f"request {request_id!r}: units must be a list or tuple of unit keys, got {units!r}")
-        for u in units:
-            try:
-                hash(u)
-            except TypeError:
-                raise UsageError(f"request {request_id!r}: unit keys must be hashable, got {u!r}") from None
+        units = as_keys(units, f"request {request_id!r}: units")
         return self._admitter.admit(request_id, units, prompt_tokens, chunk_tokens)
 
     def resume(self, request_id: str, chunk_tokens: int) -> Admission | None:
         """Re-admit a retracted request with ``state_recovery`` (its own terminal exactly,
-        or recompute from scratch); all or nothing like :meth:`admit`.
-
-        Raises:
-            IllegalTransition: not retracted; UsageError: bad ``chunk_tokens``. Nothing changes.
-        """
+        or recompute from scratch); all or nothing like :meth:`admit`. IllegalTransition:
+        not retracted; UsageError: bad ``chunk_tokens``. Nothing changes."""
         r = self._table.get(request_id)
         self._table.check(r, "resume")
         return self._admitter.resume(r, as_int(chunk_tokens, f"request {request_id!r}: resume chunk_tokens",
@@ -202,9 +172,8 @@ class TieredCache:
 
         Returns:
             The pages newly added to the request's page table (group -> page ids, appended
-            in order; empty when the reserved pages already cover them), or ``None`` if
-            pages are short after eviction (nothing changed). :meth:`page_table` gives
-            the whole table.
+            in order; empty when its pages already cover them), or ``None`` if pages are
+            short after eviction (nothing changed).
 
         Raises:
             UsageError: unknown request, a state other than ``running``/``loading``, or
@@ -214,48 +183,37 @@ class TieredCache:
         self._table.require(r, "reserve")
         return self._admitter.reserve(r, as_int(tokens, f"request {request_id!r}: reserve tokens", minimum=1))
 
-    # ------------------------------------------------------------------ forward results
     def step_done(self, request_id: str, computed_tokens: int, *, new_units: Sequence[Hashable] = (),
                   checkpoint: bool = False) -> PageMap:
-        """The forward pass that included the request returned (the oldest one out):
-        ``computed_tokens`` more tokens have KV. Publishes newly full units into the tree
-        (when running) and, with ``checkpoint``, the continuation state at the last full
-        unit boundary. Pages that leave its table are freed once every pass reserved
-        before that has returned. In ``fenced`` or ``aborting`` the result is discarded.
-
-        Args:
-            computed_tokens: tokens computed by this pass (0 for a discarded result).
-            new_units: unit keys of units completed beyond the prompt's (decode).
-            checkpoint: the engine holds the exact state at ``floor(tokens/alignment)`` units.
+        """The oldest forward pass out that included the request returned: ``computed_tokens``
+        (0: discarded) more tokens have KV; ``new_units``: keys of units completed beyond the
+        prompt's. Publishes newly full units (when running) and, with ``checkpoint`` (the
+        engine holds the exact state at ``floor(tokens/alignment)`` units), that state.
+        Pages leaving its table are freed once every pass reserved before has returned.
 
         Returns:
             Checkpoint pages the tree adopted (state group -> page ids): the engine copies
-            its continuation state at that unit boundary into them. Empty otherwise.
+            its continuation state into them. Empty otherwise.
 
         Raises:
-            UsageError: unknown request, no forward result owed, a bad argument, or more
-                tokens than reserved; nothing changes.
+            UsageError: unknown request, nothing owed, a bad argument, or more tokens than
+                reserved; nothing changes.
         """
         r = self._table.get(request_id)
         computed_tokens = as_int(computed_tokens, f"request {request_id!r}: computed_tokens")
         checkpoint = as_bool(checkpoint, f"request {request_id!r}: step_done checkpoint")
-        if isinstance(new_units, (str, bytes)) or not isinstance(new_units, Sequence):
-            raise UsageError(f"request {request_id!r}: step_done new_units must be a list or tuple of unit keys, "
-                             f"got {new_units!r}")
+        new_units = as_keys(new_units, f"request {request_id!r}: step_done new_units")
         return self._publisher.step_done(r, computed_tokens, new_units, checkpoint)
 
     # ------------------------------------------------------------------ ends
     def finish(self, request_id: str) -> PageMap:
         """Generation ended: publish its full units; write back its own pages (its own
         operation) when ``finish_writeback``; then release (after the ack, if any).
-
-        Returns:
-            Checkpoint pages the tree adopted, as :meth:`step_done`. Empty otherwise.
+        Returns the checkpoint pages the tree adopted, as :meth:`step_done`.
 
         Raises:
             UsageError: unknown request. IllegalTransition: not running. GuardRejected
-            (``settled``): a forward result is still owed (call :meth:`step_done`
-            first). Nothing changes.
+            (``settled``): a forward result is owed (step_done first). Nothing changes.
         """
         return self._ender.finish(self._table.get(request_id))
 
@@ -264,49 +222,38 @@ class TieredCache:
         write back what resuming needs (its own operation), free its own pages now and
         let go of the tree's after the ack. Resume matches with ``state_recovery``.
 
-        Returns:
-            Checkpoint pages the tree adopted for the terminal, as :meth:`step_done`: fill
-            them before submitting the commands :meth:`poll` returns.
+        Returns the checkpoint pages the tree adopted, as :meth:`step_done` (fill them
+        before submitting the commands :meth:`poll` returns).
 
         Raises:
             UsageError: unknown request. IllegalTransition: not running. GuardRejected
-            (``settled``): a forward pass is still out, whose KV writes would land in
-            pages given away (call :meth:`step_done` first). Nothing changes.
+            (``settled``): a pass is out, whose KV writes would land in pages given away
+            (step_done first). Nothing changes.
         """
         return self._ender.retract(self._table.get(request_id))
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         """Abort: at once if it owes nothing, else deferred (``aborting``) until every
         forward result and its own operations have retired (its writebacks then fail).
-
-        Raises:
-            UsageError: unknown request or empty ``reason``; IllegalTransition: already
-            ended or aborting. Nothing changes.
-        """
+        UsageError: unknown request or empty ``reason``; IllegalTransition: already ended
+        or aborting. Nothing changes."""
         r = self._table.get(request_id)
-        self._ender.abort(r, _text(reason, "abort: reason"))
+        self._ender.abort(r, as_text(reason, "abort: reason"))
 
     def abort_victim(self, blocked: Sequence[str], reason: str = "cache capacity exhausted") -> str | None:
-        """Abort exactly one deterministic victim among ``blocked`` requests (the largest
-        token count, ties to the smallest id), only when nothing is in flight: no
-        operation and no forward result owed by any request. Returns its id or ``None``.
-
-        Raises:
-            UsageError: ``blocked`` not a list of ids, an unknown id, or an empty ``reason``.
-        """
+        """Abort one deterministic victim among ``blocked`` (the largest token count, ties
+        to the smallest id), only when no operation and no forward result is owed by any
+        request. Returns its id or ``None``. UsageError: bad ``blocked`` or ``reason``."""
         if isinstance(blocked, str) or not isinstance(blocked, Sequence):
             raise UsageError(f"abort_victim: blocked must be a list of request ids, got {blocked!r}")
-        victim = self._ender.abort_victim(blocked, _text(reason, "abort_victim: reason"))
+        victim = self._ender.abort_victim(blocked, as_text(reason, "abort_victim: reason"))
         self._victims += victim is not None
         return victim
 
     # ------------------------------------------------------------------ completions
     def complete(self, completion: Completion) -> None:
-        """A transfer completion from any rank, per layer or final, in any order.
-
-        Raises:
-            UnknownOperation, DuplicateCompletion, ConfigError: from the core; nothing changes.
-        """
+        """A transfer completion from any rank, per layer or final, in any order
+        (UnknownOperation, DuplicateCompletion, ConfigError from the core: nothing changes)."""
         for out in self.core.complete(completion):
             self._router.on_core_event(out)
 
@@ -318,11 +265,8 @@ class TieredCache:
     def layer_ready(self, request_id: str, layer: int) -> bool:
         """Whether the request's forward pass may read ``layer``: it is in a state with
         readable pages (``[request.calls] layer_ready``), no loadback it waited on failed,
-        and every loadback it waits on has completed that layer on every rank.
-
-        Raises:
-            UsageError: unknown request or ``layer`` outside ``0 .. num_layers - 1``.
-        """
+        and every loadback it waits on completed that layer on every rank. UsageError:
+        unknown request or ``layer`` outside ``0 .. num_layers - 1``."""
         r = self._table.get(request_id)
         layer = as_int(layer, f"request {request_id!r}: layer", maximum=self.layout.num_layers - 1)
         return self._router.layer_ready(r, layer)
@@ -340,15 +284,11 @@ class TieredCache:
 
     def in_flight(self) -> bool:
         """True while any operation or forward result is outstanding."""
-        return bool(self.core.ops_in_flight()) or any(r.owed_forward for r in self._table)
+        return bool(self.core.ops_in_flight()) or self._table.owes_forward()
 
     def check_invariants(self) -> None:
-        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_requests`:
-        conservation of caller pages, release after fencing, the forward fence).
-
-        Raises:
-            InvariantViolation: naming the invariant and the request or node.
-        """
+        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_requests`):
+        raises InvariantViolation naming the invariant and the request or node."""
         self.core.check_invariants()
         check_requests(self._table)
 
