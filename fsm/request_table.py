@@ -90,10 +90,9 @@ class RequestTable:
         """Requests waiting on operation ``op_id``."""
         return frozenset(self._waiters.get(op_id, ()))
 
-    @property
-    def events_pending(self) -> int:
-        """Request events not yet handed out by :meth:`take_events`."""
-        return len(self._events)
+    def pending_events(self) -> tuple[RequestEvent, ...]:
+        """Request events not yet handed out by :meth:`take_events` (a copy)."""
+        return tuple(self._events)
 
     # ------------------------------------------------------------------ checks
     def require(self, r: Request, call: str) -> None:

@@ -82,7 +82,7 @@ def fsnap(c: TieredCache) -> tuple[Any, ...]:
     """Everything observable about the facade and its core (through public views)."""
     reqs = [(v, c.page_table(v.request_id), c.unit_keys(v.request_id),
              [c.layer_ready(v.request_id, i) for i in range(c.layout.num_layers)]) for v in c.requests()]
-    return (sorted(reqs, key=repr), c.events_pending, c.aborted_by_scheduler, snapshot(c.core))
+    return (sorted(reqs, key=repr), c.table.pending_events(), c.aborted_by_scheduler, snapshot(c.core))
 
 
 # ---------------------------------------------------------------------------- abort vs loadback

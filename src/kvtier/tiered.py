@@ -119,9 +119,9 @@ class TieredCache:
         return self._table.get(request_id).state in CALLS[call]
 
     @property
-    def events_pending(self) -> int:
-        """Request events that the next :meth:`poll` will hand out."""
-        return self._table.events_pending
+    def table(self) -> RequestTable:
+        """The request table (read its records; change them only through this facade)."""
+        return self._table
 
     @property
     def aborted_by_scheduler(self) -> int:
