@@ -654,8 +654,10 @@ class FacadeMachine(RuleBasedStateMachine):
                                for op in v.ops)
                     assert c.layer_ready(v.request_id, layer) == want, (
                         f"layer_ready({v.request_id}, {layer}) != {want}")
-            elif v.state in ("running", "waiting", "retracted"):
+            elif v.state == "running":
                 assert all(c.layer_ready(v.request_id, layer) for layer in range(NUM_LAYERS))
+            elif v.state in ("waiting", "fenced", "retracted"):  # nothing readable (forward_fence)
+                assert not any(c.layer_ready(v.request_id, layer) for layer in range(NUM_LAYERS))
 
     @invariant()
     def tree_holds_written_bytes(self) -> None:
