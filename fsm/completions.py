@@ -49,7 +49,9 @@ class CompletionRouter:
     def _loadback_settled(self, r: Request, ok: bool) -> None:
         t = self.table
         if r.state == "aborting":
-            r.layers_failed = r.layers_failed or not ok
+            if not ok:  # its pass may still be out: keep what its lock holds (forward_fence)
+                r.layers_failed = True
+                self._keep_held_prefix(r)
             t.fire(r, "loadback_ack" if ok else "loadback_fail")
             return
         if r.state != "loading":

@@ -791,3 +791,21 @@ def test_no_checkpoint_is_published_inside_a_history_replay_span() -> None:
     c.check_invariants()
     assert set(adopted) == {"swa"}
     assert sorted(n.depth for n in c.core.nodes() if n.dev_state) == [7, 8]
+
+
+def test_loadback_deadline_while_aborting_keeps_only_what_the_lock_holds() -> None:
+    """An aborted request still owes its pass when its loadback expires: its table drops
+    the failed destination pages (back in the pool) and keeps its own page until the pass
+    returns (forward_fence; found by the stateful facade test)."""
+    c = seeded(op_deadline_steps=2)
+    b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    assert b is not None and b.loadback is not None
+    c.abort("b", "gone")
+    c.advance_step(3)
+    c.check_invariants()
+    v = c.request("b")
+    assert (v.state, v.owed_forward, v.ops, v.own_pages) == ("aborting", 1, (), {"kv": [4]})
+    assert c.page_table("b") == {"kv": [4]} and not c.layer_ready("b", 0)
+    c.step_done("b", 0)
+    assert c.state("b") == "aborted" and held(c) == {"kv": 0}
+    c.check_invariants()
