@@ -61,10 +61,10 @@ NODE_CYCLE = (
 #: A request with a host hit that is retracted once, resumes from the host and finishes
 #: with a writeback of its own pages.
 REQUEST_CYCLE = (
-    ("schedule", "loading"), ("forward_result", "loading"), ("loadback_done", "running"),
-    ("forward_result", "running"), ("retract", "retracting"), ("writeback_done", "retracted"),
-    ("resume", "loading"), ("loadback_done", "running"), ("finish", "finishing"),
-    ("writeback_done", "finished"),
+    ("schedule", "loading"), ("forward_result", "loading"), ("loadback_ack", "running"),
+    ("forward_result", "running"), ("retract", "retracting"), ("writeback_ack", "retracted"),
+    ("resume", "loading"), ("loadback_ack", "running"), ("finish", "finishing"),
+    ("writeback_ack", "finished"),
 )
 
 
@@ -87,7 +87,7 @@ class RequestSubject:
     def __init__(self, label: int) -> None:
         self.state, self.label = "waiting", label
         self.has_loadback = self.has_own_writeback = True
-        self.settled = False
+        self.settled = True  # retract and finish require it
 
 
 Subjects = list[Any]

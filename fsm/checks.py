@@ -8,10 +8,11 @@ raises the caller's error class with a message that names the value.
 from __future__ import annotations
 
 import operator
+from collections.abc import Hashable, Sequence
 
 from .errors import ConfigError, KvtierError, UsageError
 
-__all__ = ["as_int", "as_bool", "ConfigError", "UsageError"]
+__all__ = ["as_int", "as_bool", "as_text", "as_keys", "ConfigError", "UsageError"]
 
 
 def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | None = None,
@@ -46,6 +47,25 @@ def as_bool(value: object, what: str, *, error: type[KvtierError] = UsageError) 
     if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
         return bool(value)
     raise error(f"{what} must be True or False, got {value!r}")
+
+
+def as_text(value: object, what: str, *, error: type[KvtierError] = UsageError) -> str:
+    """``value`` if it is a non-empty ``str``; anything else raises ``error``."""
+    if not isinstance(value, str) or not value:
+        raise error(f"{what} must be a non-empty str, got {value!r}")
+    return value
+
+
+def as_keys(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = UsageError) -> Sequence[Hashable]:
+    """``value`` if it is a list or tuple (not a str or bytes) of hashable unit keys."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise error(f"{what} must be a list or tuple of unit keys, got {value!r}")
+    for u in value:
+        try:
+            hash(u)
+        except TypeError:
+            raise error(f"{what}: unit keys must be hashable, got {u!r}") from None
+    return value
 
 
 def _bounds(minimum: int | None, maximum: int | None) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -80,6 +80,8 @@ class LifecycleSpec:
     transitions: tuple[TransitionSpec, ...]
     guards: dict[str, str]  # name -> doc
     resources: dict[str, str]  # declared resource vocabulary: name -> doc (may be empty)
+    #: facade call -> the states in which it is accepted (``[<lifecycle>.calls]``; may be empty)
+    calls: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -155,8 +157,9 @@ def _parse_lifecycle(name: str, raw: dict[str, Any]) -> LifecycleSpec:
             refs = tuple(GuardRef(g.lstrip("!"), g.startswith("!")) for g in t.get("guards", ()))
             for src in t["source"]:
                 rows.append(TransitionSpec(str(t["event"]), src, str(t["dest"]), refs, str(t.get("doc", ""))))
+        calls = {str(c): tuple(str(s) for s in v) for c, v in raw.get("calls", {}).items()}
         spec = LifecycleSpec(name, str(raw["title"]), str(raw["description"]), str(raw["subject"]),
-                             str(raw["initial"]), states, tuple(rows), guards, vocabulary)
+                             str(raw["initial"]), states, tuple(rows), guards, vocabulary, calls)
     except (KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"{where}: malformed ({exc!r})") from exc
     names = set(spec.state_names)
@@ -167,6 +170,10 @@ def _parse_lifecycle(name: str, raw: dict[str, Any]) -> LifecycleSpec:
                 raise ConfigError(f"{where}: state {st.name!r} lists undeclared resources {unknown}")
     if spec.initial not in names:
         raise ConfigError(f"{where}: initial state {spec.initial!r} is not declared")
+    for call, states_of in spec.calls.items():
+        for s in states_of:
+            if s not in names:
+                raise ConfigError(f"{where}: call {call!r} lists undeclared state {s!r}")
     used: set[str] = set()
     seen: set[tuple[str, str, tuple[GuardRef, ...]]] = set()
     for t in spec.transitions:

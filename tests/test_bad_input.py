@@ -58,16 +58,16 @@ def test_facade_and_core_reject_bad_values() -> None:
     c = TieredCache(lay, 64, 64)
     with pytest.raises(UsageError, match="^complete\\(\\) takes a Completion, got 999$"):  # the core's refusal
         c.complete(999)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="units must be a list or tuple"):
+    with pytest.raises(UsageError, match="units must be a list or tuple"):
         c.admit("a", "abcd", prompt_tokens=64, chunk_tokens=64)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="unit keys must be hashable"):
+    with pytest.raises(UsageError, match="unit keys must be hashable"):
         c.admit("a", [[1], [2], [3], [4]], prompt_tokens=64, chunk_tokens=64)
     adm = c.admit("a", list("abcd"), prompt_tokens=64, chunk_tokens=64)
     assert adm is not None
-    with pytest.raises(ConfigError, match="computed_tokens must be an int >= 0, got -5"):
+    with pytest.raises(UsageError, match="computed_tokens must be an int >= 0, got -5"):
         c.step_done("a", -5)
     for bad in (-1, 32, "x"):
-        with pytest.raises(ConfigError, match="layer must be an int in 0..31"):
+        with pytest.raises(UsageError, match="layer must be an int in 0..31"):
             c.layer_ready("a", bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="layers must be a sequence"):
         CacheGroupSpec("g", Family.HISTORY, 4, 1, True, (ComponentSpec("k", 64),))  # type: ignore[arg-type]
@@ -84,7 +84,7 @@ def test_facade_and_core_reject_bad_values() -> None:
      "op_deadline_steps must be None or an int >= 1, got True"),
     (lambda lay: TieredCache(lay, 8, 8, history_replay="no"), "history_replay must be True or False, got 'no'"),
     (lambda lay: TieredCache(lay, 8, 8, finish_writeback="yes"),
-     "finish_writeback must be None, True or False, got 'yes'"),
+     "finish_writeback (or None) must be True or False, got 'yes'"),
 ])
 def test_constructor_values_are_checked_not_converted(make, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
@@ -102,7 +102,7 @@ def test_abort_arguments_are_checked() -> None:
         (lambda: c.abort_victim("a"), "abort_victim: blocked must be a list of request ids, got 'a'"),
         (lambda: c.abort_victim(["a"], None), "abort_victim: reason must be a non-empty str, got None"),  # type: ignore[arg-type]
     ]:
-        with pytest.raises(ConfigError) as exc:
+        with pytest.raises(UsageError) as exc:
             call()
         assert str(exc.value) == message
         assert c.state("a") == "running"

@@ -22,7 +22,7 @@ import pytest
 from core_helpers import h1, snapshot, src
 
 from kvtier.fsm import Completion, ConfigError, Direction, KvtierError
-from kvtier.fsm.errors import IllegalTransition
+from kvtier.fsm.errors import GuardRejected, IllegalTransition, UsageError
 from kvtier.tiered import RequestEvent, TieredCache
 
 
@@ -79,15 +79,10 @@ def seeded(world: int = 1, device: int = 8, **kw: Any) -> TieredCache:
 
 
 def fsnap(c: TieredCache) -> tuple[Any, ...]:
-    """Everything observable about the facade and its core."""
-    reqs = []
-    for r in c._requests.values():
-        reqs.append((c.request(r.request_id), sorted((g, tuple(p)) for g, p in r.own.items()),
-                     sorted((g, tuple(p)) for g, p in r.canon.items()),
-                     None if r.lock is None else r.lock.receipt_id, [p.receipt_id for p in r.pins],
-                     dict(r.layers), tuple(r.units)))
-    waiters = {op: sorted(w) for op, w in c._op_waiters.items()}
-    return (sorted(reqs, key=repr), waiters, list(c._events), c.aborted_by_scheduler, snapshot(c.core))
+    """Everything observable about the facade and its core (through public views)."""
+    reqs = [(v, c.page_table(v.request_id), c.unit_keys(v.request_id),
+             [c.layer_ready(v.request_id, i) for i in range(c.layout.num_layers)]) for v in c.requests()]
+    return (sorted(reqs, key=repr), c.table.pending_events(), c.aborted_by_scheduler, snapshot(c.core))
 
 
 # ---------------------------------------------------------------------------- abort vs loadback
@@ -128,7 +123,7 @@ def test_abort_during_loadback_waits_for_ack(ack_first: bool) -> None:
     # released exactly once: the loaded node stays in the tree (both copies), nothing held
     assert (node.state, node.host_pin, node.lock_ref, node.borrow_ref) == ("backed", 0, 0, 0)
     assert held(c) == {"kv": 0} and free(c) == {"kv": 4}
-    assert not c.core.receipts.locks() and not c.core.receipts.node_receipts()
+    assert not c.core._locks and not c.core._receipts
     out = c.poll()
     assert out.events == (RequestEvent("b", "aborted", "client went away"),)
     assert c.requests() == [] and c.stats()["scheduler_aborts"] == 0
@@ -247,23 +242,25 @@ def test_victim_abort_refused_while_anything_is_in_flight() -> None:
 @pytest.mark.parametrize("owed", [False, True])
 def test_failed_retract_writeback_aborts_with_reason(owed: bool) -> None:
     """FailedWriteBackAbortsAfterOutstandingForwardResult: a failed retract writeback
-    aborts the request with a reason instead of resuming on missing data; while a forward
-    result is owed the abort waits for it."""
+    aborts the request with a reason instead of resuming on missing data. With a forward
+    result owed the retract is refused first (guard ``settled``), changing nothing."""
     c = TieredCache(h1(), 8, 8, policy="write_back")
     prefill(c, "a", "abcd", 8)
     if owed:
-        assert c.reserve("a", 1) is not None  # a decode step in flight
+        assert c.reserve("a", 1) == {"kv": [4]}  # a decode step in flight, into a new page
+        before = fsnap(c)
+        with pytest.raises(GuardRejected) as exc:
+            c.retract("a")
+        assert exc.value.guards == ("settled",) and exc.value.event == "retract"
+        assert str(exc.value) == "request 'a': event 'retract' refused in state 'running': guard 'settled' rejected it"
+        assert fsnap(c) == before and c.page_table("a") == {"kv": [0, 1, 2, 3, 4]}
+        c.step_done("a", 1)
     c.retract("a")
     assert c.state("a") == "retracting"
     (cmd,) = c.poll().commands
     ack(c, cmd.op_id, ok=False)
     node = only_node(c)
     assert (node.state, node.host) == ("device", {}) and free(c, "host") == {"kv": 8}
-    if owed:
-        assert c.state("a") == "aborting" and c.request("a").reason == "retract writeback failed"
-        assert all(e.state != "aborted" for e in c.poll().events)
-        assert node.lock_ref == 1  # still held until the forward result
-        c.step_done("a", 0)
     c.check_invariants()
     assert c.state("a") == "aborted" and node.lock_ref == 0 and held(c) == {"kv": 0}
     assert c.poll().events[-1] == RequestEvent("a", "aborted", "retract writeback failed")
@@ -342,40 +339,94 @@ def test_joined_request_aborted_other_proceeds() -> None:
     assert (node.host_pin, node.lock_ref) == (0, 1)
 
 
-def test_loadback_failure_sends_the_request_back_to_waiting() -> None:
+def test_loadback_failure_fences_the_pages_until_the_pass_returns() -> None:
+    """A loadback fails while the first chunk's pass (run layer by layer) is out: the
+    request goes to ``fenced``, unpins, keeps its own page and reports no layer ready; the
+    page is freed only by the pass's step_done, which sends it back to waiting."""
     c = seeded(world=2)
     node = only_node(c)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and b.loadback is not None
+    assert b is not None and b.loadback is not None and b.page_table == {"kv": [3, 2, 1, 0, 4]}
     c.poll()
     layer(c, b.loadback.op_id, 1)
+    assert c.layer_ready("b", 0) and c.layer_ready("b", 1)
     c.complete(Completion(b.loadback.op_id, 0, True))
     c.complete(Completion(b.loadback.op_id, 1, False))
     c.check_invariants()
     v = c.request("b")
-    assert (v.state, v.tokens, v.reserved_tokens, v.ops) == ("waiting", 0, 0, ())
-    assert (node.state, node.host_pin, node.lock_ref) == ("host", 0, 0) and held(c) == {"kv": 0}
-    assert all(c.layer_ready("b", k) for k in range(2))
-    with pytest.raises(KvtierError, match="'b'"):
-        c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)  # its forward result first
-    c.step_done("b", 0)
+    assert (v.state, v.owed_forward, v.ops, v.own_pages) == ("fenced", 1, (), {"kv": [4]})
+    assert c.page_table("b") == {"kv": [4]}  # the failed destination pages left its table
+    assert (node.state, node.host_pin, node.lock_ref) == ("host", 0, 1) and held(c) == {"kv": 1}
+    assert [c.layer_ready("b", k) for k in range(2)] == [False, False]
+    # nobody can be handed its page while the pass is out
+    other = c.admit("o", list("xyz"), prompt_tokens=7, chunk_tokens=7)
+    assert other is not None and 4 not in other.page_table["kv"]
+    before = fsnap(c)
+    with pytest.raises(UsageError, match="'b': admit in state 'fenced'"):
+        c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    with pytest.raises(UsageError, match="'b': reserve in state 'fenced'"):
+        c.reserve("b", 1)
+    with pytest.raises(IllegalTransition, match="'retract' refused in state 'fenced'"):
+        c.retract("b")
+    assert fsnap(c) == before
+    assert [e.state for e in c.poll().events] == ["fenced", "running"]
+    c.step_done("b", 1)  # the result is discarded
+    c.check_invariants()
+    v = c.request("b")
+    assert (v.state, v.tokens, v.reserved_tokens, v.owed_forward, v.own_pages) == ("waiting", 0, 0, 0, {})
+    assert node.lock_ref == 0 and held(c) == {"kv": 4} and [e.state for e in c.poll().events] == ["waiting"]
+    assert [c.layer_ready("b", k) for k in range(2)] == [False, False]
+    c.step_done("o", 7)
+    c.abort("o")
     again = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     assert again is not None and again.loadback is not None and c.state("b") == "loading"
     assert c.layer_ready("b", 0) is False
 
 
-def test_loadback_deadline_fails_and_late_completions_are_absorbed() -> None:
+def test_loadback_failure_with_no_pass_out_goes_back_to_waiting_at_once() -> None:
+    c = seeded()
+    node = only_node(c)
+    b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    assert b is not None and b.loadback is not None
+    c.step_done("b", 1)  # the pass returned before the loadback ended
+    ack(c, b.loadback.op_id, ok=False)
+    v = c.request("b")
+    assert (v.state, v.tokens, v.owed_forward, v.own_pages) == ("waiting", 0, 0, {})
+    assert (node.state, node.host_pin, node.lock_ref) == ("host", 0, 0) and held(c) == {"kv": 0}
+    assert [c.layer_ready("b", k) for k in range(2)] == [False, False]
+
+
+def test_loadback_deadline_fences_then_late_completions_are_absorbed() -> None:
     c = seeded(op_deadline_steps=2)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     assert b is not None and b.loadback is not None
     c.poll()
+    layer(c, b.loadback.op_id, 0)
     c.advance_step(2)
-    assert c.state("b") == "loading"
+    assert c.state("b") == "loading" and c.layer_ready("b", 0)
     c.advance_step(1)
     c.check_invariants()
-    assert c.state("b") == "waiting" and only_node(c).host_pin == 0
+    assert c.state("b") == "fenced" and only_node(c).host_pin == 0 and held(c) == {"kv": 1}
+    assert not c.layer_ready("b", 0)  # the layer it had is no longer readable
     c.complete(Completion(b.loadback.op_id, 0, True))  # late: absorbed
-    assert c.core.stats.absorbed_late_completions == 1 and c.state("b") == "waiting"
+    assert c.core.stats.absorbed_late_completions == 1 and c.state("b") == "fenced"
+    c.step_done("b", 0)
+    assert c.state("b") == "waiting" and held(c) == {"kv": 0}
+    c.check_invariants()
+
+
+def test_abort_of_a_fenced_request_waits_for_its_pass() -> None:
+    c = seeded()
+    b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    assert b is not None and b.loadback is not None
+    ack(c, b.loadback.op_id, ok=False)
+    assert c.state("b") == "fenced"
+    c.abort("b", "gone")
+    assert c.state("b") == "aborting" and held(c) == {"kv": 1}
+    c.check_invariants()
+    c.step_done("b", 0)
+    assert c.state("b") == "aborted" and held(c) == {"kv": 0}
+    assert [e.state for e in c.poll().events] == ["loading", "fenced", "aborting", "aborted"]
 
 
 # ---------------------------------------------------------------------------- admission
@@ -476,29 +527,32 @@ def bad_call_cache() -> TieredCache:
 
 
 BAD_CALLS = [
-    ("unknown abort", "nope", lambda c: c.abort("nope"), KvtierError, "unknown"),
-    ("unknown finish", "nope", lambda c: c.finish("nope"), KvtierError, "unknown"),
-    ("unknown step_done", "nope", lambda c: c.step_done("nope", 1), KvtierError, "unknown"),
-    ("unknown resume", "nope", lambda c: c.resume("nope", 1), KvtierError, "unknown"),
-    ("unknown retract", "nope", lambda c: c.retract("nope"), KvtierError, "unknown"),
-    ("unknown reserve", "nope", lambda c: c.reserve("nope", 1), KvtierError, "unknown"),
-    ("unknown request", "nope", lambda c: c.request("nope"), KvtierError, "unknown"),
+    ("unknown abort", "nope", lambda c: c.abort("nope"), UsageError, "unknown"),
+    ("unknown finish", "nope", lambda c: c.finish("nope"), UsageError, "unknown"),
+    ("unknown step_done", "nope", lambda c: c.step_done("nope", 1), UsageError, "unknown"),
+    ("unknown resume", "nope", lambda c: c.resume("nope", 1), UsageError, "unknown"),
+    ("unknown retract", "nope", lambda c: c.retract("nope"), UsageError, "unknown"),
+    ("unknown reserve", "nope", lambda c: c.reserve("nope", 1), UsageError, "unknown"),
+    ("unknown request", "nope", lambda c: c.request("nope"), UsageError, "unknown"),
     ("finish before admit", "wait", lambda c: c.finish("wait"), IllegalTransition, "waiting"),
     ("resume of a running request", "run", lambda c: c.resume("run", 2), IllegalTransition, "running"),
     ("resume of a waiting request", "wait", lambda c: c.resume("wait", 2), IllegalTransition, "waiting"),
     ("double abort", "ab", lambda c: c.abort("ab"), IllegalTransition, "aborting"),
-    ("step_done with nothing owed", "run", lambda c: c.step_done("run", 0), KvtierError, "running"),
-    ("step_done of a retracted request", "ret", lambda c: c.step_done("ret", 0), KvtierError, "retracted"),
-    ("finish while a forward result is owed", "owes", lambda c: c.finish("owes"), KvtierError, "running"),
+    ("step_done with nothing owed", "run", lambda c: c.step_done("run", 0), UsageError, "owes no forward"),
+    ("step_done of a retracted request", "ret", lambda c: c.step_done("ret", 0), UsageError, "retracted"),
+    ("finish while a forward result is owed", "owes", lambda c: c.finish("owes"), GuardRejected, "settled"),
+    ("retract while a forward result is owed", "owes", lambda c: c.retract("owes"), GuardRejected, "settled"),
     ("retract of a waiting request", "wait", lambda c: c.retract("wait"), IllegalTransition, "waiting"),
     ("retract of an aborting request", "ab", lambda c: c.retract("ab"), IllegalTransition, "aborting"),
-    ("reserve of a retracted request", "ret", lambda c: c.reserve("ret", 1), KvtierError, "retracted"),
+    ("reserve of a retracted request", "ret", lambda c: c.reserve("ret", 1), UsageError, "retracted"),
     ("finish of a retracted request", "ret", lambda c: c.finish("ret"), IllegalTransition, "retracted"),
     ("admit of a running request", "run", lambda c: c.admit("run", list("ab"), prompt_tokens=5, chunk_tokens=1),
-     KvtierError, "running"),
-    ("more tokens than reserved", "owes", lambda c: c.step_done("owes", 4), ConfigError, "owes"),
-    ("resume with no tokens", "ret", lambda c: c.resume("ret", 0), ConfigError, "chunk_tokens"),
-    ("reserve of no tokens", "run", lambda c: c.reserve("run", 0), ConfigError, "tokens"),
+     UsageError, "admit in state 'running'"),
+    ("more tokens than reserved", "owes", lambda c: c.step_done("owes", 4), UsageError, "owes"),
+    ("resume with no tokens", "ret", lambda c: c.resume("ret", 0), UsageError, "chunk_tokens"),
+    ("reserve of no tokens", "run", lambda c: c.reserve("run", 0), UsageError, "tokens"),
+    ("layer outside the model", "run", lambda c: c.layer_ready("run", 2), UsageError, "layer"),
+    ("a numpy-like bool as tokens", "run", lambda c: c.reserve("run", True), UsageError, "tokens"),
 ]
 
 
@@ -528,19 +582,73 @@ def test_abort_after_the_end_is_reported_is_unknown() -> None:
         c.abort("a")
 
 
-def test_retracted_request_aborted_with_a_forward_owed_settles_later() -> None:
-    """A retracted request holds nothing: aborting it ends it at once; the forward result
-    still out is retired when it arrives, then poll forgets it."""
+def test_retract_with_a_pass_in_flight_is_refused_and_its_pages_stay() -> None:
+    """The bug class of issue 11: retract used to free the pages a pass still writes, and
+    the next admit received them. Now retract is refused (``settled``) until step_done;
+    nothing changes, and the pages go to another request only after the pass returned."""
     c = TieredCache(h1(), 8, None)
-    c.admit("a", list("abcd"), prompt_tokens=8, chunk_tokens=8)
-    c.retract("a")
-    assert c.state("a") == "retracted" and c.request("a").owed_forward == 1
+    adm = c.admit("a", list("abcd"), prompt_tokens=8, chunk_tokens=8)
+    assert adm is not None and adm.page_table == {"kv": [0, 1, 2, 3]}
+    before = fsnap(c)
+    for call in (c.retract, c.finish):
+        with pytest.raises(GuardRejected) as exc:
+            call("a")
+        assert exc.value.guards == ("settled",) and exc.value.state == "running"
+        assert fsnap(c) == before
+    other = c.admit("b", list("wxyz"), prompt_tokens=8, chunk_tokens=8)
+    assert other is not None and other.page_table == {"kv": [4, 5, 6, 7]}  # never a's pages
+    c.check_invariants()
+    c.step_done("a", 8)
+    assert c.retract("a") == {} and c.state("a") == "retracted" and c.request("a").owed_forward == 0
     c.abort("a")
-    assert c.state("a") == "aborted"
-    assert c.poll().events[-1] == RequestEvent("a", "aborted", "aborted by client")
-    assert [v.request_id for v in c.requests()] == ["a"]  # the forward result is still owed
-    c.step_done("a", 0)
-    assert c.poll().events == () and c.requests() == []
+    assert c.state("a") == "aborted" and c.poll().events[-1] == RequestEvent("a", "aborted", "aborted by client")
+    assert [v.request_id for v in c.requests()] == ["b"]  # an ended request owes nothing: forgotten
+    with pytest.raises(UsageError, match="unknown request 'a'"):
+        c.step_done("a", 0)
+    c.check_invariants()
+
+
+def test_overlapped_pass_keeps_the_pages_step_done_lets_go_of() -> None:
+    """Overlapped scheduling: pass 2 of ``b`` is reserved before step_done of pass 1. That
+    step_done publishes b's units, which ``a`` already published: b's copies leave its
+    table, but pass 2 may still read them, so they are freed only at step_done of pass 2."""
+    c = TieredCache(h1(), 12, None)
+    a = c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    assert a is not None and b is not None
+    assert (a.page_table, b.page_table) == ({"kv": [0, 1, 2, 3, 4]}, {"kv": [5, 6, 7, 8, 9]})
+    c.step_done("a", 9)
+    assert c.reserve("b", 1) == {} and c.request("b").reserved_tokens == 10  # pass 2 starts at token 9
+    assert c.step_done("b", 9) == {}
+    v = c.request("b")
+    assert c.page_table("b") == {"kv": [0, 1, 2, 3, 9]}  # canonical pages from now on
+    assert (v.owed_forward, v.own_pages, v.deferred_pages) == (1, {"kv": [9]}, {"kv": [5, 6, 7, 8]})
+    assert free(c) == {"kv": 2} and held(c) == {"kv": 6}
+    c.check_invariants()
+    x = c.admit("x", list("w"), prompt_tokens=3, chunk_tokens=3)
+    assert x is not None and x.page_table == {"kv": [10, 11]}  # never b's copies
+    assert c.admit("y", list("v"), prompt_tokens=1, chunk_tokens=1) is None  # nothing else is free
+    c.step_done("b", 1)
+    v = c.request("b")
+    assert (v.tokens, v.owed_forward, v.deferred_pages) == (10, 0, {})
+    assert free(c) == {"kv": 4} and held(c) == {"kv": 4}
+    y = c.admit("y", list("v"), prompt_tokens=1, chunk_tokens=1)
+    assert y is not None and y.page_table["kv"][0] in (5, 6, 7, 8)
+    c.check_invariants()
+
+
+def test_abort_frees_deferred_pages_once_its_passes_return() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    c.reserve("b", 1)
+    c.step_done("b", 9)
+    c.abort("b")
+    assert c.state("b") == "aborting" and c.request("b").deferred_pages == {"kv": [5, 6, 7, 8]}
+    c.check_invariants()
+    c.step_done("b", 0)
+    assert c.state("b") == "aborted" and held(c) == {"kv": 1} and free(c) == {"kv": 7}
     c.check_invariants()
 
 
@@ -604,7 +712,7 @@ def test_retract_releases_device_pages_and_resume_uses_state_recovery() -> None:
     assert held(c) == {"fh": 0, "swa": 0}
     assert free(c)["fh"] == before["fh"] + 1  # the partial tail page, at once
     assert free(c)["swa"] == before["swa"] + 4  # its working state; the checkpoint is the tree's
-    assert len(only_node(c).dev_ckpt["swa"]) == 4
+    assert len(only_node(c).dev_state["swa"]) == 4
     (cmd,) = c.poll().commands
     assert {t.group for t in cmd.transfers} == {"fh", "swa"}  # history and the exact state
     node = only_node(c)
@@ -646,13 +754,13 @@ def test_a_checkpoint_handed_out_at_admission_stays_until_the_forward_result() -
     c.step_done("A", 4, checkpoint=True)  # X = [x] with a chunk checkpoint
     c.abort("A")
     x = only_node(c)
-    assert x.chunk_checkpoint and len(x.dev_ckpt["swa"]) == 4
+    assert x.chunk_checkpoint and len(x.dev_state["swa"]) == 4
     r = c.admit("R", list("xz"), prompt_tokens=9, chunk_tokens=5)
-    assert r is not None and r.start_token == 4 and r.checkpoint_pages == x.dev_ckpt
+    assert r is not None and r.start_token == 4 and r.checkpoint_pages == x.dev_state
     pages = list(r.checkpoint_pages["swa"])
     c.step_done("Q", 9, checkpoint=True)  # Y = [x, y] under X, with its own checkpoint
     c.check_invariants()
-    assert x.dev_ckpt == {"swa": pages}
+    assert x.dev_state == {"swa": pages}
     assert not set(pages) & c.core.device["swa"].free_pages()
     c.step_done("R", 5)  # R's forward pass has copied it: the chunk checkpoint may go now
     c.check_invariants()
@@ -677,9 +785,27 @@ def test_no_checkpoint_is_published_inside_a_history_replay_span() -> None:
     assert b is not None
     assert (b.start_token, b.recompute_tokens, b.history_hit_tokens, b.checkpoint_pages) == (12, 16, 28, {})
     assert c.step_done("B", 4, checkpoint=True) == {}  # tokens 12..16: inside the span
-    assert [n.depth for n in c.core.nodes() if n.dev_ckpt] == [8]
+    assert [n.depth for n in c.core.nodes() if n.dev_state] == [8]
     assert c.reserve("B", 12) is not None
     adopted = c.step_done("B", 12, checkpoint=True)  # tokens 16..28: the hit end, exact again
     c.check_invariants()
     assert set(adopted) == {"swa"}
-    assert sorted(n.depth for n in c.core.nodes() if n.dev_ckpt) == [7, 8]
+    assert sorted(n.depth for n in c.core.nodes() if n.dev_state) == [7, 8]
+
+
+def test_loadback_deadline_while_aborting_keeps_only_what_the_lock_holds() -> None:
+    """An aborted request still owes its pass when its loadback expires: its table drops
+    the failed destination pages (back in the pool) and keeps its own page until the pass
+    returns (forward_fence; found by the stateful facade test)."""
+    c = seeded(op_deadline_steps=2)
+    b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    assert b is not None and b.loadback is not None
+    c.abort("b", "gone")
+    c.advance_step(3)
+    c.check_invariants()
+    v = c.request("b")
+    assert (v.state, v.owed_forward, v.ops, v.own_pages) == ("aborting", 1, (), {"kv": [4]})
+    assert c.page_table("b") == {"kv": [4]} and not c.layer_ready("b", 0)
+    c.step_done("b", 0)
+    assert c.state("b") == "aborted" and held(c) == {"kv": 0}
+    c.check_invariants()

@@ -24,18 +24,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from core_helpers import snapshot
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, Direction, Family, KvtierError
+from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, Direction, Family, GuardRejected, KvtierError
 from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.machines import request_lifecycle
 from kvtier.fsm.node import DEVICE_READABLE, HOST_VISIBLE
 from kvtier.tiered import TieredCache
 
 ALPHABET = "ab"
 NUM_LAYERS = 3
+#: request states an abort is accepted in (the spec's abort rows)
+ABORTABLE = tuple(s for s in request_lifecycle().spec.state_names if request_lifecycle().allowed(s, "abort"))
 ALIGN = 4  # lcm of kv (2 tokens/page) and c4 (4 tokens/page)
 ENDED = ("finished", "aborted")
 
@@ -318,7 +322,7 @@ class FacadeMachine(RuleBasedStateMachine):
     def _admit(self, r: Req) -> None:
         c = self.cache
         ext_before = {g: len(c.core.external_pages(g)) for g in c.core.device}
-        locks_before = len(c.core.receipts.locks())
+        receipts_before = sorted(i for v in c.requests() for i in v.receipts)
         adm = c.admit(r.rid, r.prompt_units, prompt_tokens=r.prompt_tokens, chunk_tokens=r.chunk)
         r.known = len(r.prompt_units)
         if adm is None:
@@ -327,7 +331,7 @@ class FacadeMachine(RuleBasedStateMachine):
             v = c.request(r.rid)
             assert (v.state, v.owed_forward, v.ops, v.reserved_tokens) == ("waiting", 0, (), 0)
             assert {g: len(c.core.external_pages(g)) for g in c.core.device} == ext_before, "admission leaked"
-            assert len(c.core.receipts.locks()) == locks_before
+            assert sorted(i for v in c.requests() for i in v.receipts) == receipts_before
             return
         self._admitted(r, adm)
 
@@ -430,10 +434,24 @@ class FacadeMachine(RuleBasedStateMachine):
         assert st_ in ("finishing", "finished")
         event(f"finish -> {st_}")
 
-    @precondition(lambda self: bool(self._ids("running")))
+    @precondition(lambda self: bool(self._ids("running", owed=True)))
+    @rule(i=st.integers(0, 100), finish=st.booleans())
+    def retract_refused(self, i: int, finish: bool) -> None:
+        """Retract (or finish) with a forward pass out is refused by the guard ``settled``
+        and changes nothing (forward_fence): the pass may still write into its pages."""
+        ids = self._ids("running", owed=True)
+        rid = ids[i % len(ids)]
+        snap = self._snap()
+        with pytest.raises(GuardRejected) as exc:
+            (self.cache.finish if finish else self.cache.retract)(rid)
+        assert exc.value.guards == ("settled",) and repr(rid) in str(exc.value)
+        assert self._snap() == snap
+        event("finish/retract refused with a pass out")
+
+    @precondition(lambda self: bool(self._ids("running", owed=False)))
     @rule(i=st.integers(0, 100))
     def retract(self, i: int) -> None:
-        ids = self._ids("running")
+        ids = self._ids("running", owed=False)
         r = self.reqs[ids[i % len(ids)]]
         c = self.cache
         self._fill(r, c.retract(r.rid))
@@ -441,8 +459,7 @@ class FacadeMachine(RuleBasedStateMachine):
         v = c.request(r.rid)
         assert v.state in ("retracting", "retracted")
         # unlike the original, retract releases the request's own device pages at once
-        own = sum(len(p) for p in c._requests[r.rid].own.values())
-        assert own == 0, "retract keeps own device pages"
+        assert v.own_pages == {} and v.owed_forward == 0, "retract keeps own device pages"
         event(f"retract -> {v.state}{' with a forward owed' if v.owed_forward else ''}")
 
     @precondition(lambda self: bool(self._ids("retracted")))
@@ -459,11 +476,10 @@ class FacadeMachine(RuleBasedStateMachine):
         event("resumed with a hit" if adm.hit_tokens else "resumed from scratch")
         self._admitted(r, adm)
 
-    @precondition(lambda self: bool(self._ids("waiting", "loading", "running", "finishing", "retracting",
-                                              "retracted")))
+    @precondition(lambda self: bool(self._ids(*ABORTABLE)))
     @rule(i=st.integers(0, 100))
     def abort(self, i: int | str) -> None:
-        ids = self._ids("waiting", "loading", "running", "finishing", "retracting", "retracted")
+        ids = self._ids(*ABORTABLE)
         rid = i if isinstance(i, str) else ids[i % len(ids)]
         before = self._state(rid)
         self.cache.abort(rid, "client abort")
@@ -614,10 +630,8 @@ class FacadeMachine(RuleBasedStateMachine):
     def _snap(self) -> tuple[Any, ...]:
         c = self.cache
         reqs = sorted((v.request_id, v) for v in c.requests())
-        own = sorted((r.request_id, sorted((g, tuple(p)) for g, p in r.own.items()),
-                      sorted((g, tuple(p)) for g, p in r.canon.items()), r.lock is not None, len(r.pins))
-                     for r in c._requests.values())
-        return (reqs, own, list(c._events), snapshot(c.core))
+        tables = sorted((v.request_id, c.page_table(v.request_id)) for v in c.requests())
+        return (reqs, tables, c.table.pending_events(), snapshot(c.core))
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -640,8 +654,10 @@ class FacadeMachine(RuleBasedStateMachine):
                                for op in v.ops)
                     assert c.layer_ready(v.request_id, layer) == want, (
                         f"layer_ready({v.request_id}, {layer}) != {want}")
-            elif v.state in ("running", "waiting", "retracted"):
+            elif v.state == "running":
                 assert all(c.layer_ready(v.request_id, layer) for layer in range(NUM_LAYERS))
+            elif v.state in ("waiting", "fenced", "retracted"):  # nothing readable (forward_fence)
+                assert not any(c.layer_ready(v.request_id, layer) for layer in range(NUM_LAYERS))
 
     @invariant()
     def tree_holds_written_bytes(self) -> None:
@@ -657,9 +673,9 @@ class FacadeMachine(RuleBasedStateMachine):
             lo = len(prefix) - len(n.key)
             stores = []
             if n.state in DEVICE_READABLE:
-                stores.append(("device", self.dev_bytes, n.dev, n.dev_ckpt))
+                stores.append(("device", self.dev_bytes, n.dev, n.dev_state))
             if n.state in HOST_VISIBLE:
-                stores.append(("host", self.host_bytes, n.host, n.host_ckpt))
+                stores.append(("host", self.host_bytes, n.host, n.host_state))
             for pool, store, hist, state in stores:
                 for g, pages in hist.items():
                     for i, p in enumerate(pages):
@@ -678,7 +694,7 @@ class FacadeMachine(RuleBasedStateMachine):
             return
         c = self.cache
         for rid in sorted(self.reqs):
-            if self._state(rid) in ("waiting", "loading", "running", "finishing", "retracting", "retracted"):
+            if self._state(rid) in ABORTABLE:
                 c.abort(rid, "teardown")
                 c.check_invariants()
         for _ in range(1000):
@@ -700,7 +716,7 @@ class FacadeMachine(RuleBasedStateMachine):
         self._poll()
         core = c.core
         assert c.requests() == [], f"requests left after poll: {c.requests()}"
-        assert not core.operations() and not core.receipts.locks() and not core.receipts.node_receipts()
+        assert not core.operations() and not core._locks and not core._receipts
         for g in core.device:
             assert not core.external_pages(g), f"device pages of {g} still held outside the tree"
         for n in core.nodes():

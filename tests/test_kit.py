@@ -71,8 +71,8 @@ def test_coverage_items_come_from_the_spec() -> None:
     with cov.recording(), cov.attributed("facade"):
         assert replay(_facade_finish()).outcome == "pass"
     done = {i.label for i in cov.covered("transition", {"facade"})}
-    assert "request: running --finish [has_own_writeback]--> finishing" in done
-    assert "request: finishing --writeback_failed--> finished" in done
+    assert "request: running --finish [has_own_writeback, settled]--> finishing" in done
+    assert "request: finishing --writeback_fail--> finished" in done
     assert "node: writing --writeback_fail--> device" in done
     assert not cov.complete and cov.missing("rejection")
 
@@ -95,7 +95,7 @@ def test_verify_small_bound_and_clone_independence() -> None:
     m.setup(**FacadeMachine.verify_setup().args)
     c = clone(m)
     c.admit(req=0, key=["a"], chunk=1, tail=False)
-    assert m.cache._requests == {} and c.cache._requests
+    assert len(m.cache.table) == 0 and len(c.cache.table) == 1
     assert m.kit_canonical() != c.kit_canonical()
 
 

@@ -61,7 +61,7 @@ def test_noop_examples() -> None:
     assert req.is_noop("running", "forward_result")
     # internal but guarded, and one of two rows: not a no-op
     assert not req.is_noop("aborting", "forward_result")
-    assert not req.is_noop("aborting", "writeback_done")
+    assert not req.is_noop("aborting", "writeback_ack")
 
 
 def test_custom_describe_names_the_subject_in_errors() -> None:

@@ -22,11 +22,12 @@ from kvtier.testing.sequence import EventSequence, replay
 
 SEQUENCES = sorted(REGRESSIONS.glob("*.json"))
 PATCHES = sorted(BROKEN.glob("*.patch"))
-#: invariants.md, in its order (numbered 1..15), by their spec names
+#: invariants.md, in its order (numbered 1..16), by their spec names
 INVARIANTS_MD = ("root_closed_host", "host_means_acked", "writeback_source_immutable", "loadback_source_pinned",
                  "counts_with_receipts", "split_preserves_ownership", "operation_ends_once",
                  "release_once_after_fence", "host_evict_leaves", "failure_not_success", "atomic_admission",
-                 "loaded_equals_written", "conservation", "borrowed_pages_stay", "exact_continuation_state")
+                 "loaded_equals_written", "conservation", "borrowed_pages_stay", "exact_continuation_state",
+                 "forward_fence")
 PLANTED = "07-operation-ends-once"
 
 

@@ -32,6 +32,7 @@ REFERENCE_INVARIANTS = {
     13: ("Conservation.", "conservation"),
     14: ("Borrowed pages stay.", "borrowed_pages_stay"),
     15: ("Exact continuation state.", "exact_continuation_state"),
+    16: ("Forward fence.", "forward_fence"),
 }
 #: invariants kvtier adds to the reference list.
 EXTRA_INVARIANTS = {"state_matches_resources"}
@@ -152,14 +153,44 @@ def test_shipped_spec_is_consistent() -> None:
     assert spec.version == 1
     assert spec.node.initial == "new" and spec.request.initial == "waiting"
     assert set(spec.node.state_names) >= {"device", "writing", "backed", "host", "loading", "removed"}
-    assert set(spec.request.state_names) >= {"waiting", "loading", "running", "finishing", "finished",
+    assert set(spec.request.state_names) >= {"waiting", "loading", "running", "fenced", "finishing", "finished",
                                              "retracting", "retracted", "aborting", "aborted"}
+
+
+def test_request_calls_agree_with_the_transitions() -> None:
+    req = load_spec().request
+    sources = {e: {t.source for t in req.transitions if t.event == e} for e in req.events}
+    # step_done is the forward_result event; admit the schedule event (or a new record after an end)
+    assert set(req.calls["step_done"]) == sources["forward_result"] == {"loading", "running", "fenced", "aborting"}
+    assert set(req.calls["admit"]) == sources["schedule"] | {"finished", "aborted"}
+    assert set(req.calls["reserve"]) == {"running", "loading"}
+    # layer_ready may answer True only where the request holds device pages it reads
+    readable = {s.name for s in req.states if "device pages" in s.resources} - {"fenced"}
+    assert set(req.calls["layer_ready"]) == readable | {"aborting"}
+    # one ack/fail vocabulary for both lifecycles
+    node = load_spec().node
+    assert {"loadback_ack", "loadback_fail", "writeback_ack", "writeback_fail"} <= set(req.events) & set(node.events)
+
+
+def test_terminal_states_are_derived_from_the_spec() -> None:
+    from kvtier.fsm.request import TERMINAL
+
+    assert TERMINAL == {"finished", "aborted"}
+
+
+def test_a_call_naming_an_undeclared_state_is_refused() -> None:
+    text = MINIMAL.replace('[request.guards.ok]\ndoc = "G"\n',
+                           '[request.guards.ok]\ndoc = "G"\n\n[request.calls]\nreserve = ["a", "zz"]\n')
+    assert "[request.calls]" in text
+    with pytest.raises(ConfigError, match=r"spec \[request\]: call 'reserve' lists undeclared state 'zz'"):
+        parse_spec(text)
+    assert parse_spec(text.replace('"zz"', '"b"')).request.calls == {"reserve": ("a", "b")}
 
 
 def test_shipped_invariants_cover_the_reference_list() -> None:
     names = set(load_spec().invariants)
     mapped = {name for _, name in REFERENCE_INVARIANTS.values()}
-    assert len(mapped) == 15
+    assert len(mapped) == 16
     assert names == mapped | EXTRA_INVARIANTS, (f"missing: {sorted(mapped - names)}; "
                                                 f"unexplained: {sorted(names - mapped - EXTRA_INVARIANTS)}")
     assert all(statement.strip() for statement in load_spec().invariants.values())

@@ -132,7 +132,7 @@ class BytesExecutor:
     def forward(self, cache: TieredCache, batch: Sequence[tuple[str, int, int]]) -> None:
         for rid, start, n in batch:
             adm = self._pending_checks.pop(rid, None)
-            if adm is not None and cache.state(rid) in ("running", "loading"):
+            if adm is not None and cache.allows(rid, "reserve"):  # running or loading (spec [request.calls])
                 self._check_hit(cache, adm)
             # only pages this pass completes: only full units are ever published and reused
             table = None

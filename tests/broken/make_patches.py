@@ -55,10 +55,10 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "        if False:  # BROKEN: duplicate completions are accepted"),
     ]),
     "08-release-once-after-fence": ("release_once_after_fence", [
-        ("src/kvtier/tiered.py", '        r.poisoned = True\n        self._fire(r, "abort")',
-         '        r.poisoned = True\n        self._fire(r, "abort")\n'
+        ("fsm/request_ends.py", '        r.poisoned = True\n        self.table.fire(r, "abort")',
+         '        r.poisoned = True\n        self.table.fire(r, "abort")\n'
          '        if r.state == "aborting":  # BROKEN: released before its work in flight ended\n'
-         '            self._free_own(r)'),
+         '            self.table.free_own(r)'),
     ]),
     "09-host-evict-leaves": ("host_evict_leaves", [
         ("fsm/guards.py", '"has_host_child": lambda n: bool(n.has_host_child),',
@@ -74,7 +74,7 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "                core.trigger(n, EV.loadback_ack)"),
     ]),
     "11-atomic-admission": ("atomic_admission", [
-        ("src/kvtier/tiered.py", "        except CapacityError:\n            if hold is not None:\n"
+        ("fsm/admission.py", "        except CapacityError:\n            if hold is not None:\n"
                                  "                core.unlock(hold)\n            return None",
          "        except CapacityError:\n            return None  # BROKEN: the device-hit lock is not rolled back"),
     ]),
@@ -95,6 +95,12 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "15-exact-continuation-state": ("exact_continuation_state", [
         ("fsm/match.py", "            if i < d and has_checkpoint(nd.dev_ckpt, n_state):",
          "            if i < d:  # BROKEN: any device node ends a hit"),
+    ]),
+    "16-forward-fence": ("forward_fence", [
+        ("spec/lifecycle.toml", 'dest = "retracted"\nguards = ["!has_own_writeback", "settled"]',
+         'dest = "retracted"\nguards = ["!has_own_writeback"]  # BROKEN: retract with a pass out'),
+        ("spec/lifecycle.toml", 'dest = "retracting"\nguards = ["has_own_writeback", "settled"]',
+         'dest = "retracting"\nguards = ["has_own_writeback"]  # BROKEN'),
     ]),
 }
 

@@ -18,7 +18,9 @@ from kvtier.fsm.ops import Operation
 from kvtier.fsm.records import TransferCommand
 
 if TYPE_CHECKING:
-    from ..tiered import RequestEvent, TieredCache, _Request
+    from kvtier.fsm.request import Request, RequestEvent
+
+    from ..tiered import TieredCache
 
 __all__ = [
     "nodes",
@@ -103,11 +105,11 @@ def host_victim(core: CacheCore, node: Node) -> bool:
 
 # -- the facade (TieredCache) --------------------------------------------------------------
 
-def requests(cache: TieredCache) -> dict[str, _Request]:
-    """The facade's request records, by request id."""
-    return cache._requests
+def requests(cache: TieredCache) -> dict[str, Request]:
+    """The facade's request records (live, read-only for the kit), by request id."""
+    return {r.request_id: r for r in cache.table}
 
 
-def request_events(cache: TieredCache) -> list[RequestEvent]:
+def request_events(cache: TieredCache) -> tuple[RequestEvent, ...]:
     """Request state changes not yet reported by ``poll``."""
-    return cache._events
+    return tuple(cache.table.pending_events())

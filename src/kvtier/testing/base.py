@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, Family
 from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.request import TERMINAL as _REQUEST_TERMINAL
 from kvtier.fsm.spec import load_spec
 
 from .sequence import EventSequence, Step, machine_name
@@ -149,4 +150,4 @@ class KitMachine(RuleBasedStateMachine):
 #: A completion's fault roll (0..999), compared with ``fault_rate`` by :meth:`KitMachine.kit_fail`.
 ROLL = st.integers(0, 999)
 #: The request states a request ends in.
-TERMINAL = ("finished", "aborted")
+TERMINAL = tuple(sorted(_REQUEST_TERMINAL))

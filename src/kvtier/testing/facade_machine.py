@@ -265,7 +265,10 @@ class FacadeMachine(KitMachine):
     def retract(self, req: int, go: int = 0) -> None:
         rid = self._rid(req)
         if go == 0 and self._state(rid) is not None:
-            self._lifecycle_call(rid, self._state(rid) == "running", lambda: self.sched.retract(rid))
+            r = views.requests(self.cache).get(rid)
+            # (refused while a forward result is owed: the forward fence, invariant 16)
+            legal = r is not None and r.state == "running" and r.owed_forward == 0
+            self._lifecycle_call(rid, legal, lambda: self.sched.retract(rid))
 
     @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3))
     @recorded
@@ -418,8 +421,7 @@ class FacadeMachine(KitMachine):
                     raise InvariantViolation("release_once_after_fence", f"request {rid!r}",
                                              f"aborting with work in flight but its pages of {g!r} were released")
         core = self.cache.core
-        held = {r.lock.receipt_id for r in reqs.values() if r.lock is not None}
-        held |= {p.receipt_id for r in reqs.values() for p in r.pins}
+        held = {i for r in reqs.values() for i in r.receipts()}
         leaked = (set(views.locks(core)) | set(views.receipts(core))) - held
         if leaked:
             raise InvariantViolation("atomic_admission", "the facade",
@@ -448,9 +450,8 @@ class FacadeMachine(KitMachine):
                 out.append(Step.of("step_done", dict(req=req, checkpoint=False, discard=False)))
             if state == "running" and r.owed_forward == 0 and r.reserved < self.verify_max_units * align:
                 out.append(Step.of("reserve", dict(req=req, units=1)))
-            if state == "running":
-                if r.owed_forward == 0:
-                    out.append(Step.of("finish", dict(req=req)))
+            if state == "running" and r.owed_forward == 0:
+                out.append(Step.of("finish", dict(req=req)))
                 out.append(Step.of("retract", dict(req=req, go=0)))
             if state == "retracted" and r.owed_forward < 2:
                 out.append(Step.of("resume", dict(req=req, chunk=len(key))))

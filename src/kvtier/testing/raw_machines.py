@@ -281,7 +281,7 @@ class RequestLifecycleMachine(KitMachine):
         self.reqs = [_RawRequest(i) for i in range(2)]
         self.swept: set[str] = set()
 
-    @initialize(states=st.lists(st.sampled_from(range(9)), min_size=2, max_size=2))
+    @initialize(states=st.lists(st.sampled_from(range(len(load_spec().request.states))), min_size=2, max_size=2))
     @recorded
     def start(self, states: list[int]) -> None:
         """Each request starts in any state of the spec (plain requests own nothing)."""
@@ -353,7 +353,7 @@ class RequestLifecycleMachine(KitMachine):
             values[g.name] = not g.negated
         self._fire(index, row.event, values["has_loadback"], values["has_own_writeback"], values["settled"])
 
-    @rule(index=st.integers(0, 1), state=st.sampled_from(range(9)))
+    @rule(index=st.integers(0, 1), state=st.sampled_from(range(len(load_spec().request.states))))
     @recorded
     def jump(self, index: int, state: int) -> None:
         """Put a request in any state of the spec (plain requests own nothing)."""
