@@ -123,7 +123,7 @@ def test_abort_during_loadback_waits_for_ack(ack_first: bool) -> None:
     # released exactly once: the loaded node stays in the tree (both copies), nothing held
     assert (node.state, node.host_pin, node.lock_ref, node.borrow_ref) == ("backed", 0, 0, 0)
     assert held(c) == {"kv": 0} and free(c) == {"kv": 4}
-    assert not c.core._locks and not c.core._receipts
+    assert not c.core.receipts.locks() and not c.core.receipts.node_receipts()
     out = c.poll()
     assert out.events == (RequestEvent("b", "aborted", "client went away"),)
     assert c.requests() == [] and c.stats()["scheduler_aborts"] == 0
@@ -712,7 +712,7 @@ def test_retract_releases_device_pages_and_resume_uses_state_recovery() -> None:
     assert held(c) == {"fh": 0, "swa": 0}
     assert free(c)["fh"] == before["fh"] + 1  # the partial tail page, at once
     assert free(c)["swa"] == before["swa"] + 4  # its working state; the checkpoint is the tree's
-    assert len(only_node(c).dev_state["swa"]) == 4
+    assert len(only_node(c).dev_ckpt["swa"]) == 4
     (cmd,) = c.poll().commands
     assert {t.group for t in cmd.transfers} == {"fh", "swa"}  # history and the exact state
     node = only_node(c)
@@ -754,13 +754,13 @@ def test_a_checkpoint_handed_out_at_admission_stays_until_the_forward_result() -
     c.step_done("A", 4, checkpoint=True)  # X = [x] with a chunk checkpoint
     c.abort("A")
     x = only_node(c)
-    assert x.chunk_checkpoint and len(x.dev_state["swa"]) == 4
+    assert x.chunk_checkpoint and len(x.dev_ckpt["swa"]) == 4
     r = c.admit("R", list("xz"), prompt_tokens=9, chunk_tokens=5)
-    assert r is not None and r.start_token == 4 and r.checkpoint_pages == x.dev_state
+    assert r is not None and r.start_token == 4 and r.checkpoint_pages == x.dev_ckpt
     pages = list(r.checkpoint_pages["swa"])
     c.step_done("Q", 9, checkpoint=True)  # Y = [x, y] under X, with its own checkpoint
     c.check_invariants()
-    assert x.dev_state == {"swa": pages}
+    assert x.dev_ckpt == {"swa": pages}
     assert not set(pages) & c.core.device["swa"].free_pages()
     c.step_done("R", 5)  # R's forward pass has copied it: the chunk checkpoint may go now
     c.check_invariants()
@@ -785,12 +785,12 @@ def test_no_checkpoint_is_published_inside_a_history_replay_span() -> None:
     assert b is not None
     assert (b.start_token, b.recompute_tokens, b.history_hit_tokens, b.checkpoint_pages) == (12, 16, 28, {})
     assert c.step_done("B", 4, checkpoint=True) == {}  # tokens 12..16: inside the span
-    assert [n.depth for n in c.core.nodes() if n.dev_state] == [8]
+    assert [n.depth for n in c.core.nodes() if n.dev_ckpt] == [8]
     assert c.reserve("B", 12) is not None
     adopted = c.step_done("B", 12, checkpoint=True)  # tokens 16..28: the hit end, exact again
     c.check_invariants()
     assert set(adopted) == {"swa"}
-    assert sorted(n.depth for n in c.core.nodes() if n.dev_state) == [7, 8]
+    assert sorted(n.depth for n in c.core.nodes() if n.dev_ckpt) == [7, 8]
 
 
 def test_loadback_deadline_while_aborting_keeps_only_what_the_lock_holds() -> None:

@@ -673,9 +673,9 @@ class FacadeMachine(RuleBasedStateMachine):
             lo = len(prefix) - len(n.key)
             stores = []
             if n.state in DEVICE_READABLE:
-                stores.append(("device", self.dev_bytes, n.dev, n.dev_state))
+                stores.append(("device", self.dev_bytes, n.dev, n.dev_ckpt))
             if n.state in HOST_VISIBLE:
-                stores.append(("host", self.host_bytes, n.host, n.host_state))
+                stores.append(("host", self.host_bytes, n.host, n.host_ckpt))
             for pool, store, hist, state in stores:
                 for g, pages in hist.items():
                     for i, p in enumerate(pages):
@@ -716,7 +716,7 @@ class FacadeMachine(RuleBasedStateMachine):
         self._poll()
         core = c.core
         assert c.requests() == [], f"requests left after poll: {c.requests()}"
-        assert not core.operations() and not core._locks and not core._receipts
+        assert not core.operations() and not core.receipts.locks() and not core.receipts.node_receipts()
         for g in core.device:
             assert not core.external_pages(g), f"device pages of {g} still held outside the tree"
         for n in core.nodes():
