@@ -314,6 +314,16 @@ class _Lines:
     def __iter__(self) -> Iterator[tuple[int, bytes, bool]]:
         pending = bytearray()
         for chunk in self._chunks():
+            if not chunk.strip() and not pending.strip():  # blank lines only: counted at C speed
+                breaks = chunk.count(b"\n")
+                if breaks:
+                    self.lineno += breaks
+                    pending.clear()
+                    chunk = chunk[chunk.rfind(b"\n") + 1:]
+                pending += chunk
+                if len(pending) > MAX_LINE_BYTES:
+                    raise self._too_long()
+                continue
             parts = chunk.split(b"\n")
             if len(parts) > 1:
                 if pending:
