@@ -290,3 +290,314 @@ def test_not_gzip_hint_only_for_plain_content(tmp_path: Path) -> None:
 def test_line_numbers_stay_exact_after_long_blank_runs(tmp_path: Path, packed: bool, blank: str) -> None:
     body = GOOD + "\n" + blank * 200_000 + _line(output_length="-1") + "\n"
     _fails(_write(tmp_path, body, packed), 200_002, "output_length", "must be >= 0")
+
+
+# --- reference scheduler: every SchedRequest field x bad value ---------------------------
+
+LAYOUT = preset("llama-3-8b", page_tokens=16)
+_ARRIVAL = "arrival_s must be a finite number of seconds in 0 .. 1e+10"
+_PROMPT = "prompt_tokens must be an int in 1 .. 1,048,576"
+_OUTPUT = "output_tokens must be an int in 0 .. 131,072"
+SCHED_CASES: list[tuple[str, object, str]] = [
+    *[("request_id", v, "request_id must be a non-empty str") for v in ("", None, 5, b"r1")],
+    *[("arrival_s", v, _ARRIVAL) for v in (float("nan"), float("inf"), float("-inf"), -1.0, -1e-9, 1e308, 2e10,
+                                            "0", None, True, 1j, [0.0])],
+    *[("prompt_tokens", v, _PROMPT) for v in (0, -1, 1.5, 40.0, True, "40", None, MAX_INPUT_LENGTH + 1, 2**100,
+                                               float("nan"))],
+    *[("output_tokens", v, _OUTPUT) for v in (-1, 1.5, False, "3", None, MAX_OUTPUT_LENGTH + 1, 3_000_000)],
+    *[("units", v, "units must be a tuple of unit keys") for v in ("ab", None, 5, {"a": 1}, {"a"})],
+]
+
+
+def _request(rid: str = "r1", **change: Any) -> SchedRequest:
+    fields: dict[str, Any] = dict(request_id=rid, arrival_s=0.0, prompt_tokens=40, output_tokens=3,
+                                  units=(("p", 0), ("p", 1)))
+    fields.update(change)
+    return SchedRequest(**fields)
+
+
+def _workload() -> list[SchedRequest]:
+    return [_request("r0"), _request("r1", arrival_s=0.01, units=(("p", 0), ("q", 1))),
+            _request("r2", arrival_s=0.02, prompt_tokens=70, units=tuple(("s", i) for i in range(4)))]
+
+
+def _outcome(stats: RunStats) -> dict[str, object]:
+    out = dict(vars(stats))
+    for timing in ("kvtier_s", "kvtier_decode_s"):
+        out.pop(timing)
+    return out
+
+
+def _assert_unchanged(cache: TieredCache, sched: ReferenceScheduler) -> None:
+    """Nothing ran: the scheduler counted nothing, and the cache then serves a workload exactly
+    as a fresh cache does."""
+    assert sched.stats == RunStats()
+    assert not cache.in_flight()
+    after = ReferenceScheduler(cache).run(_workload())
+    fresh = ReferenceScheduler(TieredCache(LAYOUT, 16, 16)).run(_workload())
+    assert after.finished == 3 and _outcome(after) == _outcome(fresh)
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), SCHED_CASES,
+                         ids=[f"{c[0]}={c[1]!r}"[:40] for c in SCHED_CASES])
+def test_sched_request_rejects_bad_field(field: str, value: object, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _request(**{field: value})
+    assert type(info.value) is ConfigError and fragment in str(info.value)
+    assert f"got {value!r}" in str(info.value) or field == "units"
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), SCHED_CASES,
+                         ids=[f"{c[0]}={c[1]!r}"[:40] for c in SCHED_CASES])
+def test_run_rechecks_reassigned_fields_before_anything_runs(field: str, value: object, fragment: str) -> None:
+    cache = TieredCache(LAYOUT, 16, 16)
+    sched = ReferenceScheduler(cache)
+    good, bad = _request("r0"), _request("r1")
+    setattr(bad, field, value)
+    with pytest.raises(ConfigError) as info:
+        sched.run([good, bad])
+    assert type(info.value) is ConfigError and fragment in str(info.value)
+    assert good.tokens == 0 and not good.done
+    _assert_unchanged(cache, sched)
+
+
+def _used(r: SchedRequest) -> SchedRequest:
+    r.tokens = 5
+    return r
+
+
+RUN_CASES: list[tuple[str, Callable[[], Any], str]] = [
+    ("str", lambda: "r0", "requests must be a sequence of SchedRequest, got str"),
+    ("None", lambda: None, "requests must be a sequence of SchedRequest, got NoneType"),
+    ("int", lambda: 5, "requests must be a sequence of SchedRequest, got int"),
+    ("generator", lambda: (r for r in _workload()), "requests must be a sequence of SchedRequest, got generator"),
+    ("dict item", lambda: [_request("r0"), {"request_id": "r1"}], "requests[1] must be a SchedRequest, got dict"),
+    ("None item", lambda: [None], "requests[0] must be a SchedRequest, got NoneType"),
+    ("duplicate id", lambda: [_request("r0"), _request("r1"), _request("r0")], "request id 'r0' appears twice"),
+    ("run before", lambda: [_request("r0"), _used(_request("r1"))], "requests[1] ('r1') was run before"),
+]
+
+
+@pytest.mark.parametrize(("make", "fragment"), [c[1:] for c in RUN_CASES], ids=[c[0] for c in RUN_CASES])
+def test_run_rejects_bad_request_lists(make: Callable[[], Any], fragment: str) -> None:
+    cache = TieredCache(LAYOUT, 16, 16)
+    sched = ReferenceScheduler(cache)
+    with pytest.raises(ConfigError) as info:
+        sched.run(make())
+    assert type(info.value) is ConfigError and fragment in str(info.value)
+    _assert_unchanged(cache, sched)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_run_rejects_bad_max_steps(bad: object) -> None:
+    cache = TieredCache(LAYOUT, 16, 16)
+    sched = ReferenceScheduler(cache)
+    with pytest.raises(ConfigError, match="max_steps must be an int in 0 .. "):
+        sched.run(_workload(), max_steps=bad)  # type: ignore[arg-type]
+    _assert_unchanged(cache, sched)
+
+
+@pytest.mark.parametrize("option", ["token_budget", "max_idle_steps"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8", None])
+def test_scheduler_options_are_checked(option: str, bad: object) -> None:
+    with pytest.raises(ConfigError, match=f"{option} must be an int in 1 .. "):
+        ReferenceScheduler(TieredCache(LAYOUT, 16, 16), **{option: bad})
+
+
+def test_numpy_values_are_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    r = _request("r0", arrival_s=np.float64(0.5), prompt_tokens=np.int64(40), output_tokens=np.int32(3),
+                 units=[("p", 0), ("p", 1)])
+    assert (type(r.arrival_s), type(r.prompt_tokens), type(r.output_tokens), r.units) == (
+        float, int, int, (("p", 0), ("p", 1)))
+    stats = ReferenceScheduler(TieredCache(LAYOUT, 16, 16), token_budget=np.int64(64)).run([r])
+    assert stats.finished == 1
+
+
+class _LosesLoadbacks(InstantExecutor):
+    """Completes writebacks, never loadbacks (a lost completion, and no deadline)."""
+
+    def submit(self, commands: Any) -> None:
+        self._pending.extend(c for c in commands if c.direction is not Direction.LOADBACK)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])  # selective: no loadback in this workload
+def test_lost_completion_raises_scheduler_stalled_instead_of_spinning(policy: str) -> None:
+    cache = TieredCache(LAYOUT, 8, 64, policy=policy)
+    sched = ReferenceScheduler(cache, _LosesLoadbacks(), max_idle_steps=500)
+    a, b = tuple(("a", j) for j in range(4)), tuple(("b", j) for j in range(4))
+    reqs = [_request("r0", prompt_tokens=70, units=a), _request("r1", arrival_s=1.0, prompt_tokens=70, units=b),
+            _request("r2", arrival_s=2.0, prompt_tokens=70, units=a)]
+    with pytest.raises(SchedulerStalled) as info:
+        sched.run(reqs)
+    err = info.value
+    assert err.live == ("r2",) and cache.state("r2") == "loading"
+    assert 500 < err.steps < 2000
+    assert "no forward pass, arrival or ended request for 500 iterations (max_idle_steps)" in str(err)
+    assert "1 request(s) not ended (r2)" in str(err)
+
+
+# --- command line: capacities, layers, backends, small traces, exit statuses -------------
+
+CAPACITY_BAD: list[tuple[str, str]] = [
+    *[(t, "a bare number is a fraction of the working set, at most 1") for t in ("2", "1.5", "100", "1e3",
+                                                                                 "300000", "1.0001")],
+    *[(t, "must be a finite number > 0") for t in ("0", "-1", "-0.5", "nan", "inf", "-inf", "0%", "-5%", "nan%",
+                                                  "inf%")],
+    ("150%", "a percentage must be at most 100%"),
+    ("100.5%", "a percentage must be at most 100%"),
+    *[(t, "a token count must be >= 1") for t in ("0t", "-3t")],
+    *[(t, "expected a fraction of the working set (0.05 or 5%) or a token count (300000t)")
+      for t in ("1.5t", "t", "%", "", "lots", "0x10t", "1e5t", "5%t", "5t%", "5tt")],
+]
+CAPACITY_GOOD: list[tuple[str, tuple[str, float]]] = [
+    ("1", ("fraction", 1.0)), ("0.05", ("fraction", 0.05)), ("5%", ("fraction", 0.05)),
+    ("100%", ("fraction", 1.0)), (" 5% ", ("fraction", 0.05)), ("300000t", ("tokens", 300000)),
+    ("300_000t", ("tokens", 300000)), ("256T", ("tokens", 256)), ("1e-3", ("fraction", 0.001)),
+    ("5 t", ("tokens", 5)),
+]
+
+
+@pytest.mark.parametrize(("text", "fragment"), CAPACITY_BAD, ids=[repr(c[0]) for c in CAPACITY_BAD])
+def test_capacity_spellings_rejected(text: str, fragment: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as info:
+        replay_cli._capacity(text)
+    assert str(info.value).startswith(f"capacity {text!r}") and fragment in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "parsed"), CAPACITY_GOOD, ids=[repr(c[0]) for c in CAPACITY_GOOD])
+def test_capacity_spellings_accepted(text: str, parsed: tuple[str, float]) -> None:
+    assert tuple(replay_cli._capacity(text)) == parsed
+
+
+def _main(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as exc:  # argparse
+            code = exc.code if isinstance(exc.code, int) else 2
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("option", ["--device", "--host"])
+@pytest.mark.parametrize("text", ["2", "300000", "0t"])
+def test_cli_capacity_errors_exit_2(option: str, text: str) -> None:
+    code, _, err = _main("replay", "--backend", "none", "--limit", "2", option, text)
+    assert code == ExitCode.USAGE == 2
+    assert f"argument {option}: capacity {text!r}" in err and "Traceback" not in err
+
+
+def _replay_json(*argv: str) -> tuple[dict[str, Any], str]:
+    code, out, err = _main("replay", "--backend", "none", "--json", *argv)
+    assert code == ExitCode.OK, err
+    return json.loads(out), err
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+@pytest.mark.parametrize("name", ["deepseek-v4", "llama-3-8b", "deepseek-v3"])
+def test_every_preset_runs_with_few_layers(name: str, layers: int) -> None:
+    doc, _ = _replay_json("--limit", "2", "--preset", name, "--layers", str(layers))
+    configs = doc["configurations"]
+    assert [c["requests"] for c in configs] == [2, 2, 2]
+    assert configs[-1]["finished"] == 2 and configs[-1]["aborts"] == 0
+
+
+TINY_TRACES: list[tuple[str, list[str]]] = [
+    ("one token", [_line(input_length="1", hash_ids="[7]")]),
+    ("one block", [_line(input_length="512", hash_ids="[7]")]),
+    ("no output", [_line(output_length="0")]),
+    ("two requests", [GOOD, _line(timestamp="5", hash_ids="[0, 9]")]),
+    ("long and short", [_line(input_length="1", hash_ids="[1]"),
+                        _line(timestamp="1", input_length="20000", output_length="300",
+                              hash_ids=json.dumps(list(range(40))))]),
+]
+
+
+@pytest.mark.parametrize("lines", [c[1] for c in TINY_TRACES], ids=[c[0] for c in TINY_TRACES])
+def test_defaults_work_for_tiny_traces(tmp_path: Path, lines: list[str]) -> None:
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    doc, err = _replay_json(str(path))
+    for config in doc["configurations"]:
+        assert config["finished"] == len(lines) and config["aborts"] == 0
+    longest = max(json.loads(line)["input_length"] + json.loads(line)["output_length"] for line in lines)
+    assert doc["setup"]["device_tokens"] >= longest  # raised to the longest request
+    assert "raised to" in err
+
+
+@pytest.mark.parametrize("option", ["--device", "--host"])
+def test_capacity_above_the_unbounded_configuration_is_lowered(option: str) -> None:
+    doc, err = _replay_json("--limit", "3", option, f"{10**15}t")
+    unbounded = doc["configurations"][-1]["device_tokens"]
+    assert doc["setup"]["device_tokens" if option == "--device" else "host_tokens"] == unbounded < 10**15
+    assert f"note: {option} lowered to {unbounded:,} tokens" in err
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_gpu_backend_without_cuda_names_the_cli_options(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = _main("replay", "--limit", "2", "--backend", backend)
+    assert code == ExitCode.USAGE
+    assert f"--backend {backend} needs a CUDA GPU" in err
+    assert "use --backend cpu (real copies in host memory) or --backend none (metadata only)" in err
+    assert "device='cpu'" not in err and out == ""
+
+
+def _raise(exc: BaseException) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return run
+
+
+EXIT_CASES: list[tuple[str, BaseException, int, str]] = [
+    ("fingerprint mismatch", __import__("kvtier.fingerprint", fromlist=["x"]).FingerprintMismatch(
+        "r1", "g", "kv", 0, 3, "differs"), 1, "FingerprintMismatch: request 'r1'"),
+    ("stalled", SchedulerStalled("no progress", 10, ["r1"]), 1, "SchedulerStalled: no progress"),
+    ("invariant", InvariantViolation("pages_conserved", "pool", "leak"), 1, "InvariantViolation: invariant"),
+    ("trace format", TraceFormatError("t.jsonl", 4, "hash_ids", "bad"), 2, "t.jsonl, line 4, field 'hash_ids': bad"),
+    ("config", ConfigError("bad value"), 2, "kvtier replay: bad value"),
+    ("os", FileNotFoundError(2, "No such file or directory", "x.jsonl"), 2, "No such file or directory"),
+    ("value", ValueError("bad"), 2, "kvtier replay: bad"),
+    ("illegal transition", IllegalTransition("request", "request 'r1'", "loading", "retract"), 4, "internal error"),
+    ("runtime", RuntimeError("boom"), 4, "internal error (exit status 4); this is a kvtier bug"),
+    ("key", KeyError("k"), 4, "internal error"),
+    ("interrupt", KeyboardInterrupt(), 130, "kvtier replay: interrupted"),
+]
+
+
+@pytest.mark.parametrize(("exc", "code", "fragment"), [c[1:] for c in EXIT_CASES], ids=[c[0] for c in EXIT_CASES])
+def test_exit_status_of_each_error_class(monkeypatch: pytest.MonkeyPatch, exc: BaseException, code: int,
+                                         fragment: str) -> None:
+    monkeypatch.setattr("kvtier.replay.run_replay", _raise(exc))
+    got, _, err = _main("replay", "--limit", "2", "--backend", "none")
+    assert got == code and fragment in err
+    assert ("Traceback" in err) == (code == ExitCode.INTERNAL)
+
+
+@pytest.mark.parametrize("trace", ["/nonexistent/t.jsonl", "/", "/dev/zero"])
+def test_unreadable_trace_files_exit_2(trace: str) -> None:
+    code, _, err = _main("replay", trace, "--backend", "none")
+    assert code == ExitCode.USAGE and err.startswith("kvtier replay: ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [[], ["replay"], ["fuzz"], ["verify"], ["diagram"]])
+def test_help_lists_every_exit_status(command: list[str]) -> None:
+    code, out, _ = _main(*command, "--help")
+    assert code == 0
+    tail = out[out.index("exit status:"):]
+    for status in ExitCode:
+        assert f"\n  {int(status):<3}  " in tail
+
+
+def test_readme_lists_every_exit_status_and_limit() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Limits and exit codes"):]
+    section = section[:section.index("\n## ", 4)]
+    for status in ExitCode:
+        assert f"| {int(status)} |" in section
+    for name in ("MAX_LINE_BYTES", "MAX_DECOMPRESSED_BYTES", "MAX_GZIP_RATIO", "MAX_OUTPUT_LENGTH",
+                 "MAX_INPUT_LENGTH", "MAX_TIMESTAMP_MS", "MAX_JSON_DEPTH", "300000t"):
+        assert name in section
