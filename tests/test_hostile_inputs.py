@@ -267,10 +267,10 @@ def test_max_decompressed_bytes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "10", None])
 def test_bad_reader_arguments(tmp_path: Path, bad: object) -> None:
     path = _write(tmp_path, GOOD + "\n", packed=False)
-    with pytest.raises(ConfigError, match="max_decompressed_bytes must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="max_decompressed_bytes must be an int >= 1"):
         load_trace(path, max_decompressed_bytes=bad)  # type: ignore[arg-type]
     if bad is not None:
-        with pytest.raises(ConfigError, match="limit must be an integer >= 1"):
+        with pytest.raises(ConfigError, match="limit must be an int >= 1"):
             load_trace(path, limit=bad)  # type: ignore[arg-type]
 
 
@@ -296,8 +296,8 @@ def test_line_numbers_stay_exact_after_long_blank_runs(tmp_path: Path, packed: b
 
 LAYOUT = preset("llama-3-8b", page_tokens=16)
 _ARRIVAL = "arrival_s must be a finite number of seconds in 0 .. 1e+10"
-_PROMPT = "prompt_tokens must be an int in 1 .. 1,048,576"
-_OUTPUT = "output_tokens must be an int in 0 .. 131,072"
+_PROMPT = "prompt_tokens must be an int in 1..1048576"
+_OUTPUT = "output_tokens must be an int in 0..131072"
 SCHED_CASES: list[tuple[str, object, str]] = [
     *[("request_id", v, "request_id must be a non-empty str") for v in ("", None, 5, b"r1")],
     *[("arrival_s", v, _ARRIVAL) for v in (float("nan"), float("inf"), float("-inf"), -1.0, -1e-9, 1e308, 2e10,
@@ -392,7 +392,7 @@ def test_run_rejects_bad_request_lists(make: Callable[[], Any], fragment: str) -
 def test_run_rejects_bad_max_steps(bad: object) -> None:
     cache = TieredCache(LAYOUT, 16, 16)
     sched = ReferenceScheduler(cache)
-    with pytest.raises(ConfigError, match="max_steps must be an int in 0 .. "):
+    with pytest.raises(ConfigError, match="max_steps must be an int in 0[.][.]"):
         sched.run(_workload(), max_steps=bad)  # type: ignore[arg-type]
     _assert_unchanged(cache, sched)
 
@@ -400,7 +400,7 @@ def test_run_rejects_bad_max_steps(bad: object) -> None:
 @pytest.mark.parametrize("option", ["token_budget", "max_idle_steps"])
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8", None])
 def test_scheduler_options_are_checked(option: str, bad: object) -> None:
-    with pytest.raises(ConfigError, match=f"{option} must be an int in 1 .. "):
+    with pytest.raises(ConfigError, match=f"{option} must be an int in 1[.][.]"):
         ReferenceScheduler(TieredCache(LAYOUT, 16, 16), **{option: bad})
 
 

@@ -58,15 +58,16 @@ class SchedulerStalled(KvtierError):  # type: ignore[misc,unused-ignore]  # Any 
 
 
 def _index(value: object, name: str, low: int, high: int) -> int:
-    """``value`` as an int in ``low .. high`` (anything ``operator.index`` accepts but bool)."""
+    """``value`` as an int in ``low .. high`` (anything ``operator.index`` accepts but bool;
+    the wording of ``kvtier.fsm.checks.as_int``)."""
     try:
         if isinstance(value, bool):
             raise TypeError
         n = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise ConfigError(f"{name} must be an int in {low:,} .. {high:,}, got {value!r}") from None
+        raise ConfigError(f"{name} must be an int in {low}..{high}, got {value!r}") from None
     if not low <= n <= high:
-        raise ConfigError(f"{name} must be an int in {low:,} .. {high:,}, got {value!r}")
+        raise ConfigError(f"{name} must be an int in {low}..{high}, got {value!r}")
     return n
 
 
@@ -263,7 +264,6 @@ class ReferenceScheduler:
         align_chunks: end a prefill chunk at the prompt's last full unit when the layout
             has continuation-state groups, so the state there can be checkpointed.
         unit_bytes: bytes of one unit over the history groups (for byte counts).
-
         max_idle_steps: iterations in a row without progress before :meth:`run` raises
             :class:`SchedulerStalled` (default :data:`DEFAULT_MAX_IDLE_STEPS`).
 

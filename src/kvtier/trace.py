@@ -483,15 +483,16 @@ def _parse(lines: _Lines, source: str, limit: int | None, strict: bool) -> list[
 
 
 def _count(value: object, name: str, minimum: int) -> int:
-    """``value`` as an int >= ``minimum`` (anything ``operator.index`` accepts but bool)."""
+    """``value`` as an int >= ``minimum`` (anything ``operator.index`` accepts but bool; the
+    wording of ``kvtier.fsm.checks.as_int``)."""
     try:
         if isinstance(value, bool):
             raise TypeError
         n = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}") from None
     if n < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
     return n
 
 
