@@ -423,7 +423,7 @@ class _LosesLoadbacks(InstantExecutor):
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])  # selective: no loadback in this workload
 def test_lost_completion_raises_scheduler_stalled_instead_of_spinning(policy: str) -> None:
-    cache = TieredCache(LAYOUT, 8, 64, policy=policy)
+    cache = TieredCache(LAYOUT, 8, 64, policy=policy, op_deadline_steps=None)  # no deadline: waits forever
     sched = ReferenceScheduler(cache, _LosesLoadbacks(), max_idle_steps=500)
     a, b = tuple(("a", j) for j in range(4)), tuple(("b", j) for j in range(4))
     reqs = [_request("r0", prompt_tokens=70, units=a), _request("r1", arrival_s=1.0, prompt_tokens=70, units=b),
