@@ -1,7 +1,9 @@
 """The ``kvtier`` command line.
 
 Subcommands import their machinery only when run, so ``kvtier --help`` stays fast and
-never imports torch, numba or hypothesis.
+never imports torch, numba or hypothesis. Exit statuses: :class:`kvtier.exitcodes.ExitCode`
+(0 success, 1 a check failed, 2 bad input, 3 stopped before the end, 4 internal error,
+130 interrupted), the same for every subcommand.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import fraction, positive_float, positive_int
+from .exitcodes import ExitCode, LineFormatter, epilog
 
 __all__ = ["main", "build_parser"]
 
@@ -29,16 +32,16 @@ def _cmd_diagram(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         if not problems:
             print(f"diagrams in {out} match the spec")
-        return 1 if problems else 0
+        return ExitCode.FAILED if problems else ExitCode.OK
     formats = tuple(args.format) if args.format else ("dot", "mermaid", "svg")
     try:
         paths = write_diagrams(out, formats)
     except DiagramError as exc:
         print(f"kvtier diagram: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     for p in paths:
         print(p)
-    return 0
+    return ExitCode.OK
 
 
 _TESTING_HINT = "needs the testing extra (Hypothesis): pip install 'kvtier[testing]'"
@@ -49,10 +52,10 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
         from .testing.fuzz import campaign, replay_file
     except ImportError as exc:
         print(f"kvtier fuzz {_TESTING_HINT} ({exc})", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     if args.replay:
         result = replay_file(args.replay)
-        return 0 if result.outcome == "pass" else 1
+        return ExitCode.OK if result.outcome == "pass" else ExitCode.FAILED
     steps = args.steps
     if steps is None and args.minutes is None:
         steps = 10_000
@@ -65,11 +68,11 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
                    mix={m: 1.0 for m in args.machine} if args.machine else None)
     print(res.report())
     if res.failure is not None:
-        return 1
+        return ExitCode.FAILED
     if args.require_coverage and not res.coverage.complete:
         print("kvtier fuzz: coverage is not complete (--require-coverage)", file=sys.stderr)
-        return 3
-    return 0
+        return ExitCode.INCOMPLETE
+    return ExitCode.OK
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -78,7 +81,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         from .testing.verify import verify
     except ImportError as exc:
         print(f"kvtier verify {_TESTING_HINT} ({exc})", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     machine: type[FacadeMachine] = FacadeMachine
     if args.requests == 1:
         meta: Any = type(FacadeMachine)
@@ -99,11 +102,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if res.violation is not None:
         path = res.violation.save(args.save)
         print(f"saved as {path} (reproduce: kvtier fuzz --replay {path})")
-        return 1
+        return ExitCode.FAILED
     if res.stopped:
         print(f"kvtier verify: the bound was not completed ({res.stopped})", file=sys.stderr)
-        return 3
-    return 0
+        return ExitCode.INCOMPLETE
+    return ExitCode.OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvtier",
         description="kvtier: a verified two-tier (GPU device + pinned host) KV cache lifecycle "
                     "with radix-tree prefix reuse.",
+        epilog=epilog(), formatter_class=LineFormatter,
     )
     from . import __version__
 
@@ -123,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay(sub)
 
     p = sub.add_parser("diagram", help="draw the node and request lifecycles from the spec",
+                       epilog=epilog(), formatter_class=LineFormatter,
                        description="Draw both lifecycles from spec/lifecycle.toml with transitions' "
                                    "GraphMachine (guards on edges). svg/png need the Graphviz 'dot' "
                                    "binary; dot and mermaid do not.")
@@ -135,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_diagram)
 
     p = sub.add_parser("fuzz", help="stateful fuzzing campaign of the core and facade (needs kvtier[testing])",
+                       epilog=epilog(), formatter_class=LineFormatter,
                        description="Run the Hypothesis state machines of the core, the facade and the raw "
                                    "node and request lifecycles as one campaign with fault injection; print "
                                    "the steps run, the invariants checked and the lifecycle coverage computed "
@@ -160,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_fuzz)
 
     p = sub.add_parser("verify", help="exhaustive bounded exploration of a small configuration (needs kvtier[testing])",
+                       epilog=epilog(), formatter_class=LineFormatter,
                        description="Breadth-first over every interleaving of admissions, forward results, "
                                    "finishes, retractions, resumptions, aborts, completions (success and "
                                    "failure) and polls of two requests on a small facade, merging equivalent "
@@ -183,20 +190,63 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status (:class:`kvtier.exitcodes.ExitCode`).
+
+    Bad input is reported in one line on stderr with status 2; errors that kvtier's own
+    checks find during a run (an invariant violation, a fingerprint mismatch, a stalled
+    scheduler) with status 1; any other exception is a kvtier bug: its traceback is printed
+    with status 4. Ctrl-C gives status 130.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # exits with status 2 on a bad option or value
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
     if func is None:
         parser.print_help()
-        return 0
-    from kvtier.fsm import KvtierError
+        return ExitCode.OK
+    from kvtier.fsm import ConfigError, KvtierError
 
+    name = f"kvtier {args.command}"
     try:
-        return func(args)
-    except (KvtierError, OSError, ValueError) as exc:  # bad input: a message, not a traceback
-        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return int(func(args))
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except KvtierError as exc:
+        if isinstance(exc, _check_failures()):
+            print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return ExitCode.FAILED
+        if isinstance(exc, ConfigError):  # bad input: a message, not a traceback
+            print(f"{name}: {exc}", file=sys.stderr)
+            return ExitCode.USAGE
+        return _internal(name)  # any other kvtier error escaping a command is a bug
+    except (OSError, ValueError) as exc:  # files, and values the argparse types cannot see
+        print(f"{name}: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    except Exception:
+        return _internal(name)
+
+
+def _check_failures() -> tuple[type[BaseException], ...]:
+    """The errors that mean "a check failed" (exit status 1): an invariant violation, a
+    fingerprint mismatch, a stalled scheduler. Looked up only in modules already imported, so
+    a subcommand never imports torch for this."""
+    from kvtier.fsm import InvariantViolation
+
+    found: list[type[BaseException]] = [InvariantViolation]
+    for module, name in (("kvtier.fingerprint", "FingerprintMismatch"), ("kvtier.scheduler", "SchedulerStalled")):
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            found.append(getattr(loaded, name))
+    return tuple(found)
+
+
+def _internal(name: str) -> int:
+    import traceback
+
+    traceback.print_exc()
+    print(f"{name}: internal error (exit status {int(ExitCode.INTERNAL)}); this is a kvtier bug, please report "
+          f"it with the traceback above", file=sys.stderr)
+    return ExitCode.INTERNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

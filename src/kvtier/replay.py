@@ -25,7 +25,7 @@ from .tiered import TieredCache
 from .trace import MOONCAKE_BLOCK_TOKENS, Trace
 
 __all__ = ["ReplaySetup", "ConfigResult", "trace_requests", "run_replay", "run_config", "make_executor",
-           "working_set_units", "format_table", "to_json"]
+           "working_set_units", "capacity_bounds", "format_table", "to_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,8 @@ class ReplaySetup:
         limit: requests replayed (``None``: all).
         seed: seed of anything random (the fingerprints' salt).
         token_budget: tokens per scheduler step.
-        preset_params: preset parameter overrides, e.g. ``(("num_layers", 8),)``.
+        preset_params: preset parameter overrides, e.g. ``(("num_layers", 8),)`` or
+            ``(("num_layers", 1), ("ratios", (4,)))``.
     """
 
     preset: str = "deepseek-v4"
@@ -54,7 +55,7 @@ class ReplaySetup:
     limit: int | None = None
     seed: int = 0
     token_budget: int = 8192
-    preset_params: tuple[tuple[str, int], ...] = ()
+    preset_params: tuple[tuple[str, int | tuple[int, ...]], ...] = ()
 
     def layout(self) -> CacheLayout:
         """The preset's layout with ``preset_params`` applied."""
@@ -172,6 +173,16 @@ def working_set_units(trace: Trace, layout: CacheLayout) -> int:
     return count
 
 
+def capacity_bounds(trace: Trace, layout: CacheLayout) -> tuple[int, int]:
+    """``(longest, unbounded)`` in cache units: the units one request can hold at once (its
+    prompt and output plus 2, for the longest request), and the capacity of the unbounded
+    configuration (the working set plus that for every request), which never evicts."""
+    reqs = trace.requests
+    per = [(r.input_length + r.output_length) // layout.alignment + 2 for r in reqs]
+    longest = max(per) if per else 1
+    return longest, max(working_set_units(trace, layout) + sum(per), longest)
+
+
 def run_config(name: str, requests: Sequence[SchedRequest], layout: CacheLayout, device_units: int,
                host_units: int | None, setup: ReplaySetup, executor: Executor | None = None,
                cost: CostModel | None = None, progress: Callable[[int], None] | None = None) -> ConfigResult:
@@ -238,12 +249,11 @@ def run_replay(trace: Trace, setup: ReplaySetup, *,
     layout = setup.layout()
     reqs = trace_requests(trace, layout)
     ws = working_set_units(trace, layout)
-    longest = max((r.prompt_tokens + r.output_tokens) // layout.alignment + 2 for r in reqs) if reqs else 1
-    unbounded = ws + sum((r.prompt_tokens + r.output_tokens) // layout.alignment + 2 for r in reqs)
+    unbounded = capacity_bounds(trace, layout)[1]
     configs: list[tuple[str, int, int | None]] = [
         ("device-only", setup.device_units, None),
         ("device+host", setup.device_units, setup.host_units),
-        ("unbounded", max(unbounded, longest), None),
+        ("unbounded", unbounded, None),
     ]
     results = []
     for name, dev, host in configs:

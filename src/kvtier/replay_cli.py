@@ -6,32 +6,80 @@ import argparse
 import json
 import math
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from .argtypes import int_in_range, positive_int
+from .exitcodes import ExitCode, LineFormatter, epilog
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "Capacity", "CAPACITY_HELP", "DEFAULT_DEVICE_FRACTION", "DEFAULT_HOST_FRACTION"]
 
 DEFAULT_DEVICE_FRACTION = 0.05
+"""Default ``--device``: 5 % of the trace's unbounded working set."""
 DEFAULT_HOST_FRACTION = 0.5
+"""Default ``--host``: 50 % of the trace's unbounded working set."""
+
+CAPACITY_HELP = ("CAP is a fraction of the trace's unbounded working set, written 0.05 or 5%% (a bare "
+                 "number must be in (0, 1]: 1 is the whole working set), or a token count with a 't' "
+                 "suffix: 300000t. A fraction is rounded down to whole cache units and raised to at least "
+                 "the longest request's units, so every request fits; any capacity above the unbounded "
+                 "configuration's (which never evicts) is lowered to it, with a note")
 
 
-def _capacity(text: str) -> tuple[str, float]:
-    """``"0.05"`` or ``"5%"`` -> a fraction of the working set; ``"300000t"`` -> tokens."""
+class Capacity(NamedTuple):
+    """A parsed ``--device`` / ``--host`` value: ``kind`` is ``"fraction"`` (``value`` in (0, 1])
+    or ``"tokens"`` (``value`` an int >= 1)."""
+
+    kind: str
+    value: float
+
+
+def _capacity(text: str) -> Capacity:
+    """``"0.05"`` or ``"5%"`` -> a fraction of the working set; ``"300000t"`` -> tokens.
+
+    A bare number above 1 is refused (it could mean tokens or a percentage), never guessed."""
     t = text.strip().lower()
-    kind = "tokens" if t.endswith("t") else "fraction" if t.endswith("%") else ""
+    expected = "expected a fraction of the working set (0.05 or 5%) or a token count (300000t)"
     try:
-        v = float(int(t[:-1])) if kind == "tokens" else float(t[:-1]) / 100 if kind else float(t)
+        if t.endswith("t"):
+            tokens = int(t[:-1])
+            if tokens < 1:
+                raise argparse.ArgumentTypeError(f"capacity {text!r}: a token count must be >= 1")
+            return Capacity("tokens", tokens)
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"capacity {text!r}: expected a fraction of the working set (0.05 or 5%) or tokens (300000t)") from None
+        raise argparse.ArgumentTypeError(f"capacity {text!r}: {expected}") from None
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"capacity {text!r} must be a finite number > 0")
-    if kind == "fraction" and v > 1:
+    if t.endswith("%") and v > 1:
         raise argparse.ArgumentTypeError(f"capacity {text!r}: a percentage must be at most 100%")
-    if kind:
-        return kind, v
-    return ("fraction", v) if v <= 1 else ("tokens", v)
+    if v > 1:
+        raise argparse.ArgumentTypeError(
+            f"capacity {text!r}: a bare number is a fraction of the working set, at most 1; "
+            f"write {t}t for {t} tokens or {t}% for a percentage")
+    return Capacity("fraction", v)
+
+
+def _v4_ratios(layers: int) -> tuple[int, ...]:
+    """DeepSeek V4 compression ratios for ``layers`` layers: the preset's pattern (two
+    sliding-window-only layers, then 4 and 128 alternating), with fewer sliding-window-only
+    layers below 3 layers so at least one layer keeps compressed history: 1 -> (4,), 2 -> (1, 4)."""
+    window_only = min(2, layers - 1)
+    return (1,) * window_only + tuple(4 if i % 2 == 0 else 128 for i in range(layers - window_only))
+
+
+def _check_backend(backend: str) -> None:
+    """Fail before the run, with a CLI hint, when ``torch``/``numba`` has no CUDA device here."""
+    if backend not in ("torch", "numba", "hybrid"):
+        return
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"--backend {backend} needs torch with CUDA; torch is not installed. "
+                         f"Use --backend none (metadata only)") from None
+    if not torch.cuda.is_available():
+        raise ValueError(f"--backend {backend} needs a CUDA GPU, and this machine has none "
+                         f"(torch.cuda.is_available() is False); use --backend cpu (real copies in host memory) "
+                         f"or --backend none (metadata only)")
 
 
 def _check_plot(path: str) -> None:
@@ -56,27 +104,30 @@ def add_parser(sub: Any) -> None:
         description="Replay a Mooncake-format trace (default: the embedded first 1,000 requests of the public "
                     "Mooncake conversation trace) through the reference scheduler, the tiered cache and a "
                     "transfer backend, in three configurations: device cache only, device plus host tier, and "
-                    "an unbounded cache. Capacities are fractions of the trace's unbounded working set "
-                    f"(defaults: device {DEFAULT_DEVICE_FRACTION:g}, host {DEFAULT_HOST_FRACTION:g}, which make "
-                    "the default run capacity-bound) or token counts with a 't' suffix.")
+                    f"an unbounded cache. {CAPACITY_HELP.replace('%%', '%')}. Defaults: device "
+                    f"{DEFAULT_DEVICE_FRACTION:g}, host {DEFAULT_HOST_FRACTION:g}, which make the default run "
+                    "capacity-bound on the embedded trace and work on any valid trace.",
+        epilog=epilog(), formatter_class=LineFormatter)
     p.add_argument("trace", nargs="?", default=None,
                    help="trace file (.jsonl or .jsonl.gz); default: the embedded slice")
     p.add_argument("--preset", default="deepseek-v4", choices=["deepseek-v4", "llama-3-8b", "deepseek-v3"],
                    help="model preset (default: %(default)s)")
     p.add_argument("--layers", type=int_in_range(1, 4096), default=None, metavar="N",
-                   help="model layers, 1 to 4096 (a preset parameter; default: the preset's)")
+                   help="model layers, 1 to 4096 (a preset parameter; default: the preset's; deepseek-v4 "
+                        "below 3 layers: ratios (4,) or (1, 4))")
     p.add_argument("--page-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens per page for llama-3-8b / deepseek-v3 (default: the preset's)")
-    p.add_argument("--device", type=_capacity, default=("fraction", DEFAULT_DEVICE_FRACTION), metavar="CAP",
-                   help=f"device capacity: a fraction of the working set (0.05 or 5%%), or tokens ('300000t'; a "
-                        f"plain number above 1 is also tokens) (default {DEFAULT_DEVICE_FRACTION})")
-    p.add_argument("--host", type=_capacity, default=("fraction", DEFAULT_HOST_FRACTION), metavar="CAP",
+    p.add_argument("--device", type=_capacity, default=Capacity("fraction", DEFAULT_DEVICE_FRACTION), metavar="CAP",
+                   help=f"device capacity: a fraction of the working set (0.05 or 5%%; a bare number must be "
+                        f"at most 1) or tokens with a 't' suffix (300000t) (default {DEFAULT_DEVICE_FRACTION})")
+    p.add_argument("--host", type=_capacity, default=Capacity("fraction", DEFAULT_HOST_FRACTION), metavar="CAP",
                    help=f"host capacity, likewise (default {DEFAULT_HOST_FRACTION})")
     p.add_argument("--policy", default="write_through_selective",
                    choices=["write_through", "write_through_selective", "write_back"],
                    help="write policy (default: %(default)s)")
     p.add_argument("--backend", default="cpu", choices=["none", "cpu", "torch", "numba", "hybrid"],
-                   help="transfer backend; none = metadata only (default: %(default)s)")
+                   help="transfer backend; none = metadata only, cpu = real copies in host memory, torch, "
+                        "numba and hybrid need a CUDA GPU (default: %(default)s)")
     p.add_argument("--byte-scale", type=positive_int, default=1024, metavar="N",
                    help="divide page bytes by N for real copies, keeping >= 64 B per page per group and "
                         "component (default: %(default)s)")
@@ -88,63 +139,85 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _units(kind_value: tuple[str, float], working_set: int, alignment: int) -> int:
-    kind, value = kind_value
-    return int(working_set * value) if kind == "fraction" else int(value) // alignment
+def _units(opt: str, cap: Capacity, working_set: int, longest: int, unbounded: int, alignment: int) -> int:
+    """Cache units for a capacity (see :data:`CAPACITY_HELP`); a note on stderr when raised
+    or lowered.
+
+    Raises:
+        ValueError: a token count below one cache unit.
+    """
+    if cap.kind == "fraction":
+        units = int(working_set * cap.value)
+        if units < longest:
+            print(f"kvtier replay: note: {opt} {cap.value:g} of the working set is {units:,} unit(s); raised "
+                  f"to {longest:,} units ({longest * alignment:,} tokens), the longest request's", file=sys.stderr)
+            units = longest
+    else:
+        units = int(cap.value) // alignment
+        if units < 1:
+            raise ValueError(f"{opt} {int(cap.value):,}t is less than one cache unit ({alignment} tokens)")
+    if units > unbounded:
+        print(f"kvtier replay: note: {opt} lowered to {unbounded * alignment:,} tokens, the unbounded "
+              f"configuration's capacity: this trace never uses more", file=sys.stderr)
+        units = unbounded
+    return units
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the replay; returns the exit status."""
-    from kvtier.fsm import KvtierError
+    """Run the replay; returns the exit status (:class:`kvtier.exitcodes.ExitCode`).
+
+    Raises:
+        kvtier.fsm.ConfigError, ValueError, OSError: bad options or input (``kvtier.cli.main``
+            reports them with exit status 2); errors found by the run itself propagate too.
+    """
     from kvtier.fsm.presets import preset
 
-    from .replay import ReplaySetup, format_table, run_replay, to_json, working_set_units
+    from .replay import ReplaySetup, capacity_bounds, format_table, run_replay, to_json, working_set_units
     from .trace import load_trace
 
+    if args.plot:
+        _check_plot(args.plot)
+    _check_backend(args.backend)
+    trace = load_trace(args.trace, limit=args.limit)
+    params: list[tuple[str, int | tuple[int, ...]]] = []
+    if args.layers is not None:
+        params.append(("num_layers", args.layers))
+        if args.preset == "deepseek-v4" and args.layers < 3:
+            params.append(("ratios", _v4_ratios(args.layers)))
+    if args.page_tokens is not None:
+        if args.preset == "deepseek-v4":
+            raise ValueError("--page-tokens applies to llama-3-8b and deepseek-v3 (deepseek-v4's pages are fixed)")
+        params.append(("page_tokens", args.page_tokens))
+    layout = preset(args.preset, **dict(params))
+    ws = working_set_units(trace, layout)
+    longest, unbounded = capacity_bounds(trace, layout)
+    dev_units = _units("--device", args.device, ws, longest, unbounded, layout.alignment)
+    host_units = _units("--host", args.host, ws, longest, unbounded, layout.alignment)
+    setup = ReplaySetup(preset=args.preset, preset_params=tuple(params), device_units=dev_units,
+                        host_units=host_units, policy=args.policy,
+                        backend=args.backend, byte_scale=args.byte_scale, limit=args.limit, seed=args.seed)
+    show = not args.json and sys.stderr.isatty()
+    bars: list[Any] = []
+
+    def progress(name: str, total: int) -> Any:
+        if not show:
+            return None
+        from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
+
+        bar = tqdm(total=total, desc=name, unit="req", leave=False, file=sys.stderr)
+        bars.append(bar)
+        return bar.update
+
+    if not args.json:
+        print(f"replaying {len(trace):,} requests of {trace.source} with preset {layout.name}: unbounded "
+              f"working set {ws * layout.alignment:,} tokens; device {setup.device_units * layout.alignment:,} "
+              f"tokens, host {setup.host_units * layout.alignment:,} tokens; backend {args.backend}",
+              flush=True)
     try:
-        if args.plot:
-            _check_plot(args.plot)
-        trace = load_trace(args.trace, limit=args.limit)
-        params: list[tuple[str, int]] = []
-        if args.layers is not None:
-            params.append(("num_layers", args.layers))
-        if args.page_tokens is not None:
-            if args.preset == "deepseek-v4":
-                raise ValueError("--page-tokens applies to llama-3-8b and deepseek-v3 (deepseek-v4's pages are fixed)")
-            params.append(("page_tokens", args.page_tokens))
-        layout = preset(args.preset, **dict(params))
-        ws = working_set_units(trace, layout)
-        dev_units = _units(args.device, ws, layout.alignment)
-        host_units = _units(args.host, ws, layout.alignment)
-        for opt, units in (("--device", dev_units), ("--host", host_units)):
-            if units < 1:
-                raise ValueError(f"{opt} is less than one cache unit ({layout.alignment} tokens)")
-        setup = ReplaySetup(preset=args.preset, preset_params=tuple(params), device_units=dev_units,
-                            host_units=host_units, policy=args.policy,
-                            backend=args.backend, byte_scale=args.byte_scale, limit=args.limit, seed=args.seed)
-        show = not args.json and sys.stderr.isatty()
-        bars: list[Any] = []
-
-        def progress(name: str, total: int) -> Any:
-            if not show:
-                return None
-            from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
-
-            bar = tqdm(total=total, desc=name, unit="req", leave=False, file=sys.stderr)
-            bars.append(bar)
-            return bar.update
-
-        if not args.json:
-            print(f"replaying {len(trace):,} requests of {trace.source} with preset {layout.name}: unbounded "
-                  f"working set {ws * layout.alignment:,} tokens; device {setup.device_units * layout.alignment:,} "
-                  f"tokens, host {setup.host_units * layout.alignment:,} tokens; backend {args.backend}",
-                  flush=True)
         results, summary = run_replay(trace, setup, progress=progress)
+    finally:
         for bar in bars:
             bar.close()
-    except (KvtierError, OSError, ValueError) as exc:
-        print(f"kvtier replay: {exc}", file=sys.stderr)
-        return 2
     if args.json:
         json.dump(to_json(results, summary), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -155,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
             from .plot import plot_timeline
         except ImportError as exc:
             print(f"kvtier replay: --plot needs matplotlib (pip install 'kvtier[plot]'): {exc}", file=sys.stderr)
-            return 2
+            return ExitCode.USAGE
         plot_timeline(results, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
-    return 0
+    return ExitCode.OK

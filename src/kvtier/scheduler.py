@@ -14,6 +14,8 @@ Time is modeled (:class:`CostModel`); the cache's decisions never depend on it.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections import deque
 from time import perf_counter
 from typing import Any
@@ -21,12 +23,52 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtier.fsm import Completion, ConfigError, Direction, TransferCommand
+from kvtier.fsm import Completion, ConfigError, Direction, KvtierError, TransferCommand
 
 from .costmodel import CostModel
 from .tiered import Admission, TieredCache
+from .trace import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, MAX_TIMESTAMP_MS
 
-__all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats"]
+__all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats", "SchedulerStalled",
+           "DEFAULT_MAX_IDLE_STEPS", "MAX_ARRIVAL_S"]
+
+DEFAULT_MAX_IDLE_STEPS = 100_000
+"""Scheduler iterations in a row without progress (no forward pass, arrival or ended request)
+after which :meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (a lost transfer
+completion, for instance, would otherwise be waited for forever)."""
+
+MAX_ARRIVAL_S = MAX_TIMESTAMP_MS / 1000
+"""Latest arrival time accepted, in seconds (1e10 s: the trace reader's ``MAX_TIMESTAMP_MS``)."""
+
+
+class SchedulerStalled(KvtierError):  # type: ignore[misc,unused-ignore]  # Any when mypy cannot map kvtier.fsm
+    """The reference scheduler stopped making progress, or ran past its bound on steps.
+
+    Attributes:
+        steps: scheduler iterations run.
+        live: ids of the requests that had not ended (at most 10 listed in the message).
+    """
+
+    def __init__(self, detail: str, steps: int, live: Sequence[str]) -> None:
+        self.steps = steps
+        self.live = tuple(live)
+        shown = ", ".join(self.live[:10]) + (", ..." if len(self.live) > 10 else "")
+        super().__init__(f"{detail} after {steps:,} iterations; {len(self.live):,} request(s) not ended "
+                         f"({shown})")
+
+
+def _index(value: object, name: str, low: int, high: int) -> int:
+    """``value`` as an int in ``low .. high`` (anything ``operator.index`` accepts but bool;
+    the wording of ``kvtier.fsm.checks.as_int``)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name} must be an int in {low}..{high}, got {value!r}") from None
+    if not low <= n <= high:
+        raise ConfigError(f"{name} must be an int in {low}..{high}, got {value!r}")
+    return n
 
 
 @dataclass(slots=True, eq=False)
@@ -34,11 +76,15 @@ class SchedRequest:
     """A request as the reference scheduler sees it.
 
     Attributes:
-        request_id: unique id.
-        arrival_s: arrival time (seconds).
-        prompt_tokens: prompt length (tokens, >= 1).
-        output_tokens: tokens to generate (>= 1 counted; 0 behaves as 1).
-        units: unit keys of the prompt's full units.
+        request_id: unique id (a non-empty str).
+        arrival_s: arrival time (seconds, finite, 0 .. :data:`MAX_ARRIVAL_S`).
+        prompt_tokens: prompt length (tokens, 1 .. ``kvtier.trace.MAX_INPUT_LENGTH``).
+        output_tokens: tokens to generate (0 .. ``kvtier.trace.MAX_OUTPUT_LENGTH``; 0 behaves as 1).
+        units: unit keys of the prompt's full units (a list is stored as a tuple).
+
+    Raises:
+        ConfigError: any of these out of range or of the wrong type (checked again by
+            :meth:`ReferenceScheduler.run`, since the fields can be reassigned).
     """
 
     request_id: str
@@ -61,7 +107,31 @@ class SchedRequest:
     kv_target: int = 0  # tokens whose KV must exist before it decodes (prompt, or what it had)
 
     def __post_init__(self) -> None:
+        self.check()
         self.kv_target = self.prompt_tokens
+
+    def check(self) -> None:
+        """Validate (and normalise) the request's inputs.
+
+        Raises:
+            ConfigError: a bad ``request_id``, ``arrival_s``, ``prompt_tokens``,
+                ``output_tokens`` or ``units``; the message names the request and the field.
+        """
+        rid = self.request_id
+        if not isinstance(rid, str) or not rid:
+            raise ConfigError(f"SchedRequest: request_id must be a non-empty str, got {rid!r}")
+        where = f"SchedRequest {rid!r}"
+        t = self.arrival_s
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) \
+                or not 0 <= t <= MAX_ARRIVAL_S:
+            raise ConfigError(f"{where}: arrival_s must be a finite number of seconds in 0 .. {MAX_ARRIVAL_S:.0e}, "
+                              f"got {t!r}")
+        self.arrival_s = float(t)
+        self.prompt_tokens = _index(self.prompt_tokens, f"{where}: prompt_tokens", 1, MAX_INPUT_LENGTH)
+        self.output_tokens = _index(self.output_tokens, f"{where}: output_tokens", 0, MAX_OUTPUT_LENGTH)
+        if not isinstance(self.units, (tuple, list)):
+            raise ConfigError(f"{where}: units must be a tuple of unit keys, got {type(self.units).__name__}")
+        self.units = tuple(self.units)
 
 
 class Executor(Protocol):
@@ -194,15 +264,18 @@ class ReferenceScheduler:
         align_chunks: end a prefill chunk at the prompt's last full unit when the layout
             has continuation-state groups, so the state there can be checkpointed.
         unit_bytes: bytes of one unit over the history groups (for byte counts).
+        max_idle_steps: iterations in a row without progress before :meth:`run` raises
+            :class:`SchedulerStalled` (default :data:`DEFAULT_MAX_IDLE_STEPS`).
 
     Raises:
-        ConfigError: ``token_budget`` < 1.
+        ConfigError: ``token_budget`` or ``max_idle_steps`` not an int >= 1.
     """
 
     def __init__(self, cache: TieredCache, executor: Executor | None = None, *, token_budget: int = 8192,
-                 cost: CostModel | None = None, align_chunks: bool = True) -> None:
-        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
-            raise ConfigError(f"token_budget must be an int >= 1, got {token_budget!r}")
+                 cost: CostModel | None = None, align_chunks: bool = True,
+                 max_idle_steps: int = DEFAULT_MAX_IDLE_STEPS) -> None:
+        token_budget = _index(token_budget, "token_budget", 1, 1 << 40)
+        self.max_idle_steps = _index(max_idle_steps, "max_idle_steps", 1, 1 << 40)
         self.cache = cache
         self._real_cache = cache
         self.executor: Executor = executor or InstantExecutor(cache.core.world_size)
@@ -308,21 +381,61 @@ class ReferenceScheduler:
         (:meth:`_resume_and_admit`), then either the forward pass and its results
         (:meth:`_forward`, :meth:`_step_results`) or, with nothing to run, :meth:`_idle`.
 
+        Every loop is bounded: the requests are checked before anything runs, and a run that
+        makes no progress for ``max_idle_steps`` iterations, or runs more than
+        ``16 * (prompt + output tokens of all requests) + max_idle_steps`` iterations (a
+        retraction livelock), raises :class:`SchedulerStalled`.
+
         Args:
-            requests: the requests, by arrival time.
+            requests: the requests, by arrival time (fresh: never run before).
             progress: called with the number of requests that ended since the last call.
             max_steps: stop after this many steps (``None``: until every request ended).
+
+        Raises:
+            ConfigError: a request that is not a :class:`SchedRequest`, has a bad field
+                (see :meth:`SchedRequest.check`), was run before, or repeats a request id;
+                a bad ``max_steps``. Nothing has run then.
+            SchedulerStalled: the run stopped making progress or passed its bound.
         """
+        if max_steps is not None:
+            max_steps = _index(max_steps, "max_steps", 0, 1 << 62)
+        if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+            raise ConfigError(f"requests must be a sequence of SchedRequest, got {type(requests).__name__}")
+        seen: set[str] = set()
+        work = 0
+        for i, r in enumerate(requests):
+            if not isinstance(r, SchedRequest):
+                raise ConfigError(f"requests[{i}] must be a SchedRequest, got {type(r).__name__}")
+            r.check()
+            if r.request_id in seen:
+                raise ConfigError(f"requests[{i}]: request id {r.request_id!r} appears twice")
+            if r.done or r.tokens or r.generated or r.admitted_order >= 0:
+                raise ConfigError(f"requests[{i}] ({r.request_id!r}) was run before; pass a fresh SchedRequest")
+            seen.add(r.request_id)
+            work += r.prompt_tokens + max(1, r.output_tokens)
+        bound = 16 * work + self.max_idle_steps
         self._pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
         self._waiting = deque()
         self._retracted = deque()
         self._live = {}
         self._running = []
         ended_before = 0
+        iterations = idle = ended_seen = 0
         while self._pending or self._live:
             if max_steps is not None and self.stats.steps >= max_steps:
                 break
-            self._arrivals()
+            iterations += 1
+            idle += 1
+            if self.stats.finished + self.stats.aborts > ended_seen:
+                ended_seen, idle = self.stats.finished + self.stats.aborts, 0
+            if idle > self.max_idle_steps:
+                raise SchedulerStalled(f"no forward pass, arrival or ended request for {self.max_idle_steps:,} "
+                                       f"iterations (max_idle_steps)", iterations, list(self._live))
+            if iterations > bound:
+                raise SchedulerStalled(f"the run passed its bound of {bound:,} iterations (16 per token of "
+                                       f"work plus max_idle_steps)", iterations, list(self._live))
+            if self._arrivals():
+                idle = 0
             self._deliver()
             self.cache.advance_step()
             self._submit()
@@ -335,6 +448,7 @@ class ReferenceScheduler:
             if not plan.batch:
                 self._idle(plan.blocked)
                 continue
+            idle = 0
             self._forward(plan.batch, load_s)
             self._step_results(plan.batch)
             self._submit()
@@ -348,17 +462,20 @@ class ReferenceScheduler:
         return self.stats
 
     # -- the phases of a step ----------------------------------------------------------
-    def _arrivals(self) -> None:
+    def _arrivals(self) -> int:
         """Requests that arrived by now join the waiting queue (with nothing live, time
-        jumps to the next arrival)."""
+        jumps to the next arrival); returns how many arrived."""
         pending = self._pending
         if not self._live and pending and pending[0].arrival_s > self.now:
             self.now = pending[0].arrival_s
+        arrived = 0
         while pending and pending[0].arrival_s <= self.now:
             r = pending.popleft()
             self._live[r.request_id] = r
             self._waiting.append(r)
             self.stats.prompt_tokens += r.prompt_tokens
+            arrived += 1
+        return arrived
 
     def _decode(self, plan: _StepPlan) -> None:
         """One decode token for each decoding request, oldest admission first; when pages
@@ -371,9 +488,12 @@ class ReferenceScheduler:
             self._timed.decode = True
             table = self.cache.reserve(r.request_id, 1)
             self._timed.decode = False
-            while table is None:
-                victim = max((x for x in running if x.tokens >= x.kv_target and
-                              all(x is not b for b, _ in plan.batch)), key=lambda x: x.admitted_order)
+            while table is None:  # each pass retracts one request of `running`, or stops
+                victims = [x for x in running if x.tokens >= x.kv_target and all(x is not b for b, _ in plan.batch)
+                           and self.cache.state(x.request_id) == "running"]  # a loading one cannot retract
+                if not victims:
+                    break
+                victim = max(victims, key=lambda x: x.admitted_order)
                 self._retract(victim)
                 if victim is r:
                     break

@@ -5,15 +5,21 @@ One JSON object per line::
     {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2]}
 
 * ``timestamp``: arrival time in milliseconds since the start of the trace
-  (an integer or a finite float, non-decreasing from line to line);
-* ``input_length``: prompt length in tokens (integer >= 1);
-* ``output_length``: generated length in tokens (integer >= 0);
-* ``hash_ids``: one non-negative integer id per 512-token prefix block of the prompt,
+  (an integer or a finite float, 0 .. :data:`MAX_TIMESTAMP_MS`, non-decreasing from line to line);
+* ``input_length``: prompt length in tokens (integer, 1 .. :data:`MAX_INPUT_LENGTH`);
+* ``output_length``: generated length in tokens (integer, 0 .. :data:`MAX_OUTPUT_LENGTH`);
+* ``hash_ids``: one integer id (0 .. 2**64 - 1) per 512-token prefix block of the prompt,
   ``len(hash_ids) == ceil(input_length / 512)``; the last block may be partial. Ids are
   chained: equal ids at equal positions mean an identical prefix.
 
 Other keys are ignored; blank lines are skipped. Any malformed line raises
 :class:`TraceFormatError` naming the file, the 1-based line number and the field.
+
+Nothing is read without bound. The limits are module constants: :data:`MAX_LINE_BYTES`
+(1 MiB per line), :data:`MAX_JSON_DEPTH` (32), :data:`MAX_INPUT_LENGTH` (1 Mi tokens),
+:data:`MAX_OUTPUT_LENGTH` (128 Ki tokens), :data:`MAX_HASH_ID` (ids fit in 64 bits),
+:data:`MAX_TIMESTAMP_MS` (1e13 ms), and for gzip files :data:`MAX_DECOMPRESSED_BYTES`
+(1 GiB) and :data:`MAX_GZIP_RATIO` (200 times the compressed size).
 ``load_trace(None)`` reads the embedded default, the first 1,000 requests of the public
 Mooncake conversation trace (provenance in ``kvtier/data/README.md``).
 """
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
+import re
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -34,6 +42,16 @@ from kvtier.fsm import ConfigError
 from .data import DEFAULT_TRACE_NAME, default_trace_path
 
 __all__ = [
+    "GZIP_RATIO_GRACE_BYTES",
+    "MAX_DECOMPRESSED_BYTES",
+    "MAX_GZIP_RATIO",
+    "MAX_HASH_ID",
+    "MAX_HASH_IDS",
+    "MAX_INPUT_LENGTH",
+    "MAX_JSON_DEPTH",
+    "MAX_LINE_BYTES",
+    "MAX_OUTPUT_LENGTH",
+    "MAX_TIMESTAMP_MS",
     "MOONCAKE_BLOCK_TOKENS",
     "Trace",
     "TraceFormatError",
@@ -44,8 +62,58 @@ __all__ = [
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` block in the Mooncake format."""
 
+MAX_LINE_BYTES = 1 << 20
+"""Longest line accepted, in bytes (1 MiB, after gzip decompression; the line break excluded).
+
+A Mooncake line is about 100 B plus 2 to 21 B per ``hash_ids`` entry, so a request at
+:data:`MAX_INPUT_LENGTH` (2,048 ids of up to 20 digits) needs under 50 KiB. Lines are read
+in chunks of 64 KiB; a longer line raises :class:`TraceFormatError` as soon as the limit
+is passed, so a file without line breaks (or ``/dev/zero``) fails after 1 MiB."""
+
+MAX_DECOMPRESSED_BYTES = 1 << 30
+"""Most bytes a gzip-compressed trace may decompress to (1 GiB; the whole public Mooncake
+conversation trace, 12,031 requests, is 3.0 MB). Larger traces: decompress them first
+(plain files have no total limit) or pass ``max_decompressed_bytes`` to :func:`load_trace`."""
+
+MAX_GZIP_RATIO = 200
+"""Most decompressed bytes per compressed byte of a gzip trace, checked once
+:data:`GZIP_RATIO_GRACE_BYTES` have been decompressed. Real traces compress 3 to 50 times
+(the embedded Mooncake slice: 3.4); deflate's maximum, reached by gzip bombs of one
+repeated byte, is about 1,030. Rejecting above 200 stops a bomb after 4 MiB of output,
+whatever its content (a single repeated line of a valid request compresses about 300 times:
+decompress such a trace first)."""
+
+GZIP_RATIO_GRACE_BYTES = 4 << 20
+"""Decompressed bytes (4 MiB) read before :data:`MAX_GZIP_RATIO` applies."""
+
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of JSON arrays and objects accepted on a line (a Mooncake line has 2)."""
+
+MAX_INPUT_LENGTH = 1 << 20
+"""Longest prompt accepted, ``input_length`` in tokens (1,048,576: 1 Mi tokens, eight times
+a 128 Ki-token context window)."""
+
+MAX_HASH_IDS = -(-MAX_INPUT_LENGTH // 512)
+"""Most ``hash_ids`` entries on a line: ``ceil(MAX_INPUT_LENGTH / 512)`` = 2,048."""
+
+MAX_OUTPUT_LENGTH = 1 << 17
+"""Longest generation accepted, ``output_length`` in tokens (131,072 = 128 Ki tokens). The
+reference scheduler decodes one token per request per step, so the replay time grows with
+it: 3,000,000 tokens took over 4 minutes."""
+
+MAX_HASH_ID = (1 << 64) - 1
+"""Largest ``hash_ids`` entry accepted (ids must fit in 64 bits)."""
+
+MAX_TIMESTAMP_MS = 10**13
+"""Latest ``timestamp`` accepted, in milliseconds (about 317 years: room for Unix-epoch
+milliseconds, now about 1.7e12). Below it an arrival in seconds keeps a float resolution of
+2 microseconds or better; 1e308 ms left no room to add a step time, so times to first token
+came out as 0.000."""
+
+_INT_DIGITS = 30  # longer integer literals are never converted (MAX_HASH_ID has 20 digits)
 _CHUNK_BYTES = 1 << 16
 _GZIP_MAGIC = b"\x1f\x8b"
+_BRACKETS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
 class TraceFormatError(ConfigError):  # type: ignore[misc,unused-ignore]  # Any when mypy cannot map kvtier.fsm
@@ -157,56 +225,128 @@ class Trace:
         return self.ideal_hit_tokens() / total if total else 0.0
 
 
-class _Lines:
-    """Raw lines of a plain or gzip-compressed byte stream (gzip detected by magic bytes).
+class _BigInt:
+    """An integer literal too long to convert; only its digit count is kept."""
 
-    Yields each line with its ``b"\\n"`` kept (the last one may lack it). After iteration,
-    ``gzip_truncated`` says whether the compressed stream ended before its end marker.
+    __slots__ = ("digits",)
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"a {self.digits:,}-digit integer"
+
+
+def _parse_int(text: str) -> int | _BigInt:
+    return int(text) if len(text) <= _INT_DIGITS else _BigInt(text)
+
+
+class _Lines:
+    """The non-blank lines of a plain or gzip-compressed byte stream (gzip detected by magic
+    bytes), read in chunks of 64 KiB, each line at most :data:`MAX_LINE_BYTES`.
+
+    Yields ``(line number, stripped line, complete)``, ``complete`` false for a last line
+    without a trailing ``b"\\n"``. After iteration, ``gzip_truncated`` says whether the
+    compressed stream ended inside a gzip member.
     """
 
-    def __init__(self, stream: IO[bytes], source: str) -> None:
+    def __init__(self, stream: IO[bytes], source: str, max_decompressed_bytes: int) -> None:
         self._stream = stream
         self._source = source
+        self._max_out = max_decompressed_bytes
+        self.is_gzip = False
         self.gzip_truncated = False
+        self.lineno = 0  # lines completed so far
 
-    def _chunks(self) -> Iterator[bytes]:
-        first = self._stream.read(_CHUNK_BYTES)
-        if not first.startswith(_GZIP_MAGIC):
-            yield first
-            yield from iter(lambda: self._stream.read(_CHUNK_BYTES), b"")
-            return
+    def _fail(self, detail: str) -> TraceFormatError:
+        return TraceFormatError(self._source, self.lineno + 1, None, detail)
+
+    def _gzip_chunks(self, first: bytes) -> Iterator[bytes]:
         decomp = zlib.decompressobj(wbits=31)
-        data = first
+        data, read_bytes, out_bytes, in_member = first, len(first), 0, True
         try:
             while True:
-                if data:
-                    yield decomp.decompress(data)
-                    while decomp.eof and decomp.unused_data:  # multi-member gzip
-                        rest = decomp.unused_data
-                        decomp = zlib.decompressobj(wbits=31)
-                        yield decomp.decompress(rest)
+                while True:  # at most _CHUNK_BYTES of output per call: memory stays bounded
+                    if data and not in_member:  # the next member of a multi-member file
+                        decomp, in_member = zlib.decompressobj(wbits=31), True
+                    chunk = decomp.decompress(data, _CHUNK_BYTES)
+                    if decomp.eof:
+                        data, in_member = decomp.unused_data, False
+                    else:
+                        data = decomp.unconsumed_tail
+                    out_bytes += len(chunk)
+                    if out_bytes > self._max_out:
+                        raise self._fail(
+                            f"the gzip stream decompresses to more than {self._max_out:,} bytes "
+                            f"(the limit, MAX_DECOMPRESSED_BYTES by default); decompress it first")
+                    used = read_bytes - len(data)  # compressed bytes consumed so far
+                    if out_bytes > GZIP_RATIO_GRACE_BYTES and out_bytes > MAX_GZIP_RATIO * used:
+                        raise self._fail(
+                            f"the gzip stream decompresses to {out_bytes:,} bytes from {used:,}, "
+                            f"more than MAX_GZIP_RATIO = {MAX_GZIP_RATIO} times its size (a gzip bomb?); "
+                            f"a real trace that compresses this well can be read decompressed")
+                    if chunk:
+                        yield chunk
+                    if not data and len(chunk) < _CHUNK_BYTES:
+                        break  # input consumed and output drained
                 data = self._stream.read(_CHUNK_BYTES)
+                read_bytes += len(data)
                 if not data:
                     break
         except zlib.error as exc:
-            raise TraceFormatError(self._source, None, None, f"invalid gzip data ({exc})") from exc
-        yield decomp.flush()
-        self.gzip_truncated = not decomp.eof
+            raise self._fail(f"invalid gzip data ({exc})") from exc
+        self.gzip_truncated = in_member
 
-    def __iter__(self) -> Iterator[bytes]:
-        pending = b""
+    def _chunks(self) -> Iterator[bytes]:
+        first = self._stream.read(_CHUNK_BYTES)
+        if first.startswith(_GZIP_MAGIC):
+            self.is_gzip = True
+            yield from self._gzip_chunks(first)
+            return
+        yield first
+        yield from iter(lambda: self._stream.read(_CHUNK_BYTES), b"")
+
+    def _too_long(self) -> TraceFormatError:
+        after = " after gzip decompression" if self.is_gzip else ""
+        return self._fail(f"the line is longer than MAX_LINE_BYTES = {MAX_LINE_BYTES:,} bytes{after} "
+                          f"(is this a JSON-lines trace?)")
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, bool]]:
+        pending = bytearray()
         for chunk in self._chunks():
-            if not chunk:
+            if not chunk.strip() and not pending.strip():  # blank lines only: counted at C speed
+                breaks = chunk.count(b"\n")
+                if breaks:
+                    self.lineno += breaks
+                    pending.clear()
+                    chunk = chunk[chunk.rfind(b"\n") + 1:]
+                pending += chunk
+                if len(pending) > MAX_LINE_BYTES:
+                    raise self._too_long()
                 continue
-            parts = (pending + chunk).split(b"\n")
-            pending = parts.pop()
-            for part in parts:
-                yield part + b"\n"
-        if pending:
-            yield pending
+            parts = chunk.split(b"\n")
+            if len(parts) > 1:
+                if pending:
+                    if len(pending) + len(parts[0]) > MAX_LINE_BYTES:
+                        raise self._too_long()
+                    parts[0] = bytes(pending) + parts[0]
+                    pending.clear()
+                for part in parts[:-1]:
+                    self.lineno += 1
+                    text = part.strip()
+                    if text:
+                        yield self.lineno, text, True
+            pending += parts[-1]
+            if len(pending) > MAX_LINE_BYTES:
+                raise self._too_long()
+        text = bytes(pending).strip()
+        if text:
+            yield self.lineno + 1, text, False
 
 
 def _describe(value: object) -> str:
+    if isinstance(value, _BigInt):
+        return repr(value)
     text = repr(value)
     if len(text) > 40:
         text = text[:37] + "..."
@@ -223,14 +363,72 @@ def _get(obj: dict[str, object], name: str, source: str, line: int) -> object:
     return obj[name]
 
 
-def _int_field(obj: dict[str, object], name: str, minimum: int, source: str, line: int) -> int:
+def _int_field(obj: dict[str, object], name: str, minimum: int, maximum: int, limit_name: str,
+               source: str, line: int) -> int:
     value = _get(obj, name, source, line)
+    if isinstance(value, _BigInt):
+        raise TraceFormatError(source, line, name,
+                               f"must be <= {maximum:,} ({limit_name}), got {_describe(value)}")
     if not _is_int(value):
         raise TraceFormatError(source, line, name, f"expected an integer, got {_describe(value)}")
     assert isinstance(value, int)
     if value < minimum:
         raise TraceFormatError(source, line, name, f"must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise TraceFormatError(source, line, name, f"must be <= {maximum:,} ({limit_name}), got {value:,}")
     return value
+
+
+def _too_deep(text: bytes) -> bool:
+    """Whether JSON ``text`` nests arrays and objects deeper than :data:`MAX_JSON_DEPTH`
+    (brackets inside strings do not count)."""
+    if text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    depth = 0
+    for match in _BRACKETS.finditer(text):
+        c = match.group()
+        if c in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return True
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return False
+
+
+def _timestamp(obj: dict[str, object], source: str, line: int) -> float:
+    ts = _get(obj, "timestamp", source, line)
+    if isinstance(ts, _BigInt):
+        raise TraceFormatError(source, line, "timestamp",
+                               f"must be <= {MAX_TIMESTAMP_MS:.0e} ms (MAX_TIMESTAMP_MS), got {_describe(ts)}")
+    if not (_is_int(ts) or isinstance(ts, float)):
+        raise TraceFormatError(source, line, "timestamp",
+                               f"expected a number of milliseconds, got {_describe(ts)}")
+    assert isinstance(ts, (int, float))
+    if not math.isfinite(ts) or ts < 0:
+        raise TraceFormatError(source, line, "timestamp", f"must be finite and >= 0 ms, got {ts}")
+    if ts > MAX_TIMESTAMP_MS:
+        raise TraceFormatError(source, line, "timestamp",
+                               f"must be <= {MAX_TIMESTAMP_MS:.0e} ms (MAX_TIMESTAMP_MS), got {ts:.6g}")
+    return ts
+
+
+def _hash_ids(obj: dict[str, object], input_length: int, source: str, line: int) -> tuple[int, ...]:
+    ids = _get(obj, "hash_ids", source, line)
+    if not isinstance(ids, list):
+        raise TraceFormatError(source, line, "hash_ids", f"expected a list of integers, got {_describe(ids)}")
+    blocks = -(-input_length // MOONCAKE_BLOCK_TOKENS)
+    if len(ids) != blocks:
+        raise TraceFormatError(
+            source, line, "hash_ids",
+            f"has {len(ids):,} ids but input_length {input_length} needs "
+            f"ceil({input_length}/{MOONCAKE_BLOCK_TOKENS}) = {blocks}")
+    for i, block_id in enumerate(ids):
+        if not _is_int(block_id) or block_id < 0 or block_id > MAX_HASH_ID:
+            raise TraceFormatError(source, line, f"hash_ids[{i}]",
+                                   f"expected an integer in 0 .. 2**64 - 1 (MAX_HASH_ID), "
+                                   f"got {_describe(block_id)}")
+    return tuple(ids)
 
 
 def _parse(lines: _Lines, source: str, limit: int | None, strict: bool) -> list[TraceRequest]:
@@ -238,16 +436,19 @@ def _parse(lines: _Lines, source: str, limit: int | None, strict: bool) -> list[
     prev_ts: float | None = None
     prev_line = 0
     lineno = 0
-    for lineno, raw in enumerate(lines, start=1):
-        text = raw.strip()
-        if not text:
-            continue
+    for lineno, text, complete in lines:
+        obj: object = None
+        if _too_deep(text):
+            raise TraceFormatError(source, lineno, None,
+                                   f"JSON nested deeper than MAX_JSON_DEPTH = {MAX_JSON_DEPTH} levels")
         try:
-            obj = json.loads(text)
+            obj = json.loads(text, parse_int=_parse_int)
+        except RecursionError as exc:  # not reached after _too_deep; a safety net
+            raise TraceFormatError(source, lineno, None, "JSON nested too deeply") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            if raw.endswith(b"\n") or not text.startswith(b"{"):
+            if complete or not text.startswith(b"{"):
                 hint = ("; the name ends in .gz but the content is not gzip"
-                        if lineno == 1 and str(source).endswith(".gz") else "")
+                        if lineno == 1 and not lines.is_gzip and str(source).endswith(".gz") else "")
                 raise TraceFormatError(source, lineno, None, f"invalid JSON ({exc}){hint}") from exc
             msg = (f"file looks truncated at line {lineno}: the last line is incomplete "
                    f"JSON with no trailing newline ({exc})")
@@ -256,53 +457,56 @@ def _parse(lines: _Lines, source: str, limit: int | None, strict: bool) -> list[
             warnings.warn(f"{source}: {msg}; skipped it", stacklevel=3)
             break
         if not isinstance(obj, dict):
-            raise TraceFormatError(source, lineno, None,
-                                   f"expected a JSON object, got {type(obj).__name__}")
-        ts = _get(obj, "timestamp", source, lineno)
-        if not (_is_int(ts) or isinstance(ts, float)):
-            raise TraceFormatError(source, lineno, "timestamp",
-                                   f"expected a number of milliseconds, got {_describe(ts)}")
-        assert isinstance(ts, (int, float))
-        if not math.isfinite(ts) or ts < 0:
-            raise TraceFormatError(source, lineno, "timestamp",
-                                   f"must be finite and >= 0 ms, got {ts}")
+            kind = "an integer" if isinstance(obj, _BigInt) else type(obj).__name__
+            raise TraceFormatError(source, lineno, None, f"expected a JSON object, got {kind}")
+        ts = _timestamp(obj, source, lineno)
         if prev_ts is not None and ts < prev_ts:
             raise TraceFormatError(
                 source, lineno, "timestamp",
                 f"goes backwards: {ts} ms is earlier than {prev_ts} ms on line {prev_line}")
-        input_length = _int_field(obj, "input_length", 1, source, lineno)
-        output_length = _int_field(obj, "output_length", 0, source, lineno)
-        ids = _get(obj, "hash_ids", source, lineno)
-        if not isinstance(ids, list):
-            raise TraceFormatError(source, lineno, "hash_ids",
-                                   f"expected a list of integers, got {_describe(ids)}")
-        for i, block_id in enumerate(ids):
-            if not _is_int(block_id) or block_id < 0:
-                raise TraceFormatError(source, lineno, f"hash_ids[{i}]",
-                                       f"expected an integer >= 0, got {_describe(block_id)}")
-        blocks = -(-input_length // MOONCAKE_BLOCK_TOKENS)
-        if len(ids) != blocks:
-            raise TraceFormatError(
-                source, lineno, "hash_ids",
-                f"has {len(ids)} ids but input_length {input_length} needs "
-                f"ceil({input_length}/{MOONCAKE_BLOCK_TOKENS}) = {blocks}")
+        input_length = _int_field(obj, "input_length", 1, MAX_INPUT_LENGTH, "MAX_INPUT_LENGTH", source, lineno)
+        output_length = _int_field(obj, "output_length", 0, MAX_OUTPUT_LENGTH, "MAX_OUTPUT_LENGTH",
+                                   source, lineno)
+        ids = _hash_ids(obj, input_length, source, lineno)
         requests.append(TraceRequest(index=len(requests), arrival_s=ts / 1000.0,
                                      input_length=input_length, output_length=output_length,
-                                     hash_ids=tuple(ids)))
+                                     hash_ids=ids))
         prev_ts, prev_line = ts, lineno
         if limit is not None and len(requests) >= limit:
             return requests  # the rest of the file is not read
     if lines.gzip_truncated:
-        msg = f"file looks truncated after line {lineno}: the gzip stream ends early"
+        msg = f"file looks truncated after line {lines.lineno}: the gzip stream ends early"
         if strict:
             raise TraceFormatError(source, None, None, msg)
         warnings.warn(f"{source}: {msg}", stacklevel=3)
     return requests
 
 
+def _count(value: object, name: str, minimum: int) -> int:
+    """``value`` as an int >= ``minimum`` (anything ``operator.index`` accepts but bool; the
+    wording of ``kvtier.fsm.checks.as_int``)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}") from None
+    if n < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return n
+
+
 def load_trace(path: str | os.PathLike[str] | None = None, limit: int | None = None,
-               *, strict: bool = True) -> Trace:
+               *, strict: bool = True, max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> Trace:
     """Read a Mooncake-format trace.
+
+    Limits (module constants): lines of at most :data:`MAX_LINE_BYTES` (1 MiB), JSON nested at
+    most :data:`MAX_JSON_DEPTH` deep, ``input_length`` at most :data:`MAX_INPUT_LENGTH`
+    (1 Mi tokens), ``output_length`` at most :data:`MAX_OUTPUT_LENGTH` (128 Ki tokens),
+    ``hash_ids`` entries below 2**64, ``timestamp`` at most :data:`MAX_TIMESTAMP_MS`; a gzip
+    file decompresses to at most ``max_decompressed_bytes`` and at most
+    :data:`MAX_GZIP_RATIO` times its size. Reading takes time linear in the file and memory
+    linear in the requests kept; a bad line fails as soon as it is read.
 
     Args:
         path: a ``.jsonl`` or ``.jsonl.gz`` file (gzip is detected from the content);
@@ -310,15 +514,19 @@ def load_trace(path: str | os.PathLike[str] | None = None, limit: int | None = N
         limit: read only the first ``limit`` requests (>= 1); ``None`` reads them all.
         strict: if false, a truncated last line (incomplete JSON, no trailing newline) or
             a gzip stream that ends early is skipped with a warning instead of raising.
+        max_decompressed_bytes: most bytes a gzip file may decompress to (>= 1; default
+            :data:`MAX_DECOMPRESSED_BYTES`, 1 GiB).
 
     Raises:
-        TraceFormatError: a malformed line (the message names the file, 1-based line
-            number and field), a truncated file (when ``strict``), or no requests at all.
-        kvtier.fsm.ConfigError: an invalid ``limit``.
-        OSError: the file cannot be opened.
+        TraceFormatError: a malformed line or one past a limit (the message names the file,
+            1-based line number and field), a truncated file (when ``strict``), or no
+            requests at all.
+        kvtier.fsm.ConfigError: an invalid ``limit`` or ``max_decompressed_bytes``.
+        OSError: the file cannot be opened or read.
     """
-    if limit is not None and (not _is_int(limit) or limit < 1):
-        raise ConfigError(f"limit must be an integer >= 1 or None, got {limit!r}")
+    if limit is not None:
+        limit = _count(limit, "limit", 1)
+    max_out = _count(max_decompressed_bytes, "max_decompressed_bytes", 1)
     if path is None:
         source = f"embedded default kvtier/data/{DEFAULT_TRACE_NAME}"
         opened: IO[bytes] = default_trace_path().open("rb")
@@ -326,7 +534,7 @@ def load_trace(path: str | os.PathLike[str] | None = None, limit: int | None = N
         source = os.fspath(path)
         opened = open(path, "rb")
     with opened as stream:
-        requests = _parse(_Lines(stream, source), source, limit, strict)
+        requests = _parse(_Lines(stream, source, max_out), source, limit, strict)
     if not requests:
         raise TraceFormatError(source, None, None, "no requests")
     return Trace(requests=tuple(requests), block_tokens=MOONCAKE_BLOCK_TOKENS, source=source)
