@@ -8,7 +8,10 @@ transfer commands, run the forward pass (through an :class:`Executor`), report i
 results, finish requests that are done, and abort one deterministic victim when nothing
 could be scheduled, nothing is in flight and every blocked request is short of cache.
 
-Time is modeled (:class:`CostModel`); the cache's decisions never depend on it.
+Time is modeled (:class:`CostModel`) unless a :class:`Clock` is given: then it is
+measured (the executor's forward pass must return only once its work is done), arrivals
+are replayed against it, and idle gaps (nothing running, nothing in flight) are skipped.
+The cache's decisions never depend on time.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from kvtier.fsm import Completion, ConfigError, Direction, TransferCommand
 from .costmodel import CostModel
 from .tiered import Admission, TieredCache
 
-__all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats"]
+__all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats", "Clock"]
 
 
 @dataclass(slots=True, eq=False)
@@ -85,6 +88,17 @@ class Executor(Protocol):
 
     def checkpointed(self, cache: TieredCache, request_id: str, pages: dict[str, list[int]],
                      tokens: int) -> None: ...
+
+
+class Clock(Protocol):
+    """Measured time for :class:`ReferenceScheduler` (seconds; e.g.
+    :class:`kvtier.model.WallClock`)."""
+
+    def now(self) -> float: ...
+
+    def skip_to(self, t: float) -> None:
+        """Nothing runs and nothing is in flight until ``t``: jump there."""
+        ...
 
 
 class InstantExecutor:
@@ -193,14 +207,15 @@ class ReferenceScheduler:
         cost: the step-time model (:class:`CostModel`).
         align_chunks: end a prefill chunk at the prompt's last full unit when the layout
             has continuation-state groups, so the state there can be checkpointed.
-        unit_bytes: bytes of one unit over the history groups (for byte counts).
+        clock: measured time (``None``: time is modeled by ``cost``); ``stats.modeled_s``
+            is kept either way.
 
     Raises:
         ConfigError: ``token_budget`` < 1.
     """
 
     def __init__(self, cache: TieredCache, executor: Executor | None = None, *, token_budget: int = 8192,
-                 cost: CostModel | None = None, align_chunks: bool = True) -> None:
+                 cost: CostModel | None = None, align_chunks: bool = True, clock: Clock | None = None) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
             raise ConfigError(f"token_budget must be an int >= 1, got {token_budget!r}")
         self.cache = cache
@@ -213,7 +228,8 @@ class ReferenceScheduler:
         self.stats = RunStats()
         self._timed = _Timed(cache, self.stats)
         self.cache = self._timed  # type: ignore[assignment]
-        self.now = 0.0
+        self.clock = clock
+        self.now = clock.now() if clock is not None else 0.0
         self._order = 0
         self._group_bytes = {g.name: g.page_bytes for g in cache.layout.groups}
 
@@ -292,6 +308,14 @@ class ReferenceScheduler:
         rate = self.stats.hit_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0
         self.stats.timeline.append((self.now, rate, dev, host))
 
+    def _jump(self, t: float) -> None:
+        """Idle until ``t``: modeled time jumps; a clock skips the gap."""
+        if self.clock is not None:
+            self.clock.skip_to(t)
+            self.now = self.clock.now()
+        else:
+            self.now = t
+
     # -- the loop --------------------------------------------------------------------
     def run(self, requests: Sequence[SchedRequest], *, progress: Callable[[int], None] | None = None,
             max_steps: int | None = None) -> RunStats:
@@ -313,8 +337,10 @@ class ReferenceScheduler:
         while pending or self._live:
             if max_steps is not None and self.stats.steps >= max_steps:
                 break
+            if self.clock is not None:
+                self.now = self.clock.now()
             if not self._live and pending and pending[0].arrival_s > self.now:
-                self.now = pending[0].arrival_s
+                self._jump(pending[0].arrival_s)
             while pending and pending[0].arrival_s <= self.now:
                 r = pending.popleft()
                 self._live[r.request_id] = r
@@ -338,7 +364,9 @@ class ReferenceScheduler:
                 while table is None:
                     victim = max((x for x in running if x.tokens >= x.kv_target and
                                   all(x is not b for b, _ in batch)), key=lambda x: x.admitted_order)
-                    cache.retract(victim.request_id)
+                    adopted = cache.retract(victim.request_id)
+                    if adopted:
+                        self.executor.checkpointed(self._real_cache, victim.request_id, adopted, victim.tokens)
                     self.stats.retractions += 1
                     running.remove(victim)
                     victim.resume_to = victim.tokens
@@ -407,7 +435,7 @@ class ReferenceScheduler:
                 # wait for transfers or the next arrival
                 self.stats.steps += 1
                 if pending and not cache.in_flight():
-                    self.now = max(self.now, pending[0].arrival_s)
+                    self._jump(max(self.now, pending[0].arrival_s))
                 continue
             # forward pass: loadbacks complete layer by layer during it
             self._deliver()
@@ -417,7 +445,10 @@ class ReferenceScheduler:
             self.stats.prefill_tokens += prefill
             self.stats.decode_tokens += decode
             step_s = max(self.cost.compute_s(prefill, decode), load_s)
-            self.now += step_s
+            if self.clock is not None:
+                self.now = self.clock.now()
+            else:
+                self.now += step_s
             self.stats.modeled_s += step_s
             self.stats.steps += 1
             for r, n in batch:
@@ -446,7 +477,9 @@ class ReferenceScheduler:
                 elif before >= r.kv_target:
                     r.generated += 1
                 if r.generated >= max(1, r.output_tokens) and cache.state(r.request_id) == "running":
-                    cache.finish(r.request_id)
+                    adopted = cache.finish(r.request_id)
+                    if adopted:
+                        self.executor.checkpointed(self._real_cache, r.request_id, adopted, r.tokens)
                     r.done = True
                     self._live.pop(r.request_id, None)
                     self.stats.finished += 1
