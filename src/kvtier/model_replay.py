@@ -19,6 +19,7 @@ in order of their first request, until a prompt-token target is met; prompts are
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 from collections.abc import Callable, Hashable, Sequence
@@ -275,6 +276,7 @@ def run_model(model: PagedLlama, requests: Sequence[SchedRequest], prompts: dict
             progress(name)
         results.append(run_model_config(name, model, requests, prompts, outputs, dev, host, setup,
                                         backend_options=backend_options))
+        gc.collect()  # the executor's pools (reference cycles through its clock) go now
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
     passes = [p for r in results for p in r["passes"]]
