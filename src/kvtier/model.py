@@ -297,9 +297,11 @@ class PagedLlama:
         if k0 + m != q0 + n:
             raise KvtierError(f"attend: keys {k0}..{k0 + m} do not end with the queries {q0}..{q0 + n}")
         g = self.cfg.group_size
-        qh = q.transpose(0, 1)  # [H, n, hd]
-        kh = k.transpose(0, 1).repeat_interleave(g, dim=0)  # [H, m, hd]
-        vh = v.transpose(0, 1).repeat_interleave(g, dim=0)
+        # 4-D [1, H, len, hd]: CUDA's flash and memory-efficient kernels take only 4-D
+        # inputs (3-D ones fall back to the math kernel, which materializes the scores)
+        qh = q.transpose(0, 1).unsqueeze(0)
+        kh = k.transpose(0, 1).repeat_interleave(g, dim=0).unsqueeze(0)
+        vh = v.transpose(0, 1).repeat_interleave(g, dim=0).unsqueeze(0)
         if window:
             qp = torch.arange(q0, q0 + n, device=q.device)[:, None]
             kp = torch.arange(k0, k0 + m, device=q.device)[None, :]
@@ -313,7 +315,7 @@ class PagedLlama:
             from torch.nn.attention.bias import causal_lower_right
 
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, m))
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     # -- a reference without pages -------------------------------------------------------------
     @torch.no_grad()
