@@ -16,6 +16,6 @@ run() {  # name timeout args...
   timeout "$t" python3 bench/e2e_ttft.py --commit "$COMMIT" --out "$OUT/e2e-$name.json" "$@" > "$OUT/e2e-$name.log" 2>&1
   echo "exit $?"; tail -n 22 "$OUT/e2e-$name.log"
 }
-run llama-1b ${T1B:-45} --model llama-1b --tokens ${TOK1B:-400000} --time-scale ${TS1B:-0.0106} --max-output 8 --attention-probe
-run llama-8b ${T8B:-75} --model llama-8b --tokens ${TOK8B:-200000} --max-prompt 16384 --time-scale ${TS8B:-0.032} --max-output 4 --no-reuse-samples 3 --attention-probe
-run llama-1b-swa ${TSWA:-30} --model llama-1b-swa --tokens ${TOKSWA:-200000} --max-prompt 16384 --time-scale ${TSSWA:-0.0064} --max-output 8
+run llama-1b ${T1B:-40} --model llama-1b --tokens ${TOK1B:-400000} --time-scale ${TS1B:-0.0106} --max-output 8 --attention-probe
+run llama-8b ${T8B:-65} --model llama-8b --tokens ${TOK8B:-200000} --max-prompt 16384 --time-scale ${TS8B:-0.032} --max-output 4 --no-reuse-samples 3 --attention-probe
+run llama-1b-swa ${TSWA:-25} --model llama-1b-swa --tokens ${TOKSWA:-200000} --max-prompt 16384 --time-scale ${TSSWA:-0.0064} --max-output 8

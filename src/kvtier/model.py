@@ -147,18 +147,21 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
 
-_LLAMA_1B = dict(vocab=128256, hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192)
-_LLAMA_8B = dict(vocab=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn=14336)
+def _llama_1b(name: str, window: int = 0, source: str = "Llama 3.2 1B config (random weights)") -> ModelConfig:
+    return ModelConfig(name, vocab=128256, hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192,
+                       window=window, source=source)
+
 
 #: Named shapes. The 1B and 8B shapes are Llama 3.2 1B's and Llama 3 8B's published
 #: configurations (hidden size, layers, heads, KV heads, head dim, MLP size, vocabulary,
 #: rope theta); ``llama-1b-swa`` makes every even layer of the 1B shape a 512-token
 #: sliding-window layer (Gemma 3 1B's window); ``tiny`` and ``tiny-swa`` are CPU shapes.
 CONFIGS: dict[str, ModelConfig] = {
-    "llama-1b": ModelConfig("llama-1b", **_LLAMA_1B, source="Llama 3.2 1B config (random weights)"),  # type: ignore[arg-type]
-    "llama-1b-swa": ModelConfig("llama-1b-swa", **_LLAMA_1B, window=512,  # type: ignore[arg-type]
-                                source="Llama 3.2 1B config, even layers 512-token sliding window (random weights)"),
-    "llama-8b": ModelConfig("llama-8b", **_LLAMA_8B, source="Llama 3 8B config (random weights)"),  # type: ignore[arg-type]
+    "llama-1b": _llama_1b("llama-1b"),
+    "llama-1b-swa": _llama_1b("llama-1b-swa", window=512, source="Llama 3.2 1B config, even layers 512-token "
+                                                                 "sliding window (random weights)"),
+    "llama-8b": ModelConfig("llama-8b", vocab=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                            ffn=14336, source="Llama 3 8B config (random weights)"),
     "tiny": ModelConfig("tiny", vocab=512, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn=128,
                         page_tokens=16, state_page_tokens=8, source="tiny CPU shape"),
     "tiny-swa": ModelConfig("tiny-swa", vocab=512, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -557,7 +560,7 @@ class ModelExecutor:
         self._submit_s += time.perf_counter() - t0
 
     def collect(self) -> list[Completion]:
-        return self.engine.poll_completions()
+        return list(self.engine.poll_completions())
 
     def transfer_seconds(self) -> float:
         cum = self.engine.stats().get("cumulative", {})

@@ -23,7 +23,7 @@ import gc
 import math
 import statistics
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,8 @@ class E2ESetup:
         policy: write policy.
         check: run the executor's correctness checks.
         no_reuse_samples: loaded requests compared with a computation from scratch.
+        measured: the scheduler runs on the wall clock (False: on modeled time, so the
+            schedule does not depend on the machine; tests).
     """
 
     device_units: int
@@ -73,6 +75,7 @@ class E2ESetup:
     policy: str = "write_through"
     check: bool = True
     no_reuse_samples: int = 4
+    measured: bool = True
 
 
 def conversation_slice(trace: Trace, prompt_tokens: int, max_prompt: int | None = None) -> list[TraceRequest]:
@@ -116,7 +119,7 @@ def build_requests(reqs: Sequence[TraceRequest], layout: CacheLayout, vocab: int
     for r in reqs:
         n = min(r.input_length, setup.max_prompt)
         rid = f"r{r.index}"
-        units: list[Hashable] = [(h, j) for h in r.hash_ids for j in range(k)][: n // a]
+        units: list[Hashable] = list([(h, j) for h in r.hash_ids for j in range(k)][: n // a])
         o = max(1, min(r.output_length, setup.max_output))
         out.append(SchedRequest(rid, (r.arrival_s - t0) * setup.time_scale, n, o, tuple(units)))
         prompts[rid] = prompt_tokens_for(r.hash_ids, n, vocab)
@@ -165,7 +168,8 @@ def run_model_config(name: str, model: PagedLlama, requests: Sequence[SchedReque
                        check=setup.check, no_reuse_samples=setup.no_reuse_samples, backend_options=backend_options)
     cache = TieredCache(layout, dev, host, policy=setup.policy)
     ex.clock = WallClock(ex._sync)
-    sched = ReferenceScheduler(cache, ex, token_budget=setup.token_budget, clock=ex.clock)
+    sched = ReferenceScheduler(cache, ex, token_budget=setup.token_budget,
+                               clock=ex.clock if setup.measured else None)
     stats = sched.run(_fresh(requests))
     ex._sync()
     makespan = ex.clock.now()
@@ -296,12 +300,6 @@ def run_model(model: PagedLlama, requests: Sequence[SchedRequest], prompts: dict
             "configurations": results}
 
 
-@dataclass
-class _Row:
-    label: str
-    cells: list[str] = field(default_factory=list)
-
-
 def format_model_table(doc: dict[str, Any]) -> str:
     """Markdown table of one model's three configurations, measured beside modeled."""
     rs = doc["configurations"]
@@ -309,7 +307,7 @@ def format_model_table(doc: dict[str, Any]) -> str:
     def f3(v: float) -> str:
         return f"{v:.3f}"
 
-    rows = [
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("prompt tokens / prefix-hit tokens (device / host)",
          lambda r: f"{r['prompt_tokens']:,} / {r['hit_tokens']:,} ({r['device_hit_tokens']:,} / {r['host_hit_tokens']:,})"),
         ("prefill tokens computed", lambda r: f"{r['prefill_tokens']:,}"),
