@@ -8,7 +8,10 @@ transfer commands, run the forward pass (through an :class:`Executor`), report i
 results, finish requests that are done, and abort one deterministic victim when nothing
 could be scheduled, nothing is in flight and every blocked request is short of cache.
 
-Time is modeled (:class:`CostModel`); the cache's decisions never depend on it.
+Time is modeled (:class:`CostModel`) unless a :class:`Clock` is given: then it is
+measured (the executor's forward pass must return only once its work is done), arrivals
+are replayed against it, and idle gaps (nothing running, nothing in flight) are skipped.
+The cache's decisions never depend on time.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .costmodel import CostModel
 from .tiered import Admission, TieredCache
 from .trace import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, MAX_TIMESTAMP_MS
 
-__all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats", "SchedulerStalled",
+__all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats", "Clock", "SchedulerStalled",
            "DEFAULT_MAX_IDLE_STEPS", "MAX_ARRIVAL_S"]
 
 DEFAULT_MAX_IDLE_STEPS = 100_000
@@ -157,6 +160,17 @@ class Executor(Protocol):
                      tokens: int) -> None: ...
 
 
+class Clock(Protocol):
+    """Measured time for :class:`ReferenceScheduler` (seconds; e.g.
+    :class:`kvtier.model.WallClock`)."""
+
+    def now(self) -> float: ...
+
+    def skip_to(self, t: float) -> None:
+        """Nothing runs and nothing is in flight until ``t``: jump there."""
+        ...
+
+
 class InstantExecutor:
     """Metadata only: every transfer completes at the next collect (all layers, every
     rank), forward passes do nothing."""
@@ -263,7 +277,8 @@ class ReferenceScheduler:
         cost: the step-time model (:class:`CostModel`).
         align_chunks: end a prefill chunk at the prompt's last full unit when the layout
             has continuation-state groups, so the state there can be checkpointed.
-        unit_bytes: bytes of one unit over the history groups (for byte counts).
+        clock: measured time (``None``: time is modeled by ``cost``); ``stats.modeled_s``
+            is kept either way.
         max_idle_steps: iterations in a row without progress before :meth:`run` raises
             :class:`SchedulerStalled` (default :data:`DEFAULT_MAX_IDLE_STEPS`).
 
@@ -273,7 +288,7 @@ class ReferenceScheduler:
 
     def __init__(self, cache: TieredCache, executor: Executor | None = None, *, token_budget: int = 8192,
                  cost: CostModel | None = None, align_chunks: bool = True,
-                 max_idle_steps: int = DEFAULT_MAX_IDLE_STEPS) -> None:
+                 max_idle_steps: int = DEFAULT_MAX_IDLE_STEPS, clock: Clock | None = None) -> None:
         token_budget = _index(token_budget, "token_budget", 1, 1 << 40)
         self.max_idle_steps = _index(max_idle_steps, "max_idle_steps", 1, 1 << 40)
         self.cache = cache
@@ -286,7 +301,8 @@ class ReferenceScheduler:
         self.stats = RunStats()
         self._timed = _Timed(cache, self.stats)
         self.cache = self._timed  # type: ignore[assignment]
-        self.now = 0.0
+        self.clock = clock
+        self.now = clock.now() if clock is not None else 0.0
         self._order = 0
         self._group_bytes = {g.name: g.page_bytes for g in cache.layout.groups}
         # the queues of one run (set by run)
@@ -466,8 +482,10 @@ class ReferenceScheduler:
         """Requests that arrived by now join the waiting queue (with nothing live, time
         jumps to the next arrival); returns how many arrived."""
         pending = self._pending
+        if self.clock is not None:
+            self.now = self.clock.now()
         if not self._live and pending and pending[0].arrival_s > self.now:
-            self.now = pending[0].arrival_s
+            self._jump(pending[0].arrival_s)
         arrived = 0
         while pending and pending[0].arrival_s <= self.now:
             r = pending.popleft()
@@ -503,7 +521,9 @@ class ReferenceScheduler:
 
     def _retract(self, victim: SchedRequest) -> None:
         """Retract ``victim``: it resumes later by recomputing what it had."""
-        self.cache.retract(victim.request_id)
+        adopted = self.cache.retract(victim.request_id)
+        if adopted:  # the engine fills the checkpoint pages the tree adopted
+            self.executor.checkpointed(self._real_cache, victim.request_id, adopted, victim.tokens)
         self.stats.retractions += 1
         self._running.remove(victim)
         victim.resume_to = victim.tokens
@@ -577,7 +597,15 @@ class ReferenceScheduler:
             return
         self.stats.steps += 1
         if self._pending and not cache.in_flight():
-            self.now = max(self.now, self._pending[0].arrival_s)
+            self._jump(max(self.now, self._pending[0].arrival_s))
+
+    def _jump(self, t: float) -> None:
+        """Idle until ``t``: modeled time jumps; a clock skips the gap."""
+        if self.clock is not None:
+            self.clock.skip_to(t)
+            self.now = self.clock.now()
+        else:
+            self.now = t
 
     def _forward(self, batch: list[tuple[SchedRequest, int]], load_s: float) -> None:
         """The forward pass (loadbacks complete layer by layer during it) and its modeled
@@ -589,7 +617,10 @@ class ReferenceScheduler:
         self.stats.prefill_tokens += prefill
         self.stats.decode_tokens += decode
         step_s = max(self.cost.compute_s(prefill, decode), load_s)
-        self.now += step_s
+        if self.clock is not None:
+            self.now = self.clock.now()
+        else:
+            self.now += step_s
         self.stats.modeled_s += step_s
         self.stats.steps += 1
 
@@ -630,7 +661,9 @@ class ReferenceScheduler:
             r.generated += 1
 
     def _finish(self, r: SchedRequest) -> None:
-        self.cache.finish(r.request_id)
+        adopted = self.cache.finish(r.request_id)
+        if adopted:  # the engine fills the checkpoint pages the tree adopted
+            self.executor.checkpointed(self._real_cache, r.request_id, adopted, r.tokens)
         r.done = True
         self._live.pop(r.request_id, None)
         self.stats.finished += 1
