@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvtier.fsm import ConfigError, Direction
-from kvtier.fsm.cache import units_to_pages
+from kvtier.fsm import units_to_pages
 from kvtier.model import CONFIGS, ModelExecutor, PagedLlama, WallClock, config, prompt_tokens_for
 from kvtier.model_replay import E2ESetup, build_requests, capacities, conversation_slice, ratios, run_model
 from kvtier.scheduler import ReferenceScheduler, SchedRequest

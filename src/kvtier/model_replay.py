@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvtier.fsm import ConfigError
-from kvtier.fsm.cache import units_to_pages
+from kvtier.fsm import units_to_pages
 from kvtier.fsm.layout import CacheLayout
 
 from .costmodel import CostModel
