@@ -118,7 +118,7 @@ class _Request:
     finished: bool = False
 
 
-class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
+class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-ignore]
     """vLLM ``OffloadingManager`` whose host tier is kvtier's radix core.
 
     Args:
@@ -157,7 +157,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.calls = 0
         self.refused_stores = 0
         self.retried_stores = 0
-        self.unreachable_chunks = 0
+        self.rootless_chunks = 0
 
     def _new_core(self) -> None:
         self.core = Core(chunk_layout(), {GROUP: self._staging}, {GROUP: self.num_chunks}, policy="write_through")
@@ -205,10 +205,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return tuple(itertools.chain.from_iterable(reversed(parts)))
 
     def _chunk_index(self, key: bytes, ctx: ReqContext) -> int | None:
-        tpc = self._tpc.get(get_offload_group_idx(key))
+        tpc = self._tpc.get(get_offload_group_idx(OffloadKey(key)))
         if tpc is None:
             return None
-        pos = ctx.get_offload_key_position(key)
+        pos = ctx.get_offload_key_position(OffloadKey(key))
         if pos is None or pos % tpc:
             return None
         return int(pos // tpc - 1)
@@ -321,8 +321,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
         Returns ``None`` (vLLM retries next step) when the host cannot take every new
         chunk even after evicting unpinned leaves, or when a chain's parent is still being
-        written by another operation. Chunks whose parent chunk is not on the host are not
-        stored (a prefix lookup could never reach them).
+        written by another operation. A run of chunks whose parent chunk is not on the host
+        is stored as a chain from the root (vLLM reaches it while its GPU prefix cache
+        holds the prefix).
         """
         t0 = time.perf_counter()
         try:
@@ -353,31 +354,32 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         for g, items in chains.items():
             items.sort()
             runs: list[list[tuple[int, bytes]]] = []
-            for idx, key in items:
+            for idx, ckey in items:
                 if runs and runs[-1][-1][0] == idx - 1:
-                    runs[-1].append((idx, key))
+                    runs[-1].append((idx, ckey))
                 else:
-                    runs.append([(idx, key)])
+                    runs.append([(idx, ckey)])
             for run in runs:
                 first = run[0][0]
                 prefix: tuple[bytes, ...] = ()
                 if first > 0:
                     pkey = st.chain.get(g, {}).get(first - 1)
                     parent = self._resolve(pkey) if pkey is not None else None
-                    if parent is None or parent.state not in HOST_VISIBLE | {"writing"}:
-                        self.unreachable_chunks += len(run)
-                        continue  # the parent chunk is not on the host: unreachable
-                    if parent.state == "writing":
+                    if parent is not None and parent.state == "writing":
                         self.retried_stores += 1
                         return None  # written by another operation: retry next step
-                    assert pkey is not None
-                    prefix = self._path_to(parent, pkey)
+                    if parent is None or parent.state not in HOST_VISIBLE or pkey is None:
+                        # the parent chunk is not on the host: the run hangs from the root
+                        # (reachable while vLLM's GPU cache holds the prefix)
+                        self.rootless_chunks += len(run)
+                    else:
+                        prefix = self._path_to(parent, pkey)
                 run_keys = tuple(k for _, k in run)
                 paths.append(prefix + run_keys)
                 new_keys.extend(run_keys)
-        for key in flat:
-            paths.append((key,))
-            new_keys.append(key)
+        for fkey in flat:
+            paths.append((fkey,))
+            new_keys.append(fkey)
         if not new_keys:
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         # keep the offered chunks the host already holds (and their ancestors) out of the
@@ -501,7 +503,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def host_chunks_used(self) -> int:
         """Host chunks holding acknowledged or reserved copies."""
         assert self.core.host is not None
-        return self.core.host[GROUP].used
+        return int(self.core.host[GROUP].used)
 
     def check_invariants(self) -> None:
         """The core's invariants, then the adapter's: every in-flight store names live
@@ -523,7 +525,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                     raise KvtierError(f"request {r.req_id!r}: a load's pin or lock was released early")
 
 
-class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
+class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
     """The spec vLLM instantiates from ``kv_connector_extra_config``.
 
     Extra config keys:
@@ -575,7 +577,12 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         return self._worker
 
 
-class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+def _slots(spec: Any) -> list[int]:
+    """Host chunk slots of a ``CPULoadStoreSpec`` (``block_ids``: chunk indices)."""
+    return [int(x) for x in spec.block_ids]
+
+
+class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc, unused-ignore]
     """Moves offload chunks between vLLM's KV tensors and a host pool with kvtier's
     :class:`~kvtier.transfer.TransferEngine`.
 
@@ -670,11 +677,11 @@ class KvtierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        return self._submit(job_id, Direction.WRITEBACK, [int(x) for x in dst_spec.block_ids], src_spec)
+        return self._submit(job_id, Direction.WRITEBACK, _slots(dst_spec), src_spec)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
-        return self._submit(job_id, Direction.LOADBACK, [int(x) for x in src_spec.block_ids], dst_spec)
+        return self._submit(job_id, Direction.LOADBACK, _slots(src_spec), dst_spec)
 
     def _poll(self) -> None:
         for g, eng in enumerate(self.engines):

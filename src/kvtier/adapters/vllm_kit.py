@@ -280,7 +280,7 @@ class ConnectorDriver:
         n = left if tokens is None else max(0, min(tokens, left))
         r.computed += n
         self._store(r, r.computed)
-        return n
+        return int(n)
 
     def finish(self, req_id: str, aborted: bool = False) -> None:
         """request_finished (scheduler.py:2336-2376) and KVCacheManager.free, then the next
