@@ -37,6 +37,8 @@ class ReplaySetup:
         device_units: device capacity of the bounded configurations.
         host_units: host capacity of the device-plus-host configuration.
         policy: write policy.
+        eviction: eviction policy (``lru`` or ``lru2``).
+        exclusive: an exclusive host tier (host eviction drops duplicates first).
         backend: ``none`` (metadata only), ``cpu``, ``torch`` or ``numba``.
         byte_scale: bytes per page are divided by this for real copies (at least 64 B kept).
         limit: requests replayed (``None``: all).
@@ -50,6 +52,8 @@ class ReplaySetup:
     device_units: int = 0
     host_units: int = 0
     policy: str = "write_through_selective"
+    eviction: str = "lru"
+    exclusive: bool = False
     backend: str = "none"
     byte_scale: int = 1024
     limit: int | None = None
@@ -187,7 +191,8 @@ def run_config(name: str, requests: Sequence[SchedRequest], layout: CacheLayout,
                host_units: int | None, setup: ReplaySetup, executor: Executor | None = None,
                cost: CostModel | None = None, progress: Callable[[int], None] | None = None) -> ConfigResult:
     """Run one configuration over fresh copies of ``requests``."""
-    cache = TieredCache(layout, device_units, host_units, policy=setup.policy)
+    cache = TieredCache(layout, device_units, host_units, policy=setup.policy, eviction=setup.eviction,
+                        exclusive=setup.exclusive)
     reqs = [SchedRequest(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.units) for r in requests]
     sched = ReferenceScheduler(cache, executor, token_budget=setup.token_budget, cost=cost)
     t0 = time.perf_counter()
@@ -268,7 +273,8 @@ def run_replay(trace: Trace, setup: ReplaySetup, *,
         "preset": layout.name, "alignment_tokens": layout.alignment, "requests": len(reqs),
         "working_set_units": ws, "working_set_tokens": ws * layout.alignment,
         "device_tokens": setup.device_units * layout.alignment, "host_tokens": setup.host_units * layout.alignment,
-        "policy": setup.policy, "backend": setup.backend, "byte_scale": setup.byte_scale,
+        "policy": setup.policy, "eviction": setup.eviction, "exclusive": setup.exclusive,
+        "backend": setup.backend, "byte_scale": setup.byte_scale,
         "cost_model": (cost or CostModel()).describe(), "state_groups": [g.name for g in layout.state_groups],
     }
     return results, summary
@@ -327,7 +333,8 @@ def format_table(results: Sequence[ConfigResult], summary: dict[str, Any]) -> st
     notes = [
         f"preset {summary['preset']} (unit {summary['alignment_tokens']} tokens), {summary['requests']:,} requests, "
         f"unbounded working set {summary['working_set_tokens']:,} tokens ({summary['working_set_units']:,} units), "
-        f"policy {summary['policy']}, backend {summary['backend']}",
+        f"policy {summary['policy']}, eviction {summary['eviction']}"
+        f"{' (exclusive host tier)' if summary['exclusive'] else ''}, backend {summary['backend']}",
         f"modeled times: {summary['cost_model']}",
     ]
     return "\n".join(lines + [""] + notes)

@@ -124,7 +124,17 @@ def add_parser(sub: Any) -> None:
                    help=f"host capacity, likewise (default {DEFAULT_HOST_FRACTION})")
     p.add_argument("--policy", default="write_through_selective",
                    choices=["write_through", "write_through_selective", "write_back"],
-                   help="write policy (default: %(default)s)")
+                   help="write policy: write_back for the highest hit rate when the host is tight (with "
+                        "--exclusive), write_through to keep every node backed (cheap demotions, more copies), "
+                        "write_through_selective to back up only what two requests used (fewest copies) "
+                        "(default: %(default)s)")
+    p.add_argument("--eviction", default="lru", choices=["lru", "lru2"],
+                   help="eviction policy: lru (default; best on conversation traces, where the next turn reuses "
+                        "the newest tail), lru2 (LRU on the device, LRU-2 on the host: keeps what two requests "
+                        "used over one-off tails; for shared-prefix workloads)")
+    p.add_argument("--exclusive", action="store_true",
+                   help="exclusive host tier: the host keeps what the device does not (loaded-back duplicates "
+                        "are dropped first); pair it with --policy write_back when the host is small")
     p.add_argument("--backend", default="cpu", choices=["none", "cpu", "torch", "numba", "hybrid"],
                    help="transfer backend; none = metadata only, cpu = real copies in host memory, torch, "
                         "numba and hybrid need a CUDA GPU (default: %(default)s)")
@@ -194,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     dev_units = _units("--device", args.device, ws, longest, unbounded, layout.alignment)
     host_units = _units("--host", args.host, ws, longest, unbounded, layout.alignment)
     setup = ReplaySetup(preset=args.preset, preset_params=tuple(params), device_units=dev_units,
-                        host_units=host_units, policy=args.policy,
+                        host_units=host_units, policy=args.policy, eviction=args.eviction,
+                        exclusive=args.exclusive,
                         backend=args.backend, byte_scale=args.byte_scale, limit=args.limit, seed=args.seed)
     show = not args.json and sys.stderr.isatty()
     bars: list[Any] = []

@@ -2,7 +2,7 @@
 
 One instance per scheduler, driven on its thread, sans-I/O: it returns transfer commands
 and takes completions back. It checks arguments and composes the parts in ``kvtier.fsm``:
-the node core, the request table (``request_table``), ``admission``, ``publish``,
+the node core, the request table (``request_table``), ``admission``, ``forward``,
 ``request_ends``, ``completions`` and the request invariants (``fence``).
 
 A step, as an engine runs it::
@@ -20,9 +20,7 @@ A step, as an engine runs it::
 Which call is accepted in which request state is declared in ``spec/lifecycle.toml``
 (``[request.calls]``, and the transitions for finish, retract, resume and abort); a call
 in another state raises ``UsageError`` (or ``IllegalTransition`` / ``GuardRejected``) and
-changes nothing.
-
-Units: tokens; a *unit* is ``layout.alignment`` tokens, the granularity of prefix reuse.
+changes nothing. Units: tokens; a *unit* is ``layout.alignment`` tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +59,7 @@ class TieredCache:
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (core ``match``).
+        eviction, exclusive: eviction policy (``lru``, ``lru2``); an exclusive host tier.
 
     Raises:
         ConfigError: bad capacities or options.
@@ -70,9 +69,11 @@ class TieredCache:
                  host_pages: int | Mapping[str, int] | None = None, *,
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
                  world_size: int = 1, max_writebacks_in_flight: int = 2, op_deadline_steps: int | None = None,
-                 finish_writeback: bool | None = None, history_replay: bool = False) -> None:
+                 finish_writeback: bool | None = None, history_replay: bool = False, eviction: str = "lru",
+                 exclusive: bool = False) -> None:
         self.core = CacheCore(layout, device_pages, host_pages, policy=policy, write_threshold=write_threshold,
-                             world_size=world_size, op_deadline_steps=op_deadline_steps)
+                              world_size=world_size, op_deadline_steps=op_deadline_steps, eviction=eviction,
+                              exclusive=exclusive)
         self.max_writebacks_in_flight = as_int(max_writebacks_in_flight, "max_writebacks_in_flight", minimum=1,
                                                error=ConfigError)
         if finish_writeback is not None:
@@ -88,7 +89,6 @@ class TieredCache:
         self._router = CompletionRouter(self._table, self._forward)
         self._victims = 0
 
-    # ------------------------------------------------------------------ lookups
     def request(self, request_id: str) -> RequestView:
         """A summary of one request (UsageError: unknown request)."""
         return self._table.get(request_id).view()
@@ -106,8 +106,8 @@ class TieredCache:
         return [r.view() for r in self._table]
 
     def page_table(self, request_id: str) -> PageMap:
-        """The request's device page table: history groups cover tokens ``0 .. reserved``
-        (canonical pages of published units, then its own); state groups its working state."""
+        """The device page table: history groups cover tokens ``0 .. reserved`` (canonical
+        pages of published units, then its own); state groups hold its working state."""
         return self._table.page_table(self._table.get(request_id))
 
     def allows(self, request_id: str, call: str) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvtier.adapters import vllm_stubs
+from . import vllm_stubs
 
 vllm_stubs.install()
 

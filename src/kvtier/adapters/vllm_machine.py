@@ -21,10 +21,10 @@ from typing import ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from kvtier.adapters.vllm import GROUP, KvtierOffloadingManager
-from kvtier.adapters.vllm_kit import ConnectorDriver
+from .vllm import GROUP, KvtierOffloadingManager
+from .vllm_kit import ConnectorDriver
 from kvtier.fsm.errors import InvariantViolation
-from kvtier.testing.machines import KitMachine, recorded
+from ..testing.machines import KitMachine, recorded
 
 __all__ = ["VllmAdapterMachine", "check_drained"]
 
