@@ -49,14 +49,20 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
-#: (device blocks, host blocks or None, write policy); host 8x as the peers'.
-CONFIGS: tuple[tuple[int, int | None, str], ...] = (
-    (1000, None, "write_through"),
-    (1000, 8000, "write_through"),
-    (1000, 8000, "write_back"),
-    (4000, None, "write_through"),
-    (4000, 32000, "write_through"),
-    (4000, 32000, "write_back"),
+#: (device blocks, host blocks or None, write policy, eviction policy, exclusive host tier):
+#: the peers' capacities (host 8x), then 4,000 device blocks with host none, 2x and 8x for
+#: every write policy and eviction policy (write_back also with an exclusive host tier).
+CONFIGS: tuple[tuple[int, int | None, str, str, bool], ...] = (
+    (1000, None, "write_through", "lru", False),
+    (1000, 8000, "write_through", "lru", False),
+    (1000, 8000, "write_back", "lru", False),
+    (4000, None, "write_through", "lru", False),
+    (4000, None, "write_through", "lru2", False),
+    *((4000, host, policy, eviction, False)
+      for host in (8000, 32000)
+      for policy in ("write_through", "write_back", "write_through_selective")
+      for eviction in ("lru", "lru2")),
+    *((4000, host, "write_back", eviction, True) for host in (8000, 32000) for eviction in ("lru", "lru2")),
 )
 
 #: peers' token-weighted hit rates (anchors.md section 7), keyed like CONFIGS.
@@ -75,6 +81,8 @@ class Result:
     device: int
     host: int | None
     policy: str
+    eviction: str
+    exclusive: bool
     requests: int
     refused: int
     hit_rate: float
@@ -82,13 +90,14 @@ class Result:
     calls_per_request: float
 
 
-def run(trace: Trace | Path | None, limit: int | None, device: int, host: int | None, policy: str) -> Result:
+def run(trace: Trace | Path | None, limit: int | None, device: int, host: int | None, policy: str,
+        eviction: str = "lru", exclusive: bool = False) -> Result:
     """One configuration over the trace (a loaded :class:`Trace`, a path, or ``None`` for the
     embedded slice); see the module docstring for the method."""
     layout = preset("llama-3-8b", page_tokens=512)
     loaded = trace if isinstance(trace, Trace) else load_trace(trace, limit)
     requests = trace_requests(loaded, layout)
-    cache = TieredCache(layout, device, host, policy=policy)
+    cache = TieredCache(layout, device, host, policy=policy, eviction=eviction, exclusive=exclusive)
     executor = InstantExecutor(cache.core.world_size)
     clock = time.perf_counter
     spent = 0.0
@@ -132,19 +141,20 @@ def run(trace: Trace | Path | None, limit: int | None, device: int, host: int | 
         prompt += r.prompt_tokens
         hit += adm.hit_tokens
     n = len(requests)
-    return Result(device, host, policy, n, refused, hit / prompt if prompt else 0.0,
+    return Result(device, host, policy, eviction, exclusive, n, refused, hit / prompt if prompt else 0.0,
                   spent / max(1, n) * 1e6, calls / max(1, n))
 
 
 def table(results: Sequence[Result]) -> str:
-    lines = ["| device / host blocks | policy | requests | hit rate | kvtier us / request | calls / request | "
-             "peers' hit rates |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| device / host blocks | policy | eviction | requests | hit rate | kvtier us / request | "
+             "calls / request | peers' hit rates |", "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         host = f"{r.host:,}" if r.host else "none"
         refused = f" ({r.refused} refused)" if r.refused else ""
-        lines.append(f"| {r.device:,} / {host} | {r.policy if r.host else '-'} | {r.requests:,}{refused} | "
-                     f"{r.hit_rate:.2%} | {r.us_per_request:,.0f} | {r.calls_per_request:.1f} | "
-                     f"{PEERS.get((r.device, r.host, r.policy), '')} |")
+        policy = (r.policy + (" + exclusive" if r.exclusive else "")) if r.host else "-"
+        peers = PEERS.get((r.device, r.host, r.policy), "") if r.eviction == "lru" and not r.exclusive else ""
+        lines.append(f"| {r.device:,} / {host} | {policy} | {r.eviction} | {r.requests:,}{refused} | "
+                     f"{r.hit_rate:.2%} | {r.us_per_request:,.0f} | {r.calls_per_request:.1f} | {peers} |")
     return "\n".join(lines)
 
 
@@ -162,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KvtierError, OSError) as exc:
         print(f"bench/bookkeeping.py: {exc}", file=sys.stderr)
         return 2
-    results = [run(trace, None, d, h, p) for d, h, p in CONFIGS]
+    results = [run(trace, None, d, h, p, e, x) for d, h, p, e, x in CONFIGS]
     head = (f"trace: {trace.source}, {len(trace):,} requests (the peers' hit rates are for the whole "
             f"12,031-request trace)")
     text = head + "\n\n" + table(results)
