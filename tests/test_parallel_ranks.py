@@ -12,31 +12,45 @@ import pytest
 
 from kvtier.fsm.presets import preset
 from kvtier.parallel import RankError, RankJob, launch, reference_run, run_jobs
-from kvtier.replay import trace_requests
+from kvtier.model_replay import conversation_slice
+from kvtier.scheduler import SchedRequest
 from kvtier.trace import load_trace
 
 LAYOUT = preset("llama-3-8b", num_layers=4, page_tokens=128)
 
 
-def trace_job(limit: int, **kw: object) -> RankJob:
-    """The trace's first requests, outputs cut to 8 tokens (few decode steps: CI time), on a
-    device that holds the longest request plus a little (evictions) and a host tier."""
-    reqs = tuple(dataclasses.replace(r, output_tokens=min(8, r.output_tokens))
-                 for r in trace_requests(load_trace(None, limit=limit), LAYOUT))
-    base = RankJob(reqs, LAYOUT, device_units=720, host_units=3000, token_budget=8192)
+def trace_job(tokens: int, **kw: object) -> RankJob:
+    """Whole conversations of the embedded trace (prompts cut to 8,192 tokens, outputs to 8:
+    few decode steps, CI time), on a device of twice the longest request (evictions) with
+    a host tier under write-through (loadbacks)."""
+    sl = conversation_slice(load_trace(), tokens, 8192)
+    t0 = min(r.arrival_s for r in sl)
+    a = LAYOUT.alignment
+    reqs = []
+    for r in sl:
+        n = min(r.input_length, 8192)
+        units = tuple((h, j) for h in r.hash_ids for j in range(512 // a))[: n // a]
+        reqs.append(SchedRequest(f"r{r.index}", r.arrival_s - t0, n, min(8, r.output_length), units))
+    base = RankJob(tuple(reqs), LAYOUT, device_units=132, host_units=3000, policy="write_through")
     return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
 
 
 def check_agreement(results: list[object], job: RankJob, world: int) -> list[dict[str, object]]:
+    """Every rank decided alike; metadata runs (completions at the next collect) decide as
+    the single-process model does; nothing left on any rank after draining."""
     assert all(isinstance(r, dict) for r in results), results
     rs: list[dict[str, object]] = results  # type: ignore[assignment]
-    ref = reference_run(job, world)
     assert [r["rank"] for r in rs] == list(range(world))
-    assert {r["digest"] for r in rs} == {ref["digest"]}
-    assert len({r["decisions"] for r in rs}) == 1 and rs[0]["decisions"] == ref["decisions"] > 1000
-    assert all(r["run"] == rs[0]["run"] for r in rs)  # type: ignore[comparison-overlap]
+    assert len({r["digest"] for r in rs}) == 1 and len({r["decisions"] for r in rs}) == 1
+    assert rs[0]["decisions"] > 500  # type: ignore[operator]
+    assert all(r["failed_op_ids"] == rs[0]["failed_op_ids"] for r in rs)
+    if job.backend == "none":
+        ref = reference_run(job, world)
+        assert rs[0]["digest"] == ref["digest"] and rs[0]["decisions"] == ref["decisions"]
+        assert rs[0]["failed_op_ids"] == ref["failed_op_ids"]
+    counts = [{k: v for k, v in r["run"].items() if not k.endswith("_s")} for r in rs]  # type: ignore[attr-defined]
+    assert all(c == counts[0] for c in counts) and counts[0]["steps"] > 40
     assert rs[0]["run"]["finished"] + rs[0]["run"]["aborts"] == len(job.requests)  # type: ignore[index]
-    assert all(r["failed_op_ids"] == ref["failed_op_ids"] for r in rs)
     for r in rs:  # drained: nothing held beyond the tree's own pages
         d = r["drain"]
         assert d["requests"] == d["ops_in_flight"] == d["caller_pages"] == d["receipts"] == 0  # type: ignore[index]
@@ -47,13 +61,13 @@ def check_agreement(results: list[object], job: RankJob, world: int) -> list[dic
 
 @pytest.fixture(scope="module")
 def two_ranks() -> tuple[list[RankJob], list[list[object]]]:
-    meta = trace_job(60)
+    meta = trace_job(200_000)
     jobs = [
         meta,
-        trace_job(30, backend="cpu", byte_scale=256),
-        trace_job(60, fail={3: 1, 8: 0, 20: 1, 41: 0}),
-        trace_job(30, backend="cpu", byte_scale=256, fail={2: 0, 9: 1, 15: 1}),
-        dataclasses.replace(meta, device_units_of={1: 719}),
+        trace_job(100_000, backend="cpu", byte_scale=256),
+        trace_job(200_000, fail={3: 1, 8: 0, 20: 1, 41: 0}),
+        trace_job(100_000, backend="cpu", byte_scale=256, fail={2: 0, 9: 1, 15: 1}),
+        dataclasses.replace(meta, device_units_of={1: 131}),
     ]
     per_rank = launch(run_jobs, 2, jobs)
     return jobs, [[per_rank[r][j] for r in range(2)] for j in range(len(jobs))]
@@ -104,14 +118,14 @@ def test_a_rank_that_decides_differently_stops_the_run_at_the_first_differing_st
     # less, decides alike until its pool runs short first (the single-process models of
     # both capacities give the digests each exchange compares)
     h0 = reference_run(jobs[4], 2)["history"]
-    h1 = reference_run(dataclasses.replace(jobs[4], device_units=719), 2)["history"]
+    h1 = reference_run(dataclasses.replace(jobs[4], device_units=131), 2)["history"]
     first = next(i for i, (a, b) in enumerate(zip(h0, h1)) if a != b)
     assert e0.attrs["exchange"] == first + 1 > 1
     assert e0.attrs["digests"] == (h0[first], h1[first])
 
 
 def test_four_ranks_metadata_bytes_and_failures() -> None:
-    jobs = [trace_job(40, fail={4: 3, 11: 2}), trace_job(20, backend="cpu", byte_scale=256, fail={5: 1})]
+    jobs = [trace_job(100_000, fail={4: 3, 11: 2}), trace_job(50_000, backend="cpu", byte_scale=256, fail={5: 1})]
     per_rank = launch(run_jobs, 4, jobs)
     for j, job in enumerate(jobs):
         rs = check_agreement([per_rank[r][j] for r in range(4)], job, 4)
