@@ -43,6 +43,8 @@ class RankError:
 def _entry(rank: int, fn: Callable[[StepSync, Any], Any], world_size: int, arg: Any, tmp: str, backend: str,
            timeout_s: float, threads: int, device: str | None) -> None:
     torch.set_num_threads(threads)
+    if backend == "nccl" and device is None:
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per rank (NCCL needs it)
     dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:

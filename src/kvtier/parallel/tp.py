@@ -40,7 +40,7 @@ from .rank import AgreedClock, RankExecutor, check_drained
 from .replay import fresh
 from .sync import StepSync
 
-__all__ = ["ShardedLlama", "shard_config", "TPJob", "run_tp_rank"]
+__all__ = ["ShardedLlama", "shard_config", "TPJob", "run_tp_rank", "sharded_logits"]
 
 
 def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
@@ -261,3 +261,13 @@ def _serve(sync: StepSync, job: TPJob, model: ShardedLlama, name: str, dev_units
     res.update(summarize(res))
     del ex, cache, sched, rex
     return res
+
+
+def sharded_logits(sync: StepSync, arg: tuple[ModelConfig, list[int]]) -> list[float]:
+    """Logits (float32 ``[vocab]``, as a list) at the last of ``tokens`` computed from
+    scratch by this rank's shard of the model (every rank returns the same values); for
+    comparing the sharded model with the whole one."""
+    cfg, tokens = arg
+    model = ShardedLlama(cfg, sync.rank, sync.world_size, "cpu")
+    out: list[float] = model.reference_logits(tokens).tolist()
+    return out
