@@ -33,7 +33,7 @@ def test_two_rank_serving_on_cpu() -> None:
     model = PagedLlama(cfg, "cpu")
     setup = E2ESetup(device_units=0, host_units=0, max_prompt=1024, max_output=4, token_budget=512,
                      backend="cpu", measured=False)
-    sl = conversation_slice(load_trace(), 6000, 1024)
+    sl = conversation_slice(load_trace(), 3000, 1024)
     reqs, prompts, outs = build_requests(sl, model.layout, cfg.vocab, setup)
     caps = capacities(reqs, model.layout.alignment, 0.3, 1.0)
     job = TPJob(cfg, tuple(reqs), prompts, outs,
@@ -53,6 +53,6 @@ def test_two_rank_serving_on_cpu() -> None:
             assert c["checks"]["rerun_identical"] == c["checks"]["loaded_requests"]
             assert c["drain"]["requests"] == c["drain"]["caller_pages"] == 0
             assert c["agreement"]["exchanges"] > c["steps"] > 0 and c["model_all_reduces"] > 0
-            assert c["ttft"]["mean"] > 0
+            assert c["tokens_generated"] >= len(reqs)
     dh = res[0]["configurations"][1]
     assert dh["loadbacks"] > 0 and dh["checks"]["loaded_requests"] > 0 and dh["checks"]["pages_checksummed"] > 0
