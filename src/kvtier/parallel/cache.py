@@ -87,9 +87,9 @@ class RankCache(TieredCache):
             return outs
 
         # every node event and every settled operation of the core goes through these
-        core.trigger = trigger  # type: ignore[method-assign]
-        core.complete = complete_  # type: ignore[method-assign]
-        core.advance_step = advance_  # type: ignore[method-assign]
+        core.trigger = trigger  # type: ignore[method-assign,assignment,unused-ignore]
+        core.complete = complete_  # type: ignore[method-assign,assignment,unused-ignore]
+        core.advance_step = advance_  # type: ignore[method-assign,assignment,unused-ignore]
 
     def _admission(self, tag: str, request_id: str, adm: Admission | None) -> Admission | None:
         d = self.digest

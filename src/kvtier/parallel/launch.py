@@ -83,8 +83,9 @@ def launch(fn: Callable[[StepSync, Any], Any], world_size: int, arg: Any = None,
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
     with tempfile.TemporaryDirectory(prefix="kvtier-ranks-") as tmp:
-        mp.start_processes(_entry, args=(fn, world_size, arg, tmp, backend, timeout_s, threads, device),
-                           nprocs=world_size, join=True, start_method="spawn")
+        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call,unused-ignore]
+            _entry, args=(fn, world_size, arg, tmp, backend, timeout_s, threads, device),
+            nprocs=world_size, join=True, start_method="spawn")
         out = []
         for r in range(world_size):
             with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
