@@ -33,12 +33,13 @@ def test_two_rank_serving_on_cpu() -> None:
     model = PagedLlama(cfg, "cpu")
     setup = E2ESetup(device_units=0, host_units=0, max_prompt=1024, max_output=4, token_budget=512,
                      backend="cpu", measured=False)
-    sl = conversation_slice(load_trace(), 3000, 1024)
+    sl = conversation_slice(load_trace(), 6000, 1024)
     reqs, prompts, outs = build_requests(sl, model.layout, cfg.vocab, setup)
     caps = capacities(reqs, model.layout.alignment, 0.3, 1.0)
+    align = model.layout.alignment
+    dev = max((r.prompt_tokens + r.output_tokens) // align + 2 for r in reqs) + 8  # tight: evictions
     job = TPJob(cfg, tuple(reqs), prompts, outs,
-                (("device-only", caps["device_units"], None),
-                 ("device+host", caps["device_units"], caps["host_units"])),
+                (("device-only", dev, None), ("device+host", dev, caps["host_units"])),
                 token_budget=512, measured=False, no_reuse_samples=1)
     res = launch(run_tp_rank, 2, job)
     full = units_to_pages(model.layout, 1)
@@ -46,7 +47,7 @@ def test_two_rank_serving_on_cpu() -> None:
     for r in res:
         assert r["shard_unit_bytes"] * 2 == r["full_unit_bytes"]
     for c0, c1 in zip(res[0]["configurations"], res[1]["configurations"]):
-        assert c0["digest"] == c1["digest"] and c0["decisions"] == c1["decisions"] > 100
+        assert c0["digest"] == c1["digest"] and c0["decisions"] == c1["decisions"] > 30
         for c in (c0, c1):
             assert c["finished"] == len(reqs) and c["aborts"] == 0
             assert c["checks"]["page_mismatches"] == 0
