@@ -36,6 +36,7 @@ from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
 from kvtier.fsm.completions import CompletionRouter
 from kvtier.fsm.fence import check_requests
 from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.l3 import L3Options, L3Tier
 from kvtier.fsm.node import PageMap
 from kvtier.fsm.forward import ForwardResults
 from kvtier.fsm.request import CALLS, TERMINAL, Admission, PollResult, RequestEvent, RequestView
@@ -61,6 +62,7 @@ class TieredCache:
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (core ``match``).
+        l3: :class:`kvtier.fsm.l3.L3Options` turns on the L3 tier ``cache.l3`` (README "A third tier").
 
     Raises:
         ConfigError: bad capacities or options.
@@ -70,7 +72,8 @@ class TieredCache:
                  host_pages: int | Mapping[str, int] | None = None, *,
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
                  world_size: int = 1, max_writebacks_in_flight: int = 2, op_deadline_steps: int | None = None,
-                 finish_writeback: bool | None = None, history_replay: bool = False) -> None:
+                 finish_writeback: bool | None = None, history_replay: bool = False,
+                 l3: L3Options | None = None) -> None:
         self.core = CacheCore(layout, device_pages, host_pages, policy=policy, write_threshold=write_threshold,
                              world_size=world_size, op_deadline_steps=op_deadline_steps)
         self.max_writebacks_in_flight = as_int(max_writebacks_in_flight, "max_writebacks_in_flight", minimum=1,
@@ -87,6 +90,7 @@ class TieredCache:
         self._ender = Ender(self._table, self._forward, self.finish_writeback)
         self._router = CompletionRouter(self._table, self._forward)
         self._victims = 0
+        self.l3: L3Tier | None = L3Tier(self.core, l3) if l3 is not None else None
 
     # ------------------------------------------------------------------ lookups
     def request(self, request_id: str) -> RequestView:
