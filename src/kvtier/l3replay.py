@@ -81,6 +81,22 @@ class InstanceResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+class _Executor(BytesExecutor):
+    """The replay's executor with the unit keys read once per request (the fingerprint
+    chain is extended page by page; re-reading the keys for every page is quadratic)."""
+
+    def _prefix_hash(self, cache: TieredCache, rid: str, unit: int) -> int:
+        chain = self._prefix.setdefault(rid, [])
+        if len(chain) <= unit:
+            keys = cache.unit_keys(rid)
+            h = chain[-1] if chain else self.salt
+            for u in range(len(chain), unit + 1):
+                key = keys[u] if u < len(keys) else (rid, "u", u)
+                h = hash((h, key)) & ((1 << 63) - 1)
+                chain.append(h)
+        return chain[unit]
+
+
 class Instance:
     """One kvtier instance: cache, executor with real host bytes, scheduler, optional L3.
 
@@ -102,7 +118,7 @@ class Instance:
         self.name = name
         self.cache = TieredCache(layout, device_units, host_units, policy=policy,
                                  l3=(options or L3Options()) if store_url else None)
-        self.executor = BytesExecutor(scaled_layout(layout, byte_scale), units_to_pages(layout, device_units),
+        self.executor = _Executor(scaled_layout(layout, byte_scale), units_to_pages(layout, device_units),
                                       units_to_pages(layout, host_units), "cpu", salt=seed)
         self.sched = ReferenceScheduler(self.cache, self.executor)
         self.result = InstanceResult(name)
@@ -155,14 +171,20 @@ class Instance:
             l3.offer(req.units, time.monotonic())
             self._pump()
 
-    def close(self) -> None:
-        """Wait for puts in flight (up to the deadline), stop the driver, record the counters."""
+    def flush(self) -> None:
+        """Wait for the store operations in flight to end (at most the deadline)."""
         l3, drv = self.cache.l3, self.driver
         if l3 is not None and drv is not None:
             end = time.monotonic() + l3.options.deadline_s
             while l3.ops_in_flight() and time.monotonic() < end:
                 drv.wait(0.05)
                 self._pump()
+
+    def close(self) -> None:
+        """Wait for puts in flight (up to the deadline), stop the driver, record the counters."""
+        l3, drv = self.cache.l3, self.driver
+        if l3 is not None and drv is not None:
+            self.flush()
             l3.expire(float("inf"), drv.cancel)
             drv.close()
             s: L3Stats = l3.stats

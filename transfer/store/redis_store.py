@@ -51,7 +51,7 @@ class RedisStore:
         self._redis_errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self.prefix = prefix
         self.client: Any = redis.Redis(host=host, port=port, db=db, socket_timeout=timeout_s,
-                                       socket_connect_timeout=timeout_s, retry_on_timeout=False)
+                                       socket_connect_timeout=timeout_s)
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 2.0) -> RedisStore:
