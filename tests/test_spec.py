@@ -217,7 +217,7 @@ def _toml_names() -> dict[str, set[str]]:
 
 def test_prose_names_every_state_event_guard_and_invariant() -> None:
     prose = spec_text("README.md")
-    quoted = set(re.findall(r"`!?([a-z_]+)`", prose))
+    quoted = set(re.findall(r"`!?([a-z][a-z0-9_]*)`", prose))
     missing = {kind: sorted(names - quoted) for kind, names in _toml_names().items() if names - quoted}
     assert not missing, f"spec/README.md does not name (in backquotes): {missing}"
 
