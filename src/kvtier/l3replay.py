@@ -270,9 +270,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.l3:
         from kvtier.transfer.store import open_store
 
-        if args.l3.startswith("mooncake://"):
-            opts = L3Options(model="llama-3-8b", write_policy=args.write_policy,
-                             prefetch_units=args.prefetch_units, deadline_s=args.deadline_s, lease_s=10.0)
         open_store(args.l3).close()  # fail early on a bad URL
     runs: dict[str, list[InstanceResult]] = {}
     t0 = time.perf_counter()

@@ -60,13 +60,13 @@ class StoreBackend(Protocol):
         ...
 
 
-def open_store(url: str, *, timeout_s: float = 2.0, **options: object) -> StoreBackend:
-    """A backend for ``url``: ``redis://HOST:PORT[/DB]`` or
-    ``mooncake://MASTER_HOST:PORT[?segment=BYTES]``.
+def open_store(url: str, *, timeout_s: float = 2.0) -> StoreBackend:
+    """A backend for ``url``: ``redis://HOST:PORT[/DB]`` (``mooncake://`` is reserved for the
+    Mooncake Store backend, not in this build).
 
     Raises:
-        ConfigError: an unknown scheme, a malformed URL or a backend whose client is not
-            installed (``pip install 'kvtier[l3]'``).
+        ConfigError: an unknown scheme, a malformed URL, ``mooncake://``, or a backend whose
+            client is not installed (``pip install 'kvtier[l3]'``).
     """
     if not isinstance(url, str):
         raise ConfigError(f"store URL must be a string like redis://127.0.0.1:6379, got {url!r}")
@@ -76,7 +76,6 @@ def open_store(url: str, *, timeout_s: float = 2.0, **options: object) -> StoreB
 
         return RedisStore.from_url(url, timeout_s=timeout_s)
     if parts.scheme == "mooncake":
-        from .mooncake_store import MooncakeStore
-
-        return MooncakeStore.from_url(url, timeout_s=timeout_s, **options)
+        raise ConfigError("the Mooncake Store backend is not part of this build yet (issue 20 follow-up); "
+                          "use redis://HOST:PORT")
     raise ConfigError(f"unknown store URL scheme {parts.scheme!r} in {url!r}; expected redis:// or mooncake://")

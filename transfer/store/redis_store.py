@@ -66,7 +66,7 @@ class RedisStore:
         path = p.path.strip("/")
         if path and not path.isdigit():
             raise ConfigError(f"redis URL database must be a number, got {path!r} in {url!r}")
-        return cls(p.hostname, p.port, int(path or 0), timeout_s=timeout_s)
+        return cls(str(p.hostname), int(p.port), int(path or 0), timeout_s=timeout_s)
 
     def _k(self, key: str) -> str:
         return self.prefix + key
