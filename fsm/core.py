@@ -472,22 +472,13 @@ class CacheCore:
 
     # ------------------------------------------------------------------ L3 gets
     def fetch_reserve(self, parent: Node, keys: Sequence[Hashable], op_id: int) -> list[Node]:
-        """Reserve host pages for an L3 get continuing ``parent`` (the root or a node with a
-        visible host copy): one ``fetching`` node per unit key, invisible to matching
-        (:meth:`kvtier.fsm.fetch.FetchTable.reserve` says how).
-
-        Raises:
-            UsageError: no host tier, op id in flight, bad parent or no keys (nothing changes).
-        """
+        """Reserve host pages for an L3 get under ``parent``: one invisible ``fetching`` node
+        per unit key (:meth:`kvtier.fsm.fetch.FetchTable.reserve`; its errors)."""
         return self.fetches.reserve(parent, keys, op_id)
 
     def fetch_settle(self, op_id: int, acked: int) -> list[Node]:
         """End L3 get ``op_id``: its first ``acked`` units become host copies, the rest are
-        freed (:meth:`kvtier.fsm.fetch.FetchTable.settle`).
-
-        Raises:
-            KeyError: the get is not in flight. UsageError: bad ``acked``.
-        """
+        freed (:meth:`kvtier.fsm.fetch.FetchTable.settle`; its errors)."""
         return self.fetches.settle(op_id, acked)
 
     # ------------------------------------------------------------------ checks

@@ -17,234 +17,32 @@ size and the dtype (:func:`namespace`), so instances of one model agree on a pre
 two models (or ranks) never share a key. Layouts with continuation-state groups are
 refused (:class:`ConfigError`): a store object carries history pages only.
 
-Rules (spec ``[l3]`` and invariants ``l3_*``):
-
-- A put pins the host copy it reads (``core.pin``) until the put is acknowledged or fails.
-  A put never makes an object visible: only the store's answer to an exists or a get does.
-- A prefetch asks the store which prefix of the chunks beyond the local hit it holds
-  (one batch exists, at most ``prefetch_units``), then gets that prefix into reserved
-  host pages; the store may drop an object between the two, which is a miss, not an
-  error. The acknowledged prefix becomes host copies; the rest is freed, so failures only
-  shorten the hit.
-- Every operation has a deadline (``deadline_s`` after submission, on the caller's clock);
-  :meth:`L3Tier.expire` fails the overdue ones; their late results are absorbed.
-- A get may leave a read lease (``lease_s`` > 0, e.g. Mooncake Store's): no remove is
-  submitted for the object until it ends.
+Rules: spec ``[l3]`` and invariants ``l3_*`` (``spec/README.md`` section 3): a put pins
+the host copy it reads until it ends and makes nothing visible; a prefetch asks one batch
+exists beyond the local hit, then gets that prefix into invisible reserved host pages, and
+keeps only the acknowledged prefix; every operation fails at its deadline; no remove
+under a read lease.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, UsageError
+from .l3options import WRITE_POLICIES, L3Object, L3Options, L3Stats, chain_keys, namespace
 from .machines import l3_lifecycle
+from .records import StoreCommand, StoreOp, StoreResult
 from .names import DEVICE_READABLE, HOST_VISIBLE, L3_EVENT as EV, L3_STATE as LS
 from .node import Node, NodeReceipt, PageMap
 
 if TYPE_CHECKING:
     from .core import CacheCore
-    from .layout import CacheLayout
 
 __all__ = ["StoreOp", "StoreCommand", "StoreResult", "L3Options", "L3Stats", "L3Object", "L3Tier",
            "WRITE_POLICIES", "namespace", "chain_keys"]
-
-#: L3 write policies: put a request's host-visible prefix when it is offered (``host_write``),
-#: only chunks reused at least ``write_threshold`` times (``selective``), or the host tier's
-#: next eviction victims before they go (``host_eviction``).
-WRITE_POLICIES = ("host_write", "selective", "host_eviction")
-
-
-class StoreOp(Enum):
-    """The kind of a store operation."""
-
-    EXISTS = "exists"
-    PUT = "put"
-    GET = "get"
-    REMOVE = "remove"
-
-
-@dataclass(frozen=True, slots=True)
-class StoreCommand:
-    """One batch operation for the store backend.
-
-    Attributes:
-        op_id: the operation's id (its result must carry it).
-        kind: exists, put, get or remove.
-        keys: object keys (hex strings), in prefix order for exists and get.
-        pages: per key, host pages (history group -> page ids) that a put reads or a get
-            fills; empty for exists and remove.
-        deadline: the caller's clock value (seconds) after which the operation has failed.
-    """
-
-    op_id: int
-    kind: StoreOp
-    keys: tuple[str, ...]
-    pages: tuple[PageMap, ...]
-    deadline: float
-
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    """The outcome of one :class:`StoreCommand`.
-
-    Attributes:
-        op_id: the command's op id.
-        ok: per key, success (put stored, get delivered a checked object, remove done);
-            ignored for exists.
-        present: exists only: how many keys, from the first on, the store holds.
-        corrupt: get only: keys whose object failed its check (wrong key, size or digest).
-        nbytes: bytes moved between host and store.
-        seconds: seconds the backend spent on the operation.
-        error: the backend's error text, if the operation failed as a whole.
-    """
-
-    op_id: int
-    ok: tuple[bool, ...] = ()
-    present: int = 0
-    corrupt: tuple[str, ...] = ()
-    nbytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class L3Options:
-    """Opt-in options of the L3 tier.
-
-    Attributes:
-        model: model name (part of every key).
-        dtype: KV dtype name (part of every key).
-        tp_rank, world_size: tensor-parallel rank and size (part of every key).
-        write_policy: one of :data:`WRITE_POLICIES`.
-        write_threshold: reuse count a chunk needs under ``selective``.
-        prefetch_units: most units one prefetch asks the store for.
-        min_prefetch_units: a prefetch is skipped when fewer units lie beyond the local hit.
-        deadline_s: seconds an operation may take before it fails.
-        lease_s: the store's read lease after a get (0: none; Mooncake Store: 10 s by default).
-        max_put_units: most objects one put carries.
-        eviction_lookahead: ``host_eviction``: host victims put ahead, per offer.
-        hint_size: keys remembered as recently put (to avoid putting them again; never
-            taken as presence).
-    """
-
-    model: str = "model"
-    dtype: str = "bfloat16"
-    tp_rank: int = 0
-    world_size: int = 1
-    write_policy: str = "host_write"
-    write_threshold: int = 2
-    prefetch_units: int = 512
-    min_prefetch_units: int = 1
-    deadline_s: float = 2.0
-    lease_s: float = 0.0
-    max_put_units: int = 1024
-    eviction_lookahead: int = 64
-    hint_size: int = 1 << 16
-
-    def check(self) -> None:
-        """Raises ConfigError naming the first bad option."""
-        if self.write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"L3 write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        for name in ("write_threshold", "prefetch_units", "min_prefetch_units", "max_put_units", "hint_size",
-                     "world_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"L3 {name} must be an int >= 1, got {v!r}")
-        for name in ("tp_rank", "eviction_lookahead"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"L3 {name} must be an int >= 0, got {v!r}")
-        if self.tp_rank >= self.world_size:
-            raise ConfigError(f"L3 tp_rank {self.tp_rank} is not below world_size {self.world_size}")
-        for name in ("deadline_s", "lease_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (name == "deadline_s" and v == 0):
-                raise ConfigError(f"L3 {name} must be a number of seconds (> 0 for deadline_s), got {v!r}")
-
-
-@dataclass
-class L3Stats:
-    """Cumulative L3 counters (keys = objects = units)."""
-
-    exists_ops: int = 0
-    exists_keys: int = 0
-    exists_present: int = 0
-    get_ops: int = 0
-    get_keys: int = 0
-    get_ok: int = 0
-    get_failed: int = 0  # keys not delivered: miss, error, corrupt, deadline or after a gap
-    get_misses: int = 0  # keys the store no longer had after answering it had them
-    get_corrupt: int = 0
-    get_no_room: int = 0  # keys answered present but not fetched (no host room or taken)
-    put_ops: int = 0
-    put_keys: int = 0
-    put_ok: int = 0
-    put_failed: int = 0
-    remove_ops: int = 0
-    remove_keys: int = 0
-    removes_deferred_by_lease: int = 0
-    op_errors: int = 0  # operations the backend failed as a whole
-    expired_ops: int = 0
-    absorbed_late_results: int = 0
-    prefetches: int = 0
-    bytes_in: int = 0  # store -> host
-    bytes_out: int = 0  # host -> store
-    seconds: float = 0.0  # backend seconds, all operations
-    get_seconds: float = 0.0  # backend seconds of exists and gets (the prefetch path)
-    errors: dict[str, int] = field(default_factory=dict)
-
-
-def namespace(layout: CacheLayout, model: str, dtype: str, tp_rank: int, world_size: int) -> bytes:
-    """The seed of every key: a hash of the model name, the layout's geometry, the dtype and
-    the tensor-parallel rank and size."""
-    h = hashlib.blake2b(digest_size=16)
-    parts: list[object] = ["kvtier-l3/1", model, dtype, tp_rank, world_size, layout.name, layout.num_layers]
-    for g in layout.groups:
-        parts.append((g.name, g.family.value, g.tokens_per_page, tuple(g.layers),
-                      tuple((c.name, c.page_bytes) for c in g.components)))
-    h.update(repr(parts).encode())
-    return h.digest()
-
-
-def chain_keys(seed: bytes, units: Sequence[Hashable], start: int = 0, prev: bytes | None = None) -> list[bytes]:
-    """Chained digests of ``units[start:]``: digest i hashes digest i-1 and ``repr`` of unit i
-    (``prev`` is digest ``start - 1``; ``seed`` when ``start`` is 0). Unit keys must have a
-    stable ``repr`` (ints, strings, bytes, tuples of them)."""
-    out: list[bytes] = []
-    h = seed if prev is None else prev
-    for u in units[start:]:
-        h = hashlib.blake2b(h + repr(u).encode(), digest_size=16).digest()
-        out.append(h)
-    return out
-
-
-class L3Object:
-    """One object (chunk) this instance is doing something with; the ``[l3]`` subject.
-
-    Objects in ``unknown`` are not kept: the table holds only those with an operation in
-    flight or a lease.
-    """
-
-    __slots__ = ("key", "state", "host_visible", "store_answered", "lease_holds", "lease_until", "op_id")
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.state: str = LS.unknown
-        self.host_visible = False
-        self.store_answered = False
-        self.lease_holds = False
-        self.lease_until = 0.0
-        self.op_id: int | None = None
-
-    @property
-    def label(self) -> str:
-        return self.key[:12]
-
 
 @dataclass
 class _Op:
@@ -691,40 +489,11 @@ class L3Tier:
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
-        """Check the ``l3_*`` invariants over the objects and operations in flight.
+        """Check the ``l3_*`` invariants (:func:`kvtier.fsm.l3checks.check_l3`).
 
         Raises:
             InvariantViolation: naming the invariant and the object.
         """
-        from .errors import InvariantViolation
+        from .l3checks import check_l3
 
-        def fail(inv: str, o: L3Object | None, detail: str) -> InvariantViolation:
-            return InvariantViolation(inv, f"object {o.label} ({o.state})" if o else "the L3 tier", detail)
-
-        for op in self._ops.values():
-            want = {StoreOp.PUT: LS.putting, StoreOp.GET: LS.getting, StoreOp.REMOVE: LS.removing}.get(op.kind)
-            for o in op.objects:
-                if want is not None and (o.state != want or o.op_id != op.op_id
-                                         or self._objects.get(o.key) is not o):
-                    raise fail("l3_ends_by_deadline", o, f"in {op.kind.value} op {op.op_id} but {o.state}")
-            if op.kind is StoreOp.PUT:
-                r = op.receipt
-                if r is None or r.released or any(n.host_pin < 1 or n.state not in HOST_VISIBLE for n in r.nodes):
-                    raise fail("l3_put_source_pinned", op.objects[0] if op.objects else None,
-                               f"put {op.op_id} does not pin the host copies it reads")
-            if op.kind is StoreOp.GET:
-                if op.op_id not in self.core.fetches:
-                    raise fail("l3_get_invisible", op.objects[0], f"get {op.op_id} owns no fetching nodes")
-                if any(not o.store_answered for o in op.objects):
-                    raise fail("l3_visible_by_answer", op.objects[0], "fetched without the store's answer")
-            if op.kind is StoreOp.REMOVE:
-                for o in op.objects:
-                    if o.lease_holds and o.lease_until > 0 and o.state == LS.leased:  # pragma: no cover
-                        raise fail("l3_lease_blocks_remove", o, "removed under a read lease")
-        for o in self._objects.values():
-            if o.state in (LS.putting, LS.getting, LS.removing) and (o.op_id not in self._ops):
-                raise fail("l3_ends_by_deadline", o, "no operation in flight")
-        in_get = {op_id for op_id, op in self._ops.items() if op.kind is StoreOp.GET}
-        for op_id, _ in self.core.fetches.items():
-            if op_id not in in_get:
-                raise fail("l3_get_invisible", None, f"fetching nodes of get {op_id}, which is not in flight")
+        check_l3(self)

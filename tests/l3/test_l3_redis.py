@@ -19,7 +19,7 @@ from kvtier.scheduler import SchedRequest
 from kvtier.transfer.store import HostPageIO, StoreDriver, open_store
 from kvtier.transfer.store.redis_store import RedisStore
 
-from .conftest import RedisServer
+from l3.conftest import RedisServer
 
 LAYOUT = preset("llama-3-8b", num_layers=2)
 A = LAYOUT.alignment

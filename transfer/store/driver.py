@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 
-from kvtier.fsm.l3 import StoreCommand, StoreOp, StoreResult
+from kvtier.fsm.records import StoreCommand, StoreOp, StoreResult
 
 from .base import StoreBackend
 from .hostio import HostPageIO, ObjectError

@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from kvtier.fsm.errors import KvtierError
-from kvtier.fsm.layout import CacheLayout
 
 __all__ = ["HostPageIO", "ObjectError"]
 
@@ -42,7 +42,7 @@ class HostPageIO:
         KvtierError: a region missing for a history group's component and layer.
     """
 
-    def __init__(self, layout: CacheLayout, regions: Mapping[tuple[str, str, int], np.ndarray]) -> None:
+    def __init__(self, layout: Any, regions: Mapping[tuple[str, str, int], np.ndarray]) -> None:
         self._plan: list[tuple[str, np.ndarray]] = []
         self.object_bytes = 0
         for g in layout.history_groups:
@@ -56,7 +56,7 @@ class HostPageIO:
         self.version = 1
 
     @classmethod
-    def from_pool(cls, layout: CacheLayout, pool: object) -> HostPageIO:
+    def from_pool(cls, layout: Any, pool: object) -> HostPageIO:
         """From a :class:`kvtier.transfer.HostPool` (CPU tensors viewed as numpy arrays)."""
         regions = {}
         for g in layout.history_groups:
