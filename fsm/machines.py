@@ -27,7 +27,7 @@ from .errors import GuardRejected, IllegalTransition
 from .guards import GUARDS, Guard
 from .spec import INTERNAL, GuardRef, LifecycleSpec, TransitionSpec, load_spec
 
-__all__ = ["Lifecycle", "node_lifecycle", "request_lifecycle"]
+__all__ = ["Lifecycle", "node_lifecycle", "request_lifecycle", "l3_lifecycle"]
 
 _tlog = logging.getLogger("transitions")
 if _tlog.level == logging.NOTSET:
@@ -155,3 +155,11 @@ def node_lifecycle() -> Lifecycle:
 def request_lifecycle() -> Lifecycle:
     """The request lifecycle (shared, built once per process from the spec)."""
     return Lifecycle(load_spec().request, GUARDS["request"])
+
+
+@functools.cache
+def l3_lifecycle() -> Lifecycle:
+    """The L3 object lifecycle (shared, built once per process from the spec's ``[l3]``)."""
+    spec = load_spec().l3
+    assert spec is not None, "the shipped spec declares [l3]"
+    return Lifecycle(spec, GUARDS["l3"])
