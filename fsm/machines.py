@@ -5,7 +5,8 @@ One shared ``transitions.Machine`` per lifecycle (``model=None``,
 objects: a subject only needs a ``state`` attribute (``__slots__`` is fine) and the
 attributes its guards read (:mod:`kvtier.fsm.guards`). Triggering goes through
 ``machine.events[name].trigger(subject)``, so no per-subject model is registered
-(``add_model`` costs ~6.5 KB and 37-240 us per object; ecosystem.md 1.4).
+(``add_model`` costs ~6.5 KB and 37-240 us per object; ``spec/README.md``, Sources:
+transitions costs).
 
 :meth:`Lifecycle.fire` never returns ``False``: an event with no transition from the
 subject's state raises :class:`IllegalTransition`; one whose guards are false raises
@@ -31,7 +32,7 @@ __all__ = ["Lifecycle", "node_lifecycle", "request_lifecycle", "l3_lifecycle"]
 
 _tlog = logging.getLogger("transitions")
 if _tlog.level == logging.NOTSET:
-    # transitions logs several INFO lines per trigger: 3x slower at INFO (ecosystem.md 1.2).
+    # transitions logs several INFO lines per trigger: 3x slower at INFO (spec/README.md, Sources).
     _tlog.setLevel(logging.WARNING)
 
 

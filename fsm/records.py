@@ -59,7 +59,7 @@ class ComponentSpec:
 
     Components of a group share the group's page ids but differ in bytes per page
     (DeepSeek V4's ratio-4 compressed group carries the compressed KV and the indexer
-    keys under the same page ids; source_system.md 1.1-1.2).
+    keys under the same page ids; ``spec/README.md``, Sources: DeepSeek V4 cache groups).
 
     Attributes:
         name: component name, unique within the group (e.g. ``"kv"``, ``"indexer_k"``).
