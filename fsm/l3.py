@@ -19,9 +19,8 @@ refused (:class:`ConfigError`): a store object carries history pages only.
 
 Rules: spec ``[l3]`` and invariants ``l3_*`` (``spec/README.md`` section 3): a put pins
 the host copy it reads until it ends and makes nothing visible; a prefetch asks one batch
-exists beyond the local hit, then gets that prefix into invisible reserved host pages, and
-keeps only the acknowledged prefix; every operation fails at its deadline; no remove
-under a read lease.
+exists beyond the local hit, gets that prefix into invisible reserved host pages and keeps
+the acknowledged prefix; every operation fails at its deadline; no remove under a lease.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, UsageError
-from .l3options import WRITE_POLICIES, L3Object, L3Options, L3Stats, chain_keys, namespace
+from .l3options import WRITE_POLICIES, L3Object, L3Options, L3Stats, Prefetch, chain_keys, namespace
 from .machines import l3_lifecycle
 from .records import StoreCommand, StoreOp, StoreResult
 from .names import DEVICE_READABLE, HOST_VISIBLE, L3_EVENT as EV, L3_STATE as LS
@@ -52,17 +51,6 @@ class _Op:
     deadline: float
     owner: str | None = None
     receipt: NodeReceipt | None = None
-
-
-@dataclass
-class _Prefetch:
-    owner: str
-    units: tuple[Hashable, ...]
-    start: int
-    keys: list[str]
-    op_id: int
-    fetched: int = 0
-    done: bool = False
 
 
 class L3Tier:
@@ -94,7 +82,7 @@ class L3Tier:
         self._ops: dict[int, _Op] = {}
         self._outbox: list[StoreCommand] = []
         self._issued = 0
-        self._prefetch: dict[str, _Prefetch] = {}
+        self._prefetch: dict[str, Prefetch] = {}
         self._hint: OrderedDict[str, None] = OrderedDict()
         self._pending_removes: list[str] = []
 
@@ -104,7 +92,11 @@ class L3Tier:
         """Objects with something in flight or a lease (a snapshot)."""
         return dict(self._objects)
 
-    def ops_in_flight(self) -> int:
+    @property
+    def operations(self) -> dict[int, _Op]:  # store operations in flight by op id (a snapshot)
+        return dict(self._ops)
+
+    def ops_in_flight(self) -> int:  # store operations in flight
         return len(self._ops)
 
     def prefetching(self, owner: str) -> bool:
@@ -208,7 +200,7 @@ class L3Tier:
         keys = self.keys_for(units[:end])
         objs = [L3Object(k) for k in keys[start:]]  # not tracked: exists moves no object
         op = self._new_op(StoreOp.EXISTS, objs, (), now, owner)
-        self._prefetch[owner] = _Prefetch(owner, tuple(units[:end]), start, keys, op.op_id)
+        self._prefetch[owner] = Prefetch(owner, tuple(units[:end]), start, keys, op.op_id)
         self.stats.prefetches += 1
         self.stats.exists_ops += 1
         self.stats.exists_keys += len(objs)

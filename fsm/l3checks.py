@@ -21,11 +21,11 @@ def check_l3(tier: L3Tier) -> None:
     def fail(inv: str, o: L3Object | None, detail: str) -> InvariantViolation:
         return InvariantViolation(inv, f"object {o.label} ({o.state})" if o else "the L3 tier", detail)
 
-    for op in tier._ops.values():
+    for op in tier.operations.values():
         want = {StoreOp.PUT: LS.putting, StoreOp.GET: LS.getting, StoreOp.REMOVE: LS.removing}.get(op.kind)
         for o in op.objects:
             if want is not None and (o.state != want or o.op_id != op.op_id
-                                     or tier._objects.get(o.key) is not o):
+                                     or tier.objects.get(o.key) is not o):
                 raise fail("l3_ends_by_deadline", o, f"in {op.kind.value} op {op.op_id} but {o.state}")
         if op.kind is StoreOp.PUT:
             r = op.receipt
@@ -41,10 +41,10 @@ def check_l3(tier: L3Tier) -> None:
             for o in op.objects:
                 if o.lease_holds and o.lease_until > 0 and o.state == LS.leased:  # pragma: no cover
                     raise fail("l3_lease_blocks_remove", o, "removed under a read lease")
-    for o in tier._objects.values():
-        if o.state in (LS.putting, LS.getting, LS.removing) and (o.op_id not in tier._ops):
+    for o in tier.objects.values():
+        if o.state in (LS.putting, LS.getting, LS.removing) and (o.op_id not in tier.operations):
             raise fail("l3_ends_by_deadline", o, "no operation in flight")
-    in_get = {op_id for op_id, op in tier._ops.items() if op.kind is StoreOp.GET}
+    in_get = {op_id for op_id, op in tier.operations.items() if op.kind is StoreOp.GET}
     for op_id, _ in tier.core.fetches.items():
         if op_id not in in_get:
             raise fail("l3_get_invisible", None, f"fetching nodes of get {op_id}, which is not in flight")

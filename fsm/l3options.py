@@ -13,7 +13,7 @@ from .names import L3_STATE as LS
 if TYPE_CHECKING:
     from .layout import CacheLayout
 
-__all__ = ["L3Options", "L3Stats", "L3Object", "WRITE_POLICIES", "namespace", "chain_keys"]
+__all__ = ["L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
 
 #: L3 write policies: put a request's host-visible prefix when it is offered (``host_write``),
 #: only chunks reused at least ``write_threshold`` times (``selective``), or the host tier's
@@ -153,3 +153,17 @@ class L3Object:
     @property
     def label(self) -> str:
         return self.key[:12]
+
+
+@dataclass
+class Prefetch:
+    """A prefetch in progress for one request: its units, where the local hit ends
+    (``start``), the keys asked, the exists/get op and how many units came back."""
+
+    owner: str
+    units: tuple[Hashable, ...]
+    start: int
+    keys: list[str]
+    op_id: int
+    fetched: int = 0
+    done: bool = False
