@@ -39,9 +39,24 @@ def test_dot_shows_every_event_and_guard() -> None:
             assert all(e in text for e in lc.events), (lc.name, fmt)
             assert all(g.label in text for t in lc.transitions for g in t.guards), (lc.name, fmt)
     node_dot = render("node", "dot").decode()
-    assert 'backed -> host [label="demote [unlocked & unborrowed & !has_device_child]"]' in node_dot
+    assert 'backed -> host [label="demote [unlocked &\\l   unborrowed &\\l   !has_device_child]\\l"]' in node_dot
     assert "!has_host_child" in node_dot
-    assert 'waiting -> loading [label="schedule [has_loadback]"]' in render("request", "dot").decode()
+    req = render("request", "dot").decode()
+    assert 'waiting -> loading [label="schedule [has_loadback]\\l"]' in req
+
+
+def test_layout_reads_at_page_width() -> None:
+    """Top to bottom, one edge per pair of states (the five events ending an aborting
+    request on one label, their shared guard once), no more than one self-loop per state."""
+    for lc in ("node", "request"):
+        dot = render(lc, "dot").decode()
+        assert "rankdir=TB" in dot
+        edges = [line.split(" [", 1)[0].strip() for line in dot.splitlines() if " -> " in line]
+        assert len(edges) == len(set(edges)), lc
+        assert "direction TB" in render(lc, "mermaid").decode()
+    req = render("request", "dot").decode()
+    assert ('aborting -> aborted [label="loadback_done\\lloadback_failed\\lforward_result\\lwriteback_done'
+            '\\lwriteback_failed\\l[settled]\\l"]') in req
 
 
 def test_check_passes_on_the_committed_diagrams(capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,6 +53,13 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"kvtier fuzz {_TESTING_HINT} ({exc})", file=sys.stderr)
         return ExitCode.USAGE
+    from .eventlog import recording
+
+    with recording(args.event_log):
+        return _fuzz(args, campaign, replay_file)
+
+
+def _fuzz(args: argparse.Namespace, campaign: Any, replay_file: Any) -> int:
     if args.replay:
         result = replay_file(args.replay)
         return ExitCode.OK if result.outcome == "pass" else ExitCode.FAILED
@@ -73,6 +80,14 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
         print("kvtier fuzz: coverage is not complete (--require-coverage)", file=sys.stderr)
         return ExitCode.INCOMPLETE
     return ExitCode.OK
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .check import check_log
+
+    result = check_log(args.log, context=args.context)
+    print(result.report())
+    return ExitCode.OK if result.ok else ExitCode.FAILED
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -163,7 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--require-coverage", action="store_true",
                    help="exit 3 unless every transition, guard value and rejection was exercised")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+    p.add_argument("--event-log", metavar="FILE", default=None,
+                   help="record every cache the run creates as a lifecycle event log (JSON lines; "
+                        "check it with kvtier check FILE)")
     p.set_defaults(func=_cmd_fuzz)
+
+    p = sub.add_parser("check", help="check a lifecycle event log against the spec and the invariants",
+                       epilog=epilog(), formatter_class=LineFormatter,
+                       description="Replay a lifecycle event log (JSON lines, docs/eventlog-format.md; written by "
+                                   "kvtier.eventlog.EventRecorder, kvtier replay/fuzz --event-log, or an engine "
+                                   "that emits the format) offline against spec/lifecycle.toml and the "
+                                   "invariants. Prints the first event the spec does not allow or the first "
+                                   "invariant broken, with the events leading to it. Exit status: 0 the log "
+                                   "conforms, 1 it does not, 2 unreadable input.")
+    p.add_argument("log", metavar="LOG", help="the event log (.jsonl, or .gz)")
+    p.add_argument("--context", type=positive_int, default=12, metavar="N",
+                   help="events shown before a violation (default %(default)s)")
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("verify", help="exhaustive bounded exploration of a small configuration (needs kvtier[testing])",
                        epilog=epilog(), formatter_class=LineFormatter,

@@ -1,11 +1,16 @@
 """Draw the lifecycles of the spec with ``transitions``' GraphMachine.
 
+Layout for reading at page width: top to bottom, the transitions between the same two
+states merged into one edge with one line per event (e.g. the five events that end an
+``aborting`` request), and guard conjunctions broken over lines.
+
 Text formats (``dot``, ``mermaid``) need only the Python ``graphviz`` package; ``svg``
 and ``png`` also need the Graphviz ``dot`` binary (``apt-get install graphviz``).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +43,59 @@ def _graph(spec: LifecycleSpec, engine: Literal["graphviz", "mermaid"]) -> Any:
             unless=[g.name for g in t.guards if g.negated],
         )
     # The machine is its own model; transitions adds ``get_graph`` to it at run time.
-    return getattr(machine, "get_graph")()
+    graph = getattr(machine, "get_graph")()
+    if engine == "graphviz":
+        _page_width_layout(graph)
+    else:
+        graph = _MermaidTopDown(graph)
+    return graph
+
+
+_EDGE = re.compile(r'^\t(\w+) -> (\w+) \[label=(?:"(.*)"|(\w+))\]$')
+
+
+def _page_width_layout(graph: Any) -> None:
+    """Top to bottom, one edge per (source, dest) pair with one label line per event,
+    and ``&``-joined guards wrapped, so the drawing reads at README width."""
+    graph.graph_attr.update(rankdir="TB", nodesep="0.15", ranksep="0.45", fontsize="13")
+    graph.edge_attr.update(fontsize="10")
+    merged: dict[tuple[str, str], list[str]] = {}
+    body: list[str] = []
+    for line in graph.body:
+        m = _EDGE.match(line.rstrip("\n"))
+        if m is None:
+            body.append(line)
+            continue
+        key = (m.group(1), m.group(2))
+        if key not in merged:
+            merged[key] = []
+            body.append(key)  # type: ignore[arg-type]  # placeholder, replaced below
+        merged[key].extend((m.group(3) or m.group(4)).split(" | "))
+    graph.body[:] = [f'\t{item[0]} -> {item[1]} [label="{_label(merged[item])}"]\n' if isinstance(item, tuple)
+                     else item for item in body]
+
+
+def _label(parts: list[str]) -> str:
+    """One line per event; a guard shared by every event once, on its own line; long
+    guard conjunctions broken after each ``&`` (dot's ``\\l``: left-aligned lines)."""
+    split = [p.split(" [", 1) for p in parts]
+    guards = {p[1] if len(p) > 1 else "" for p in split}
+    if len(parts) > 1 and len(guards) == 1 and "" not in guards:
+        lines = [p[0] for p in split] + ["[" + guards.pop()]
+    else:
+        lines = parts
+    return "".join(line.replace(" & ", " &\\l   ") + "\\l" for line in lines)
+
+
+class _MermaidTopDown:
+    """transitions' mermaid graph drawn top to bottom (``direction TB``)."""
+
+    def __init__(self, graph: Any) -> None:
+        self._graph = graph
+
+    def draw(self, filename: None) -> str:
+        text: str = self._graph.draw(filename)
+        return text.replace("  direction LR\n", "  direction TB\n", 1)
 
 
 def render(lifecycle: str, fmt: str) -> bytes:

@@ -32,7 +32,7 @@ from kvtier.fsm import Completion, ConfigError, Direction, UsageError
 from kvtier.fsm.admission import Admitter
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
 from kvtier.fsm.completions import CompletionRouter
-from kvtier.fsm.fence import check_requests
+from kvtier.fsm.fence import check_all
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.node import PageMap
 from kvtier.fsm.forward import ForwardResults
@@ -287,14 +287,14 @@ class TieredCache:
         return bool(self.core.ops_in_flight()) or self._table.owes_forward()
 
     def check_invariants(self) -> None:
-        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_requests`):
+        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_all`):
         raises InvariantViolation naming the invariant and the request or node."""
-        self.core.check_invariants()
-        check_requests(self._table)
+        check_all(self._table)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the core plus scheduler aborts."""
+        """The core's counters, scheduler aborts, and ``"facade"``: the requests' (FacadeCounters.as_dict)."""
         s = vars(self.core.stats).copy()
         s.pop("extra", None)
         s["scheduler_aborts"] = self.aborted_by_scheduler
+        s["facade"] = self.table.counters.as_dict()
         return s

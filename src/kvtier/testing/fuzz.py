@@ -98,7 +98,8 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     reached; at least one is needed) or an invariant fails.
 
     Args:
-        steps, minutes: budgets.
+        steps: step budget (``None``: none).
+        minutes: time budget in minutes (``None``: none).
         seed_value: the campaign seed (every chunk's seed is derived from it).
         faults: the chance that a delivered completion fails (0..1).
         world_size: fix the tensor-parallel ranks (default: drawn from 1 and 2).
