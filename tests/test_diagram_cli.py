@@ -39,15 +39,16 @@ def test_dot_shows_every_event_and_guard() -> None:
             assert all(e in text for e in lc.events), (lc.name, fmt)
             assert all(g.label in text for t in lc.transitions for g in t.guards), (lc.name, fmt)
     node_dot = render("node", "dot").decode()
-    assert 'backed -> host [label="demote [unlocked &\\l   unborrowed &\\l   !has_device_child]\\l"]' in node_dot
+    assert 'backed -> host [label="demote\\l  [unlocked &\\l   unborrowed &\\l   !has_device_child]\\l"]' in node_dot
     assert "!has_host_child" in node_dot
     req = render("request", "dot").decode()
-    assert 'waiting -> loading [label="schedule [has_loadback]\\l"]' in req
+    assert 'waiting -> loading [label="schedule\\l  [has_loadback]\\l"]' in req
 
 
 def test_layout_reads_at_page_width() -> None:
     """Top to bottom, one edge per pair of states (the five events ending an aborting
-    request on one label, their shared guard once), no more than one self-loop per state."""
+    request on one label, their shared guard once), the abort edges of five states into
+    ``aborting`` meeting at one junction, labelled once."""
     for lc in ("node", "request"):
         dot = render(lc, "dot").decode()
         assert "rankdir=TB" in dot
@@ -55,8 +56,24 @@ def test_layout_reads_at_page_width() -> None:
         assert len(edges) == len(set(edges)), lc
         assert "direction TB" in render(lc, "mermaid").decode()
     req = render("request", "dot").decode()
-    assert ('aborting -> aborted [label="loadback_done\\lloadback_failed\\lforward_result\\lwriteback_done'
-            '\\lwriteback_failed\\l[settled]\\l"]') in req
+    assert ('aborting -> aborted [label="loadback_ack\\lloadback_fail\\lforward_result\\lwriteback_ack'
+            '\\lwriteback_fail\\l[settled]\\l"]') in req
+    assert req.count('-> aborting [label="abort\\l  [!settled]\\l"]') == 1
+    joined = sorted(line.split(" -> ")[0].strip() for line in req.splitlines()
+                    if "-> _join1_aborting [arrowhead=none]" in line)
+    assert joined == ["fenced", "finishing", "loading", "retracting", "running"]
+
+
+@needs_dot
+def test_drawings_fit_readme_width() -> None:
+    """The SVGs are at most about 1,000 pixels wide (dot's points: 96/72 pixels each)."""
+    import re
+
+    for lc in ("node", "request"):
+        svg = render(lc, "svg").decode()
+        m = re.search(r'<svg width="(\d+)pt" height="(\d+)pt"', svg)
+        assert m is not None
+        assert int(m.group(1)) * 96 / 72 <= 1050, (lc, m.groups())
 
 
 def test_check_passes_on_the_committed_diagrams(capsys: pytest.CaptureFixture[str]) -> None:
