@@ -59,7 +59,8 @@ class TieredCache:
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (core ``match``).
-        eviction, exclusive: eviction policy (``lru``, ``lru2``); an exclusive host tier.
+        eviction: the eviction policy (``lru``, ``lru2``).
+        exclusive: an exclusive host tier (see :class:`kvtier.fsm.core.CacheCore`).
 
     Raises:
         ConfigError: bad capacities or options.
@@ -80,8 +81,7 @@ class TieredCache:
             finish_writeback = as_bool(finish_writeback, "finish_writeback (or None)", error=ConfigError)
         self.history_replay = as_bool(history_replay, "history_replay", error=ConfigError)
         self.layout = layout
-        self.finish_writeback = (self.core.policy is WritePolicy.WRITE_THROUGH) if finish_writeback is None \
-            else finish_writeback
+        self.finish_writeback = self.core.policy is WritePolicy.WRITE_THROUGH if finish_writeback is None else finish_writeback
         self._table = RequestTable(self.core)
         self._admitter = Admitter(self._table, self.history_replay)
         self._forward = ForwardResults(self._table)
@@ -212,8 +212,9 @@ class TieredCache:
         Returns the checkpoint pages the tree adopted, as :meth:`step_done`.
 
         Raises:
-            UsageError: unknown request. IllegalTransition: not running. GuardRejected
-            (``settled``): a forward result is owed (step_done first). Nothing changes.
+            UsageError: unknown request.
+            IllegalTransition: not running.
+            GuardRejected: a forward result is owed (step_done first). Nothing changes.
         """
         return self._ender.finish(self._table.get(request_id))
 
@@ -226,9 +227,10 @@ class TieredCache:
         before submitting the commands :meth:`poll` returns).
 
         Raises:
-            UsageError: unknown request. IllegalTransition: not running. GuardRejected
-            (``settled``): a pass is out, whose KV writes would land in pages given away
-            (step_done first). Nothing changes.
+            UsageError: unknown request.
+            IllegalTransition: not running.
+            GuardRejected: ``settled`` is false: a pass is out, whose KV writes would land in
+                pages given away (step_done first). Nothing changes.
         """
         return self._ender.retract(self._table.get(request_id))
 
@@ -293,8 +295,5 @@ class TieredCache:
 
     def stats(self) -> dict[str, Any]:
         """The core's counters, scheduler aborts, and ``"facade"``: the requests' (FacadeCounters.as_dict)."""
-        s = vars(self.core.stats).copy()
-        s.pop("extra", None)
-        s["scheduler_aborts"] = self.aborted_by_scheduler
-        s["facade"] = self.table.counters.as_dict()
-        return s
+        s = {k: v for k, v in vars(self.core.stats).items() if k != "extra"}
+        return {**s, "scheduler_aborts": self.aborted_by_scheduler, "facade": self._table.counters.as_dict()}
