@@ -146,3 +146,33 @@ def test_help_lists_diagram(argv: list[str], tmp_path: Path) -> None:
     out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: kvtier") and "diagram" in out.stdout
+
+
+def test_shadowing_namespace_package_is_named(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A namespace package named kvtier (a folder without __init__.py, as a clone's root)
+    imported instead of the installed package: the command line says what is wrong."""
+    import types
+
+    shadow = types.ModuleType("kvtier")
+    shadow.__path__ = ["/somewhere/kvtier"]  # what a namespace package has, without __file__
+    monkeypatch.setitem(sys.modules, "kvtier", shadow)
+    assert main(["--help"]) == 2
+    err = capsys.readouterr().err
+    assert "imported from /somewhere/kvtier as an empty namespace package" in err and "cd into the clone" in err
+
+
+def test_python_m_kvtier_from_the_folder_holding_the_clone(tmp_path: Path) -> None:
+    """From the folder above a clone named kvtier: with an editable install Python imports
+    the clone as a namespace package, and ``python -m kvtier`` says so (exit 2); with a
+    regular install the installed package wins and it runs (exit 0)."""
+    (tmp_path / "kvtier").symlink_to(REPO, target_is_directory=True)
+    probe = subprocess.run([sys.executable, "-c", "import kvtier; print(getattr(kvtier, '__file__', None))"],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    shadowed = probe.stdout.strip() == "None"
+    out = subprocess.run([sys.executable, "-m", "kvtier", "--help"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=60)
+    if shadowed:
+        assert out.returncode == 2 and f"imported from {tmp_path / 'kvtier'}" in out.stderr, out.stderr
+    else:
+        assert out.returncode == 0 and out.stdout.startswith("usage: kvtier"), out.stderr

@@ -17,7 +17,7 @@ from typing import Any
 from .argtypes import fraction, positive_float, positive_int
 from .exitcodes import ExitCode, LineFormatter, epilog
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "shadowed_by"]
 
 _DEFAULT_DIAGRAM_DIR = Path("diagrams")
 
@@ -220,14 +220,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def shadowed_by() -> str | None:
+    """The folder that shadows the installed package, or ``None``.
+
+    From the directory that holds a clone named ``kvtier``, ``python`` imports the clone's
+    folder (no ``__init__.py`` at its root) as an empty namespace package ahead of an
+    editable install: submodules still resolve through the install's finder, but names of
+    the package itself do not (``from kvtier import Completion`` fails with "unknown
+    location", before any kvtier code runs). The command line can tell, and does.
+    """
+    pkg = sys.modules.get("kvtier")
+    if pkg is None or getattr(pkg, "__file__", None) is not None:
+        return None
+    return ", ".join(str(p) for p in getattr(pkg, "__path__", ())) or "an unknown location"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (:class:`kvtier.exitcodes.ExitCode`).
 
     Bad input is reported in one line on stderr with status 2; errors that kvtier's own
     checks find during a run (an invariant violation, a fingerprint mismatch, a stalled
     scheduler) with status 1; any other exception is a kvtier bug: its traceback is printed
-    with status 4. Ctrl-C gives status 130.
+    with status 4. Ctrl-C gives status 130. Run as ``python -m kvtier`` from a directory
+    holding a folder named ``kvtier`` (such as a clone) that shadows the installed package,
+    it says so with status 2 (:func:`shadowed_by`).
     """
+    shadow = shadowed_by()
+    if shadow is not None:
+        print(f"kvtier: the package 'kvtier' was imported from {shadow} as an empty namespace package: a "
+              f"folder named kvtier in the current directory (a clone?) hides the installed package. Run "
+              f"from another directory (e.g. cd into the clone), or use the 'kvtier' command", file=sys.stderr)
+        return ExitCode.USAGE
     parser = build_parser()
     args = parser.parse_args(argv)  # exits with status 2 on a bad option or value
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)

@@ -143,7 +143,7 @@ def render(lifecycle: str, fmt: str) -> bytes:
     graph = _graph(specs[lifecycle], "graphviz")
     if fmt == "dot":
         return (str(graph.source).rstrip("\n") + "\n").encode()
-    import graphviz  # type: ignore[import-untyped]  # (no py.typed up to 0.21)
+    import graphviz  # type: ignore[import-untyped,unused-ignore]  # (no py.typed up to 0.21)
 
     try:
         data: bytes = graph.pipe(format=fmt)

@@ -130,7 +130,7 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     t0 = time.perf_counter()
     bar: Any = None
     if progress:
-        from tqdm import tqdm  # type: ignore[import-untyped]
+        from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
         bar = tqdm(total=steps if steps is not None else int((minutes or 0) * 60), unit=" steps" if steps else " s",
                    file=sys.stderr, dynamic_ncols=True, leave=False, desc="kvtier fuzz")
