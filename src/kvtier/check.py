@@ -16,7 +16,8 @@ reports the first record that breaks a rule, with the records leading to it:
   (``state_matches_resources``, ``host_means_acked``), a node with a host copy has a
   parent with one (``root_closed_host``), a loading node is pinned
   (``loadback_source_pinned``), an operation is issued once and settles once and no
-  completion arrives twice (``operation_ends_once``), a failed operation never
+  completion is taken twice while it is in flight (``operation_ends_once``; a settled
+  operation's late or duplicate completions are absorbed), a failed operation never
   acknowledges a node (``failure_not_success``), an aborting request keeps its pages until
   the fence (``release_once_after_fence``), and a facade call leaves a request in the
   state its transitions say (``return`` records).
