@@ -23,6 +23,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from .checks import as_int
 from .errors import CapacityError, ConfigError, KvtierError, UsageError
 from .eviction import EvictionPolicy, make_policy
+from .fetch import FetchTable
 from .publish import Publisher
 from .reclaim import Reclaimer
 from .transfers import Mover
@@ -112,6 +113,8 @@ class CacheCore:
         self._publisher = Publisher(self)
         self._mover = Mover(self)
         self._reclaimer = Reclaimer(self)
+        #: L3 gets in flight into the host tier (read-only view; kvtier.fsm.fetch)
+        self.fetches = FetchTable(self)
         self._fire = node_lifecycle().fire
         self.clock = 0  # logical clock: advanced on every use
         self.stats = CacheStats()
@@ -466,6 +469,17 @@ class CacheCore:
             out.append(self._mover.settle(op, False, expired=True))
         return out
 
+    # ------------------------------------------------------------------ L3 gets
+    def fetch_reserve(self, parent: Node, keys: Sequence[Hashable], op_id: int) -> list[Node]:
+        """Reserve host pages for an L3 get under ``parent``: one invisible ``fetching`` node
+        per unit key (:meth:`kvtier.fsm.fetch.FetchTable.reserve`; its errors)."""
+        return self.fetches.reserve(parent, keys, op_id)
+
+    def fetch_settle(self, op_id: int, acked: int) -> list[Node]:
+        """End L3 get ``op_id``: its first ``acked`` units become host copies, the rest are
+        freed (:meth:`kvtier.fsm.fetch.FetchTable.settle`; its errors)."""
+        return self.fetches.settle(op_id, acked)
+
     # ------------------------------------------------------------------ checks
     def has_checkpoint(self, ckpt: PageMap) -> bool:
         """Whether a node's checkpoint map covers every state group."""
@@ -476,4 +490,5 @@ class CacheCore:
         from .invariants import check_cache
 
         check_cache(self)
+        self.fetches.check()
 

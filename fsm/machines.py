@@ -32,7 +32,7 @@ from .errors import GuardRejected, IllegalTransition
 from .guards import GUARDS, Guard
 from .spec import INTERNAL, GuardRef, LifecycleSpec, TransitionSpec, load_spec
 
-__all__ = ["Lifecycle", "Observer", "node_lifecycle", "request_lifecycle"]
+__all__ = ["Lifecycle", "Observer", "node_lifecycle", "request_lifecycle", "l3_lifecycle"]
 
 #: ``(lifecycle, subject, event, source state, dest state)`` -> None, called after a transition.
 Observer = Callable[["Lifecycle", Any, str, str, str], None]
@@ -169,3 +169,11 @@ def node_lifecycle() -> Lifecycle:
 def request_lifecycle() -> Lifecycle:
     """The request lifecycle (shared, built once per process from the spec)."""
     return Lifecycle(load_spec().request, GUARDS["request"])
+
+
+@functools.cache
+def l3_lifecycle() -> Lifecycle:
+    """The L3 object lifecycle (shared, built once per process from the spec's ``[l3]``)."""
+    spec = load_spec().l3
+    assert spec is not None, "the shipped spec declares [l3]"
+    return Lifecycle(spec, GUARDS["l3"])

@@ -17,14 +17,14 @@ from kvtier.fsm.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "diagrams"
-TEXT_FILES = ("node.dot", "node.mmd", "request.dot", "request.mmd")
+TEXT_FILES = ("node.dot", "node.mmd", "request.dot", "request.mmd", "l3.dot", "l3.mmd")
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz 'dot' not installed")
 
 
 def test_diagram_writes_text_formats_equal_to_render(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diagram", "--format", "dot", "--format", "mermaid", "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(TEXT_FILES)
-    for lc in ("node", "request"):
+    for lc in ("node", "request", "l3"):
         assert (tmp_path / f"{lc}.dot").read_bytes() == render(lc, "dot")
         assert (tmp_path / f"{lc}.mmd").read_bytes() == render(lc, "mermaid")
     printed = capsys.readouterr().out.split()
@@ -49,7 +49,7 @@ def test_layout_reads_at_page_width() -> None:
     """Top to bottom, one edge per pair of states (the five events ending an aborting
     request on one label, their shared guard once), the abort edges of five states into
     ``aborting`` meeting at one junction, labelled once."""
-    for lc in ("node", "request"):
+    for lc in ("node", "request", "l3"):
         dot = render(lc, "dot").decode()
         assert "rankdir=TB" in dot
         edges = [line.split(" [", 1)[0].strip() for line in dot.splitlines() if " -> " in line]
@@ -69,7 +69,7 @@ def test_drawings_fit_readme_width() -> None:
     """The SVGs are at most about 1,000 pixels wide (dot's points: 96/72 pixels each)."""
     import re
 
-    for lc in ("node", "request"):
+    for lc in ("node", "request", "l3"):
         svg = render(lc, "svg").decode()
         m = re.search(r'<svg width="(\d+)pt" height="(\d+)pt"', svg)
         assert m is not None
@@ -100,7 +100,7 @@ def test_check_names_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixtur
         f"{out / 'request.mmd'}: missing (run: kvtier diagram --out {out})"]
 
 
-def test_check_of_an_empty_folder_names_all_four(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_of_an_empty_folder_names_every_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diagram", "--check", "--out", str(tmp_path)]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert [Path(line.split(":")[0]).name for line in lines] == list(TEXT_FILES)

@@ -36,17 +36,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from kvtier.fsm.names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE
 from kvtier.fsm.spec import INTERNAL, LifecycleSpec, TransitionSpec, load_spec
 
 __all__ = ["CheckResult", "Violation", "check_log", "check_records", "read_log"]
 
-# The guards' meanings, as spec/lifecycle.toml's [node.guards] docs state them.
-#: parent_readable: device, writing or backed (not loading)
-_READABLE = frozenset({"device", "writing", "backed"})
-#: parent_on_device / has_device_child: holds device pages
-_RESIDENT = _READABLE | {"loading"}
-#: parent_on_host: a visible host copy
-_HOST = frozenset({"backed", "host", "loading"})
+# The guards' meanings, as spec/lifecycle.toml's [node.guards] docs state them, over the
+# node state sets the spec's [node.resources] declare (kvtier.fsm.names derives them):
+#: parent_readable: its device pages may be read by any request (device, writing, backed)
+_READABLE = DEVICE_READABLE
+#: parent_on_device / has_device_child: holds device pages (also loading)
+_RESIDENT = DEVICE_RESIDENT
+#: parent_on_host: a visible host copy (backed, host, loading)
+_HOST = HOST_VISIBLE
+#: a host reservation being filled (writing: a writeback; fetching: an L3 get)
+_PENDING = HOST_PENDING
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,11 @@ def _brief(rec: dict[str, Any]) -> str:
     if k == "settled":
         return f"settled op {rec.get('op')} {rec.get('dir')} ok={rec.get('ok')} expired={rec.get('expired')}"
     return json.dumps(rec, separators=(",", ":"))
+
+
+def _same_op(rec: dict[str, Any]) -> bool:
+    """The node and its pending parent are filled by the same writeback (or L3 get)."""
+    return any(rec.get(p) is not None and rec.get(p) == rec.get(k) for p, k in (("pwb", "wb"), ("pfetch", "fetch")))
 
 
 class _Bad(Exception):
@@ -318,15 +327,14 @@ class _Checker:
         pstate = rec.get("pstate")
         kids = rec.get("children") or {}
         return {
-            "parent_on_host": root or pstate in _HOST or (
-                pstate == "writing" and rec.get("pwb") is not None and rec.get("pwb") == rec.get("wb")),
+            "parent_on_host": root or pstate in _HOST or (pstate in _PENDING and _same_op(rec)),
             "parent_on_device": root or pstate in _RESIDENT,
             "parent_readable": root or pstate in _READABLE,
             "unlocked": rec.get("lock", 0) == 0,
             "unborrowed": rec.get("borrow", 0) == 0,
             "unpinned": rec.get("pin", 0) == 0,
             "has_device_child": any(n and s in _RESIDENT for s, n in kids.items()),
-            "has_host_child": any(n and (s in _HOST or s == "writing") for s, n in kids.items()),
+            "has_host_child": any(n and (s in _HOST or s in _PENDING) for s, n in kids.items()),
         }
 
     def _resources(self, nid: int, state: str, rec: dict[str, Any]) -> None:
@@ -337,7 +345,7 @@ class _Checker:
         if (host or pages.get("host_state", 0) > 0) and state not in _HOST:
             raise _Bad("host_means_acked", f"node {nid} in {state!r} has visible host pages without an "
                                            f"acknowledged writeback")
-        want = (state in _RESIDENT, state in _HOST, state == "writing")
+        want = (state in _RESIDENT, state in _HOST, state in _PENDING)
         if (dev, host, pending) != want:
             raise _Bad("state_matches_resources", f"node {nid} in {state!r}: device pages {dev}, host pages "
                                                   f"{host}, pending reservation {pending}")
@@ -345,11 +353,14 @@ class _Checker:
             raise _Bad("loadback_source_pinned", f"node {nid} loading without a pin or a loadback op")
         if state == "writing" and rec.get("wb") is None:
             raise _Bad("writeback_source_immutable", f"node {nid} writing without a writeback op")
-        if (state in _HOST or state == "writing") and not (rec.get("parent") in (None, 0)
-                                                          or rec.get("pstate") == "root"):
+        if state == "fetching" and rec.get("fetch") is None:
+            raise _Bad("state_matches_resources", f"node {nid} fetching without an L3 get in flight")
+        if (state in _HOST or state in _PENDING) and not (rec.get("parent") in (None, 0)
+                                                         or rec.get("pstate") == "root"):
             ps = rec.get("pstate")
-            if not (ps in _HOST or (ps == "writing" and state == "writing" and rec.get("pwb") == rec.get("wb"))
-                    or (ps == "writing" and rec.get("ev") == "writeback_ack")):
+            # a pending parent is filled by the same operation (acknowledged parent first)
+            if not (ps in _HOST or (ps in _PENDING and state in _PENDING and _same_op(rec))
+                    or (ps in _PENDING and rec.get("ev") in ("writeback_ack", "fetch_ack"))):
                 raise _Bad("root_closed_host", f"node {nid} in {state!r} under parent {rec.get('parent')} in {ps!r}")
 
     def _request(self, rec: dict[str, Any]) -> None:

@@ -164,7 +164,7 @@ def write_diagrams(out_dir: Path, formats: tuple[str, ...]) -> list[Path]:
     """Write every lifecycle in every format to ``out_dir``; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for lc in ("node", "request"):
+    for lc in ("node", "request", "l3"):
         for fmt in formats:
             path = _path(out_dir, lc, fmt)
             path.write_bytes(render(lc, fmt))
@@ -179,7 +179,7 @@ def check_diagrams(out_dir: Path) -> list[str]:
         One line per stale or missing file (empty when everything is current).
     """
     problems = []
-    for lc in ("node", "request"):
+    for lc in ("node", "request", "l3"):
         for fmt in TEXT_FORMATS:
             path = _path(out_dir, lc, fmt)
             if not path.exists():

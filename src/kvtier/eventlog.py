@@ -328,8 +328,9 @@ class EventRecorder:
             self._write({
                 "k": "node", "id": n.node_id, "ev": event, "from": source, "to": dest,
                 "parent": p.node_id if p is not None else None, "pstate": p.state if p is not None else None,
-                "pwb": p.wb_op if p is not None else None, "units": len(n.key),
-                "lock": n.lock_ref, "borrow": n.borrow_ref, "pin": n.host_pin, "wb": n.wb_op, "lb": n.lb_op,
+                "pwb": p.wb_op if p is not None else None, "pfetch": p.fetch_op if p is not None else None,
+                "units": len(n.key), "lock": n.lock_ref, "borrow": n.borrow_ref, "pin": n.host_pin,
+                "wb": n.wb_op, "lb": n.lb_op, "fetch": n.fetch_op,
                 "children": kids,
                 "pages": {"dev": _pages(n.dev), "host": _pages(n.host), "pending": _pages(n.pending),
                           "dev_state": _pages(n.dev_ckpt), "host_state": _pages(n.host_ckpt),

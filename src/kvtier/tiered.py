@@ -34,6 +34,7 @@ from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
 from kvtier.fsm.completions import CompletionRouter
 from kvtier.fsm.fence import check_all
 from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.l3 import L3Options, L3Tier
 from kvtier.fsm.node import PageMap
 from kvtier.fsm.forward import ForwardResults
 from kvtier.fsm.request import CALLS, TERMINAL, Admission, PollResult, RequestEvent, RequestView
@@ -61,6 +62,7 @@ class TieredCache:
         history_replay: allow history-only hits plus a recompute span (core ``match``).
         eviction: the eviction policy (``lru``, ``lru2``).
         exclusive: an exclusive host tier (see :class:`kvtier.fsm.core.CacheCore`).
+        l3: :class:`kvtier.fsm.l3.L3Options` turns on the L3 tier ``cache.l3`` (README "A third tier").
 
     Raises:
         ConfigError: bad capacities or options.
@@ -71,7 +73,7 @@ class TieredCache:
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
                  world_size: int = 1, max_writebacks_in_flight: int = 2, op_deadline_steps: int | None = None,
                  finish_writeback: bool | None = None, history_replay: bool = False, eviction: str = "lru",
-                 exclusive: bool = False) -> None:
+                 exclusive: bool = False, l3: L3Options | None = None) -> None:
         self.core = CacheCore(layout, device_pages, host_pages, policy=policy, write_threshold=write_threshold,
                               world_size=world_size, op_deadline_steps=op_deadline_steps, eviction=eviction,
                               exclusive=exclusive)
@@ -88,6 +90,7 @@ class TieredCache:
         self._ender = Ender(self._table, self._forward, self.finish_writeback)
         self._router = CompletionRouter(self._table, self._forward)
         self._victims = 0
+        self.l3: L3Tier | None = L3Tier(self.core, l3) if l3 is not None else None
 
     def request(self, request_id: str) -> RequestView:
         """A summary of one request (UsageError: unknown request)."""
@@ -222,7 +225,6 @@ class TieredCache:
         """Preempt: publish full units and the exact continuation state at its terminal,
         write back what resuming needs (its own operation), free its own pages now and
         let go of the tree's after the ack. Resume matches with ``state_recovery``.
-
         Returns the checkpoint pages the tree adopted, as :meth:`step_done` (fill them
         before submitting the commands :meth:`poll` returns).
 
@@ -284,8 +286,7 @@ class TieredCache:
         commands = tuple(self.core.poll_commands())
         return PollResult(commands, tuple(self._table.take_events()))
 
-    def in_flight(self) -> bool:
-        """True while any operation or forward result is outstanding."""
+    def in_flight(self) -> bool:  # any operation or forward result outstanding
         return bool(self.core.ops_in_flight()) or self._table.owes_forward()
 
     def check_invariants(self) -> None:
