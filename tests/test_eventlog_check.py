@@ -238,3 +238,34 @@ def test_check_cli_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (tmp_path / "junk.kvlog").write_text("not json\n")
     assert main(["check", str(tmp_path / "junk.kvlog")]) == 2
     assert "line 1 is not JSON" in capsys.readouterr().err
+
+
+def test_l3_fetch_log_is_accepted_and_a_fetch_without_its_get_rejected(tmp_path: Path) -> None:
+    """A core fetching a prefix from the L3 store (node states fetching -> host) records a
+    conforming log; a fetching node without its get is rejected."""
+    from l3.test_l3_core import KEY, FakeStore, backed, make, pump
+
+    store = FakeStore()
+    a, ta = make()
+    backed(a, KEY)
+    assert ta.offer(KEY, 0.0) == 4
+    pump(ta, store)
+    log = tmp_path / "l3.kvlog"
+    b, tb = make()
+    with EventRecorder(log) as rec:
+        rec.attach(b)
+        assert tb.prefetch("r1", KEY + ("e",), 0.0)
+        pump(tb, store)
+        assert tb.fetched_units("r1") == 4
+    recs = _records(log.read_text())
+    events = [(r["ev"], r["from"], r["to"]) for r in recs if r["k"] == "node"]
+    assert events.count(("fetch_submit", "new", "fetching")) == 4
+    assert events.count(("fetch_ack", "fetching", "host")) == 4
+    res = check_log(log)
+    assert res.ok, res.report()
+    lines = log.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if '"ev":"fetch_submit"' in line)
+    bad = json.loads(lines[i])
+    bad["fetch"] = None
+    v = check_records(enumerate([json.loads(x) for x in lines[:i]] + [bad], 1)).violation
+    assert v is not None and v.rule == "state_matches_resources" and "without an L3 get" in v.message, v
