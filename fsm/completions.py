@@ -40,6 +40,7 @@ class CompletionRouter:
                 r = t.get(rid)
                 r.layers[ev.op_id] = ev.layer
             return
+        t.counters.operation_settled(ev.direction.value, ev.ok, ev.expired)
         for r in t.settled_waiters(ev.op_id):
             if ev.direction is Direction.LOADBACK:
                 self._loadback_settled(r, ev.ok)

@@ -422,13 +422,12 @@ class CacheCore:
         (``layer=None``) settles the operation once every rank has sent it, successfully
         only if all succeeded: a :class:`Settled` is returned. A completion for an
         operation that already settled (a late one after its deadline, or a duplicate) is
-        absorbed and counted (invariant 7).
+        absorbed and counted (invariant 7). Nothing changes when it raises.
 
         Raises:
             UnknownOperation: the op id was never issued.
             DuplicateCompletion: the same (op, rank, layer) arrived twice while in flight.
             UsageError: not a Completion, rank out of range, or a layer on a writeback.
-            Nothing changes when it raises.
         """
         if not isinstance(completion, Completion):
             raise UsageError(f"complete() takes a Completion, got {completion!r}")

@@ -45,7 +45,9 @@ def deepseek_v4(num_layers: int = 43, ratios: Sequence[int] | None = None, slidi
         ratios: compression ratio per layer (1: sliding window only, 4 or 128); default:
             two ratio-1 layers, then 4 and 128 alternating.
         sliding_window: SWA window in tokens.
-        head_dim, rope_dim, index_head_dim: attention geometry (defaults from the reference).
+        head_dim: attention head dimension (default from the reference).
+        rope_dim: rotary part of the head dimension (default from the reference).
+        index_head_dim: indexer head dimension (default from the reference).
 
     Page bytes (``spec/README.md``, Sources: DeepSeek V4 cache groups): token stride = nope + 2*rope (nope = head_dim - rope);
     row = stride + nope/64 + 1; a block of n rows = n*row rounded up to a multiple of the

@@ -17,7 +17,7 @@ from typing import Any
 from .argtypes import fraction, positive_float, positive_int
 from .exitcodes import ExitCode, LineFormatter, epilog
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "shadowed_by"]
 
 _DEFAULT_DIAGRAM_DIR = Path("diagrams")
 
@@ -53,6 +53,13 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"kvtier fuzz {_TESTING_HINT} ({exc})", file=sys.stderr)
         return ExitCode.USAGE
+    from .eventlog import recording
+
+    with recording(args.event_log):
+        return _fuzz(args, campaign, replay_file)
+
+
+def _fuzz(args: argparse.Namespace, campaign: Any, replay_file: Any) -> int:
     if args.replay:
         result = replay_file(args.replay)
         return ExitCode.OK if result.outcome == "pass" else ExitCode.FAILED
@@ -73,6 +80,14 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
         print("kvtier fuzz: coverage is not complete (--require-coverage)", file=sys.stderr)
         return ExitCode.INCOMPLETE
     return ExitCode.OK
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .check import check_log
+
+    result = check_log(args.log, context=args.context)
+    print(result.report())
+    return ExitCode.OK if result.ok else ExitCode.FAILED
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -163,7 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--require-coverage", action="store_true",
                    help="exit 3 unless every transition, guard value and rejection was exercised")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+    p.add_argument("--event-log", metavar="FILE", default=None,
+                   help="record every cache the run creates as a lifecycle event log (JSON lines; "
+                        "check it with kvtier check FILE)")
     p.set_defaults(func=_cmd_fuzz)
+
+    p = sub.add_parser("check", help="check a lifecycle event log against the spec and the invariants",
+                       epilog=epilog(), formatter_class=LineFormatter,
+                       description="Replay a lifecycle event log (JSON lines, docs/eventlog-format.md; written by "
+                                   "kvtier.eventlog.EventRecorder, kvtier replay/fuzz --event-log, or an engine "
+                                   "that emits the format) offline against spec/lifecycle.toml and the "
+                                   "invariants. Prints the first event the spec does not allow or the first "
+                                   "invariant broken, with the events leading to it. Exit status: 0 the log "
+                                   "conforms, 1 it does not, 2 unreadable input.")
+    p.add_argument("log", metavar="LOG", help="the event log (.jsonl, or .gz)")
+    p.add_argument("--context", type=positive_int, default=12, metavar="N",
+                   help="events shown before a violation (default %(default)s)")
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("verify", help="exhaustive bounded exploration of a small configuration (needs kvtier[testing])",
                        epilog=epilog(), formatter_class=LineFormatter,
@@ -189,14 +220,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def shadowed_by() -> str | None:
+    """The folder that shadows the installed package, or ``None``.
+
+    From the directory that holds a clone named ``kvtier``, ``python`` imports the clone's
+    folder (no ``__init__.py`` at its root) as an empty namespace package ahead of an
+    editable install: submodules still resolve through the install's finder, but names of
+    the package itself do not (``from kvtier import Completion`` fails with "unknown
+    location", before any kvtier code runs). The command line can tell, and does.
+    """
+    pkg = sys.modules.get("kvtier")
+    if pkg is None or getattr(pkg, "__file__", None) is not None:
+        return None
+    return ", ".join(str(p) for p in getattr(pkg, "__path__", ())) or "an unknown location"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (:class:`kvtier.exitcodes.ExitCode`).
 
     Bad input is reported in one line on stderr with status 2; errors that kvtier's own
     checks find during a run (an invariant violation, a fingerprint mismatch, a stalled
     scheduler) with status 1; any other exception is a kvtier bug: its traceback is printed
-    with status 4. Ctrl-C gives status 130.
+    with status 4. Ctrl-C gives status 130. Run as ``python -m kvtier`` from a directory
+    holding a folder named ``kvtier`` (such as a clone) that shadows the installed package,
+    it says so with status 2 (:func:`shadowed_by`).
     """
+    shadow = shadowed_by()
+    if shadow is not None:
+        print(f"kvtier: the package 'kvtier' was imported from {shadow} as an empty namespace package: a "
+              f"folder named kvtier in the current directory (a clone?) hides the installed package. Run "
+              f"from another directory (e.g. cd into the clone), or use the 'kvtier' command", file=sys.stderr)
+        return ExitCode.USAGE
     parser = build_parser()
     args = parser.parse_args(argv)  # exits with status 2 on a bad option or value
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)

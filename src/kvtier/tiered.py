@@ -32,7 +32,7 @@ from kvtier.fsm import Completion, ConfigError, Direction, UsageError
 from kvtier.fsm.admission import Admitter
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
 from kvtier.fsm.completions import CompletionRouter
-from kvtier.fsm.fence import check_requests
+from kvtier.fsm.fence import check_all
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.l3 import L3Options, L3Tier
 from kvtier.fsm.node import PageMap
@@ -60,7 +60,8 @@ class TieredCache:
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (core ``match``).
-        eviction, exclusive: eviction policy (``lru``, ``lru2``); an exclusive host tier.
+        eviction: the eviction policy (``lru``, ``lru2``).
+        exclusive: an exclusive host tier (see :class:`kvtier.fsm.core.CacheCore`).
         l3: :class:`kvtier.fsm.l3.L3Options` turns on the L3 tier ``cache.l3`` (README "A third tier").
 
     Raises:
@@ -82,8 +83,7 @@ class TieredCache:
             finish_writeback = as_bool(finish_writeback, "finish_writeback (or None)", error=ConfigError)
         self.history_replay = as_bool(history_replay, "history_replay", error=ConfigError)
         self.layout = layout
-        self.finish_writeback = (self.core.policy is WritePolicy.WRITE_THROUGH) if finish_writeback is None \
-            else finish_writeback
+        self.finish_writeback = self.core.policy is WritePolicy.WRITE_THROUGH if finish_writeback is None else finish_writeback
         self._table = RequestTable(self.core)
         self._admitter = Admitter(self._table, self.history_replay)
         self._forward = ForwardResults(self._table)
@@ -215,8 +215,9 @@ class TieredCache:
         Returns the checkpoint pages the tree adopted, as :meth:`step_done`.
 
         Raises:
-            UsageError: unknown request. IllegalTransition: not running. GuardRejected
-            (``settled``): a forward result is owed (step_done first). Nothing changes.
+            UsageError: unknown request.
+            IllegalTransition: not running.
+            GuardRejected: a forward result is owed (step_done first). Nothing changes.
         """
         return self._ender.finish(self._table.get(request_id))
 
@@ -228,9 +229,10 @@ class TieredCache:
         before submitting the commands :meth:`poll` returns).
 
         Raises:
-            UsageError: unknown request. IllegalTransition: not running. GuardRejected
-            (``settled``): a pass is out, whose KV writes would land in pages given away
-            (step_done first). Nothing changes.
+            UsageError: unknown request.
+            IllegalTransition: not running.
+            GuardRejected: ``settled`` is false: a pass is out, whose KV writes would land in
+                pages given away (step_done first). Nothing changes.
         """
         return self._ender.retract(self._table.get(request_id))
 
@@ -288,13 +290,11 @@ class TieredCache:
         return bool(self.core.ops_in_flight()) or self._table.owes_forward()
 
     def check_invariants(self) -> None:
-        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_requests`):
+        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_all`):
         raises InvariantViolation naming the invariant and the request or node."""
-        self.core.check_invariants()
-        check_requests(self._table)
+        check_all(self._table)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the core plus scheduler aborts."""
+        """The core's counters, scheduler aborts, and ``"facade"``: the requests' (FacadeCounters.as_dict)."""
         s = {k: v for k, v in vars(self.core.stats).items() if k != "extra"}
-        s["scheduler_aborts"] = self.aborted_by_scheduler
-        return s
+        return {**s, "scheduler_aborts": self.aborted_by_scheduler, "facade": self._table.counters.as_dict()}

@@ -19,6 +19,7 @@ from kvtier.fsm.node import DEVICE_READABLE, Node
 from kvtier.fsm.ops import Settled
 from kvtier.fsm.records import TransferCommand
 
+from ..eventlog import attach_active
 from . import _views as views
 from .base import ROLL, KitMachine, kit_layout, recorded
 from .content import check_tree_bytes, content, node_prefix
@@ -69,6 +70,7 @@ class CoreMachine(KitMachine):
         self.world = world
         self.cache = CacheCore(kit_layout(with_state), dev_units, host_units, policy=policy,
                                        world_size=world, op_deadline_steps=deadline)
+        attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
         for key in seed_keys:
             self._insert(tuple(key), True)
 

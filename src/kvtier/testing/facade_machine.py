@@ -20,6 +20,7 @@ from kvtier.fsm.machines import request_lifecycle
 from kvtier.fsm.node import HOST_VISIBLE
 from kvtier.fsm.ops import Operation
 
+from ..eventlog import attach_active
 from ..tiered import TieredCache
 from . import _views as views
 from .base import ROLL, TERMINAL, KitMachine, kit_layout, recorded
@@ -90,6 +91,7 @@ class FacadeMachine(KitMachine):
         self.world = world
         self.deadline = deadline
         self.cache = self.make_cache(world, policy, dev_units, host_units, deadline, wb_limit)
+        attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
         self.sched = self.make_scheduler(self.cache)
         self.xfer = self.make_transfer(world, self.cache.layout.num_layers)
 

@@ -98,7 +98,8 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     reached; at least one is needed) or an invariant fails.
 
     Args:
-        steps, minutes: budgets.
+        steps: step budget (``None``: none).
+        minutes: time budget in minutes (``None``: none).
         seed_value: the campaign seed (every chunk's seed is derived from it).
         faults: the chance that a delivered completion fails (0..1).
         world_size: fix the tensor-parallel ranks (default: drawn from 1 and 2).
@@ -129,7 +130,7 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     t0 = time.perf_counter()
     bar: Any = None
     if progress:
-        from tqdm import tqdm  # type: ignore[import-untyped]
+        from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
         bar = tqdm(total=steps if steps is not None else int((minutes or 0) * 60), unit=" steps" if steps else " s",
                    file=sys.stderr, dynamic_ncols=True, leave=False, desc="kvtier fuzz")
