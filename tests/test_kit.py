@@ -80,7 +80,7 @@ def test_coverage_items_come_from_the_spec() -> None:
 def test_campaign_runs_reproducibly_and_reports() -> None:
     runs = [campaign(steps=1500, seed_value=3, progress=False) for _ in range(2)]
     a, b = runs
-    assert a.ok and a.steps >= 1500 and a.checks > 0 and set(a.steps_by_machine) == {"core", "facade", "node", "request"}
+    assert a.ok and a.steps >= 1500 and a.checks > 0 and set(a.steps_by_machine) == {"core", "facade", "node", "request", "l3"}
     assert a.steps_by_machine == b.steps_by_machine  # same seed, same campaign
     text = a.report()
     assert "steps run:" in text and "invariants checked:" in text and "coverage (from the spec)" in text

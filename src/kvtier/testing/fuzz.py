@@ -29,7 +29,7 @@ from .sequence import EventSequence, ReplayResult, SequenceError, classify, mach
 __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
 #: machine name -> share of the step budget
-DEFAULT_MIX: dict[str, float] = {"core": 0.4, "facade": 0.4, "node": 0.1, "request": 0.1}
+DEFAULT_MIX: dict[str, float] = {"core": 0.4, "facade": 0.35, "node": 0.1, "request": 0.1, "l3": 0.05}
 LIFECYCLE_DRIVERS = ("core", "facade")
 
 

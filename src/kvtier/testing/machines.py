@@ -41,7 +41,7 @@ from .base import INVARIANTS, STATS, KitMachine, RunStats, kit_layout, recorded
 from .core_machine import CoreMachine
 from .facade_machine import FacadeMachine
 from .plugs import SchedulerAdapter, TransferBackend
-from .raw_machines import NodeLifecycleMachine, RequestLifecycleMachine
+from .raw_machines import L3LifecycleMachine, NodeLifecycleMachine, RequestLifecycleMachine
 
 __all__ = [
     "KitMachine",
@@ -55,5 +55,6 @@ __all__ = [
     "TransferBackend",
     "NodeLifecycleMachine",
     "RequestLifecycleMachine",
+    "L3LifecycleMachine",
     "INVARIANTS",
 ]
