@@ -9,8 +9,8 @@ and ``fetch_op`` set; :meth:`FetchTable.settle` turns an acknowledged prefix of 
 visible host copies (``fetch_ack``) and removes the rest deepest first (``fetch_fail``), so
 a failed, missing or expired get only shortens the hit. A node covers one unit, so a
 fetching node is never split. The core calls nothing here on its own; the L3 tier
-(:mod:`kvtier.fsm.l3`) drives it through :meth:`kvtier.fsm.core.CacheCore.fetch_reserve` and
-:meth:`kvtier.fsm.core.CacheCore.fetch_settle`.
+(:mod:`kvtier.fsm.l3`) drives it through :meth:`FetchTable.reserve` and
+:meth:`FetchTable.settle` (``core.fetches``).
 """
 
 from __future__ import annotations

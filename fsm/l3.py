@@ -232,7 +232,7 @@ class L3Tier:
             return
         self._issued += 1
         op_id = self._issued
-        nodes = self.core.fetch_reserve(node, pf.units[pf.start:pf.start + len(chosen)], op_id)
+        nodes = self.core.fetches.reserve(node, pf.units[pf.start:pf.start + len(chosen)], op_id)
         self.stats.get_no_room += present - len(nodes)
         if not nodes:
             pf.done = True
@@ -251,7 +251,7 @@ class L3Tier:
         acked = 0
         while acked < len(op.objects) and acked < len(oks) and oks[acked]:
             acked += 1
-        self.core.fetch_settle(op.op_id, acked)
+        self.core.fetches.settle(op.op_id, acked)
         corrupt = set(res.corrupt)
         for i, o in enumerate(op.objects):
             if i < acked:

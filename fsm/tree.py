@@ -80,6 +80,17 @@ class RadixTree:
             raise KvtierError(f"{what}: no nodes given")
         return out
 
+    def page_table(self, node: Node, groups: Sequence[str]) -> PageMap:
+        """The device page table from the root to ``node``'s end: ``groups``' (history)
+        pages along the path, and each state group's checkpoint at ``node`` (if any)."""
+        out: PageMap = {g: [] for g in groups}
+        for n in reversed(node.path()):
+            for g in groups:
+                out[g].extend(n.dev.get(g, ()))
+        for g, pages in node.dev_ckpt.items():
+            out[g] = list(pages)
+        return out
+
     # -- structure ----------------------------------------------------------------
     def walk(self, key: Sequence[Hashable], split: Callable[[Node, int], Node]) -> list[Node]:
         """Nodes matching ``key`` from the root, parent first. Where the key diverges inside

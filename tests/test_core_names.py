@@ -78,7 +78,7 @@ def test_state_sets_are_the_states_declaring_each_resource() -> None:
     assert DEVICE_RESIDENT == holding("device_pages") == {"device", "writing", "backed", "loading"}
     assert DEVICE_READABLE == holding("shared_read") == {"device", "writing", "backed"}
     assert HOST_VISIBLE == holding("host_pages") == {"backed", "host", "loading"}
-    assert HOST_PENDING == holding("pending_host") == {"writing"}
+    assert HOST_PENDING == holding("pending_host") == {"writing", "fetching"}
     assert TERMINAL == REQUEST.terminal_states == {"finished", "aborted"}
     assert set(names.__all__) >= {"DEVICE_RESIDENT", "DEVICE_READABLE", "HOST_VISIBLE", "HOST_PENDING", "TERMINAL"}
 
