@@ -95,7 +95,7 @@ def test_state_sets_follow_the_spec_not_the_code() -> None:
 
 def test_resource_vocabulary() -> None:
     assert set(NODE.resources) == {"device_pages", "shared_read", "host_pages", "pending_host", "host_pin",
-                                   "writeback_op", "loadback_op"}
+                                   "writeback_op", "loadback_op", "fetch_op"}
     assert all(doc.strip() for doc in NODE.resources.values())
     for st in NODE.states:
         assert set(st.resources) <= set(NODE.resources), st.name
