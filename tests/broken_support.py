@@ -3,8 +3,9 @@ Python in it (tests/test_regressions.py).
 
 The copy mirrors the setuptools package-dir mapping: ``<tmp>/src/kvtier`` is a copy of
 ``src/kvtier`` with ``fsm`` and ``spec`` copied beside its modules (``kvtier.fsm``,
-``kvtier.spec``) and ``transfer`` linked; ``PYTHONPATH=<tmp>/src`` then imports the patched
-package ahead of the editable install (whose finder comes last on ``sys.meta_path``).
+``kvtier.spec``) and ``transfer`` linked (copied and patched when the patch touches it);
+``PYTHONPATH=<tmp>/src`` then imports the patched package ahead of the editable install
+(whose finder comes last on ``sys.meta_path``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def patched_tree(patch: Path | None, dest: Path) -> Path:
     """Copy fsm/, spec/ and src/kvtier/ to ``dest``, apply ``patch`` (a unified diff
     against those folders) and return the folder to put on ``PYTHONPATH``."""
     work = dest / "repo"
-    for folder in ("fsm", "spec", "src/kvtier"):
+    copy_transfer = patch is not None and "\n+++ b/transfer/" in "\n" + patch.read_text(encoding="utf-8")
+    for folder in ("fsm", "spec", "src/kvtier", *(("transfer",) if copy_transfer else ())):
         shutil.copytree(REPO / folder, work / folder, ignore=_IGNORE)
     if patch is not None:
         done = subprocess.run(["git", "apply", "--unsafe-paths", "-p1", str(patch)], cwd=work,
@@ -36,7 +38,10 @@ def patched_tree(patch: Path | None, dest: Path) -> Path:
     pkg = work / "src" / "kvtier"
     shutil.move(str(work / "fsm"), pkg / "fsm")
     shutil.move(str(work / "spec"), pkg / "spec")
-    (pkg / "transfer").symlink_to(REPO / "transfer", target_is_directory=True)
+    if copy_transfer:
+        shutil.move(str(work / "transfer"), pkg / "transfer")
+    else:
+        (pkg / "transfer").symlink_to(REPO / "transfer", target_is_directory=True)
     (pkg / "data").symlink_to(REPO / "src" / "kvtier" / "data", target_is_directory=True)
     return work / "src"
 
