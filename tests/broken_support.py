@@ -63,3 +63,32 @@ for path in sys.argv[1:]:
     print(json.dumps({"path": path, "outcome": r.outcome, "invariant": r.invariant,
                       "message": r.message, "step": r.failed_step, "kvtier": kvtier.__file__}))
 """
+
+
+#: the catcher that proves the patched copy is the package imported (tests/test_semantic_catchers.py)
+IMPORT_CHECK = "tests/test_semantic_catchers.py::test_the_package_under_test_is_the_one_expected"
+
+
+def run_catchers(pythonpath: Path, node_ids: list[str], timeout: float = 600) -> tuple[set[str], str]:
+    """Run the pytest ``node_ids`` (from the repository root) against the package under
+    ``pythonpath``; returns the node ids that failed (or errored) and the output's tail.
+
+    The first test run checks that the package imported is the one under ``pythonpath``;
+    if it fails, :class:`RuntimeError` is raised (the patched copy was not tested).
+    """
+    env = dict(os.environ, PYTHONPATH=str(pythonpath), PYTHONDONTWRITEBYTECODE="1",
+               KVTIER_EXPECT_PACKAGE_UNDER=str(pythonpath), NUMBA_ENABLE_CUDASIM="1",
+               HYPOTHESIS_PROFILE="kvtier-ci")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+                           "--timeout", str(int(timeout)), IMPORT_CHECK, *node_ids],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout + 60, check=False)
+    out = done.stdout + done.stderr
+    failed = set()
+    for line in out.splitlines():
+        for tag in ("FAILED ", "ERROR "):
+            if line.startswith(tag):
+                failed.add(line[len(tag):].split(" - ")[0].strip())
+    if IMPORT_CHECK in failed or done.returncode not in (0, 1):
+        raise RuntimeError(f"pytest in the patched copy did not run as expected (exit {done.returncode}):\n"
+                           + out[-3000:])
+    return failed, out[-3000:]
