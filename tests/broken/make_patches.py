@@ -265,7 +265,7 @@ SEMANTIC: dict[str, Mutant] = {
     "s19-fenced-layers-readable": Mutant(
         "fsm-request", "a failed loadback clears what the request waited on but does not mark its "
         "layers failed: a fenced request reads every layer as ready",
-        (_seq("s19-fenced-layers-readable"),),
+        (_seq("s17-fence-broken-on-loadback-failure"),),
         [("fsm/completions.py", "        t.stop_waiting(r)\n        r.layers_failed = True\n        if not r.settled:",
           "        t.stop_waiting(r)  # BROKEN: layers not marked failed\n        if not r.settled:")]),
     "s20-publish-leaks-old-lock": Mutant(
