@@ -65,13 +65,13 @@ def test_every_sequence_names_mutants_that_designate_it() -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_patch_applies_and_is_current(name: str) -> None:
+def test_patch_applies_and_can_be_regenerated(name: str) -> None:
     path = patch_path(name)
     done = subprocess.run(["git", "apply", "--check", "-p1", str(path)], cwd=REPO, capture_output=True,
                           text=True, check=False)
     assert done.returncode == 0, f"{path.name} no longer applies: {done.stderr.strip()} " \
                                  "(python tests/broken/make_patches.py regenerates it)"
-    assert path.read_text(encoding="utf-8") == make(name), f"{path.name} is stale: regenerate it"
+    make(name)  # the text it breaks is still there exactly once (else SystemExit: regenerate after a fix)
 
 
 @pytest.mark.slow
