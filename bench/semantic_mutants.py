@@ -25,6 +25,8 @@ Long runs: wrap in ``nice -n 10`` on a shared machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -125,6 +127,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--jobs", type=int, default=1, help="mutants measured at a time (default 1)")
     p.add_argument("--no-tests", action="store_true", help="run the fuzz only")
     p.add_argument("--record", action="store_true", help="write the table to bench/RESULTS.md")
+    p.add_argument("--cache", type=Path, metavar="DIR",
+                   help="keep each mutant's outcome in DIR/<name>-<steps>-<seed>.json and reuse it (an "
+                        "interrupted run goes on where it stopped; clear DIR after the sources change)")
     args = p.parse_args(argv)
     names = args.only or sorted(SEMANTIC)
     t0 = time.perf_counter()
@@ -132,7 +137,13 @@ def main(argv: list[str]) -> int:
           f"then each mutant's designated tests", flush=True)
 
     def one(name: str) -> Outcome:
+        cached = args.cache / f"{name}-{args.steps}-{args.seed}.json" if args.cache else None
+        if cached is not None and cached.exists():
+            return Outcome(**json.loads(cached.read_text(encoding="utf-8")))
         r = measure(name, args.steps, args.seed, args.timeout, not args.no_tests)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.write_text(json.dumps(dataclasses.asdict(r)), encoding="utf-8")
         print(f"  {name}: fuzz {'caught' if r.fuzz_caught else 'missed'} ({r.fuzz_detail}, {r.fuzz_seconds:.0f} s), "
               f"tests {'caught' if r.tests_caught else 'missed'}", flush=True)
         return r
