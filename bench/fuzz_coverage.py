@@ -8,7 +8,7 @@ reach it (:data:`REASONS`; a group without a recorded reason is flagged). With
 ``--record`` it writes the result to bench/RESULTS.md ("Fuzz branch coverage").
 
     pip install coverage                       # coverage.py 7.x (not a runtime dependency)
-    python bench/fuzz_coverage.py --record     # ~2-5 minutes on 2 cores
+    python bench/fuzz_coverage.py --record     # a few minutes alone; 16 min on a loaded 2-core machine
     python bench/fuzz_coverage.py --steps 5000 --json /tmp/cov.json
 
 Target (issue 12): at least 95 % of the branches. Long runs: ``nice -n 10`` on a shared
