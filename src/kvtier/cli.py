@@ -72,6 +72,10 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     if args.require_coverage and not res.coverage.complete:
         print("kvtier fuzz: coverage is not complete (--require-coverage)", file=sys.stderr)
         return ExitCode.INCOMPLETE
+    if args.require_coverage and not res.product_complete:
+        print("kvtier fuzz: some transitions or accepting guard values were never driven by the core or "
+              "the facade (--require-coverage)", file=sys.stderr)
+        return ExitCode.INCOMPLETE
     return ExitCode.OK
 
 
@@ -150,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=positive_float, help="stop after this many minutes")
     p.add_argument("--seed", type=int, default=0, help="campaign seed (default %(default)s)")
     p.add_argument("--faults", type=fraction, default=0.25, metavar="RATE",
-                   help="chance that a delivered completion fails (default %(default)s)")
+                   help="the campaign's fault rate: each example draws its own from it (none, a fifth, "
+                        "the rate, twice the rate), the chance that a delivered completion fails "
+                        "(default %(default)s)")
     p.add_argument("--world-size", type=int, choices=[1, 2, 3, 4], help="fix the tensor-parallel ranks")
     p.add_argument("--save", default="kvtier-fuzz-failure.json", metavar="FILE",
                    help="where a failing sequence is saved (default %(default)s)")
@@ -161,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only this machine (repeatable): core, facade, node, request, or an engine's "
                         "kit machine as module:Class (default: the four built-in ones)")
     p.add_argument("--require-coverage", action="store_true",
-                   help="exit 3 unless every transition, guard value and rejection was exercised")
+                   help="exit 3 unless every transition, guard value and rejection was exercised, and "
+                        "every transition and accepting guard value was driven by the product (the core "
+                        "or the facade machine, not only the raw lifecycle machines)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     p.set_defaults(func=_cmd_fuzz)
 

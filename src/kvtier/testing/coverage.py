@@ -8,6 +8,14 @@ never exercised until some test fires it:
 - every guard of every lifecycle, seen true and seen false;
 - every (state, event) pair the spec does not allow, seen rejected.
 
+Hits are attributed to a *source* (the machine running). The *product* sources are the
+machines that drive the real core or facade (``core``, ``facade``, engines' own); the
+raw lifecycle machines fire events at the spec's machines directly. What the product
+must drive (:meth:`LifecycleCoverage.product_required`) is every transition and every
+guard value some transition accepts with; a guard value that only refuses (``unlocked =
+false``, ``has_device_child = true``) is exempt, since a correct core never fires a
+trigger its guards refuse, and so are rejections.
+
 Recording wraps :meth:`kvtier.fsm.machines.Lifecycle.fire` and ``check`` in the test
 process (``with coverage.recording(): ...``); ``fsm/`` itself is not changed. A guard's
 value is recorded whenever a candidate transition that names it is considered.
@@ -72,6 +80,12 @@ class LifecycleCoverage:
                         item = CoverageItem("rejection", f"{lc.name}: {e} in {s}")
                         self._reject_item[(lc.name, s, e)] = item
                         self.items.append(item)
+        #: guard values some transition accepts with (the others only refuse)
+        self._accepting: set[CoverageItem] = set()
+        for lc in self.spec.lifecycles:
+            for t in lc.transitions:
+                for g in t.guards:
+                    self._accepting.add(self._guard_item[(lc.name, g.name, not g.negated)])
         self.hits: dict[CoverageItem, Counter[str]] = {i: Counter() for i in self.items}
         self.source = "-"
         self.fires = 0
@@ -159,6 +173,19 @@ class LifecycleCoverage:
     @property
     def complete(self) -> bool:
         return not self.missing()
+
+    def product_required(self) -> list[CoverageItem]:
+        """What the product must drive: every transition and every accepting guard value."""
+        return [i for i in self.items if i.kind == "transition" or i in self._accepting]
+
+    def product_exempt(self) -> list[CoverageItem]:
+        """Guard values that only refuse (exempt from the product requirement)."""
+        return [i for i in self.items if i.kind == "guard" and i not in self._accepting]
+
+    def product_missing(self, sources: set[str]) -> list[CoverageItem]:
+        """Items of :meth:`product_required` never hit by any of ``sources``."""
+        done = set(self.covered(None, sources))
+        return [i for i in self.product_required() if i not in done]
 
     def merge(self, other: LifecycleCoverage) -> None:
         for item, counts in other.hits.items():
