@@ -296,15 +296,21 @@ class FacadeMachine(KitMachine):
         self.units[rid] = list(key)
         self._admit(rid, len(key) * align + (1 if tail else 0), chunk * align)
 
-    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), tail=st.booleans(), demote=st.booleans())
+    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), tail=st.booleans(), demote=st.booleans(),
+          overlap=st.booleans(), load_ok=st.booleans())
     @recorded
-    def next_turn(self, req: int, chunk: int, tail: bool, demote: bool = True) -> None:
+    def next_turn(self, req: int, chunk: int, tail: bool, demote: bool = True, overlap: bool = False,
+                  load_ok: bool = True) -> None:
         """A conversation's next turn: a running request with no forward result owed
         finishes, (with ``demote``) time passes under memory pressure, then the same id
         is admitted with the whole conversation so far as its prompt (a host hit after a
-        demotion: a loadback)."""
+        demotion: a loadback). With ``overlap`` a second forward pass is reserved while
+        it loads (overlapped scheduling); without ``load_ok`` every rank then reports its
+        loadback failed (the request is fenced while its passes are out)."""
         rid = self._rid(req)
         r = views.requests(self.cache).get(rid)
+        if r is not None and r.state == "running" and r.owed_forward > 0:
+            self._forward(rid, False, False)  # its forward result comes back first
         if r is None or r.state != "running" or r.owed_forward > 0:
             return
         self._fill_checkpoint(rid, self.sched.finish(rid))
@@ -320,19 +326,46 @@ class FacadeMachine(KitMachine):
         align = self.cache.layout.alignment
         self.units[rid] = units
         self._admit(rid, len(units) * align + (1 if tail else 0), chunk * align)
+        r = views.requests(self.cache).get(rid)
+        if r is None or r.state != "loading":
+            return
+        if overlap:
+            self.sched.reserve(rid, align)
+            self._sync()
+        if not load_ok:
+            ops = views.ops(self.cache.core)
+            for op in sorted(r.ops):
+                if op in ops and ops[op].command.direction is Direction.LOADBACK:
+                    self._finish_op(op, False)
 
-    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3))
+    def _finish_op(self, op: int, ok: bool) -> None:
+        """Poll, then deliver every pending completion of ``op`` on every rank with ``ok``."""
+        self._poll()
+        while True:
+            ready = [(o, rank) for o, rank in self.xfer.ready() if o == op]
+            if not ready:
+                return
+            self._complete(self.xfer.take(op, ready[0][1], ok))
+            self._sync()
+
+    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), wb_ok=st.booleans())
     @recorded
-    def preempt(self, req: int, chunk: int) -> None:
+    def preempt(self, req: int, chunk: int, wb_ok: bool = True) -> None:
         """Preemption under memory pressure: a running request with no forward result
-        owed is retracted, its own writeback completes, device pressure demotes what it
-        can, and the request resumes (from the host: a loadback)."""
+        owed is retracted, its own writeback completes (without ``wb_ok`` every rank
+        reports it failed: the request is aborted), device pressure demotes what it can,
+        and the request resumes (from the host: a loadback)."""
         rid = self._rid(req)
         r = views.requests(self.cache).get(rid)
+        if r is not None and r.state == "running" and r.owed_forward > 0:
+            self._forward(rid, False, False)  # its forward result comes back first
         if r is None or r.state != "running" or r.owed_forward > 0:
             return
         self._fill_checkpoint(rid, self.sched.retract(rid))
         self._sync()
+        if not wb_ok:
+            for op in sorted(views.requests(self.cache)[rid].ops):
+                self._finish_op(op, False)
         self._demote()
         if self._state(rid) != "retracted":
             return

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 from hypothesis import HealthCheck, Phase, Verbosity, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from .coverage import LifecycleCoverage
+from .coverage import UNREACHABLE_BY_PRODUCT, LifecycleCoverage
 from .machines import INVARIANTS, STATS, KitMachine
 from .sequence import EventSequence, ReplayResult, SequenceError, classify, machine_class, minimize, replay
 
@@ -87,6 +87,8 @@ class CampaignResult:
                          f"({len(self.coverage.product_exempt())} refusing guard values exempt)")
             lines.append("  raw machines only (never driven by the product): "
                          + (", ".join(i.label for i in miss) or "none"))
+            lines.append("  exempt, unreachable by a correct product: "
+                         + "; ".join(f"{k} ({v})" for k, v in UNREACHABLE_BY_PRODUCT.items()))
         if self.failure is not None:
             res = self.failure_result
             lines.append(f"VIOLATION of {res.invariant if res else '?'}: {res.message if res else ''}")
