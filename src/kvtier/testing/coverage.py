@@ -99,8 +99,8 @@ class LifecycleCoverage:
         self._accepting: set[CoverageItem] = set()
         for lc in self.spec.lifecycles:
             for t in lc.transitions:
-                for g in t.guards:
-                    self._accepting.add(self._guard_item[(lc.name, g.name, not g.negated)])
+                for ref in t.guards:
+                    self._accepting.add(self._guard_item[(lc.name, ref.name, not ref.negated)])
         self.hits: dict[CoverageItem, Counter[str]] = {i: Counter() for i in self.items}
         self.source = "-"
         self.fires = 0

@@ -60,6 +60,8 @@ class FacadeMachine(KitMachine):
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3
+    #: whether the setup may draw operation deadlines
+    kit_deadlines: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -106,6 +108,8 @@ class FacadeMachine(KitMachine):
               finish_wb: bool | None = None) -> None:
         if self.world_size is not None and not self.kit_replaying:
             world = self.world_size
+        if not self.kit_deadlines:
+            deadline = None
         self.kit_set_args(world=world, policy=policy, dev_units=dev_units, host_units=host_units,
                           deadline=deadline, wb_limit=wb_limit, layout=layout, faults=faults, finish_wb=finish_wb)
         self.finish_writeback = finish_wb
@@ -319,8 +323,8 @@ class FacadeMachine(KitMachine):
             self._demote()
         if self._state(rid) not in ("finished", None):
             return
-        units = [str(u) for u in views.requests(self.cache)[rid].units] if rid in views.requests(self.cache) \
-            else [str(u) for u in r.units]
+        units: list[Hashable] = [str(u) for u in views.requests(self.cache)[rid].units] \
+            if rid in views.requests(self.cache) else [str(u) for u in r.units]
         if not units:
             return
         align = self.cache.layout.alignment

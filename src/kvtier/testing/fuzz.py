@@ -29,8 +29,8 @@ from .sequence import EventSequence, ReplayResult, SequenceError, classify, mach
 __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
 #: machine name -> share of the step budget
-DEFAULT_MIX: dict[str, float] = {"core": 0.4, "facade": 0.4, "node": 0.1, "request": 0.1}
-LIFECYCLE_DRIVERS = ("core", "facade")
+DEFAULT_MIX: dict[str, float] = {"core": 0.35, "facade": 0.35, "engine": 0.1, "node": 0.1, "request": 0.1}
+LIFECYCLE_DRIVERS = ("core", "facade", "engine")
 #: The machines that fire events at the spec's lifecycles directly (not the product).
 RAW_MACHINES = ("node", "request")
 

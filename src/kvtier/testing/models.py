@@ -36,7 +36,7 @@ __all__ = ["MODELS", "ModelViolation", "LayerModel", "eviction_key", "check_evic
 
 #: The names a :class:`ModelViolation` carries (what a failure prints).
 MODELS: tuple[str, ...] = ("model_layer_ready", "model_eviction_order", "model_liveness",
-                           "model_aborted_unpublished", "model_whole_prompt")
+                           "model_aborted_unpublished", "model_whole_prompt", "model_transfer_hazard")
 
 #: The request states in which ``layer_ready`` may answer true (``[request.calls]`` of the
 #: spec, restated here so that the model does not read it from the system under test).
@@ -113,7 +113,7 @@ def eviction_key(n: Node, policy: str, tier: str, exclusive: bool) -> tuple[int,
     then deepest, then node id; ``lru2`` orders the host by the second-to-last use by a
     distinct request first; an exclusive host tier takes nodes a loadback brought back
     (still on the device) before all others."""
-    base = (n.last_access, -n.depth, n.node_id)
+    base: tuple[int, ...] = (n.last_access, -n.depth, n.node_id)
     if tier == "host" and policy == "lru2":
         base = (n.prev_use,) + base
     if tier == "host" and exclusive:
