@@ -87,22 +87,45 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"kvtier verify {_TESTING_HINT} ({exc})", file=sys.stderr)
         return ExitCode.USAGE
     machine: type[FacadeMachine] = FacadeMachine
-    if args.requests == 1:
-        meta: Any = type(FacadeMachine)
+    meta: Any = type(FacadeMachine)
+    if args.prompts:
+        prompts = tuple(tuple(p) for p in args.prompts.split(","))
+        if not all(prompts):
+            print(f"kvtier verify: --prompts needs non-empty prompts separated by commas, got {args.prompts!r}",
+                  file=sys.stderr)
+            return ExitCode.USAGE
+        machine = meta("FacadeMachine", (FacadeMachine,),
+                       {"verify_prompts": prompts, "verify_max_units": args.max_units or 1,
+                        "verify_tail": args.tail})
+    elif args.requests == 1:
         machine = meta("FacadeMachine", (FacadeMachine,),  # one request, prompt 'a', 1 unit
-                       {"verify_prompts": (("a",),), "verify_max_units": 1})
+                       {"verify_prompts": (("a",),), "verify_max_units": 1, "verify_tail": args.tail})
+    elif args.tail or args.max_units:
+        machine = meta("FacadeMachine", (FacadeMachine,),
+                       {"verify_tail": args.tail, "verify_max_units": args.max_units or FacadeMachine.verify_max_units})
     setup = machine.verify_setup(world=args.world_size, policy=args.policy, dev_units=args.device_units,
                                  host_units=args.host_units, deadline=args.deadline)
-    prompts = " and ".join(repr("".join(p)) for p in machine.verify_prompts)
-    print(f"kvtier verify: depth {args.depth}, facade with {args.requests} request(s) (prompts {prompts}), "
+    shown = " and ".join(repr("".join(p) + ("+1" if machine.verify_tail else "")) for p in machine.verify_prompts)
+    print(f"kvtier verify: depth {args.depth}, facade with {len(machine.verify_prompts)} request(s) "
+          f"(prompts {shown}, at most {machine.verify_max_units} unit(s) each), "
           f"2 cache groups, {setup.render()}")
 
     def progress(level: int, frontier: int, states: int) -> None:
         if not args.quiet:
             print(f"  depth {level}: {states:,} states, {frontier:,} new", file=sys.stderr, flush=True)
 
-    res = verify(args.depth, machine=machine, setup=setup, seconds=args.max_seconds, progress=progress)
+    from .testing.coverage import LifecycleCoverage
+
+    cov = LifecycleCoverage()
+    with cov.recording():
+        res = verify(args.depth, machine=machine, setup=setup, seconds=args.max_seconds, progress=progress)
     print(res.report())
+    hit = {i.label for i in cov.covered("transition")}
+    reach = [name for name, label in (("device", "node: new --create [parent_readable]--> device"),
+                                      ("host", "node: writing --writeback_ack--> backed"),
+                                      ("loadback", "node: loading --loadback_ack--> backed")) if label in hit]
+    print(f"lifecycle transitions taken: {len(hit)}/{cov.totals()['transition'][1]}; "
+          f"exercises: {', '.join(reach) or 'nothing'}")
     if res.violation is not None:
         path = res.violation.save(args.save)
         print(f"saved as {path} (reproduce: kvtier fuzz --replay {path})")
@@ -184,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=2, choices=[1, 2],
                    help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only, which reaches a "
                         "fixpoint with --device-units 2 --host-units 2 (depth 37, about 20 s)")
+    p.add_argument("--prompts", metavar="P1,P2", help="the requests' prompts as unit letters, comma-separated "
+                   "(e.g. 'a,a': two requests sharing the prefix 'a'); overrides --requests")
+    p.add_argument("--tail", action="store_true", help="prompts end one token past their last unit (their "
+                   "units may be reused whole: a later request loads them back)")
+    p.add_argument("--max-units", type=positive_int, default=None, help="units a request may reserve "
+                   "(default 3 for --requests 2, else 1)")
     p.add_argument("--policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--device-units", type=positive_int, default=4, help="device capacity in units (default %(default)s)")

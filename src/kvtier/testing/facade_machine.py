@@ -60,6 +60,9 @@ class FacadeMachine(KitMachine):
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3
+    #: for ``kvtier verify``: prompts end one token past their last unit (so the whole
+    #: prompt's units may be reused, the case where a later request loads them back)
+    verify_tail: ClassVar[bool] = False
     #: whether the setup may draw operation deadlines
     kit_deadlines: ClassVar[bool] = True
 
@@ -675,7 +678,7 @@ class FacadeMachine(KitMachine):
             state = None if r is None else r.state
             # the bounded model: at most 2 forward passes owed per request
             if state is None or ((state == "waiting" or state in TERMINAL) and r is not None and r.owed_forward < 2):
-                out.append(Step.of("admit", dict(req=req, key=list(key), chunk=len(key), tail=False)))
+                out.append(Step.of("admit", dict(req=req, key=list(key), chunk=len(key), tail=self.verify_tail)))
             if r is None:
                 continue
             if r.owed_forward > 0:
