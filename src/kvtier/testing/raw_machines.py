@@ -216,6 +216,21 @@ class NodeLifecycleMachine(KitMachine):
                 raise InvariantViolation("state_matches_resources", f"node {node.label}",
                                          f"{event} accepted in {before[0]}, which the spec does not allow")
 
+    @rule(event=st.sampled_from(_NODE_SPEC.events))
+    @recorded
+    def fire_at_root(self, event: str) -> None:
+        """The root is never the subject of an event: every event is refused."""
+        root = _RawNode(-1, None)
+        root.state = "root"
+        before = root.snapshot()
+        try:
+            self.machine.fire(root, event)
+        except LifecycleError:
+            if root.snapshot() != before:
+                raise InvariantViolation("state_matches_resources", "the root", "a refused event changed it") from None
+            return
+        raise InvariantViolation("state_matches_resources", "the root", f"{event} was accepted")
+
     @rule(index=st.integers(min_value=0, max_value=3))
     @recorded
     def probe(self, index: int) -> None:
