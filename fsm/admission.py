@@ -124,7 +124,7 @@ class Admitter:
         r.passes += 1
         t.fire(r, event)
         return Admission(r.request_id, start, upto - start, start, m.device_units * t.align,
-                         t.page_table(r), load.command if load is not None else None,
+                         t.page_table(r), load.command.op_id if load is not None and load.command is not None else None,
                          load.op_ids if load is not None else (), m.recompute_tokens,
                          m.history_units * t.align,
                          {g: list(table[g]) for g in t.state_pages if g in table})

@@ -8,14 +8,24 @@ the node core, the request table (``request_table``), ``admission``, ``publish``
 A step, as an engine runs it::
 
     adm = cache.admit("r1", unit_keys, prompt_tokens=4096, chunk_tokens=2048)
+    out = cache.poll()                     # the one place commands come from: submit them all
+    transfer_engine.submit(out.commands)   # (adm.loadback_op names the admission's loadback)
     # forward pass over adm.start_token .. adm.start_token + adm.chunk_tokens,
     # reading each layer only when cache.layer_ready("r1", layer) (loadbacks)
     cache.step_done("r1", computed_tokens=adm.chunk_tokens)
     table = cache.reserve("r1", tokens=2048)          # next chunk, or None: wait
     for completion in transfer_engine.poll_completions():
         cache.complete(completion)
+    cache.advance_step()                               # operation deadlines count steps
     out = cache.poll()                                 # commands to submit, request events
     cache.finish("r1")
+    ...
+    assert cache.quiescent(), cache.outstanding()      # after draining: nothing leaked
+
+The contract: every transfer command is handed out by :meth:`TieredCache.poll` and
+nowhere else (an :class:`Admission` names its loadback's op id only); an engine learns
+that a request ended from the events ``poll`` returns, and :meth:`TieredCache.state`
+still answers for the last ``ended_history`` ended requests after that.
 
 Which call is accepted in which request state is declared in ``spec/lifecycle.toml``
 (``[request.calls]``, and the transitions for finish, retract, resume and abort); a call
@@ -38,11 +48,18 @@ from kvtier.fsm.fence import check_requests
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.node import PageMap
 from kvtier.fsm.forward import ForwardResults
-from kvtier.fsm.request import CALLS, TERMINAL, Admission, PollResult, RequestEvent, RequestView
+from kvtier.fsm.request import CALLS, TERMINAL, Admission, Outstanding, PollResult, RequestEvent, RequestView
 from kvtier.fsm.request_ends import Ender
-from kvtier.fsm.request_table import CacheCore, RequestTable, WritePolicy
+from kvtier.fsm.request_table import DEFAULT_ENDED_HISTORY, CacheCore, RequestTable, WritePolicy
 
-__all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView", "TERMINAL"]
+__all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView", "Outstanding", "TERMINAL",
+           "DEFAULT_OP_DEADLINE_STEPS", "DEFAULT_ENDED_HISTORY"]
+
+#: The default ``op_deadline_steps``: an operation not acknowledged on every rank within
+#: this many :meth:`TieredCache.advance_step` steps fails (its request recomputes or
+#: ends; a late completion is absorbed), so one lost completion cannot hold a request
+#: forever. 10,000 steps is minutes of decode steps, far beyond any real transfer.
+DEFAULT_OP_DEADLINE_STEPS = 10_000
 
 
 class TieredCache:
@@ -57,10 +74,18 @@ class TieredCache:
         world_size: tensor-parallel ranks acknowledging every operation.
         max_writebacks_in_flight: at most this many writeback operations in flight
             (loadbacks are never held back; the original's quota was 2).
-        op_deadline_steps: steps after which an operation fails (``None``: never).
+        op_deadline_steps: :meth:`advance_step` steps after which an operation fails
+            (default :data:`DEFAULT_OP_DEADLINE_STEPS`; ``None``: never, so a lost
+            completion holds its request and pages until the engine aborts it).
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (core ``match``).
+        ended_history: how many ended requests :meth:`state` and :meth:`request` still
+            answer for after :meth:`poll` reported their end (default
+            :data:`DEFAULT_ENDED_HISTORY`; bounded memory, oldest dropped first).
+
+    Capacities: at most :data:`kvtier.fsm.pages.MAX_POOL_PAGES` (2**53) pages per pool and
+    group; memory grows with the pages in use, never with the capacity.
 
     Raises:
         ConfigError: bad capacities or options.
@@ -69,8 +94,9 @@ class TieredCache:
     def __init__(self, layout: CacheLayout, device_pages: int | Mapping[str, int],
                  host_pages: int | Mapping[str, int] | None = None, *,
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
-                 world_size: int = 1, max_writebacks_in_flight: int = 2, op_deadline_steps: int | None = None,
-                 finish_writeback: bool | None = None, history_replay: bool = False) -> None:
+                 world_size: int = 1, max_writebacks_in_flight: int = 2,
+                 op_deadline_steps: int | None = DEFAULT_OP_DEADLINE_STEPS, finish_writeback: bool | None = None,
+                 history_replay: bool = False, ended_history: int = DEFAULT_ENDED_HISTORY) -> None:
         self.core = CacheCore(layout, device_pages, host_pages, policy=policy, write_threshold=write_threshold,
                              world_size=world_size, op_deadline_steps=op_deadline_steps)
         self.max_writebacks_in_flight = as_int(max_writebacks_in_flight, "max_writebacks_in_flight", minimum=1,
@@ -81,7 +107,7 @@ class TieredCache:
         self.layout = layout
         self.finish_writeback = (self.core.policy is WritePolicy.WRITE_THROUGH) if finish_writeback is None \
             else finish_writeback
-        self._table = RequestTable(self.core)
+        self._table = RequestTable(self.core, ended_history)
         self._admitter = Admitter(self._table, self.history_replay)
         self._forward = ForwardResults(self._table)
         self._ender = Ender(self._table, self._forward, self.finish_writeback)
@@ -90,19 +116,24 @@ class TieredCache:
 
     # ------------------------------------------------------------------ lookups
     def request(self, request_id: str) -> RequestView:
-        """A summary of one request (UsageError: unknown request)."""
-        return self._table.get(request_id).view()
+        """A summary of one request, tracked or among the last ``ended_history`` ended
+        (UsageError: unknown request)."""
+        return self._table.view(request_id)
 
     def unit_keys(self, request_id: str) -> tuple[Hashable, ...]:
         """The unit keys known for the request (its prompt's full units, then decode units)."""
         return tuple(self._table.get(request_id).units)
 
     def state(self, request_id: str) -> str:
-        """The request's lifecycle state (UsageError: unknown request)."""
-        return self._table.get(request_id).state
+        """The request's lifecycle state; for the last ``ended_history`` ended requests
+        still ``finished`` or ``aborted`` after :meth:`poll` reported it (UsageError:
+        unknown request)."""
+        r = self._table.find(request_id) if isinstance(request_id, str) else None
+        return r.state if r is not None else self._table.view(request_id).state
 
     def requests(self) -> list[RequestView]:
-        """Every request the cache still tracks (ended ones are dropped after :meth:`poll`)."""
+        """Every request the cache still tracks (ended ones are dropped after :meth:`poll`
+        reported them; :meth:`request` and :meth:`state` still answer for recent ones)."""
         return [r.view() for r in self._table]
 
     def page_table(self, request_id: str) -> PageMap:
@@ -143,7 +174,9 @@ class TieredCache:
 
         Returns:
             The :class:`Admission` (one forward pass owed), or ``None`` when device pages
-            are short after eviction: the request stays ``waiting``, holding nothing.
+            are short after eviction: the request stays ``waiting``, holding nothing. A
+            loadback it starts (``Admission.loadback_op``) is handed out by the next
+            :meth:`poll`: poll and submit before the forward pass.
 
         Raises:
             UsageError: the id is admitted and not ``waiting``, bad lengths, or too few
@@ -234,11 +267,13 @@ class TieredCache:
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         """Abort: at once if it owes nothing, else deferred (``aborting``) until every
-        forward result and its own operations have retired (its writebacks then fail).
+        forward result and its own operations have retired (its writebacks then fail; one
+        :meth:`poll` has not handed out yet is withdrawn and never handed out).
         UsageError: unknown request or empty ``reason``; IllegalTransition: already ended
         or aborting. Nothing changes."""
         r = self._table.get(request_id)
-        self._ender.abort(r, as_text(reason, "abort: reason"))
+        for settled in self._ender.abort(r, as_text(reason, "abort: reason")):
+            self._router.on_core_event(settled)  # its own writeback not yet handed out: withdrawn
 
     def abort_victim(self, blocked: Sequence[str], reason: str = "cache capacity exhausted") -> str | None:
         """Abort one deterministic victim among ``blocked`` (the largest token count, ties
@@ -274,8 +309,12 @@ class TieredCache:
     # ------------------------------------------------------------------ poll
     def poll(self) -> PollResult:
         """Commands to submit now (loadbacks first, at most ``max_writebacks_in_flight``
-        writebacks in flight) and the request state changes since the last poll. Ended
-        requests are forgotten once reported."""
+        writebacks in flight) and the request state changes since the last poll.
+
+        This is the one place commands are handed out, each exactly once: admissions'
+        loadbacks, finish and retract writebacks and tree writebacks; submit every one.
+        An ended request is forgotten once reported (its event is how the engine learns
+        the end); :meth:`state` still answers for the last ``ended_history`` of them."""
         room = self.max_writebacks_in_flight - self.core.ops_in_flight(Direction.WRITEBACK)
         if room > 0:
             self.core.issue_writebacks(room)
@@ -285,6 +324,18 @@ class TieredCache:
     def in_flight(self) -> bool:
         """True while any operation or forward result is outstanding."""
         return bool(self.core.ops_in_flight()) or self._table.owes_forward()
+
+    def outstanding(self) -> Outstanding:
+        """What the cache still holds or owes: requests tracked, forward results, operations,
+        commands not handed out, unreported events, receipts and device pages held outside
+        the tree (:class:`Outstanding`; cost grows with what is held, never capacity)."""
+        return self._table.outstanding()
+
+    def quiescent(self) -> bool:
+        """True when nothing is held or owed (:attr:`Outstanding.quiescent`): after an
+        engine drained (every request ended, completions delivered, :meth:`poll` called),
+        ``assert cache.quiescent(), cache.outstanding()`` checks that nothing leaked."""
+        return self.outstanding().quiescent
 
     def check_invariants(self) -> None:
         """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_requests`):

@@ -97,17 +97,19 @@ class CanonicalState:
         queues = tuple(sorted((self.op(op), tuple(tuple((c.rank, c.layer) for c in q) for q in qs))
                               for op, qs in m.xfer.queues.items()))
         expired = tuple(sorted(self.op(op) or 0 for op in m.expired if op in m.xfer.queues))
+        # the free lists in O(pages ever allocated), never O(capacity): ids never allocated
+        # are fresh in every state, so their count stands for them
         free = []
-        for pool, allocs in (("d", core.device), ("h", core.host or {})):
+        allocators = {"d": core.device, "h": core.host or {}}
+        for pool, allocs in allocators.items():
             for g, a in sorted(allocs.items()):
-                free.append((pool, g, tuple(self.page(pool, g, p) for p in a.free_order())))
+                never, freed = a.free_state()
+                free.append((pool, g, never, tuple(self.page(pool, g, p) for p in freed)))
         store = []
         # bytes of allocated pages only: a free page's stale content is never read before written
-        free_now = {(pool, g, p) for pool, allocs in (("d", core.device), ("h", core.host or {}))
-                    for g, a in allocs.items() for p in a.free_order()}
         for pool, data in (("d", m.xfer.dev), ("h", m.xfer.host)):
             for (g, p), v in data.items():
-                if (pool, g, p) in self.pages and (pool, g, p) not in free_now:
+                if (pool, g, p) in self.pages and not allocators[pool][g].is_free(p):
                     garbage = isinstance(v, tuple) and len(v) == 2 and v[0] == "garbage"
                     store.append((pool, g, self.pages[(pool, g, p)], "garbage" if garbage else repr(v)))
         # unreported request events: which ones are pending, not how many times (poll reports them)
