@@ -58,7 +58,7 @@ def plain_bool(value: object) -> bool | None:
     if isinstance(value, bool):
         return value
     if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
-        return bool(value)  # type: ignore[arg-type]
+        return bool(value)
     return None
 
 

@@ -94,13 +94,15 @@ class PageAllocator:
             InvariantViolation (``conservation``): a page is out of range or already free
                 (a double free); nothing is released then.
         """
-        pages = [p if type(p) is int else plain_int(p) for p in pages]  # numpy integers: plain ints
-        bad = [p for p in pages if p is None or not self._allocated(p)]
-        if bad or len(set(pages)) != len(pages):
+        given = list(pages)
+        plain = [p if type(p) is int else plain_int(p) for p in given]  # numpy integers: plain ints
+        bad = [g for g, p in zip(given, plain) if p is None or not self._allocated(p)]
+        ids = [p for p in plain if p is not None]
+        if bad or len(set(ids)) != len(ids):
             raise InvariantViolation("conservation", f"{self.pool} pool of group {self.group!r}",
-                                     f"release of pages that are not allocated (or twice): {bad or pages}")
-        self._released.extend(pages)  # type: ignore[arg-type]  # no None: checked above
-        self._released_set.update(pages)  # type: ignore[arg-type]
+                                     f"release of pages that are not allocated (or twice): {bad or given}")
+        self._released.extend(ids)
+        self._released_set.update(ids)
 
     def _allocated(self, page: int) -> bool:
         return 0 <= page < self._next and page not in self._released_set

@@ -61,15 +61,16 @@ def deepseek_v4(num_layers: int = 43, ratios: Sequence[int] | None = None, slidi
     """
     if ratios is None:
         ratios = [1, 1] + [4 if i % 2 == 0 else 128 for i in range(num_layers - 2)]
-    ratios = [plain_int(r) if plain_int(r) is not None else r for r in ratios]  # numpy ints: plain ints
-    if len(ratios) != num_layers:
-        raise ConfigError(f"deepseek-v4: {len(ratios)} ratios for {num_layers} layers")
+    given: list[object] = list(ratios)
+    if len(given) != num_layers:
+        raise ConfigError(f"deepseek-v4: {len(given)} ratios for {num_layers} layers")
     bad: list[object] = []
-    for r in ratios:  # ints only: 4.0 is not a ratio
+    for r in given:  # ints only (numpy ints too): 4.0 is not a ratio
         if plain_int(r) not in (1, 4, 128) and r not in bad:
             bad.append(r)
     if bad:
         raise ConfigError(f"deepseek-v4: compression ratios must be 1, 4 or 128, got {bad}")
+    ratios = [plain_int(r) or 0 for r in given]  # plain ints (checked above)
     nope = head_dim - rope_dim
     stride = nope + 2 * rope_dim
     row = stride + nope // 64 + 1
