@@ -282,9 +282,13 @@ class Soak:
             if e.state in ("finished", "aborted"):
                 self.live.pop(e.request_id, None)
                 self.retracted.pop(e.request_id, None)
-            elif e.state == "retracted" and e.request_id in self.live:
+            # an event may be stale by now (a later one in this batch ended the request):
+            # act on the request's current state, which state() gives even once it ended
+            elif e.state == "retracted" and e.request_id in self.live \
+                    and self.cache.state(e.request_id) == "retracted":
                 self.retracted[e.request_id] = self.live[e.request_id]
-            elif e.state == "waiting" and e.request_id in self.live:
+            elif e.state == "waiting" and e.request_id in self.live \
+                    and self.cache.state(e.request_id) == "waiting":
                 # its loadback failed: it recomputes from the start of its admission
                 self.cache.abort(e.request_id, "loadback failed")  # waiting: at once
                 self.count("abort")
