@@ -97,14 +97,23 @@ class CanonicalState:
         queues = tuple(sorted((self.op(op), tuple(tuple((c.rank, c.layer) for c in q) for q in qs))
                               for op, qs in m.xfer.queues.items()))
         expired = tuple(sorted(self.op(op) or 0 for op in m.expired if op in m.xfer.queues))
-        # the free lists in O(pages ever allocated), never O(capacity): ids never allocated
-        # are fresh in every state, so their count stands for them
+        # the free lists in O(pages ever allocated), never O(capacity). In allocation order a
+        # free list is the ids never allocated, then the freed ones; an id seen nowhere else
+        # in the state is fresh, so the leading run of fresh ids (every never-allocated one,
+        # then freed ones until the first id seen elsewhere) is kept as its length: the same
+        # equivalence as numbering every free id, at the cost of the freed ones only
         free = []
         allocators = {"d": core.device, "h": core.host or {}}
         for pool, allocs in allocators.items():
             for g, a in sorted(allocs.items()):
-                never, freed = a.free_state()
-                free.append((pool, g, never, tuple(self.page(pool, g, p) for p in freed)))
+                fresh, freed = a.free_state()
+                rest: list[int] = []
+                for p in freed:
+                    if not rest and (pool, g, p) not in self.pages:
+                        fresh += 1
+                    else:
+                        rest.append(self.page(pool, g, p))
+                free.append((pool, g, fresh, tuple(rest)))
         store = []
         # bytes of allocated pages only: a free page's stale content is never read before written
         for pool, data in (("d", m.xfer.dev), ("h", m.xfer.host)):
