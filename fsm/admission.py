@@ -125,7 +125,7 @@ class Admitter:
         t.fire(r, event)
         t.counters.admitted(event, limit, start, m.device_units * t.align)
         return Admission(r.request_id, start, upto - start, start, m.device_units * t.align,
-                         t.page_table(r), load.command if load is not None else None,
+                         t.page_table(r), load.command.op_id if load is not None and load.command is not None else None,
                          load.op_ids if load is not None else (), m.recompute_tokens,
                          m.history_units * t.align,
                          {g: list(table[g]) for g in t.state_pages if g in table})

@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 
 from .errors import ConfigError, KvtierError, UsageError
 
-__all__ = ["as_int", "as_bool", "as_text", "as_keys", "ConfigError", "UsageError"]
+__all__ = ["as_int", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "ConfigError", "UsageError"]
 
 
 def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | None = None,
@@ -41,13 +41,34 @@ def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | 
     return v
 
 
-def as_bool(value: object, what: str, *, error: type[KvtierError] = UsageError) -> bool:
-    """``value`` if it is a ``bool`` (``numpy.bool_`` too); anything else raises ``error``."""
+def plain_int(value: object) -> int | None:
+    """``value`` as a plain ``int`` if ``operator.index`` accepts it (``numpy`` integers
+    too), else ``None`` (a bool, a float, a str, ...). Never raises."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def plain_bool(value: object) -> bool | None:
+    """``value`` as a plain ``bool`` if it is one (``numpy.bool_`` too), else ``None``."""
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
         return bool(value)
-    raise error(f"{what} must be True or False, got {value!r}")
+    return None
+
+
+def as_bool(value: object, what: str, *, error: type[KvtierError] = UsageError) -> bool:
+    """``value`` if it is a ``bool`` (``numpy.bool_`` too); anything else raises ``error``."""
+    v = plain_bool(value)
+    if v is None:
+        raise error(f"{what} must be True or False, got {value!r}")
+    return v
 
 
 def as_text(value: object, what: str, *, error: type[KvtierError] = UsageError) -> str:

@@ -424,6 +424,24 @@ class CacheCore:
         own writeback: possibly-corrupt KV is never published). UnknownOperation: not in flight."""
         self.optable.poison(op_id)
 
+    def withdraw(self, op_id: int) -> Settled | None:
+        """Take back an operation whose command :meth:`poll_commands` has not handed out
+        yet: it fails at once (no byte moved, no completion will come) and the command
+        is never handed out. An aborted request's own writeback, which would only be
+        discarded.
+
+        Returns:
+            Its :class:`Settled` (``ok=False``), or ``None`` when the command was already
+            handed out (or the op is not in flight): poison it instead.
+        """
+        outbox = self._mover.outbox
+        op = self.optable.get(op_id)
+        if op is None or op.command not in outbox:
+            return None
+        outbox.remove(op.command)
+        self.stats.withdrawn_ops += 1
+        return self._mover.settle(op, False)
+
     def advance_step(self, steps: int = 1) -> list[Settled]:
         """Advance the scheduler step; fail every operation whose deadline passed
         (invariant 7). Their late real completions are absorbed later.

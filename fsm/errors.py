@@ -110,14 +110,17 @@ class InvariantViolation(KvtierError, AssertionError):
 
 
 class UnknownOperation(KvtierError, KeyError):
-    """A completion named an op id the core never issued (or already settled)."""
+    """A completion named an op id the core never issued (a late or duplicate completion
+    of a settled operation is absorbed, never refused), or ``poison`` named an operation
+    that is not in flight."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown operation"
 
 
 class DuplicateCompletion(KvtierError, ValueError):
-    """The same (op, rank, layer) completion was delivered twice."""
+    """The same (op, rank, layer) completion was delivered twice while the operation is in
+    flight (once it has settled, a repeat is absorbed)."""
 
 
 class CapacityError(KvtierError):

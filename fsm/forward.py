@@ -46,9 +46,11 @@ class ForwardResults:
         if r.passes == r.results:
             raise UsageError(f"request {r.request_id!r} (state {r.state!r}) owes no forward result")
         computing = r.state in ("running", "loading")
-        if computing and r.tokens + computed_tokens > r.reserved:
+        # a discarded result (fenced, aborting) is bounded alike: no pass computes more
+        # tokens than were reserved
+        if r.tokens + computed_tokens > r.reserved:
             raise UsageError(f"request {r.request_id!r}: {computed_tokens} tokens computed but only "
-                             f"{r.reserved - r.tokens} reserved")
+                             f"{r.reserved - r.tokens} reserved (state {r.state!r})")
         if (r.state == "running" and self._running_result_noop and r.ckpt_borrow is None and not checkpoint
                 and not r.deferred and min(r.tokens + computed_tokens, (len(r.units) + len(new_units)) * t.align)
                 < (r.published + 1) * t.align):

@@ -95,7 +95,8 @@ def _walk(core: CacheCore) -> dict[int, Node]:
     while stack:
         p = stack.pop()
         for key, c in p.children.items():
-            if c.parent is not p or not c.key or c.key[0] != key:
+            # identity first, as the children dict and the tree's walk compare (a NaN key)
+            if c.parent is not p or not c.key or (c.key[0] is not key and c.key[0] != key):
                 raise _fail("split_preserves_ownership", c, "tree links are inconsistent")
             if c.depth != p.depth + len(c.key):
                 raise _fail("split_preserves_ownership", c, f"depth {c.depth} != {p.depth} + {len(c.key)}")

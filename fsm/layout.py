@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .checks import plain_int
 from .records import CacheGroupSpec, Family
 
 __all__ = ["CacheLayout", "ChunkRows"]
@@ -61,8 +62,10 @@ class CacheLayout:
             raise ConfigError(f"layout {self.name!r}: duplicate cache group names {names}")
         if not any(g.family is Family.HISTORY for g in self.groups):
             raise ConfigError(f"layout {self.name!r}: needs at least one history group")
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers <= 0:
+        layers = plain_int(self.num_layers)
+        if layers is None or layers <= 0:
             raise ConfigError(f"layout {self.name!r}: num_layers must be a positive int, got {self.num_layers!r}")
+        object.__setattr__(self, "num_layers", layers)
         for g in self.groups:
             if g.layers[-1] >= self.num_layers:
                 raise ConfigError(f"layout {self.name!r}: group {g.name!r} uses layer {g.layers[-1]} "

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .checks import plain_int
 from .errors import CapacityError, ConfigError, InvariantViolation
 
-__all__ = ["PageAllocator"]
+__all__ = ["PageAllocator", "MAX_POOL_PAGES"]
+
+#: The most pages one pool of one cache group may have: 2**53, so that page ids and counts
+#: stay exact as JSON numbers and float64 statistics. A larger capacity raises ConfigError.
+MAX_POOL_PAGES = 2**53
 
 
 class PageAllocator:
@@ -21,17 +26,22 @@ class PageAllocator:
     Args:
         pool: ``"device"`` or ``"host"`` (for messages).
         group: cache group name (for messages).
-        capacity: number of pages (>= 0).
+        capacity: number of pages (0 .. :data:`MAX_POOL_PAGES`).
 
     Raises:
-        ConfigError: negative or non-int capacity.
+        ConfigError: a capacity that is not an int in 0 .. MAX_POOL_PAGES.
     """
 
     __slots__ = ("pool", "group", "capacity", "_next", "_released", "_released_set")
 
     def __init__(self, pool: str, group: str, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        cap = plain_int(capacity)
+        if cap is None or cap < 0:
             raise ConfigError(f"{pool} pool of group {group!r}: capacity must be an int >= 0, got {capacity!r}")
+        if cap > MAX_POOL_PAGES:
+            raise ConfigError(f"{pool} pool of group {group!r}: capacity {cap} pages is above the maximum "
+                              f"{MAX_POOL_PAGES} (2**53: page ids stay exact as JSON numbers)")
+        capacity = cap
         self.pool = pool
         self.group = group
         self.capacity = capacity
@@ -60,9 +70,11 @@ class PageAllocator:
             ConfigError: ``n`` is not an int >= 0.
             CapacityError: fewer than ``n`` pages are free (nothing allocated).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        count = n if type(n) is int else plain_int(n)  # numpy integers too
+        if count is None or count < 0:
             raise ConfigError(f"{self.pool} pool of group {self.group!r}: page count must be an int >= 0, "
                               f"got {n!r}")
+        n = count
         free = self.free
         if n > free:
             raise CapacityError(self.pool, self.group, n, free)
@@ -82,13 +94,15 @@ class PageAllocator:
             InvariantViolation (``conservation``): a page is out of range or already free
                 (a double free); nothing is released then.
         """
-        pages = list(pages)
-        bad = [p for p in pages if not self._allocated(p)]
-        if bad or len(set(pages)) != len(pages):
+        given = list(pages)
+        plain = [p if type(p) is int else plain_int(p) for p in given]  # numpy integers: plain ints
+        bad = [g for g, p in zip(given, plain) if p is None or not self._allocated(p)]
+        ids = [p for p in plain if p is not None]
+        if bad or len(set(ids)) != len(ids):
             raise InvariantViolation("conservation", f"{self.pool} pool of group {self.group!r}",
-                                     f"release of pages that are not allocated (or twice): {bad or pages}")
-        self._released.extend(pages)
-        self._released_set.update(pages)
+                                     f"release of pages that are not allocated (or twice): {bad or given}")
+        self._released.extend(ids)
+        self._released_set.update(ids)
 
     def _allocated(self, page: int) -> bool:
         return 0 <= page < self._next and page not in self._released_set
@@ -96,6 +110,13 @@ class PageAllocator:
     def is_free(self, page: int) -> bool:
         """Whether ``page`` (an id in ``0 .. capacity-1``) is free; ``False`` out of range."""
         return 0 <= page < self.capacity and not self._allocated(page)
+
+    def free_state(self) -> tuple[int, tuple[int, ...]]:
+        """The free list in O(pages ever allocated), never O(capacity): (the number of ids
+        never allocated, which are handed out lowest first after the freed ones; the freed
+        ids in reverse reuse order, the next one allocated last). Two allocators with the
+        same capacity and equal free states allocate alike."""
+        return self.capacity - self._next, tuple(self._released)
 
     def free_order(self) -> tuple[int, ...]:
         """Every free page id, in reverse allocation order (the next page allocated is last);

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .checks import plain_int
 from .errors import ConfigError
 from .layout import CacheLayout
 from .records import CacheGroupSpec, ComponentSpec, Family
@@ -32,7 +33,8 @@ def _round_up(n: int, m: int) -> int:
 
 def _positive(preset_name: str, **values: int) -> None:
     for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        iv = plain_int(v)
+        if iv is None or iv <= 0:
             raise ConfigError(f"{preset_name}: {name} must be a positive int, got {v!r}")
 
 
@@ -61,15 +63,16 @@ def deepseek_v4(num_layers: int = 43, ratios: Sequence[int] | None = None, slidi
     """
     if ratios is None:
         ratios = [1, 1] + [4 if i % 2 == 0 else 128 for i in range(num_layers - 2)]
-    ratios = list(ratios)
-    if len(ratios) != num_layers:
-        raise ConfigError(f"deepseek-v4: {len(ratios)} ratios for {num_layers} layers")
+    given: list[object] = list(ratios)
+    if len(given) != num_layers:
+        raise ConfigError(f"deepseek-v4: {len(given)} ratios for {num_layers} layers")
     bad: list[object] = []
-    for r in ratios:  # ints only: 4.0 is not a ratio
-        if (isinstance(r, bool) or not isinstance(r, int) or r not in (1, 4, 128)) and r not in bad:
+    for r in given:  # ints only (numpy ints too): 4.0 is not a ratio
+        if plain_int(r) not in (1, 4, 128) and r not in bad:
             bad.append(r)
     if bad:
         raise ConfigError(f"deepseek-v4: compression ratios must be 1, 4 or 128, got {bad}")
+    ratios = [plain_int(r) or 0 for r in given]  # plain ints (checked above)
     nope = head_dim - rope_dim
     stride = nope + 2 * rope_dim
     row = stride + nope // 64 + 1
@@ -153,6 +156,8 @@ def preset(name: str, **params: Any) -> CacheLayout:
         factory = PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}") from None
+    # numpy integers (anything operator.index takes) become plain ints
+    params = {k: v if plain_int(v) is None else plain_int(v) for k, v in params.items()}
     try:
         return factory(**params)
     except TypeError as exc:

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .checks import plain_bool, plain_int
 from .errors import ConfigError
 
 __all__ = ["StoreOp", "StoreCommand", "StoreResult", 
@@ -48,9 +49,10 @@ class Direction(str, enum.Enum):
 
 
 def _positive_int(owner: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    v = plain_int(value)
+    if v is None or v <= 0:
         raise ConfigError(f"{owner}: {name} must be a positive int, got {value!r}")
-    return value
+    return v
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +74,8 @@ class ComponentSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"component name must be a non-empty str, got {self.name!r}")
-        _positive_int(f"component {self.name!r}", "page_bytes", self.page_bytes)
+        object.__setattr__(self, "page_bytes", _positive_int(f"component {self.name!r}", "page_bytes",
+                                                             self.page_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,14 +112,16 @@ class CacheGroupSpec:
             object.__setattr__(self, "family", Family(self.family))
         except ValueError:
             raise ConfigError(f"{owner}: family must be 'history' or 'state', got {self.family!r}") from None
-        _positive_int(owner, "rows", self.rows)
-        _positive_int(owner, "stride", self.stride)
+        object.__setattr__(self, "rows", _positive_int(owner, "rows", self.rows))
+        object.__setattr__(self, "stride", _positive_int(owner, "stride", self.stride))
         try:
             layers = tuple(self.layers)
         except TypeError:
             raise ConfigError(f"{owner}: layers must be a sequence of ints >= 0, got {self.layers!r}") from None
-        if not layers or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
+        plain = [plain_int(x) for x in layers]
+        if not layers or any(x is None or x < 0 for x in plain):
             raise ConfigError(f"{owner}: layers must be a non-empty sequence of ints >= 0, got {self.layers!r}")
+        layers = tuple(x for x in plain if x is not None)
         if list(layers) != sorted(set(layers)):
             raise ConfigError(f"{owner}: layers must be sorted and unique, got {self.layers!r}")
         object.__setattr__(self, "layers", layers)
@@ -129,7 +134,8 @@ class CacheGroupSpec:
             raise ConfigError(f"{owner}: component names must be unique, got {names}")
         object.__setattr__(self, "components", components)
         if self.family is Family.STATE:
-            _positive_int(owner, "window (tokens, required for state groups)", self.window)
+            object.__setattr__(self, "window", _positive_int(owner, "window (tokens, required for state groups)",
+                                                             self.window))
         elif self.window is not None:
             raise ConfigError(f"{owner}: window is only for state groups, got {self.window!r}")
 
@@ -158,17 +164,19 @@ class CacheGroupSpec:
 
 
 def _index(owner: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    v = plain_int(value)
+    if v is None or v < 0:
         raise ConfigError(f"{owner}: {name} must be an int >= 0, got {value!r}")
-    return value
+    return v
 
 
 def _indices(owner: str, name: str, value: Iterable[object], what: str) -> tuple[int, ...]:
     ids: list[int] = []
     for p in value:
-        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+        v = p if type(p) is int else plain_int(p)
+        if v is None or v < 0:
             raise ConfigError(f"{owner}: {name} must hold {what}, got {p!r}")
-        ids.append(p)
+        ids.append(v)
     return tuple(ids)
 
 
@@ -232,7 +240,7 @@ class TransferCommand:
     deadline_step: int | None = None
 
     def __post_init__(self) -> None:
-        _index("transfer command", "op_id", self.op_id)
+        object.__setattr__(self, "op_id", _index("transfer command", "op_id", self.op_id))
         owner = f"op {self.op_id}"
         try:
             object.__setattr__(self, "direction", Direction(self.direction))
@@ -251,7 +259,7 @@ class TransferCommand:
             raise ConfigError(f"{owner}: request_id must be a str or None, got {self.request_id!r}")
         object.__setattr__(self, "node_ids", _indices(owner, "node_ids", self.node_ids, "node ids (ints >= 0)"))
         if self.deadline_step is not None:
-            _index(owner, "deadline_step", self.deadline_step)
+            object.__setattr__(self, "deadline_step", _index(owner, "deadline_step", self.deadline_step))
 
     @property
     def pages(self) -> int:
@@ -286,12 +294,15 @@ class Completion:
 
     def __post_init__(self) -> None:
         owner = f"completion for op {self.op_id!r}"
-        _index(owner, "op_id", self.op_id)
-        _index(owner, "rank", self.rank)
-        if not isinstance(self.ok, bool):
-            raise ConfigError(f"{owner}: ok must be True or False, got {self.ok!r}")
+        object.__setattr__(self, "op_id", _index(owner, "op_id", self.op_id))
+        object.__setattr__(self, "rank", _index(owner, "rank", self.rank))
+        if type(self.ok) is not bool:
+            ok = plain_bool(self.ok)  # numpy.bool_ too
+            if ok is None:
+                raise ConfigError(f"{owner}: ok must be True or False, got {self.ok!r}")
+            object.__setattr__(self, "ok", ok)
         if self.layer is not None:
-            _index(owner, "layer", self.layer)
+            object.__setattr__(self, "layer", _index(owner, "layer", self.layer))
 
     @property
     def is_ack(self) -> bool:

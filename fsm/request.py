@@ -18,7 +18,7 @@ from .node import LockReceipt, NodeReceipt, PageMap
 from .records import TransferCommand
 from .spec import load_spec
 
-__all__ = ["Request", "Admission", "RequestEvent", "PollResult", "RequestView", "CALLS", "TERMINAL"]
+__all__ = ["Request", "Admission", "RequestEvent", "PollResult", "RequestView", "Outstanding", "CALLS", "TERMINAL"]
 
 _SPEC = load_spec().request
 #: facade call -> the request states in which it is accepted (spec ``[request.calls]``).
@@ -41,7 +41,9 @@ class Admission:
         page_table: group -> device page ids: history groups cover tokens
             ``0 .. start_token + chunk_tokens``; state groups hold the request's working
             state pages (initialised from the checkpoint at ``start_token`` on a hit).
-        loadback: the loadback this request started (submit it), or ``None``.
+        loadback_op: the op id of the loadback this admission started, or ``None``. Its
+            command is handed out by :meth:`kvtier.TieredCache.poll` (the one place every
+            command comes from): poll and submit before the forward pass.
         wait_ops: loadback ops the forward pass must wait on layer by layer (its own and
             any it joined).
         recompute_tokens: with history replay, tokens before ``start_token`` recomputed
@@ -58,7 +60,7 @@ class Admission:
     hit_tokens: int
     device_hit_tokens: int
     page_table: PageMap
-    loadback: TransferCommand | None
+    loadback_op: int | None
     wait_ops: tuple[int, ...]
     recompute_tokens: int = 0
     history_hit_tokens: int = 0
@@ -124,6 +126,47 @@ class RequestView:
     deferred_pages: PageMap = field(default_factory=dict)
     receipts: tuple[int, ...] = ()
     units: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Outstanding:
+    """What a cache still holds or owes (:meth:`kvtier.TieredCache.outstanding`), counted
+    from the core's and the request table's public views in O(requests + operations +
+    receipts + caller pages), never O(capacity).
+
+    Attributes:
+        requests: ids of the requests it tracks (live, or ended and not yet reported by
+            ``poll``), sorted.
+        owed_forward: forward results owed, over every request.
+        operations: op ids of the operations in flight (handed out or not), sorted.
+        commands: op ids of those whose command ``poll`` has not handed out yet.
+        events: request events ``poll`` has not reported yet.
+        locks: lock receipts held (requests' locks on tree paths).
+        pins: pin receipts held by requests (an operation's own pin is the operation's).
+        borrows: borrow receipts held (a hit's checkpoint until its pass returns).
+        caller_pages: device pages held outside the tree (requests' own and deferred
+            pages), summed over groups.
+        queued_writebacks: tree nodes waiting for a tree writeback (cache work, not a
+            leak: not part of :attr:`quiescent`).
+    """
+
+    requests: tuple[str, ...]
+    owed_forward: int
+    operations: tuple[int, ...]
+    commands: tuple[int, ...]
+    events: int
+    locks: int
+    pins: int
+    borrows: int
+    caller_pages: int
+    queued_writebacks: int = 0
+
+    @property
+    def quiescent(self) -> bool:
+        """Nothing held or owed: no request tracked, no forward result, operation, command
+        or event outstanding, no receipt and no device page held outside the tree."""
+        return not (self.requests or self.owed_forward or self.operations or self.commands or self.events
+                    or self.locks or self.pins or self.borrows or self.caller_pages)
 
 
 class Request:

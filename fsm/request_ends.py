@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .node import PageMap
+from .ops import Settled
 from .forward import ForwardResults
 from .records import Direction, TransferCommand
 from .request import Request
@@ -80,9 +81,16 @@ class Ender:
         if cmd is not None:
             self.table.wait(r, cmd.op_id)
 
-    def abort(self, r: Request, reason: str) -> None:
+    def abort(self, r: Request, reason: str) -> list[Settled]:
         """Abort at once if it owes nothing, else once every forward result and its own
-        operations have retired (its own writebacks then count as failed).
+        operations have retired (its own writebacks then count as failed). An own
+        writeback whose command ``poll`` has not handed out yet is withdrawn: it fails at
+        once and is never handed out; one already handed out is poisoned (it fails
+        whatever its ranks report).
+
+        Returns:
+            The withdrawn operations' settlements, for the caller to route (after the
+            ``abort`` event, so that the request takes them in ``aborting``).
 
         Raises:
             IllegalTransition: already ended or aborting; nothing changes.
@@ -90,11 +98,13 @@ class Ender:
         self.table.check(r, "abort")
         r.reason = reason
         ops = self.core.operations()
-        for op in sorted(r.ops):
-            if op in ops and ops[op].direction is Direction.WRITEBACK:
-                self.core.poison(op)
+        own = [op for op in sorted(r.ops) if op in ops and ops[op].direction is Direction.WRITEBACK]
+        for op in own:
+            self.core.poison(op)
         r.poisoned = True
         self.table.fire(r, "abort")
+        withdrawn = [self.core.withdraw(op) for op in own]
+        return [s for s in withdrawn if s is not None]
 
     def abort_victim(self, blocked: Sequence[str], reason: str) -> str | None:
         """Abort one deterministic victim among ``blocked`` (the largest token count, ties
@@ -108,5 +118,5 @@ class Ender:
         if not victims or self.core.operations() or self.table.owes_forward():
             return None
         victim = min(victims, key=lambda r: (-max(r.tokens, r.prompt_tokens), r.request_id))
-        self.abort(victim, reason)
+        self.abort(victim, reason)  # nothing in flight: nothing withdrawn
         return victim.request_id

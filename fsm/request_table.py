@@ -14,19 +14,26 @@ operations); the request operations use only its public methods.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 
 from .core import CacheCore
 from .counters import FacadeCounters
 from .match import MatchMode, MatchResult
 from .writeback import WritePolicy
-from .errors import GuardRejected, UsageError
+from .errors import ConfigError, GuardRejected, UsageError
 from .layout import CacheLayout
 from .machines import Lifecycle, request_lifecycle
 from .node import PageMap
-from .request import CALLS, TERMINAL, Request, RequestEvent
+from .checks import as_int
+from .request import CALLS, TERMINAL, Outstanding, Request, RequestEvent, RequestView
 
-__all__ = ["CacheCore", "MatchMode", "MatchResult", "WritePolicy", "RequestTable"]
+__all__ = ["CacheCore", "MatchMode", "MatchResult", "WritePolicy", "RequestTable", "DEFAULT_ENDED_HISTORY"]
+
+#: How many ended requests :meth:`RequestTable.view` still answers for after ``poll``
+#: reported their end and the table forgot their records (a bounded history: a few
+#: hundred bytes each, the oldest dropped first).
+DEFAULT_ENDED_HISTORY = 1024
 
 
 class RequestTable:
@@ -34,10 +41,18 @@ class RequestTable:
 
     Args:
         core: the node core whose pages and receipts the requests hold.
+        ended_history: how many ended requests, once forgotten, :meth:`view` still
+            answers for (0: none).
+
+    Raises:
+        ConfigError: ``ended_history`` not an int >= 0.
     """
 
-    def __init__(self, core: CacheCore) -> None:
+    def __init__(self, core: CacheCore, ended_history: int = DEFAULT_ENDED_HISTORY) -> None:
         self.core = core
+        self.ended_history = as_int(ended_history, "ended_history", error=ConfigError)
+        #: summaries of the most recently forgotten ended requests, oldest first
+        self._history: OrderedDict[str, RequestView] = OrderedDict()
         layout: CacheLayout = core.layout
         self.layout = layout
         self.lifecycle: Lifecycle = request_lifecycle()
@@ -66,8 +81,42 @@ class RequestTable:
         """
         r = self._records.get(request_id) if isinstance(request_id, str) else None
         if r is None:
+            ended = self._history.get(request_id) if isinstance(request_id, str) else None
+            if ended is not None:
+                raise UsageError(f"request {request_id!r} has ended ({ended.state}) and poll() reported it")
             raise UsageError(f"unknown request {request_id!r}")
         return r
+
+    def view(self, request_id: object) -> RequestView:
+        """A summary of ``request_id``: tracked, or among the last ``ended_history`` ended
+        requests that ``poll`` reported and the table forgot.
+
+        Raises:
+            UsageError: neither.
+        """
+        r = self._records.get(request_id) if isinstance(request_id, str) else None
+        if r is not None:
+            return r.view()
+        ended = self._history.get(request_id) if isinstance(request_id, str) else None
+        if ended is None:
+            raise UsageError(f"unknown request {request_id!r} (the last {self.ended_history} ended "
+                             f"requests are remembered)")
+        return ended
+
+    def ended(self) -> tuple[RequestView, ...]:
+        """Summaries of the ended requests forgotten most recently, oldest first (at most
+        ``ended_history``)."""
+        return tuple(self._history.values())
+
+    def outstanding(self) -> Outstanding:
+        """What the requests and the core still hold or owe (see :class:`Outstanding`)."""
+        core = self.core
+        kinds = [rc.kind for rc in core.receipts.node_receipts() if rc.receipt_id > 0]
+        return Outstanding(tuple(sorted(self._records)), sum(r.owed_forward for r in self._records.values()),
+                           tuple(sorted(op.op_id for op in core.optable)),
+                           tuple(sorted(c.op_id for c in core.pending_commands())), len(self._events),
+                           len(core.receipts.locks()), kinds.count("pin"), kinds.count("borrow"),
+                           core.ledger.caller_count(), len(core.writebacks))
 
     def find(self, request_id: str) -> Request | None:
         """The record of ``request_id``, or ``None``."""
@@ -87,6 +136,7 @@ class RequestTable:
         """Track ``r`` (replacing an ended record of the same id)."""
         self._records[r.request_id] = r
         self._ended.discard(r.request_id)
+        self._history.pop(r.request_id, None)
 
     def waiters(self, op_id: int) -> frozenset[str]:
         """Requests waiting on operation ``op_id``."""
@@ -154,9 +204,14 @@ class RequestTable:
         out = self._events
         self._events = []
         for rid in sorted(self._ended):
-            if self._records[rid].settled:
+            r = self._records[rid]
+            if r.settled:
                 del self._records[rid]
                 self._ended.discard(rid)
+                if self.ended_history:
+                    self._history[rid] = r.view()
+                    if len(self._history) > self.ended_history:
+                        self._history.popitem(last=False)
         return out
 
     # ------------------------------------------------------------------ operations waited on

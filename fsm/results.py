@@ -71,6 +71,7 @@ class CacheStats:
     joined_loadbacks: int = 0
     expired_ops: int = 0
     absorbed_late_completions: int = 0
+    withdrawn_ops: int = 0  # operations taken back before their command was handed out
     pages_written: int = 0
     pages_loaded: int = 0
     splits: int = 0

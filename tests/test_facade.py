@@ -42,7 +42,7 @@ def layer(c: TieredCache, op: int, upto: int, ranks: Any = None) -> None:
 def prefill(c: TieredCache, rid: str, key: str, prompt: int, checkpoint: bool = False) -> None:
     """Admit ``rid`` with its whole prompt as one chunk and report the forward pass."""
     adm = c.admit(rid, list(key), prompt_tokens=prompt, chunk_tokens=prompt)
-    assert adm is not None and adm.loadback is None
+    assert adm is not None and adm.loadback_op is None
     c.step_done(rid, adm.chunk_tokens, checkpoint=checkpoint)
     c.check_invariants()
 
@@ -94,10 +94,10 @@ def test_abort_during_loadback_waits_for_ack(ack_first: bool) -> None:
     c = seeded()
     node = only_node(c)
     adm = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert adm is not None and adm.loadback is not None and c.state("b") == "loading"
-    op = adm.loadback.op_id
+    assert adm is not None and adm.loadback_op is not None and c.state("b") == "loading"
+    op = adm.loadback_op
     assert (adm.start_token, adm.hit_tokens, adm.device_hit_tokens, adm.wait_ops) == (8, 8, 0, (op,))
-    assert c.poll().commands == (adm.loadback,)
+    assert [cmd.op_id for cmd in c.poll().commands] == [adm.loadback_op]  # handed out by poll only
     assert (node.state, node.host_pin, node.lock_ref) == ("loading", 2, 1)  # the op's pin and b's
     assert held(c) == {"kv": 1}  # b's own page for token 8
     c.abort("b", "client went away")
@@ -279,7 +279,7 @@ def test_retract_writeback_success_then_resume() -> None:
     ack(c, cmd.op_id)
     assert c.state("a") == "retracted" and node.state == "backed" and node.lock_ref == 0
     adm = c.resume("a", chunk_tokens=4)
-    assert adm is not None and (adm.start_token, adm.chunk_tokens, adm.loadback) == (8, 1, None)
+    assert adm is not None and (adm.start_token, adm.chunk_tokens, adm.loadback_op) == (8, 1, None)
     assert c.state("a") == "running"
 
 
@@ -292,18 +292,18 @@ def test_second_request_joins_loadback_in_flight() -> None:
     c = seeded(world=2)
     node = only_node(c)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and b.loadback is not None
-    op = b.loadback.op_id
-    c.poll()
+    assert b is not None and b.loadback_op is not None
+    op = b.loadback_op
+    (b_load,) = c.poll().commands  # poll hands the admission's loadback out
     layer(c, op, 0)  # layer 0 complete on both ranks before the second request arrives
     assert c.core.match(list("abcd")).device_units == 0  # not readable by others yet
     d = c.admit("d", list("abcd") + ["e"], prompt_tokens=11, chunk_tokens=3)
     c.check_invariants()
-    assert d is not None and d.loadback is None and d.wait_ops == (op,) and c.state("d") == "loading"
+    assert d is not None and d.loadback_op is None and d.wait_ops == (op,) and c.state("d") == "loading"
     assert (d.start_token, d.chunk_tokens) == (8, 3)
     assert c.poll().commands == ()  # no second loadback
     assert (node.host_pin, node.lock_ref) == (3, 2)  # the op's pin, b's and d's
-    assert d.page_table["kv"][:4] == b.page_table["kv"][:4] == list(b.loadback.transfers[0].dst_pages)
+    assert d.page_table["kv"][:4] == b.page_table["kv"][:4] == list(b_load.transfers[0].dst_pages)
     assert c.layer_ready("d", 0) and not c.layer_ready("d", 1)
     layer(c, op, 1, ranks=[0])
     assert not c.layer_ready("d", 1) and not c.layer_ready("b", 1)
@@ -329,12 +329,12 @@ def test_joined_request_aborted_other_proceeds() -> None:
     node = only_node(c)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     d = c.admit("d", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and d is not None and b.loadback is not None and d.loadback is None
+    assert b is not None and d is not None and b.loadback_op is not None and d.loadback_op is None
     c.abort("d")
     assert c.state("d") == "aborting"
     c.step_done("d", 0)
     assert c.state("d") == "aborting"  # still waits for the joined loadback
-    ack(c, b.loadback.op_id)
+    ack(c, b.loadback_op)
     assert (c.state("b"), c.state("d")) == ("running", "aborted")
     assert (node.host_pin, node.lock_ref) == (0, 1)
 
@@ -346,12 +346,12 @@ def test_loadback_failure_fences_the_pages_until_the_pass_returns() -> None:
     c = seeded(world=2)
     node = only_node(c)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and b.loadback is not None and b.page_table == {"kv": [3, 2, 1, 0, 4]}
+    assert b is not None and b.loadback_op is not None and b.page_table == {"kv": [3, 2, 1, 0, 4]}
     c.poll()
-    layer(c, b.loadback.op_id, 1)
+    layer(c, b.loadback_op, 1)
     assert c.layer_ready("b", 0) and c.layer_ready("b", 1)
-    c.complete(Completion(b.loadback.op_id, 0, True))
-    c.complete(Completion(b.loadback.op_id, 1, False))
+    c.complete(Completion(b.loadback_op, 0, True))
+    c.complete(Completion(b.loadback_op, 1, False))
     c.check_invariants()
     v = c.request("b")
     assert (v.state, v.owed_forward, v.ops, v.own_pages) == ("fenced", 1, (), {"kv": [4]})
@@ -379,7 +379,7 @@ def test_loadback_failure_fences_the_pages_until_the_pass_returns() -> None:
     c.step_done("o", 7)
     c.abort("o")
     again = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert again is not None and again.loadback is not None and c.state("b") == "loading"
+    assert again is not None and again.loadback_op is not None and c.state("b") == "loading"
     assert c.layer_ready("b", 0) is False
 
 
@@ -387,9 +387,9 @@ def test_loadback_failure_with_no_pass_out_goes_back_to_waiting_at_once() -> Non
     c = seeded()
     node = only_node(c)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and b.loadback is not None
+    assert b is not None and b.loadback_op is not None
     c.step_done("b", 1)  # the pass returned before the loadback ended
-    ack(c, b.loadback.op_id, ok=False)
+    ack(c, b.loadback_op, ok=False)
     v = c.request("b")
     assert (v.state, v.tokens, v.owed_forward, v.own_pages) == ("waiting", 0, 0, {})
     assert (node.state, node.host_pin, node.lock_ref) == ("host", 0, 0) and held(c) == {"kv": 0}
@@ -399,16 +399,16 @@ def test_loadback_failure_with_no_pass_out_goes_back_to_waiting_at_once() -> Non
 def test_loadback_deadline_fences_then_late_completions_are_absorbed() -> None:
     c = seeded(op_deadline_steps=2)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and b.loadback is not None
+    assert b is not None and b.loadback_op is not None
     c.poll()
-    layer(c, b.loadback.op_id, 0)
+    layer(c, b.loadback_op, 0)
     c.advance_step(2)
     assert c.state("b") == "loading" and c.layer_ready("b", 0)
     c.advance_step(1)
     c.check_invariants()
     assert c.state("b") == "fenced" and only_node(c).host_pin == 0 and held(c) == {"kv": 1}
     assert not c.layer_ready("b", 0)  # the layer it had is no longer readable
-    c.complete(Completion(b.loadback.op_id, 0, True))  # late: absorbed
+    c.complete(Completion(b.loadback_op, 0, True))  # late: absorbed
     assert c.core.stats.absorbed_late_completions == 1 and c.state("b") == "fenced"
     c.step_done("b", 0)
     assert c.state("b") == "waiting" and held(c) == {"kv": 0}
@@ -418,8 +418,8 @@ def test_loadback_deadline_fences_then_late_completions_are_absorbed() -> None:
 def test_abort_of_a_fenced_request_waits_for_its_pass() -> None:
     c = seeded()
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and b.loadback is not None
-    ack(c, b.loadback.op_id, ok=False)
+    assert b is not None and b.loadback_op is not None
+    ack(c, b.loadback_op, ok=False)
     assert c.state("b") == "fenced"
     c.abort("b", "gone")
     assert c.state("b") == "aborting" and held(c) == {"kv": 1}
@@ -486,8 +486,8 @@ def test_layer_ready_gating() -> None:
     every rank; running requests read everything; the state changes only at the ack."""
     c = seeded(world=2)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and b.loadback is not None
-    op = b.loadback.op_id
+    assert b is not None and b.loadback_op is not None
+    op = b.loadback_op
     assert not c.layer_ready("b", 0) and not c.layer_ready("b", 1)
     c.poll()
     layer(c, op, 1, ranks=[0])
@@ -571,15 +571,19 @@ def test_bad_calls_raise_and_change_nothing(what: str, rid: str, call: Any, erro
     c.check_invariants()
 
 
-def test_abort_after_the_end_is_reported_is_unknown() -> None:
+def test_abort_after_the_end_is_reported_names_the_end() -> None:
+    """After poll reported the end the record is forgotten: a call names the end, and
+    state() / request() still answer from the bounded history of ended requests."""
     c = TieredCache(h1(), 4, None)
     prefill(c, "a", "ab", 5)
     c.abort("a")
     with pytest.raises(IllegalTransition, match="'a'.*'aborted'"):
         c.abort("a")
     c.poll()
-    with pytest.raises(KvtierError, match="unknown request 'a'"):
+    with pytest.raises(UsageError, match=r"^request 'a' has ended \(aborted\) and poll\(\) reported it$"):
         c.abort("a")
+    assert c.state("a") == "aborted" and c.request("a").reason == "aborted by client"
+    assert c.requests() == [] and c.quiescent()
 
 
 def test_retract_with_a_pass_in_flight_is_refused_and_its_pages_stay() -> None:
@@ -603,7 +607,7 @@ def test_retract_with_a_pass_in_flight_is_refused_and_its_pages_stay() -> None:
     c.abort("a")
     assert c.state("a") == "aborted" and c.poll().events[-1] == RequestEvent("a", "aborted", "aborted by client")
     assert [v.request_id for v in c.requests()] == ["b"]  # an ended request owes nothing: forgotten
-    with pytest.raises(UsageError, match="unknown request 'a'"):
+    with pytest.raises(UsageError, match=r"request 'a' has ended \(aborted\)"):
         c.step_done("a", 0)
     c.check_invariants()
 
@@ -672,9 +676,9 @@ def test_poll_bounds_writebacks_and_returns_loadbacks_first(limit: int) -> None:
     for k in keys[:2]:
         prefill(c, k, k, 4)  # new device nodes queued for write-through
     adm = c.admit("l", list("pq"), prompt_tokens=5, chunk_tokens=1)
-    assert adm is not None and adm.loadback is not None
+    assert adm is not None and adm.loadback_op is not None
     out = c.poll()
-    assert out.commands[0] == adm.loadback
+    assert out.commands[0].op_id == adm.loadback_op
     assert all(cmd.direction is Direction.WRITEBACK for cmd in out.commands[1:])
     assert 1 <= len(wb_in_flight(c)) <= limit
     for k in keys[2:]:
@@ -723,10 +727,11 @@ def test_retract_releases_device_pages_and_resume_uses_state_recovery() -> None:
     assert node.state == "host"
     res = c.resume("a", chunk_tokens=8)
     c.check_invariants()
-    assert res is not None and res.loadback is not None and c.state("a") == "loading"
+    assert res is not None and res.loadback_op is not None and c.state("a") == "loading"
     assert (res.start_token, res.hit_tokens, res.chunk_tokens) == (8, 8, 2)
-    assert {t.group for t in res.loadback.transfers} == {"fh", "swa"}
-    ack(c, res.loadback.op_id)
+    (load,) = [cmd for cmd in c.poll().commands if cmd.op_id == res.loadback_op]
+    assert {t.group for t in load.transfers} == {"fh", "swa"}
+    ack(c, res.loadback_op)
     assert c.state("a") == "running"
 
 
@@ -799,7 +804,7 @@ def test_loadback_deadline_while_aborting_keeps_only_what_the_lock_holds() -> No
     returns (forward_fence; found by the stateful facade test)."""
     c = seeded(op_deadline_steps=2)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and b.loadback is not None
+    assert b is not None and b.loadback_op is not None
     c.abort("b", "gone")
     c.advance_step(3)
     c.check_invariants()

@@ -34,7 +34,7 @@ from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, Direction, Fam
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import request_lifecycle
 from kvtier.fsm.node import DEVICE_READABLE, HOST_VISIBLE
-from kvtier.tiered import TieredCache
+from kvtier.tiered import TERMINAL, TieredCache
 
 ALPHABET = "ab"
 NUM_LAYERS = 3
@@ -224,13 +224,11 @@ class FacadeMachine(RuleBasedStateMachine):
                     event("retract writeback failed -> aborted")
         for rid in self.reqs:
             if self.ended.get(rid):
-                v = None
-                try:
-                    v = self.cache.request(rid)
-                except KvtierError:
-                    pass
-                # an ended request is forgotten once reported and settled
+                # an ended request is forgotten once reported and settled (request() and
+                # state() still answer from the bounded history of ended requests)
+                v = self.cache.table.find(rid)
                 assert v is None or v.owed_forward > 0 or v.ops, f"{rid} still tracked after poll: {v}"
+                assert self.cache.state(rid) in TERMINAL or v is not None
         assert core.poll_commands() == []
 
     def _admitted(self, r: Req, adm: Any) -> None:
@@ -239,8 +237,8 @@ class FacadeMachine(RuleBasedStateMachine):
         r.fwd.append((adm.chunk_tokens, r.serial))
         assert adm.chunk_tokens >= 1 and adm.start_token == adm.hit_tokens
         assert adm.page_table == self.cache.page_table(r.rid)
-        if adm.loadback is not None or adm.wait_ops:
-            event("admitted with loadback" if adm.loadback is not None else "admitted joining a loadback")
+        if adm.loadback_op is not None or adm.wait_ops:
+            event("admitted with loadback" if adm.loadback_op is not None else "admitted joining a loadback")
             assert self._state(r.rid) == "loading"
         else:
             assert self._state(r.rid) == "running"

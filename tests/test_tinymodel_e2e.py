@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.fsm import Direction
+from kvtier.fsm import Direction, TransferCommand
 from kvtier.tiered import Admission, TieredCache
 from kvtier.tinymodel import FULL_GROUP, SWA_GROUP, GenResult, TinyModel, TinyRunner
 from kvtier.transfer import POISON_BYTE, FakeAsyncBackend, NotReadyError, PoisonedReadError
@@ -114,11 +114,12 @@ def test_tiered_cache_under_pressure_gives_the_unbounded_logits(
         assert diff <= NO_REUSE_ATOL, (rid, diff)
 
 
-def _prove_layerwise(runner: TinyRunner, backend: FakeAsyncBackend, rid: str, adm: Admission) -> None:
-    """The request's admission started a loadback that is left pending: show that its
-    forward pass reads layer k only after the chunk holding layer k has landed."""
-    cmd = adm.loadback
-    assert cmd is not None
+def _prove_layerwise(runner: TinyRunner, backend: FakeAsyncBackend, rid: str, adm: Admission,
+                     cmd: TransferCommand) -> None:
+    """The request's admission started a loadback that is left pending (its command, which
+    poll handed out, is ``cmd``): show that its forward pass reads layer k only after the
+    chunk holding layer k has landed."""
+    assert cmd.op_id == adm.loadback_op
     op = cmd.op_id
     pending = [p for p in backend.pending() if p.stream is Direction.LOADBACK]
     assert [p.layers for p in pending] == [(0,), (1,), (2,), (3,)]  # one chunk per layer
@@ -172,12 +173,20 @@ def test_forward_pass_reads_only_landed_layers(model: TinyModel,
     backend = FakeAsyncBackend()
     runner = TinyRunner(model, DEVICE, HOST, policy="write_through", backend=backend)
     runner.hold_loadbacks = True  # writebacks complete at once; loadbacks are driven here
+    submitted: dict[int, TransferCommand] = {}  # every command poll handed out, by op id
+    engine_submit = runner.engine.submit
+
+    def record(cmd: TransferCommand) -> None:
+        submitted[cmd.op_id] = cmd
+        engine_submit(cmd)
+
+    runner.engine.submit = record  # type: ignore[method-assign]
     proved = []
     results = {}
     for rid, prompt in PROMPTS.items():
         adm = runner.start(rid, prompt, DECODE_STEPS)
-        if adm.loadback is not None:
-            _prove_layerwise(runner, backend, rid, adm)
+        if adm.loadback_op is not None:
+            _prove_layerwise(runner, backend, rid, adm, submitted[adm.loadback_op])
             proved.append(rid)
         results[rid] = runner.run_to_end(rid)
     runner.cache.check_invariants()

@@ -8,14 +8,24 @@ the node core, the request table (``request_table``), ``admission``, ``forward``
 A step, as an engine runs it::
 
     adm = cache.admit("r1", unit_keys, prompt_tokens=4096, chunk_tokens=2048)
+    out = cache.poll()                     # the one place commands come from: submit them all
+    transfer_engine.submit(out.commands)   # (adm.loadback_op names the admission's loadback)
     # forward pass over adm.start_token .. adm.start_token + adm.chunk_tokens,
     # reading each layer only when cache.layer_ready("r1", layer) (loadbacks)
     cache.step_done("r1", computed_tokens=adm.chunk_tokens)
     table = cache.reserve("r1", tokens=2048)          # next chunk, or None: wait
     for completion in transfer_engine.poll_completions():
         cache.complete(completion)
+    cache.advance_step()                               # operation deadlines count steps
     out = cache.poll()                                 # commands to submit, request events
     cache.finish("r1")
+    ...
+    assert cache.quiescent(), cache.outstanding()      # after draining: nothing leaked
+
+The contract: every transfer command is handed out by :meth:`TieredCache.poll` and
+nowhere else (an :class:`Admission` names its loadback's op id only); an engine learns
+that a request ended from the events ``poll`` returns, and :meth:`TieredCache.state`
+still answers for the last ``ended_history`` ended requests after that.
 
 Which call is accepted in which request state is declared in ``spec/lifecycle.toml``
 (``[request.calls]``, and the transitions for finish, retract, resume and abort); a call
@@ -26,25 +36,32 @@ changes nothing. Units: tokens; a *unit* is ``layout.alignment`` tokens.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
 
 from kvtier.fsm import Completion, ConfigError, Direction, UsageError
 from kvtier.fsm.admission import Admitter
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
 from kvtier.fsm.completions import CompletionRouter
-from kvtier.fsm.fence import check_all
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.l3 import L3Options, L3Tier
 from kvtier.fsm.node import PageMap
 from kvtier.fsm.forward import ForwardResults
-from kvtier.fsm.request import CALLS, TERMINAL, Admission, PollResult, RequestEvent, RequestView
+from kvtier.fsm.request import TERMINAL, Admission, Outstanding, PollResult, RequestEvent, RequestView
 from kvtier.fsm.request_ends import Ender
-from kvtier.fsm.request_table import CacheCore, RequestTable, WritePolicy
+from kvtier.fsm.request_table import DEFAULT_ENDED_HISTORY, CacheCore, RequestTable, WritePolicy
 
-__all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView", "TERMINAL"]
+from .facade_views import RequestViews
+
+__all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView", "Outstanding", "TERMINAL",
+           "DEFAULT_OP_DEADLINE_STEPS", "DEFAULT_ENDED_HISTORY"]
+
+#: The default ``op_deadline_steps``: an operation not acknowledged on every rank within
+#: this many :meth:`TieredCache.advance_step` steps fails (its request recomputes or
+#: ends; a late completion is absorbed), so one lost completion cannot hold a request
+#: forever. 10,000 steps is minutes of decode steps, far beyond any real transfer.
+DEFAULT_OP_DEADLINE_STEPS = 10_000
 
 
-class TieredCache:
+class TieredCache(RequestViews):
     """A two-tier prefix cache with the request lifecycle, for a scheduler's step loop.
 
     Args:
@@ -56,13 +73,19 @@ class TieredCache:
         world_size: tensor-parallel ranks acknowledging every operation.
         max_writebacks_in_flight: at most this many writeback operations in flight
             (loadbacks are never held back; the original's quota was 2).
-        op_deadline_steps: steps after which an operation fails (``None``: never).
+        op_deadline_steps: :meth:`advance_step` steps after which an operation fails
+            (default :data:`DEFAULT_OP_DEADLINE_STEPS`; ``None``: never, so a lost
+            completion holds its request and pages until the engine aborts it).
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (core ``match``).
-        eviction: the eviction policy (``lru``, ``lru2``).
-        exclusive: an exclusive host tier (see :class:`kvtier.fsm.core.CacheCore`).
+        eviction, exclusive: eviction policy (``lru``, ``lru2``); an exclusive host tier.
         l3: :class:`kvtier.fsm.l3.L3Options` turns on the L3 tier ``cache.l3`` (README "A third tier").
+        ended_history: how many ended requests :meth:`state` and :meth:`request` still
+            answer for after :meth:`poll` reported their end (oldest dropped first).
+
+    Capacities: at most :data:`kvtier.fsm.pages.MAX_POOL_PAGES` (2**53) pages per pool and
+    group; memory grows with the pages in use, never with the capacity.
 
     Raises:
         ConfigError: bad capacities or options.
@@ -71,8 +94,9 @@ class TieredCache:
     def __init__(self, layout: CacheLayout, device_pages: int | Mapping[str, int],
                  host_pages: int | Mapping[str, int] | None = None, *,
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
-                 world_size: int = 1, max_writebacks_in_flight: int = 2, op_deadline_steps: int | None = None,
-                 finish_writeback: bool | None = None, history_replay: bool = False, eviction: str = "lru",
+                 world_size: int = 1, max_writebacks_in_flight: int = 2,
+                 op_deadline_steps: int | None = DEFAULT_OP_DEADLINE_STEPS, finish_writeback: bool | None = None,
+                 history_replay: bool = False, ended_history: int = DEFAULT_ENDED_HISTORY, eviction: str = "lru",
                  exclusive: bool = False, l3: L3Options | None = None) -> None:
         self.core = CacheCore(layout, device_pages, host_pages, policy=policy, write_threshold=write_threshold,
                               world_size=world_size, op_deadline_steps=op_deadline_steps, eviction=eviction,
@@ -84,52 +108,13 @@ class TieredCache:
         self.history_replay = as_bool(history_replay, "history_replay", error=ConfigError)
         self.layout = layout
         self.finish_writeback = self.core.policy is WritePolicy.WRITE_THROUGH if finish_writeback is None else finish_writeback
-        self._table = RequestTable(self.core)
+        self._table = RequestTable(self.core, ended_history)
         self._admitter = Admitter(self._table, self.history_replay)
         self._forward = ForwardResults(self._table)
         self._ender = Ender(self._table, self._forward, self.finish_writeback)
         self._router = CompletionRouter(self._table, self._forward)
         self._victims = 0
         self.l3: L3Tier | None = L3Tier(self.core, l3) if l3 is not None else None
-
-    def request(self, request_id: str) -> RequestView:
-        """A summary of one request (UsageError: unknown request)."""
-        return self._table.get(request_id).view()
-
-    def unit_keys(self, request_id: str) -> tuple[Hashable, ...]:
-        """The unit keys known for the request (its prompt's full units, then decode units)."""
-        return tuple(self._table.get(request_id).units)
-
-    def state(self, request_id: str) -> str:
-        """The request's lifecycle state (UsageError: unknown request)."""
-        return self._table.get(request_id).state
-
-    def requests(self) -> list[RequestView]:
-        """Every request the cache still tracks (ended ones are dropped after :meth:`poll`)."""
-        return [r.view() for r in self._table]
-
-    def page_table(self, request_id: str) -> PageMap:
-        """The device page table: history groups cover tokens ``0 .. reserved`` (canonical
-        pages of published units, then its own); state groups hold its working state."""
-        return self._table.page_table(self._table.get(request_id))
-
-    def allows(self, request_id: str, call: str) -> bool:
-        """Whether ``call`` (``"admit"``, ``"reserve"``, ``"step_done"``, ``"layer_ready"``) is
-        accepted in the request's state, as the spec's ``[request.calls]`` declares
-        (UsageError: unknown request or call)."""
-        if call not in CALLS:
-            raise UsageError(f"allows: call must be one of {sorted(CALLS)}, got {call!r}")
-        return self._table.get(request_id).state in CALLS[call]
-
-    @property
-    def table(self) -> RequestTable:
-        """The request table (read its records; change them only through this facade)."""
-        return self._table
-
-    @property
-    def aborted_by_scheduler(self) -> int:
-        """Requests aborted by :meth:`abort_victim` or by a failed retract writeback."""
-        return self._victims + self._router.aborted_by_scheduler
 
     # ------------------------------------------------------------------ admission
     def admit(self, request_id: str, units: Sequence[Hashable], prompt_tokens: int,
@@ -146,7 +131,9 @@ class TieredCache:
 
         Returns:
             The :class:`Admission` (one forward pass owed), or ``None`` when device pages
-            are short after eviction: the request stays ``waiting``, holding nothing.
+            are short after eviction: the request stays ``waiting``, holding nothing. A
+            loadback it starts (``Admission.loadback_op``) is handed out by the next
+            :meth:`poll`: poll and submit before the forward pass.
 
         Raises:
             UsageError: the id is admitted and not ``waiting``, bad lengths, or too few
@@ -238,11 +225,13 @@ class TieredCache:
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         """Abort: at once if it owes nothing, else deferred (``aborting``) until every
-        forward result and its own operations have retired (its writebacks then fail).
+        forward result and its own operations have retired (its writebacks then fail; one
+        :meth:`poll` has not handed out yet is withdrawn and never handed out).
         UsageError: unknown request or empty ``reason``; IllegalTransition: already ended
         or aborting. Nothing changes."""
         r = self._table.get(request_id)
-        self._ender.abort(r, as_text(reason, "abort: reason"))
+        for settled in self._ender.abort(r, as_text(reason, "abort: reason")):
+            self._router.on_core_event(settled)  # its own writeback not yet handed out: withdrawn
 
     def abort_victim(self, blocked: Sequence[str], reason: str = "cache capacity exhausted") -> str | None:
         """Abort one deterministic victim among ``blocked`` (the largest token count, ties
@@ -278,23 +267,14 @@ class TieredCache:
     # ------------------------------------------------------------------ poll
     def poll(self) -> PollResult:
         """Commands to submit now (loadbacks first, at most ``max_writebacks_in_flight``
-        writebacks in flight) and the request state changes since the last poll. Ended
-        requests are forgotten once reported."""
+        writebacks in flight) and the request state changes since the last poll.
+
+        This is the one place commands are handed out, each exactly once: admissions'
+        loadbacks, finish and retract writebacks and tree writebacks; submit every one.
+        An ended request is forgotten once reported (its event is how the engine learns
+        the end); :meth:`state` still answers for the last ``ended_history`` of them."""
         room = self.max_writebacks_in_flight - self.core.ops_in_flight(Direction.WRITEBACK)
         if room > 0:
             self.core.issue_writebacks(room)
         commands = tuple(self.core.poll_commands())
         return PollResult(commands, tuple(self._table.take_events()))
-
-    def in_flight(self) -> bool:  # any operation or forward result outstanding
-        return bool(self.core.ops_in_flight()) or self._table.owes_forward()
-
-    def check_invariants(self) -> None:
-        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_all`):
-        raises InvariantViolation naming the invariant and the request or node."""
-        check_all(self._table)
-
-    def stats(self) -> dict[str, Any]:
-        """The core's counters, scheduler aborts, and ``"facade"``: the requests' (FacadeCounters.as_dict)."""
-        s = {k: v for k, v in vars(self.core.stats).items() if k != "extra"}
-        return {**s, "scheduler_aborts": self.aborted_by_scheduler, "facade": self._table.counters.as_dict()}

@@ -555,7 +555,7 @@ class TinyRunner:
         del self._reqs[request_id]
         self.pump()
         a = r.adm
-        return GenResult(request_id, r.prompt_tokens, a.hit_tokens, a.device_hit_tokens, a.loadback is not None,
+        return GenResult(request_id, r.prompt_tokens, a.hit_tokens, a.device_hit_tokens, a.loadback_op is not None,
                          bool(a.hit_tokens and a.checkpoint_pages.get(SWA_GROUP)),
                          a.hit_tokens // self.model.layout.group(FULL_GROUP).tokens_per_page,
                          tuple(r.tokens[r.prompt_tokens:]), torch.stack(r.logits))

@@ -97,17 +97,28 @@ class CanonicalState:
         queues = tuple(sorted((self.op(op), tuple(tuple((c.rank, c.layer) for c in q) for q in qs))
                               for op, qs in m.xfer.queues.items()))
         expired = tuple(sorted(self.op(op) or 0 for op in m.expired if op in m.xfer.queues))
+        # the free lists in O(pages ever allocated), never O(capacity). In allocation order a
+        # free list is the ids never allocated, then the freed ones; an id seen nowhere else
+        # in the state is fresh, so the leading run of fresh ids (every never-allocated one,
+        # then freed ones until the first id seen elsewhere) is kept as its length: the same
+        # equivalence as numbering every free id, at the cost of the freed ones only
         free = []
-        for pool, allocs in (("d", core.device), ("h", core.host or {})):
+        allocators = {"d": core.device, "h": core.host or {}}
+        for pool, allocs in allocators.items():
             for g, a in sorted(allocs.items()):
-                free.append((pool, g, tuple(self.page(pool, g, p) for p in a.free_order())))
+                fresh, freed = a.free_state()
+                rest: list[int] = []
+                for p in freed:
+                    if not rest and (pool, g, p) not in self.pages:
+                        fresh += 1
+                    else:
+                        rest.append(self.page(pool, g, p))
+                free.append((pool, g, fresh, tuple(rest)))
         store = []
         # bytes of allocated pages only: a free page's stale content is never read before written
-        free_now = {(pool, g, p) for pool, allocs in (("d", core.device), ("h", core.host or {}))
-                    for g, a in allocs.items() for p in a.free_order()}
         for pool, data in (("d", m.xfer.dev), ("h", m.xfer.host)):
             for (g, p), v in data.items():
-                if (pool, g, p) in self.pages and (pool, g, p) not in free_now:
+                if (pool, g, p) in self.pages and not allocators[pool][g].is_free(p):
                     garbage = isinstance(v, tuple) and len(v) == 2 and v[0] == "garbage"
                     store.append((pool, g, self.pages[(pool, g, p)], "garbage" if garbage else repr(v)))
         # unreported request events: which ones are pending, not how many times (poll reports them)

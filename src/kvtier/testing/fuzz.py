@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,15 +186,23 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
                 except Exception as exc:  # noqa: BLE001 - a failure of the system under test
                     current = KitMachine.kit_current()
                     trace = current.kit_sequence(f"fuzz-seed{seed_value}-{name}") if current else None
-                    _ = classify(exc)
                     if trace is not None:
                         trace.description = (f"minimal failing sequence found by kvtier fuzz --seed {seed_value} "
                                              f"(machine {name}, chunk {chunk}; shrunk by Hypothesis, then "
                                              f"reduced to a 1-minimal sequence)")
+                        # the replay checks the machine's own @invariant methods too, so
+                        # an engine's invariant failure is named and reproduced
                         trace = minimize(trace)
                         res.failure_result = replay(trace)
                         if res.failure_result.outcome == "violation":
                             trace.expect = {"outcome": "violation", "invariant": res.failure_result.invariant}
+                        else:  # never saved as "pass": a replay must fail as the campaign did
+                            found, message = classify(exc)
+                            trace.expect = {"outcome": "violation", "invariant": found}
+                            trace.description += (f"; the campaign failed with {found}: {message}, which "
+                                                  f"the replay did not reproduce")
+                            res.failure_result = ReplayResult("violation", len(trace.steps), found, message,
+                                                              None, "".join(traceback.format_exception(exc)))
                         res.failure = trace
                         res.saved = trace.save(save or "kvtier-fuzz-failure.json")
                     else:  # pragma: no cover - a failure before any machine ran

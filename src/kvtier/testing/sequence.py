@@ -45,6 +45,8 @@ __all__ = [
     "replay",
     "classify",
     "minimize",
+    "custom_invariants",
+    "check_all",
 ]
 
 FORMAT = "kvtier-sequence"
@@ -224,14 +226,66 @@ class ReplayResult:
         return f"violation of {self.invariant} at step {self.failed_step}: {self.message}"
 
 
+#: where Hypothesis' ``@invariant()`` records itself on the decorated function
+_INVARIANT_MARKER = "hypothesis_stateful_invariant"
+_CUSTOM: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def custom_invariants(cls: type) -> tuple[tuple[str, Any], ...]:
+    """The ``@invariant()`` methods of a machine class other than the kit's own (whose
+    names start with ``kit_``): an engine's own checks, as ``(method name, Hypothesis
+    invariant record)`` pairs sorted by name."""
+    found = _CUSTOM.get(cls)
+    if found is None:
+        pairs = []
+        for name in dir(cls):
+            if name.startswith(("kit_", "__")):
+                continue
+            inv = getattr(getattr(cls, name, None), _INVARIANT_MARKER, None)
+            if inv is not None:
+                pairs.append((name, inv))
+        found = _CUSTOM[cls] = tuple(pairs)
+    return found
+
+
+def check_all(machine: Any) -> None:
+    """Every check a run makes after a step: the kit's named invariants
+    (``machine.kit_check()``), then the machine's own ``@invariant()`` methods (their
+    preconditions respected). A failure of an own invariant that names no spec invariant
+    is tagged with the method's name (``exc.kit_invariant``), which :func:`classify`
+    reports, so a saved sequence records which invariant failed."""
+    kit_check = getattr(machine, "kit_check", None)
+    if kit_check is not None:
+        kit_check()
+    for name, inv in custom_invariants(type(machine)):
+        if not all(pre(machine) for pre in getattr(inv, "preconditions", ())):
+            continue
+        try:
+            inv.function(machine)
+        except Exception as exc:
+            if not isinstance(getattr(exc, "invariant", None), str):
+                try:
+                    exc.kit_invariant = name  # type: ignore[attr-defined]
+                except AttributeError:  # pragma: no cover - an exception type with __slots__
+                    pass
+            raise
+
+
 def classify(exc: BaseException) -> tuple[str, str]:
     """(invariant name, message) of a failure: the spec name of an
-    :class:`~kvtier.fsm.errors.InvariantViolation`, the prefix ``name:`` of an
-    assertion message, else the exception type."""
+    :class:`~kvtier.fsm.errors.InvariantViolation`, the method name of a machine's own
+    ``@invariant()`` (tagged by :func:`check_all`), the prefix ``name:`` of an assertion
+    message, else the exception type. An exception group (Hypothesis' ``FlakyFailure``)
+    is classified by its first exception."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
     name = getattr(exc, "invariant", None)
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(name, str):
         return name, msg
+    custom = getattr(exc, "kit_invariant", None)
+    if isinstance(custom, str):
+        return custom, msg
     if isinstance(exc, AssertionError) and ":" in msg:
         head = msg.split(":", 1)[0].strip()
         if head.replace("_", "").isalnum() and " " not in head:
@@ -241,7 +295,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
            on_step: Callable[[int, Step], None] | None = None) -> ReplayResult:
-    """Run ``seq`` on a fresh machine, checking every invariant after every step.
+    """Run ``seq`` on a fresh machine, checking every invariant after every step: the
+    kit's and the machine's own ``@invariant()`` methods (:func:`check_all`).
 
     Raises:
         SequenceError: the machine has no rule a step names.
@@ -249,7 +304,7 @@ def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
     machine = (factory or machine_class(seq.machine))()
     steps_run = 0
     try:
-        machine.kit_check()
+        check_all(machine)
         for i, step in enumerate(seq.steps, 1):
             fn = getattr(type(machine), step.rule, None)
             if fn is None or not callable(fn) or step.rule.startswith("_"):
@@ -259,7 +314,7 @@ def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
                 on_step(i, step)
             machine.kit_replaying = True
             getattr(machine, step.rule)(**step.args)
-            machine.kit_check()
+            check_all(machine)
     except SequenceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the system under test

@@ -5,8 +5,8 @@ Breadth-first over every interleaving of the enabled steps of a kit machine
 retractions, resumptions, aborts, every deliverable completion succeeding or failing,
 deadlines, polls), from one fixed setup. States are merged through
 :meth:`KitMachine.kit_canonical` (nodes by prefix; page, op and receipt ids renumbered
-canonically; clock stamps replaced by their LRU order), and every invariant is checked
-in every state reached. The result is the number of distinct states, the depth
+canonically; clock stamps replaced by their LRU order), and every invariant (the kit's
+and the machine's own ``@invariant()`` methods) is checked in every state reached. The result is the number of distinct states, the depth
 reached, whether the search reached a fixpoint (every reachable state seen), or the
 shortest violating trace as a kvtier event sequence.
 """
@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 from kvtier.fsm.machines import node_lifecycle, request_lifecycle
 
 from .machines import FacadeMachine, KitMachine
-from .sequence import EventSequence, Step, classify, machine_name
+from .sequence import EventSequence, Step, check_all, classify, machine_name
 
 __all__ = ["VerifyResult", "verify", "clone"]
 
@@ -122,7 +122,7 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
     first = setup if setup is not None else machine.verify_setup()  # type: ignore[attr-defined]
     root.kit_replaying = True
     getattr(root, first.rule)(**first.args)
-    root.kit_check()
+    check_all(root)
     seen: set[Hashable] = {root.kit_canonical()}
     frontier: list[KitMachine] = [root]
     res.states = 1
@@ -136,7 +136,7 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
                 res.transitions += 1
                 try:
                     getattr(child, step.rule)(**step.args)
-                    child.kit_check()
+                    check_all(child)  # the kit's invariants and the machine's own
                 except Exception as exc:  # noqa: BLE001 - a failure of the system under test
                     res.invariant, res.message = classify(exc)
                     res.violation = EventSequence(
