@@ -124,7 +124,7 @@ def add_parser(sub: Any) -> None:
                         f"at most 1) or tokens with a 't' suffix (300000t) (default {DEFAULT_DEVICE_FRACTION})")
     p.add_argument("--host", type=_capacity, default=Capacity("fraction", DEFAULT_HOST_FRACTION), metavar="CAP",
                    help=f"host capacity, likewise (default {DEFAULT_HOST_FRACTION})")
-    p.add_argument("--policy", default="write_through_selective",
+    p.add_argument("--policy", default="write_back",
                    choices=["write_through", "write_through_selective", "write_back"],
                    help="write policy: write_back for the highest hit rate when the host is tight (with "
                         "--exclusive), write_through to keep every node backed (cheap demotions, more copies), "
@@ -134,9 +134,10 @@ def add_parser(sub: Any) -> None:
                    help="eviction policy: lru (default; best on conversation traces, where the next turn reuses "
                         "the newest tail), lru2 (LRU on the device, LRU-2 on the host: keeps what two requests "
                         "used over one-off tails; for shared-prefix workloads)")
-    p.add_argument("--exclusive", action="store_true",
+    p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
                    help="exclusive host tier: the host keeps what the device does not (loaded-back duplicates "
-                        "are dropped first); pair it with --policy write_back when the host is small")
+                        "are dropped first); best with --policy write_back when the host is small "
+                        "(default: on; --no-exclusive for an inclusive host tier)")
     p.add_argument("--backend", default="cpu", choices=["none", "cpu", "torch", "numba", "hybrid"],
                    help="transfer backend; none = metadata only, cpu = real copies in host memory, torch, "
                         "numba and hybrid need a CUDA GPU (default: %(default)s)")
