@@ -305,6 +305,62 @@ def test_preempted_request_readmitted_while_its_store_is_in_flight_vllm_46014() 
     check_drained(m)
 
 
+def test_eviction_is_exact_and_reports_the_evicted_keys_and_removal_events() -> None:
+    m = manager(4, enable_events=True)
+    a = keys("a", 4)
+    ca = ctx("ra", a)
+    assert store(m, ca, a) == a  # one node of 4 chunks
+    b = keys("b", 1)
+    out = m.prepare_store(b, ctx("rb", b))
+    assert out is not None and out.keys_to_store == b
+    assert out.evicted_keys == [a[3]]  # the leaf is split: only its deepest chunk goes
+    assert [m.lookup(k, ca) for k in a] == [HIT, HIT, HIT, MISS]
+    m.complete_store(b, ctx("rb", b))
+    events = list(m.take_events())
+    assert [(sorted(e.keys), e.removed) for e in events] == [
+        (sorted(a), False), ([a[3]], True), (b, False)]
+    assert list(m.take_events()) == []
+    assert m.evicted_chunks == 1 and m.host_chunks_used() == 4
+    m.check_invariants()  # (no chunk is left with only a staging copy)
+    assert not [n for n in m.core.nodes() if n.state == "device"]
+
+
+def test_acknowledged_chunks_stay_backed_and_a_store_touches_only_its_new_node() -> None:
+    m = manager(64)
+    sys_prompt = keys("sys", 2)
+    store(m, ctx("s", sys_prompt), sys_prompt)
+    for i in range(6):
+        ks = sys_prompt + keys(f"t{i}", 2)
+        c = ctx(f"r{i}", ks)
+        before = m.core.stats.triggers
+        assert store(m, c, ks) == ks[2:]
+        # create, submit, ack of the one new node: the shared prefix is neither
+        # republished nor demoted
+        assert m.core.stats.triggers - before == 3
+    hub = m._resolve(sys_prompt[0])
+    assert hub is not None and hub.state == "backed" and len(hub.children) == 6
+
+
+def test_store_threshold_stores_a_chunk_on_its_second_offer_and_get_stats_reports() -> None:
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+
+    m = manager(8, store_threshold=2)
+    ks = keys("a", 3)
+    c = ctx("r", ks)
+    out = m.prepare_store(ks, c)
+    assert out is not None and out.keys_to_store == []  # first offer: counted, not stored
+    assert store(m, c, ks) == ks
+    _, values = m.get_stats().metric_sections()
+    assert values[CPUOffloadingMetrics.STORES_SKIPPED][()] == 3
+    assert values[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC][()] == 3 / 8
+    assert values[CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC][()] == 0.0
+    assert values[CPUOffloadingMetrics.CPU_ALLOCATION_SIZE][()] == [3]
+    _, values = m.get_stats().metric_sections()  # the batch counters reset
+    assert values[CPUOffloadingMetrics.STORES_SKIPPED][()] == 0
+    with pytest.raises(ConfigError, match="store_threshold"):
+        manager(8, store_threshold=0)
+
+
 def test_failed_store_and_failed_load_leave_nothing_behind() -> None:
     m = manager(32)
     d = ConnectorDriver(m, device_blocks=8, block_tokens=T)
