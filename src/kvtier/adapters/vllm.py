@@ -40,7 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, unused-ignore]
     GPULoadStoreSpec,
@@ -123,6 +123,11 @@ class _Request:
     finished: bool = False
 
 
+def _keys(n: Node) -> tuple[bytes, ...]:
+    """A node's unit keys (the adapter's units are vLLM offload keys, bytes)."""
+    return cast("tuple[bytes, ...]", n.key)
+
+
 class _Victims:
     """The core's eviction policy, decorated (an :class:`~kvtier.fsm.eviction.EvictionPolicy`).
 
@@ -180,6 +185,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         max_tracker_size: keys the offer counter tracks (with ``store_threshold >= 2``).
         eviction: the core's host eviction policy (:data:`kvtier.fsm.eviction.POLICIES`:
             ``"lru"``, ``"lru2"``).
+        chain: hang a store's run of chunks under its stored parent chunk (one radix
+            tree per conversation: a head is never evicted before its tails). ``False``:
+            every run is a tree of its own under the root (eviction goes by recency alone
+            across runs, tail first within a run, as vLLM's ``lru`` ranks a request's
+            chunks).
 
     Raises:
         ConfigError: a non-positive capacity, token count, threshold or tracker size, or
@@ -189,7 +199,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
     def __init__(self, num_chunks: int, *, tokens_per_chunk: Mapping[int, int] | None = None,
                  sliding_window_groups: Collection[int] = (), enable_events: bool = False,
                  staging_chunks: int | None = None, store_threshold: int = 1,
-                 max_tracker_size: int = 64_000, eviction: str = "lru") -> None:
+                 max_tracker_size: int = 64_000, eviction: str = "lru", chain: bool = True) -> None:
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
             raise ConfigError(f"num_chunks must be an int >= 1 (host offload chunks), got {num_chunks!r}")
         tpc = dict(tokens_per_chunk or {})
@@ -206,6 +216,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self._eviction_name = eviction
+        self.chain = chain
         self.medium = Medium.CPU
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self._new_core()
@@ -297,7 +308,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             alive = self._alive(n)
             if alive and n.state in HOST_VISIBLE:
                 continue  # spared (pinned, protected, or not needed)
-            evicted.extend(n.key)
+            evicted.extend(_keys(n))
             if alive:
                 dropped.append(n)
         self._clear_staging(dropped)
@@ -513,7 +524,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                         # the parent chunk is not on the host: the run hangs from the root
                         # (reachable while vLLM's GPU cache holds the prefix)
                         self.rootless_chunks += len(run)
-                    else:
+                    elif self.chain:
                         prefix = self._path_to(parent, pkey)
                         parents.setdefault(parent.node_id, parent)
                 run_keys = tuple(k for _, k in run)
@@ -542,14 +553,14 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                     self.refused_stores += 1
                     return None
                 res = self.core.insert(path, pages)
-                spare = {g: p for g, p in res.duplicates.items() if p}
-                for g, p in res.kept.items():
-                    spare.setdefault(g, []).extend(p)
+                spare = {grp: p for grp, p in res.duplicates.items() if p}
+                for grp, p in res.kept.items():
+                    spare.setdefault(grp, []).extend(p)
                 if spare:
                     self.core.free_device(spare)
                 created.extend(res.created)
                 for n in res.created:
-                    for k in n.key:
+                    for k in _keys(n):
                         self._index[k] = n
             commands = self.core.issue_writebacks()
             op_ids = [c.op_id for c in commands]
@@ -599,7 +610,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             self.core.complete(Completion(op, 0, False))
         self._clear_staging(created)
         for n in created:
-            for k in n.key:
+            for k in _keys(n):
                 self._resolve(k)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
