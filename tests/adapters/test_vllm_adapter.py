@@ -89,6 +89,10 @@ def test_vllm_factory_loads_the_spec_from_kv_connector_extra_config() -> None:
     assert spec.num_chunks == 64
     m = spec.get_manager()
     assert isinstance(m, OffloadingManager) and m.num_chunks == 64 and spec.get_manager() is m
+    assert m.store_threshold == 1 and m.chain and m.core.eviction.name == "lru"
+    extra.update(store_threshold=3, kvtier_eviction="lru2", kvtier_chain=False)
+    m2 = OffloadingSpecFactory.create_spec(config([OffloadingGroupConfig(T, ("l0",), 0)], 4096, extra)).get_manager()
+    assert m2.store_threshold == 3 and not m2.chain and m2.core.eviction.name == "lru2"
 
 
 def test_spec_without_a_budget_names_the_missing_key() -> None:

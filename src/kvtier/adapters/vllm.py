@@ -738,6 +738,11 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
             divides by all groups' bytes per key instead (vLLM #56871).
         ``num_host_chunks`` (int): capacity in chunks directly (overrides the budget).
         ``kvtier_backend`` (str): the worker's transfer backend (default ``"auto"``).
+        ``store_threshold``, ``max_tracker_size`` (int): as vLLM's CPU spec reads them
+            (a threshold below 2 stores on the first offer).
+        ``kvtier_eviction`` (str): the host eviction policy (``"lru"``, ``"lru2"``).
+        ``kvtier_chain`` (bool): chain a store's run under its stored parent chunk
+            (:class:`KvtierOffloadingManager`'s ``chain``).
 
     Raises:
         ConfigError: neither key given, or a capacity below one chunk.
@@ -763,6 +768,10 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
                                  if g.sliding_window_size_in_chunks is None}
         self.sparse_groups = {g.group_id for g in groups if g.sliding_window_size_in_chunks is not None}
         self.backend = str(self.extra_config.get("kvtier_backend", "auto"))
+        self.store_threshold = max(1, int(self.extra_config.get("store_threshold", 0)))
+        self.max_tracker_size = int(self.extra_config.get("max_tracker_size", 64_000))
+        self.eviction = str(self.extra_config.get("kvtier_eviction", "lru"))
+        self.chain = bool(self.extra_config.get("kvtier_chain", True))
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
@@ -771,7 +780,9 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
             self._manager = KvtierOffloadingManager(
                 self.num_chunks, tokens_per_chunk=self.tokens_per_chunk,
                 sliding_window_groups=self.sparse_groups,
-                enable_events=self.kv_events_config.enable_kv_cache_events)
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=self.store_threshold, max_tracker_size=self.max_tracker_size,
+                eviction=self.eviction, chain=self.chain)
         return self._manager
 
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
