@@ -42,7 +42,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, unused-ignore]
+from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
     GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
@@ -58,7 +58,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, unused-ign
     TransferResult,
     get_offload_group_idx,
 )
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # type: ignore[import-untyped, unused-ignore]
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, ConfigError, Direction, Family, KvtierError
 from kvtier.fsm import GroupTransfer, TransferCommand
@@ -673,10 +673,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         host usage (acknowledged and in-flight chunks over capacity), write usage (chunks
         being stored), read usage (the rest), the sizes of this batch's stores and, with
         ``store_threshold >= 2``, the chunks skipped. The batch counters reset."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-untyped, unused-ignore]
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
             OffloadingConnectorStats,
         )
-        from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics  # type: ignore[import-untyped, unused-ignore]
+        from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
         stats = OffloadingConnectorStats()
         usage = self.host_chunks_used() / self.num_chunks

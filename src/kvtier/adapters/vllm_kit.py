@@ -30,18 +30,18 @@ from . import vllm_stubs
 
 vllm_stubs.install()
 
-from vllm.sampling_params import SamplingParams  # type: ignore[import-untyped, unused-ignore]
-from vllm.utils.hashing import get_hash_fn_by_name  # type: ignore[import-untyped, unused-ignore]
-from vllm.v1.core import kv_cache_utils  # type: ignore[import-untyped, unused-ignore]
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # type: ignore[import-untyped, unused-ignore]
-from vllm.v1.kv_cache_interface import (  # type: ignore[import-untyped, unused-ignore]
+from vllm.sampling_params import SamplingParams  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.utils.hashing import get_hash_fn_by_name  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.v1.core import kv_cache_utils  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.v1.kv_cache_interface import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # type: ignore[import-untyped, unused-ignore]
-from vllm.v1.request import Request  # type: ignore[import-untyped, unused-ignore]
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.v1.request import Request  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 __all__ = ["ConnectorDriver", "DriverRequest", "Job", "Replayer", "SharedHasher", "replay"]
 
