@@ -123,6 +123,7 @@ class Admitter:
         r.layers_failed = False
         r.passes += 1
         t.fire(r, event)
+        t.counters.admitted(event, limit, start, m.device_units * t.align)
         return Admission(r.request_id, start, upto - start, start, m.device_units * t.align,
                          t.page_table(r), load.command if load is not None else None,
                          load.op_ids if load is not None else (), m.recompute_tokens,

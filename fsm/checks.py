@@ -22,7 +22,8 @@ def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | 
     Args:
         value: the value given (``int`` or any integer type ``operator.index`` accepts).
         what: how the message names it, e.g. ``"reserve: tokens"``.
-        minimum, maximum: bounds (``None``: unbounded).
+        minimum: the lower bound (``None``: unbounded).
+        maximum: the upper bound (``None``: unbounded).
         error: the error class to raise (``UsageError`` for calls, ``ConfigError`` for
             configuration).
 

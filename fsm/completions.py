@@ -40,6 +40,7 @@ class CompletionRouter:
                 r = t.get(rid)
                 r.layers[ev.op_id] = ev.layer
             return
+        t.counters.operation_settled(ev.direction.value, ev.ok, ev.expired)
         for r in t.settled_waiters(ev.op_id):
             if ev.direction is Direction.LOADBACK:
                 self._loadback_settled(r, ev.ok)
@@ -102,8 +103,16 @@ class CompletionRouter:
 
     def layer_ready(self, r: Request, layer: int) -> bool:
         """Whether ``r``'s forward pass may read ``layer``: ``r`` is in a state with readable
-        pages, no loadback it waited on failed, and every loadback it waits on has
-        completed that layer on every rank (or it waits on none)."""
+        pages, no loadback it waited on failed (settled as failed, or still in flight with a
+        failed completion from any rank), and every loadback it waits on has completed that
+        layer on every rank (or it waits on none)."""
         if r.state not in CALLS["layer_ready"] or r.layers_failed:
             return False
-        return all(done >= layer for done in r.layers.values())
+        optable = self.core.optable
+        for op_id, done in r.layers.items():
+            if done < layer:
+                return False
+            op = optable.get(op_id)
+            if op is not None and not op.ok:  # a rank reported this loadback failed: its pages are garbage
+                return False
+        return True

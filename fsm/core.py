@@ -20,9 +20,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-from .checks import as_int
+from .checks import as_bool, as_int
 from .errors import CapacityError, ConfigError, KvtierError, UsageError
 from .eviction import EvictionPolicy, make_policy
+from .fetch import FetchTable
 from .publish import Publisher
 from .reclaim import Reclaimer
 from .transfers import Mover
@@ -100,10 +101,8 @@ class CacheCore:
         self.ledger = PageLedger(layout, dev, host)
         self.device = self.ledger.device
         self.host = self.ledger.host
-        if not isinstance(exclusive, bool):
-            raise ConfigError(f"exclusive must be True or False, got {exclusive!r}")
-        #: exclusive host tier: host eviction drops duplicate copies (backed nodes) first
-        self.exclusive = exclusive and host is not None
+        #: exclusive host tier: host eviction drops loaded-back duplicate copies first
+        self.exclusive = as_bool(exclusive, "exclusive", error=ConfigError) and host is not None
         self.eviction: EvictionPolicy = make_policy(eviction, lambda: iter(self.tree), lambda: len(self.tree),
                                                     self.tree.has, exclusive=self.exclusive)
         self.receipts = ReceiptBook(ids, self.eviction.touch)
@@ -112,6 +111,8 @@ class CacheCore:
         self._publisher = Publisher(self)
         self._mover = Mover(self)
         self._reclaimer = Reclaimer(self)
+        #: L3 gets into the host tier (kvtier.fsm.fetch: ``reserve`` and ``settle`` them)
+        self.fetches = FetchTable(self)
         self._fire = node_lifecycle().fire
         self.clock = 0  # logical clock: advanced on every use
         self.stats = CacheStats()
@@ -169,13 +170,7 @@ class CacheCore:
     def device_pages(self, node: Node) -> PageMap:
         """The device page table from the root to ``node``'s end: history groups' pages
         along the path, and each state group's checkpoint at ``node`` (if any)."""
-        out: PageMap = {g: [] for g in self.history_groups}
-        for n in reversed(node.path()):
-            for g in self.history_groups:
-                out[g].extend(n.dev.get(g, ()))
-        for g, pages in node.dev_ckpt.items():
-            out[g] = list(pages)
-        return out
+        return self.tree.page_table(node, self.history_groups)
 
     # ------------------------------------------------------------------ plumbing
     def trigger(self, node: Node, event: str) -> None:
@@ -367,11 +362,8 @@ class CacheCore:
 
     # ------------------------------------------------------------------ writeback
     def writeback(self, node: Node, owner: str | None = None) -> TransferCommand | None:
-        """Write back, as one operation owned by ``owner``, every node on the path to
-        ``node`` that is only on the device and whose parent is (or will be, in the same
-        operation) on the host; nodes behind a writeback in flight elsewhere are queued as
-        tree writebacks instead (invariant 1). Host pages are reserved all or nothing,
-        evicting unpinned host leaves off this path if short.
+        """Write back, as one operation owned by ``owner``, the device-only nodes on the
+        path to ``node`` (:meth:`kvtier.fsm.transfers.Mover.writeback` says which).
 
         Returns:
             The command, or ``None`` when nothing needs writing (or the host is full).
@@ -380,23 +372,7 @@ class CacheCore:
             KvtierError: ``node`` is not a node of this cache's tree (nothing changes).
         """
         self.tree.members("writeback", [node])
-        if self.host is None:
-            return None
-        # The device-only nodes of a path are consecutive and end it (the device set is
-        # root-closed, and a host-visible or writing node's parent is host-visible or in the
-        # same writeback), so the run is that chain when its first node's parent is the root
-        # or on the host; behind a writeback in flight elsewhere it waits in the queue.
-        run: list[Node] = []
-        for n in reversed(node.path()):
-            if n.state != NS.device:
-                continue
-            p = n.parent
-            assert p is not None
-            if run or p.parent is None or p.state in HOST_VISIBLE:
-                run.append(n)
-            else:
-                self.writebacks.want(n)
-        return self._mover.submit_writeback(run, owner) if run else None
+        return self._mover.writeback(node, owner) if self.host is not None else None
 
     def issue_writebacks(self, limit: int | None = None) -> list[TransferCommand]:
         """Submit queued tree writebacks whose parent is on the host, at most ``limit``
@@ -419,13 +395,12 @@ class CacheCore:
         (``layer=None``) settles the operation once every rank has sent it, successfully
         only if all succeeded: a :class:`Settled` is returned. A completion for an
         operation that already settled (a late one after its deadline, or a duplicate) is
-        absorbed and counted (invariant 7).
+        absorbed and counted (invariant 7). Nothing changes when it raises.
 
         Raises:
             UnknownOperation: the op id was never issued.
             DuplicateCompletion: the same (op, rank, layer) arrived twice while in flight.
             UsageError: not a Completion, rank out of range, or a layer on a writeback.
-            Nothing changes when it raises.
         """
         if not isinstance(completion, Completion):
             raise UsageError(f"complete() takes a Completion, got {completion!r}")
@@ -446,11 +421,7 @@ class CacheCore:
 
     def poison(self, op_id: int) -> None:
         """Make operation ``op_id`` fail whatever its ranks report (an aborted request's
-        own writeback: possibly-corrupt KV is never published).
-
-        Raises:
-            UnknownOperation: the op is not in flight.
-        """
+        own writeback: possibly-corrupt KV is never published). UnknownOperation: not in flight."""
         self.optable.poison(op_id)
 
     def advance_step(self, steps: int = 1) -> list[Settled]:
@@ -477,4 +448,5 @@ class CacheCore:
         from .invariants import check_cache
 
         check_cache(self)
+        self.fetches.check()
 

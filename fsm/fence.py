@@ -15,11 +15,27 @@
 
 from __future__ import annotations
 
-from .errors import InvariantViolation
+from .errors import InvariantViolation, KvtierError
 from .request import TERMINAL, Request
 from .request_table import RequestTable
 
-__all__ = ["check_requests"]
+__all__ = ["check_all", "check_requests"]
+
+
+def check_all(table: RequestTable) -> None:
+    """The node core's invariants, then the requests' (:func:`check_requests`), counted in
+    ``table.counters`` (``invariant_checks``, and ``invariant_failures`` for a raise).
+
+    Raises:
+        InvariantViolation: naming the first invariant broken and the node or request.
+    """
+    table.counters.invariant_checks += 1
+    try:
+        table.core.check_invariants()
+        check_requests(table)
+    except KvtierError:
+        table.counters.invariant_failures += 1
+        raise
 
 
 def check_requests(table: RequestTable) -> None:

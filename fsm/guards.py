@@ -8,6 +8,7 @@ Node guards read these attributes of the node: ``lock_ref``, ``borrow_ref``,
 ``host_pin`` (ints), ``parent_on_host``, ``parent_on_device``, ``parent_readable``, ``has_device_child``,
 ``has_host_child`` (bools; the core's node computes them from the tree).
 Request guards read ``has_loadback``, ``has_own_writeback`` and ``settled`` (bools).
+L3 object guards read ``host_visible``, ``store_answered`` and ``lease_holds`` (bools).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Guard", "NODE_GUARDS", "REQUEST_GUARDS", "GUARDS"]
+__all__ = ["Guard", "NODE_GUARDS", "REQUEST_GUARDS", "L3_GUARDS", "GUARDS"]
 
 Guard = Callable[[Any], bool]
 
@@ -36,5 +37,12 @@ REQUEST_GUARDS: dict[str, Guard] = {
     "settled": lambda r: bool(r.settled),
 }
 
+#: L3 object guards (:class:`kvtier.fsm.l3.L3Object` computes them).
+L3_GUARDS: dict[str, Guard] = {
+    "host_visible": lambda o: bool(o.host_visible),
+    "store_answered": lambda o: bool(o.store_answered),
+    "lease_holds": lambda o: bool(o.lease_holds),
+}
+
 #: Guards per lifecycle name.
-GUARDS: dict[str, dict[str, Guard]] = {"node": NODE_GUARDS, "request": REQUEST_GUARDS}
+GUARDS: dict[str, dict[str, Guard]] = {"node": NODE_GUARDS, "request": REQUEST_GUARDS, "l3": L3_GUARDS}

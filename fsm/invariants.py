@@ -33,6 +33,7 @@ _HOLDS: dict[str, tuple[Callable[[Node], bool], str, str]] = {
     "pending_host": (lambda n: bool(n.pending), "state_matches_resources", "state_matches_resources"),
     "writeback_op": (lambda n: n.wb_op is not None, "operation_ends_once", "writeback_source_immutable"),
     "loadback_op": (lambda n: n.lb_op is not None, "operation_ends_once", "loadback_source_pinned"),
+    "fetch_op": (lambda n: n.fetch_op is not None, "l3_get_invisible", "l3_get_invisible"),
     "host_pin": (lambda n: n.host_pin > 0, "loadback_source_pinned", "loadback_source_pinned"),
 }
 #: a resource a state may hold without declaring it: pins on any visible host copy

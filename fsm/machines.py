@@ -5,13 +5,19 @@ One shared ``transitions.Machine`` per lifecycle (``model=None``,
 objects: a subject only needs a ``state`` attribute (``__slots__`` is fine) and the
 attributes its guards read (:mod:`kvtier.fsm.guards`). Triggering goes through
 ``machine.events[name].trigger(subject)``, so no per-subject model is registered
-(``add_model`` costs ~6.5 KB and 37-240 us per object; ecosystem.md 1.4).
+(``add_model`` costs ~6.5 KB and 37-240 us per object; ``spec/README.md``, Sources:
+transitions costs).
 
 :meth:`Lifecycle.fire` never returns ``False``: an event with no transition from the
 subject's state raises :class:`IllegalTransition`; one whose guards are false raises
 :class:`GuardRejected` naming the guards. Both leave the subject unchanged. Effects
 (pages, counters) are never done in ``transitions`` callbacks: the core validates
 first (:meth:`Lifecycle.check`), commits its effects, then fires.
+
+Observation (the event log, :mod:`kvtier.eventlog`): :attr:`Lifecycle.observer`, when not
+``None``, is called after every transition :meth:`fire` makes, internal ones included,
+with ``(lifecycle, subject, event, source_state, dest_state)``; refused events change
+nothing and are not reported. With no observer the cost is one attribute test per fire.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ from .errors import GuardRejected, IllegalTransition
 from .guards import GUARDS, Guard
 from .spec import INTERNAL, GuardRef, LifecycleSpec, TransitionSpec, load_spec
 
-__all__ = ["Lifecycle", "node_lifecycle", "request_lifecycle"]
+__all__ = ["Lifecycle", "Observer", "node_lifecycle", "request_lifecycle", "l3_lifecycle"]
+
+#: ``(lifecycle, subject, event, source state, dest state)`` -> None, called after a transition.
+Observer = Callable[["Lifecycle", Any, str, str, str], None]
 
 _tlog = logging.getLogger("transitions")
 if _tlog.level == logging.NOTSET:
-    # transitions logs several INFO lines per trigger: 3x slower at INFO (ecosystem.md 1.2).
+    # transitions logs several INFO lines per trigger: 3x slower at INFO (spec/README.md, Sources).
     _tlog.setLevel(logging.WARNING)
 
 
@@ -61,6 +70,8 @@ class Lifecycle:
         self.spec = spec
         self.guards: dict[str, Guard] = {name: guards[name] for name in spec.guards}
         self._describe = describe
+        #: called after every transition fire() makes (see the module docstring); None: off
+        self.observer: Observer | None = None
         self.machine = Machine(model=None, states=list(spec.state_names), initial=spec.initial,
                                auto_transitions=False, queued=False, send_event=True)
         for t in spec.transitions:
@@ -137,11 +148,15 @@ class Lifecycle:
         if key not in self._table:
             raise IllegalTransition(self.name, self.describe(subject), state, event)
         if key in self._noop:
+            if self.observer is not None:
+                self.observer(self, subject, event, state, state)
             return state
         if not self._events[event].trigger(subject):
             self.check(subject, event)  # raises GuardRejected naming the guards
             raise AssertionError("transitions refused an event whose guards hold")  # pragma: no cover
         new_state: str = subject.state
+        if self.observer is not None:
+            self.observer(self, subject, event, state, new_state)
         return new_state
 
 
@@ -155,3 +170,11 @@ def node_lifecycle() -> Lifecycle:
 def request_lifecycle() -> Lifecycle:
     """The request lifecycle (shared, built once per process from the spec)."""
     return Lifecycle(load_spec().request, GUARDS["request"])
+
+
+@functools.cache
+def l3_lifecycle() -> Lifecycle:
+    """The L3 object lifecycle (shared, built once per process from the spec's ``[l3]``)."""
+    spec = load_spec().l3
+    assert spec is not None, "the shipped spec declares [l3]"
+    return Lifecycle(spec, GUARDS["l3"])

@@ -15,7 +15,7 @@ from .spec import load_spec
 
 __all__ = [
     "Names", "NODE_STATE", "NODE_EVENT", "REQUEST_STATE", "REQUEST_EVENT",
-    "DEVICE_RESIDENT", "DEVICE_READABLE", "HOST_VISIBLE", "HOST_PENDING", "TERMINAL",
+    "DEVICE_RESIDENT", "DEVICE_READABLE", "HOST_VISIBLE", "HOST_PENDING", "TERMINAL", "L3_STATE", "L3_EVENT",
 ]
 
 
@@ -70,3 +70,8 @@ HOST_VISIBLE = _SPEC.node.states_holding("host_pages")
 HOST_PENDING = _SPEC.node.states_holding("pending_host")
 #: Request states no transition leaves.
 TERMINAL = _SPEC.request.terminal_states
+
+assert _SPEC.l3 is not None
+#: L3 object states and events (``[l3]``).
+L3_STATE = Names("l3 state", _SPEC.l3.state_names)
+L3_EVENT = Names("l3 event", _SPEC.l3.events)

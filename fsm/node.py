@@ -49,6 +49,8 @@ class Node:
         prev_use: ``last_access`` when the current reuse began (0 before a second use):
             the second-to-last use, for LRU-2 eviction.
         wb_op, lb_op: op id of the in-flight writeback / loadback, or ``None``.
+        fetch_op: op id of the in-flight L3 get filling its pending host pages (state
+            ``fetching``; :mod:`kvtier.fsm.fetch`), or ``None``.
         refs: ids of the pin and borrow receipts (:class:`NodeReceipt`) that list this
             node; read-only (the set exists only while some receipt lists the node, which
             keeps the memory per node small).
@@ -56,7 +58,7 @@ class Node:
 
     __slots__ = ("node_id", "state", "key", "parent", "children", "depth", "dev", "host", "pending",
                  "dev_ckpt", "host_ckpt", "pending_ckpt", "lock_ref", "borrow_ref", "host_pin",
-                 "hit_count", "last_owner", "last_access", "prev_use", "wb_op", "lb_op", "_refs",
+                 "hit_count", "last_owner", "last_access", "prev_use", "wb_op", "lb_op", "fetch_op", "_refs",
                  "chunk_checkpoint", "reloaded")
 
     def __init__(self, node_id: int, key: tuple[Hashable, ...], parent: Node | None) -> None:
@@ -81,6 +83,7 @@ class Node:
         self.prev_use = 0
         self.wb_op: int | None = None
         self.lb_op: int | None = None
+        self.fetch_op: int | None = None
         self._refs: set[int] | None = None  # ids of NodeReceipts that list this node, once any does
         self.chunk_checkpoint = False  # checkpoint left by an intermediate prefill chunk
         self.reloaded = False  # backed because a loadback brought it back (its host copy is a duplicate)
@@ -119,12 +122,17 @@ class Node:
     # -- guard inputs (kvtier.fsm.guards) -------------------------------------------
     @property
     def parent_on_host(self) -> bool:
-        """Parent is the root, has a visible host copy, or is written back by the same op."""
+        """Parent is the root, has a visible host copy, or is written back (or fetched from
+        L3) by the same op."""
         p = self.parent
         assert p is not None
         if p.parent is None or p.state in HOST_VISIBLE:
             return True
-        return p.state in HOST_PENDING and p.wb_op is not None and p.wb_op == self.wb_op
+        if p.state not in HOST_PENDING:
+            return False
+        if p.wb_op is not None and p.wb_op == self.wb_op:
+            return True
+        return p.fetch_op is not None and p.fetch_op == self.fetch_op
 
     @property
     def parent_on_device(self) -> bool:

@@ -119,7 +119,7 @@ class OperationTable:
 
     # -- completions -------------------------------------------------------------------
     def classify(self, c: Completion) -> str | int | Operation:
-        """Validate completion ``c`` and record it.
+        """Validate completion ``c`` and record it (nothing is recorded when it raises).
 
         Returns:
             ``ABSORBED`` (a settled operation's late or duplicate completion), ``PENDING``
@@ -130,7 +130,6 @@ class OperationTable:
             UnknownOperation: the op id was never issued.
             DuplicateCompletion: the same (op, rank, layer) arrived twice.
             UsageError: rank out of range, or a layer on a writeback or out of range.
-            Nothing is recorded when it raises.
         """
         op = self._ops.get(c.op_id)
         if op is None:

@@ -1,7 +1,7 @@
 """Cache layouts of known models, with their sources.
 
-- ``deepseek-v4``: the six cache groups of DeepSeek V4 (source_system.md 1.1-1.2, read from
-  TokenSpeed's ``build_v4_cache_specs`` and ``DeepseekV4CacheLayout``): page geometry and
+- ``deepseek-v4``: the six cache groups of DeepSeek V4 (``spec/README.md``, Sources:
+  DeepSeek V4 cache groups; read from TokenSpeed's ``build_v4_cache_specs`` and ``DeepseekV4CacheLayout``): page geometry and
   per-layer page bytes per component derived from head_dim 512, rope 64, index_head_dim
   128 (MXFP4 indexer). Layer count, the layers' compression ratios and the sliding window
   are parameters; their defaults (43 layers: 2 sliding-window-only layers, then ratio 4
@@ -45,9 +45,11 @@ def deepseek_v4(num_layers: int = 43, ratios: Sequence[int] | None = None, slidi
         ratios: compression ratio per layer (1: sliding window only, 4 or 128); default:
             two ratio-1 layers, then 4 and 128 alternating.
         sliding_window: SWA window in tokens.
-        head_dim, rope_dim, index_head_dim: attention geometry (defaults from the reference).
+        head_dim: attention head dimension (default from the reference).
+        rope_dim: rotary part of the head dimension (default from the reference).
+        index_head_dim: indexer head dimension (default from the reference).
 
-    Page bytes (source_system.md 1.2): token stride = nope + 2*rope (nope = head_dim - rope);
+    Page bytes (``spec/README.md``, Sources: DeepSeek V4 cache groups): token stride = nope + 2*rope (nope = head_dim - rope);
     row = stride + nope/64 + 1; a block of n rows = n*row rounded up to a multiple of the
     stride. SWA page (64 rows) and c4 compressed page (64 rows) = 37,440 B; c128 compressed
     page (2 rows) = 1,728 B; MXFP4 indexer row = d/2 + d/32 -> 64 rows = 4,352 B; compressor
@@ -98,7 +100,8 @@ def deepseek_v4(num_layers: int = 43, ratios: Sequence[int] | None = None, slidi
                            (ComponentSpec("kv", block(2)),)),
         ]
     return CacheLayout("deepseek-v4", tuple(groups), num_layers,
-                       source="source_system.md 1.1-1.2 (TokenSpeed build_v4_cache_specs); layer count, "
+                       source="spec/README.md, Sources: DeepSeek V4 cache groups (TokenSpeed "
+                              "build_v4_cache_specs); layer count, "
                               "ratios and window are assumed defaults")
 
 

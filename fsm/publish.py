@@ -121,7 +121,7 @@ class Publisher:
         stopped = False
         for n in path:
             lo, hi = done, n.depth
-            if n.state == NS.loading:
+            if n.state in (NS.loading, NS.fetching):  # not readable by everyone yet
                 stopped = True
                 break
             for g in hist:

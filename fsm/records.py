@@ -8,6 +8,8 @@ are bytes. Layers are model layer indices (0-based, the model's own numbering).
 
 from __future__ import annotations
 
+from enum import Enum
+
 import enum
 import math
 from collections.abc import Iterable
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = [
+__all__ = ["StoreOp", "StoreCommand", "StoreResult", 
     "Family",
     "Direction",
     "ComponentSpec",
@@ -57,7 +59,7 @@ class ComponentSpec:
 
     Components of a group share the group's page ids but differ in bytes per page
     (DeepSeek V4's ratio-4 compressed group carries the compressed KV and the indexer
-    keys under the same page ids; source_system.md 1.1-1.2).
+    keys under the same page ids; ``spec/README.md``, Sources: DeepSeek V4 cache groups).
 
     Attributes:
         name: component name, unique within the group (e.g. ``"kv"``, ``"indexer_k"``).
@@ -295,3 +297,59 @@ class Completion:
     def is_ack(self) -> bool:
         """True for the acknowledgement (the completion without a layer)."""
         return self.layer is None
+
+
+# -- L3 store operations (kvtier.fsm.l3 <-> kvtier.transfer.store) --------------------------
+class StoreOp(Enum):
+    """The kind of a store operation."""
+
+    EXISTS = "exists"
+    PUT = "put"
+    GET = "get"
+    REMOVE = "remove"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCommand:
+    """One batch operation for the store backend.
+
+    Attributes:
+        op_id: the operation's id (its result must carry it).
+        kind: exists, put, get or remove.
+        keys: object keys (hex strings), in prefix order for exists and get.
+        pages: per key, host pages (history group -> page ids) that a put reads or a get
+            fills; empty for exists and remove.
+        deadline: the caller's clock value (seconds) after which the operation has failed.
+    """
+
+    op_id: int
+    kind: StoreOp
+    keys: tuple[str, ...]
+    pages: tuple[dict[str, list[int]], ...]
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """The outcome of one :class:`StoreCommand`.
+
+    Attributes:
+        op_id: the command's op id.
+        ok: per key, success (put stored, get delivered a checked object, remove done);
+            ignored for exists.
+        present: exists only: how many keys, from the first on, the store holds.
+        corrupt: get only: keys whose object failed its check (wrong key, size or digest).
+        nbytes: bytes moved between host and store.
+        seconds: seconds the backend spent on the operation.
+        error: the backend's error text, if the operation failed as a whole.
+    """
+
+    op_id: int
+    ok: tuple[bool, ...] = ()
+    present: int = 0
+    corrupt: tuple[str, ...] = ()
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+

@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 from .core import CacheCore
+from .counters import FacadeCounters
 from .match import MatchMode, MatchResult
 from .writeback import WritePolicy
 from .errors import GuardRejected, UsageError
@@ -53,6 +54,8 @@ class RequestTable:
         self._waiters: dict[int, set[str]] = {}  # op id -> requests waiting on it
         self._events: list[RequestEvent] = []
         self._ended: set[str] = set()  # ended requests not yet reported by poll()
+        #: operator counters (kvtier.metrics): retractions and aborts counted by fire()
+        self.counters = FacadeCounters()
 
     # ------------------------------------------------------------------ lookups
     def get(self, request_id: object) -> Request:
@@ -125,8 +128,8 @@ class RequestTable:
     # ------------------------------------------------------------------ the machine
     def fire(self, r: Request, event: str) -> str:
         """Trigger ``event`` on ``r`` (refused with no change if illegal); a new state is
-        reported to :meth:`take_events`, and entering a state that owns nothing releases
-        everything ``r`` holds, once.
+        reported to :meth:`take_events` (and counted in :attr:`counters`), and entering a
+        state that owns nothing releases everything ``r`` holds, once.
 
         Returns:
             ``r``'s new state.
@@ -135,6 +138,7 @@ class RequestTable:
         state = self.lifecycle.fire(r, event)
         if state != before:
             self._events.append(RequestEvent(r.request_id, state, r.reason if state == "aborted" else None))
+            self.counters.transition(event, state, r.reason)
             if state in self.owns_nothing:
                 self.release(r)
             if state == self.initial:  # sent back: it recomputes from the start of its admission

@@ -75,4 +75,7 @@ class CacheStats:
     pages_loaded: int = 0
     splits: int = 0
     triggers: int = 0
+    fetches: int = 0  # L3 gets that reserved host pages (kvtier.fsm.fetch)
+    fetched_units: int = 0  # units an L3 get made visible on the host
+    fetch_failed_units: int = 0  # units whose L3 get failed, missed or expired
     extra: dict[str, int] = field(default_factory=dict)

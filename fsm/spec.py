@@ -126,16 +126,20 @@ class LifecycleSpec:
 
 @dataclass(frozen=True, slots=True)
 class Specification:
-    """The whole spec: both lifecycles and the named invariants (name -> statement)."""
+    """The whole spec: the lifecycles and the named invariants (name -> statement).
+
+    ``l3`` is the L3 object lifecycle (``[l3]``, the shared-store tier); a spec text
+    without that table parses with ``l3=None``."""
 
     version: int
     node: LifecycleSpec
     request: LifecycleSpec
     invariants: dict[str, str]
+    l3: LifecycleSpec | None = None
 
     @property
     def lifecycles(self) -> tuple[LifecycleSpec, ...]:
-        return (self.node, self.request)
+        return (self.node, self.request) + ((self.l3,) if self.l3 is not None else ())
 
 
 def spec_text(name: str = "lifecycle.toml") -> str:
@@ -217,6 +221,7 @@ def parse_spec(text: str) -> Specification:
         node=_parse_lifecycle("node", node),
         request=_parse_lifecycle("request", request),
         invariants=invariants,
+        l3=_parse_lifecycle("l3", raw["l3"]) if "l3" in raw else None,
     )
 
 

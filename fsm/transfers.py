@@ -186,6 +186,28 @@ class Mover:
                        tuple(n.node_id for n in op.nodes), expired)
 
     # -- writeback -----------------------------------------------------------------
+    def writeback(self, node: Node, owner: str | None) -> TransferCommand | None:
+        """Write back, as one operation owned by ``owner``, every node on the path to
+        ``node`` that is only on the device and whose parent is (or will be, in the same
+        operation) on the host; nodes behind a writeback in flight elsewhere are queued as
+        tree writebacks instead (invariant 1). Host pages are reserved all or nothing,
+        evicting unpinned host leaves off this path if short."""
+        # The device-only nodes of a path are consecutive and end it (the device set is
+        # root-closed, and a host-visible or writing node's parent is host-visible or in the
+        # same writeback), so the run is that chain when its first node's parent is the root
+        # or on the host; behind a writeback in flight elsewhere it waits in the queue.
+        run: list[Node] = []
+        for n in reversed(node.path()):
+            if n.state != NS.device:
+                continue
+            p = n.parent
+            assert p is not None
+            if run or p.parent is None or p.state in HOST_VISIBLE:
+                run.append(n)
+            else:
+                self.core.writebacks.want(n)
+        return self.submit_writeback(run, owner) if run else None
+
     def submit_writeback(self, run: list[Node], owner: str | None, host_only: bool = False) -> TransferCommand | None:
         """Write back ``run`` (device nodes, parent first, the first one's parent on the
         host) as one operation; reserves host pages all or nothing, evicting host leaves

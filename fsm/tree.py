@@ -18,7 +18,7 @@ __all__ = ["RadixTree"]
 
 #: Per-node attributes a split copies to the new prefix fragment unchanged.
 _SHARED = ("lock_ref", "borrow_ref", "host_pin", "hit_count", "last_owner", "last_access", "prev_use", "wb_op",
-           "lb_op", "reloaded")
+           "lb_op", "fetch_op", "reloaded")
 
 
 class RadixTree:
@@ -78,6 +78,17 @@ class RadixTree:
             out.append(n)
         if not out:
             raise KvtierError(f"{what}: no nodes given")
+        return out
+
+    def page_table(self, node: Node, groups: Sequence[str]) -> PageMap:
+        """The device page table from the root to ``node``'s end: ``groups``' (history)
+        pages along the path, and each state group's checkpoint at ``node`` (if any)."""
+        out: PageMap = {g: [] for g in groups}
+        for n in reversed(node.path()):
+            for g in groups:
+                out[g].extend(n.dev.get(g, ()))
+        for g, pages in node.dev_ckpt.items():
+            out[g] = list(pages)
         return out
 
     # -- structure ----------------------------------------------------------------

@@ -25,6 +25,11 @@ GUARD_ATTRS: dict[str, dict[str, tuple[str, Any, Any]]] = {
         "has_own_writeback": ("has_own_writeback", True, False),
         "settled": ("settled", True, False),
     },
+    "l3": {
+        "host_visible": ("host_visible", True, False),
+        "store_answered": ("store_answered", True, False),
+        "lease_holds": ("lease_holds", True, False),
+    },
 }
 
 

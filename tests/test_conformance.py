@@ -16,12 +16,12 @@ import pytest
 from transitions import MachineError
 
 from kvtier.fsm import GuardRejected, IllegalTransition, KvtierError
-from kvtier.fsm.machines import Lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
 from kvtier.fsm.spec import load_spec
 
 from lifecycle_stubs import GUARD_ATTRS, Subject
 
-LIFECYCLES = {"node": node_lifecycle, "request": request_lifecycle}
+LIFECYCLES = {"node": node_lifecycle, "request": request_lifecycle, "l3": l3_lifecycle}
 
 
 def test_stub_table_covers_every_spec_guard() -> None:
@@ -30,7 +30,7 @@ def test_stub_table_covers_every_spec_guard() -> None:
         assert set(GUARD_ATTRS[lc.name]) == set(lc.guards), lc.name
 
 
-@pytest.mark.parametrize("name", ["node", "request"])
+@pytest.mark.parametrize("name", ["node", "request", "l3"])
 def test_every_state_event_pair_and_guard_combination(name: str) -> None:
     machine: Lifecycle = LIFECYCLES[name]()
     spec = machine.spec

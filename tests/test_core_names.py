@@ -78,7 +78,7 @@ def test_state_sets_are_the_states_declaring_each_resource() -> None:
     assert DEVICE_RESIDENT == holding("device_pages") == {"device", "writing", "backed", "loading"}
     assert DEVICE_READABLE == holding("shared_read") == {"device", "writing", "backed"}
     assert HOST_VISIBLE == holding("host_pages") == {"backed", "host", "loading"}
-    assert HOST_PENDING == holding("pending_host") == {"writing"}
+    assert HOST_PENDING == holding("pending_host") == {"writing", "fetching"}
     assert TERMINAL == REQUEST.terminal_states == {"finished", "aborted"}
     assert set(names.__all__) >= {"DEVICE_RESIDENT", "DEVICE_READABLE", "HOST_VISIBLE", "HOST_PENDING", "TERMINAL"}
 
@@ -95,7 +95,7 @@ def test_state_sets_follow_the_spec_not_the_code() -> None:
 
 def test_resource_vocabulary() -> None:
     assert set(NODE.resources) == {"device_pages", "shared_read", "host_pages", "pending_host", "host_pin",
-                                   "writeback_op", "loadback_op"}
+                                   "writeback_op", "loadback_op", "fetch_op"}
     assert all(doc.strip() for doc in NODE.resources.values())
     for st in NODE.states:
         assert set(st.resources) <= set(NODE.resources), st.name

@@ -212,7 +212,8 @@ def test_smallest_positive_parameters_and_component_names():
 
 
 def test_presets_name_their_source():
-    assert preset("deepseek-v4").source == ("source_system.md 1.1-1.2 (TokenSpeed build_v4_cache_specs); layer count, "
+    assert preset("deepseek-v4").source == ("spec/README.md, Sources: DeepSeek V4 cache groups (TokenSpeed "
+                                            "build_v4_cache_specs); layer count, "
                                             "ratios and window are assumed defaults")
     assert preset("llama-3-8b").source == "Llama 3 8B config: 32 layers, 8 KV heads x 128, bf16 (128 KiB per token)"
     assert preset("deepseek-v3").source == "DeepSeek V3 config: 61 layers, MLA kv_lora_rank 512 + rope 64, bf16"

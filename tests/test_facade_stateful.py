@@ -580,9 +580,12 @@ class FacadeMachine(RuleBasedStateMachine):
         fails = self._fails()
         states = {rid: self._state(rid) for rid in self.reqs}
         self.cache.complete(ev)
-        if ev.layer is not None and ev.op_id in self.delivered:
+        if ev.op_id in self.delivered:
             d = self.delivered[ev.op_id]
-            d[ev.rank] = max(d.get(ev.rank, -1), ev.layer)
+            if not ev.ok:  # a rank reported the copy failed (a layer or its ack): no layer reads as ready
+                d[ev.rank] = -(10**9)
+            elif ev.layer is not None and d.get(ev.rank, -1) > -(10**9):
+                d[ev.rank] = max(d.get(ev.rank, -1), ev.layer)
         self._settle_bytes(before, fails)
         for rid, s in states.items():
             now = self._state(rid)

@@ -126,3 +126,24 @@ def test_results_table_matches_committed_json() -> None:
     out = subprocess.run([sys.executable, str(root / "bench" / "replay_results.py"), "--check"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_cli_default_table_is_short_verbose_has_every_row_and_a_plain_log_shows_progress() -> None:
+    from kvtier.replay import ROWS, run_title
+
+    short = _kvtier("replay", "--limit", "30", "--backend", "none")
+    assert short.returncode == 0, short.stderr
+    rows = [line for line in short.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0][2:] for r in rows] == [label for label, _, _, default in ROWS if default]
+    assert len(rows) == 13 and "lifecycle triggers" not in short.stdout and "--verbose shows every row" in short.stdout
+    assert "prefill tokens computed (with recompute)" in short.stdout and "a --limit shrinks" in short.stdout and "recompute what they lost" in short.stdout
+    # stderr is a pipe here, not a terminal: one progress line per configuration at least (the last at 100%)
+    assert "unbounded: 30/30 requests (100%)" in short.stderr, short.stderr
+    assert "device-only: " in short.stderr and "device+host: " in short.stderr
+    full = _kvtier("replay", "--limit", "30", "--backend", "none", "--verbose")
+    rows = [line for line in full.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(ROWS) == 21 and "pages fingerprint-checked" in full.stdout
+    title = run_title({"requests": 30, "trace": "t.jsonl", "preset": "deepseek-v4", "device_tokens": 512,
+                       "host_tokens": 4096, "working_set_tokens": 9000, "policy": "write_back", "backend": "cpu"})
+    assert title == ("kvtier replay: 30 requests of t.jsonl, preset deepseek-v4\n"
+                     "device 512 tokens, host 4,096 tokens (of a 9,000-token working set), policy write_back, backend cpu")

@@ -17,7 +17,7 @@ from typing import Any
 from .argtypes import fraction, positive_float, positive_int
 from .exitcodes import ExitCode, LineFormatter, epilog
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "shadowed_by"]
 
 _DEFAULT_DIAGRAM_DIR = Path("diagrams")
 
@@ -53,6 +53,13 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"kvtier fuzz {_TESTING_HINT} ({exc})", file=sys.stderr)
         return ExitCode.USAGE
+    from .eventlog import recording
+
+    with recording(args.event_log):
+        return _fuzz(args, campaign, replay_file)
+
+
+def _fuzz(args: argparse.Namespace, campaign: Any, replay_file: Any) -> int:
     if args.replay:
         result = replay_file(args.replay)
         return ExitCode.OK if result.outcome == "pass" else ExitCode.FAILED
@@ -72,7 +79,19 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     if args.require_coverage and not res.coverage.complete:
         print("kvtier fuzz: coverage is not complete (--require-coverage)", file=sys.stderr)
         return ExitCode.INCOMPLETE
+    if args.require_coverage and not res.product_complete:
+        print("kvtier fuzz: some transitions or accepting guard values were never driven by the core or "
+              "the facade (--require-coverage)", file=sys.stderr)
+        return ExitCode.INCOMPLETE
     return ExitCode.OK
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .check import check_log
+
+    result = check_log(args.log, context=args.context)
+    print(result.report())
+    return ExitCode.OK if result.ok else ExitCode.FAILED
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -83,22 +102,45 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"kvtier verify {_TESTING_HINT} ({exc})", file=sys.stderr)
         return ExitCode.USAGE
     machine: type[FacadeMachine] = FacadeMachine
-    if args.requests == 1:
-        meta: Any = type(FacadeMachine)
+    meta: Any = type(FacadeMachine)
+    if args.prompts:
+        prompts = tuple(tuple(p) for p in args.prompts.split(","))
+        if not all(prompts):
+            print(f"kvtier verify: --prompts needs non-empty prompts separated by commas, got {args.prompts!r}",
+                  file=sys.stderr)
+            return ExitCode.USAGE
+        machine = meta("FacadeMachine", (FacadeMachine,),
+                       {"verify_prompts": prompts, "verify_max_units": args.max_units or 1,
+                        "verify_tail": args.tail})
+    elif args.requests == 1:
         machine = meta("FacadeMachine", (FacadeMachine,),  # one request, prompt 'a', 1 unit
-                       {"verify_prompts": (("a",),), "verify_max_units": 1})
+                       {"verify_prompts": (("a",),), "verify_max_units": 1, "verify_tail": args.tail})
+    elif args.tail or args.max_units:
+        machine = meta("FacadeMachine", (FacadeMachine,),
+                       {"verify_tail": args.tail, "verify_max_units": args.max_units or FacadeMachine.verify_max_units})
     setup = machine.verify_setup(world=args.world_size, policy=args.policy, dev_units=args.device_units,
                                  host_units=args.host_units, deadline=args.deadline)
-    prompts = " and ".join(repr("".join(p)) for p in machine.verify_prompts)
-    print(f"kvtier verify: depth {args.depth}, facade with {args.requests} request(s) (prompts {prompts}), "
+    shown = " and ".join(repr("".join(p) + ("+1" if machine.verify_tail else "")) for p in machine.verify_prompts)
+    print(f"kvtier verify: depth {args.depth}, facade with {len(machine.verify_prompts)} request(s) "
+          f"(prompts {shown}, at most {machine.verify_max_units} unit(s) each), "
           f"2 cache groups, {setup.render()}")
 
     def progress(level: int, frontier: int, states: int) -> None:
         if not args.quiet:
             print(f"  depth {level}: {states:,} states, {frontier:,} new", file=sys.stderr, flush=True)
 
-    res = verify(args.depth, machine=machine, setup=setup, seconds=args.max_seconds, progress=progress)
+    from .testing.coverage import LifecycleCoverage
+
+    cov = LifecycleCoverage()
+    with cov.recording():
+        res = verify(args.depth, machine=machine, setup=setup, seconds=args.max_seconds, progress=progress)
     print(res.report())
+    hit = {i.label for i in cov.covered("transition")}
+    reach = [name for name, label in (("device", "node: new --create [parent_readable]--> device"),
+                                      ("host", "node: writing --writeback_ack--> backed"),
+                                      ("loadback", "node: loading --loadback_ack--> backed")) if label in hit]
+    print(f"lifecycle transitions taken: {len(hit)}/{cov.totals()['transition'][1]}; "
+          f"exercises: {', '.join(reach) or 'nothing'}")
     if res.violation is not None:
         path = res.violation.save(args.save)
         print(f"saved as {path} (reproduce: kvtier fuzz --replay {path})")
@@ -150,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=positive_float, help="stop after this many minutes")
     p.add_argument("--seed", type=int, default=0, help="campaign seed (default %(default)s)")
     p.add_argument("--faults", type=fraction, default=0.25, metavar="RATE",
-                   help="chance that a delivered completion fails (default %(default)s)")
+                   help="the campaign's fault rate: each example draws its own from it (none, a fifth, "
+                        "the rate, twice the rate), the chance that a delivered completion fails "
+                        "(default %(default)s)")
     p.add_argument("--world-size", type=int, choices=[1, 2, 3, 4], help="fix the tensor-parallel ranks")
     p.add_argument("--save", default="kvtier-fuzz-failure.json", metavar="FILE",
                    help="where a failing sequence is saved (default %(default)s)")
@@ -161,9 +205,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only this machine (repeatable): core, facade, node, request, or an engine's "
                         "kit machine as module:Class (default: the four built-in ones)")
     p.add_argument("--require-coverage", action="store_true",
-                   help="exit 3 unless every transition, guard value and rejection was exercised")
+                   help="exit 3 unless every transition, guard value and rejection was exercised, and "
+                        "every transition and accepting guard value was driven by the product (the core "
+                        "or the facade machine, not only the raw lifecycle machines)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+    p.add_argument("--event-log", metavar="FILE", default=None,
+                   help="record every cache the run creates as a lifecycle event log (JSON lines; "
+                        "check it with kvtier check FILE)")
     p.set_defaults(func=_cmd_fuzz)
+
+    p = sub.add_parser("check", help="check a lifecycle event log against the spec and the invariants",
+                       epilog=epilog(), formatter_class=LineFormatter,
+                       description="Replay a lifecycle event log (JSON lines, docs/eventlog-format.md; written by "
+                                   "kvtier.eventlog.EventRecorder, kvtier replay/fuzz --event-log, or an engine "
+                                   "that emits the format) offline against spec/lifecycle.toml and the "
+                                   "invariants. Prints the first event the spec does not allow or the first "
+                                   "invariant broken, with the events leading to it. Exit status: 0 the log "
+                                   "conforms, 1 it does not, 2 unreadable input.")
+    p.add_argument("log", metavar="LOG", help="the event log (.jsonl, or .gz)")
+    p.add_argument("--context", type=positive_int, default=12, metavar="N",
+                   help="events shown before a violation (default %(default)s)")
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("verify", help="exhaustive bounded exploration of a small configuration (needs kvtier[testing])",
                        epilog=epilog(), formatter_class=LineFormatter,
@@ -176,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=2, choices=[1, 2],
                    help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only, which reaches a "
                         "fixpoint with --device-units 2 --host-units 2 (depth 37, about 20 s)")
+    p.add_argument("--prompts", metavar="P1,P2", help="the requests' prompts as unit letters, comma-separated "
+                   "(e.g. 'a,a': two requests sharing the prefix 'a'); overrides --requests")
+    p.add_argument("--tail", action="store_true", help="prompts end one token past their last unit (their "
+                   "units may be reused whole: a later request loads them back)")
+    p.add_argument("--max-units", type=positive_int, default=None, help="units a request may reserve "
+                   "(default 3 for --requests 2, else 1)")
     p.add_argument("--policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--device-units", type=positive_int, default=4, help="device capacity in units (default %(default)s)")
@@ -189,14 +257,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def shadowed_by() -> str | None:
+    """The folder that shadows the installed package, or ``None``.
+
+    From the directory that holds a clone named ``kvtier``, ``python`` imports the clone's
+    folder (no ``__init__.py`` at its root) as an empty namespace package ahead of an
+    editable install: submodules still resolve through the install's finder, but names of
+    the package itself do not (``from kvtier import Completion`` fails with "unknown
+    location", before any kvtier code runs). The command line can tell, and does.
+    """
+    pkg = sys.modules.get("kvtier")
+    if pkg is None or getattr(pkg, "__file__", None) is not None:
+        return None
+    return ", ".join(str(p) for p in getattr(pkg, "__path__", ())) or "an unknown location"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (:class:`kvtier.exitcodes.ExitCode`).
 
     Bad input is reported in one line on stderr with status 2; errors that kvtier's own
     checks find during a run (an invariant violation, a fingerprint mismatch, a stalled
     scheduler) with status 1; any other exception is a kvtier bug: its traceback is printed
-    with status 4. Ctrl-C gives status 130.
+    with status 4. Ctrl-C gives status 130. Run as ``python -m kvtier`` from a directory
+    holding a folder named ``kvtier`` (such as a clone) that shadows the installed package,
+    it says so with status 2 (:func:`shadowed_by`).
     """
+    shadow = shadowed_by()
+    if shadow is not None:
+        print(f"kvtier: the package 'kvtier' was imported from {shadow} as an empty namespace package: a "
+              f"folder named kvtier in the current directory (a clone?) hides the installed package. Run "
+              f"from another directory (e.g. cd into the clone), or use the 'kvtier' command", file=sys.stderr)
+        return ExitCode.USAGE
     parser = build_parser()
     args = parser.parse_args(argv)  # exits with status 2 on a bad option or value
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)

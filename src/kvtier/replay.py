@@ -25,7 +25,7 @@ from .tiered import TieredCache
 from .trace import MOONCAKE_BLOCK_TOKENS, Trace
 
 __all__ = ["ReplaySetup", "ConfigResult", "trace_requests", "run_replay", "run_config", "make_executor",
-           "working_set_units", "capacity_bounds", "format_table", "to_json"]
+           "working_set_units", "capacity_bounds", "format_table", "run_title", "to_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +189,20 @@ def capacity_bounds(trace: Trace, layout: CacheLayout) -> tuple[int, int]:
 
 def run_config(name: str, requests: Sequence[SchedRequest], layout: CacheLayout, device_units: int,
                host_units: int | None, setup: ReplaySetup, executor: Executor | None = None,
-               cost: CostModel | None = None, progress: Callable[[int], None] | None = None) -> ConfigResult:
-    """Run one configuration over fresh copies of ``requests``."""
+               cost: CostModel | None = None, progress: Callable[[int], None] | None = None,
+               on_start: Callable[[str, TieredCache, Executor], None] | None = None) -> ConfigResult:
+    """Run one configuration over fresh copies of ``requests``.
+
+    Args:
+        on_start: called with (name, cache, executor) before the first step (e.g. to point
+            a metrics collector or an event recorder at this configuration's cache).
+    """
     cache = TieredCache(layout, device_units, host_units, policy=setup.policy, eviction=setup.eviction,
                         exclusive=setup.exclusive)
     reqs = [SchedRequest(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.units) for r in requests]
     sched = ReferenceScheduler(cache, executor, token_budget=setup.token_budget, cost=cost)
+    if on_start is not None:
+        on_start(name, cache, sched.executor)
     t0 = time.perf_counter()
     stats = sched.run(reqs, progress=progress)
     wall = time.perf_counter() - t0
@@ -241,12 +249,15 @@ def make_executor(setup: ReplaySetup, layout: CacheLayout, device_units: int, ho
 def run_replay(trace: Trace, setup: ReplaySetup, *,
                executor_factory: Callable[[CacheLayout, int, int | None], Executor] | None = None,
                progress: Callable[[str, int], Callable[[int], None]] | None = None,
-               cost: CostModel | None = None) -> tuple[list[ConfigResult], dict[str, Any]]:
+               cost: CostModel | None = None,
+               on_start: Callable[[str, TieredCache, Executor], None] | None = None,
+               ) -> tuple[list[ConfigResult], dict[str, Any]]:
     """Replay ``trace`` in the three configurations.
 
     Args:
         executor_factory: (layout, device units, host units) -> executor; default
             :func:`make_executor` for ``setup.backend``.
+        on_start: as :func:`run_config`, for each configuration.
 
     Returns:
         The three results (device-only, device+host, unbounded) and a setup summary.
@@ -265,12 +276,12 @@ def run_replay(trace: Trace, setup: ReplaySetup, *,
         ex = (executor_factory(layout, dev, host) if executor_factory is not None
               else make_executor(setup, layout, dev, host))
         cb = progress(name, len(reqs)) if progress is not None else None
-        results.append(run_config(name, reqs, layout, dev, host, setup, ex, cost, cb))
+        results.append(run_config(name, reqs, layout, dev, host, setup, ex, cost, cb, on_start))
     bound = results[-1].hit_tokens
     for r in results:
         r.hit_rate_vs_unbounded = r.hit_tokens / bound if bound else 0.0
     summary = {
-        "preset": layout.name, "alignment_tokens": layout.alignment, "requests": len(reqs),
+        "trace": trace.source, "preset": layout.name, "alignment_tokens": layout.alignment, "requests": len(reqs),
         "working_set_units": ws, "working_set_tokens": ws * layout.alignment,
         "device_tokens": setup.device_units * layout.alignment, "host_tokens": setup.host_units * layout.alignment,
         "policy": setup.policy, "eviction": setup.eviction, "exclusive": setup.exclusive,
@@ -280,28 +291,30 @@ def run_replay(trace: Trace, setup: ReplaySetup, *,
     return results, summary
 
 
-ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
-    ("prompt tokens", "prompt_tokens", lambda v: f"{v:,}"),
-    ("prefix-hit tokens", "hit_tokens", lambda v: f"{v:,}"),
-    ("  from device", "device_hit_tokens", lambda v: f"{v:,}"),
-    ("  from host", "host_hit_tokens", lambda v: f"{v:,}"),
-    ("history-only bound", "history_hit_tokens", lambda v: f"{v:,}"),
-    ("prefill tokens computed", "prefill_tokens", lambda v: f"{v:,}"),
-    ("hit rate", "hit_rate", lambda v: f"{v:.2%}"),
-    ("hit rate vs unbounded", "hit_rate_vs_unbounded", lambda v: f"{v:.2%}"),
-    ("loadback bytes / pages", "loadback", lambda v: v),
-    ("writeback bytes / pages", "writeback", lambda v: v),
-    ("transfer s (measured)", "transfer_s_measured", lambda v: f"{v:.3f}"),
-    ("transfer s (modeled)", "transfer_s_modeled", lambda v: f"{v:.3f}"),
-    ("evictions / demotions", "evict", lambda v: v),
-    ("loadbacks / writebacks", "ops", lambda v: v),
-    ("retractions / aborts", "ra", lambda v: v),
-    ("TTFT mean / p50 / p99 s (modeled)", "ttft", lambda v: v),
-    ("kvtier bookkeeping us / request", "bookkeeping_us_per_request", lambda v: f"{v:,.0f}"),
-    ("  of which per-token decode calls", "decode_bookkeeping_us_per_request", lambda v: f"{v:,.0f}"),
-    ("lifecycle events / s", "events_per_s", lambda v: f"{v:,.0f}"),
-    ("lifecycle triggers", "lifecycle_triggers", lambda v: f"{v:,}"),
-    ("pages fingerprint-checked", "fingerprint_pages_checked", lambda v: f"{v:,}"),
+#: (label, field or cell key, format, shown by default): the default table shows what a
+#: user decides on; ``--verbose`` adds the internal counters.
+ROWS: list[tuple[str, str, Callable[[Any], str], bool]] = [
+    ("prompt tokens", "prompt_tokens", lambda v: f"{v:,}", True),
+    ("prefix-hit tokens", "hit_tokens", lambda v: f"{v:,}", True),
+    ("  from device", "device_hit_tokens", lambda v: f"{v:,}", True),
+    ("  from host", "host_hit_tokens", lambda v: f"{v:,}", True),
+    ("history-only bound", "history_hit_tokens", lambda v: f"{v:,}", False),
+    ("prefill tokens computed (with recompute)", "prefill_tokens", lambda v: f"{v:,}", True),
+    ("hit rate", "hit_rate", lambda v: f"{v:.2%}", True),
+    ("hit rate vs unbounded", "hit_rate_vs_unbounded", lambda v: f"{v:.2%}", True),
+    ("loadback bytes / pages", "loadback", lambda v: v, True),
+    ("writeback bytes / pages", "writeback", lambda v: v, True),
+    ("transfer s (measured)", "transfer_s_measured", lambda v: f"{v:.3f}", False),
+    ("transfer s (modeled)", "transfer_s_modeled", lambda v: f"{v:.3f}", False),
+    ("evictions / demotions", "evict", lambda v: v, True),
+    ("loadbacks / writebacks", "ops", lambda v: v, False),
+    ("retractions / aborts", "ra", lambda v: v, True),
+    ("TTFT mean / p50 / p99 s (modeled)", "ttft", lambda v: v, True),
+    ("kvtier bookkeeping us / request", "bookkeeping_us_per_request", lambda v: f"{v:,.0f}", True),
+    ("  of which per-token decode calls", "decode_bookkeeping_us_per_request", lambda v: f"{v:,.0f}", False),
+    ("lifecycle events / s", "events_per_s", lambda v: f"{v:,.0f}", False),
+    ("lifecycle triggers", "lifecycle_triggers", lambda v: f"{v:,}", False),
+    ("pages fingerprint-checked", "fingerprint_pages_checked", lambda v: f"{v:,}", False),
 ]
 
 
@@ -323,12 +336,14 @@ def _cell(r: ConfigResult, key: str, fmt: Callable[[Any], str]) -> str:
     return fmt(getattr(r, key))
 
 
-def format_table(results: Sequence[ConfigResult], summary: dict[str, Any]) -> str:
-    """The replay's table as Markdown-compatible text."""
+def format_table(results: Sequence[ConfigResult], summary: dict[str, Any], verbose: bool = False) -> str:
+    """The replay's table as Markdown-compatible text: the rows a user decides on, every
+    row with ``verbose``, then notes on how to read it."""
     head = ["", *(f"{r.name} ({r.device_tokens:,} dev / {r.host_tokens:,} host tokens)" for r in results)]
     rows = [head, ["---"] * len(head)]
-    for label, key, fmt in ROWS:
-        rows.append([label, *(_cell(r, key, fmt) for r in results)])
+    for label, key, fmt, default in ROWS:
+        if default or verbose:
+            rows.append([label, *(_cell(r, key, fmt) for r in results)])
     lines = ["| " + " | ".join(row) + " |" for row in rows]
     notes = [
         f"preset {summary['preset']} (unit {summary['alignment_tokens']} tokens), {summary['requests']:,} requests, "
@@ -336,8 +351,21 @@ def format_table(results: Sequence[ConfigResult], summary: dict[str, Any]) -> st
         f"policy {summary['policy']}, eviction {summary['eviction']}"
         f"{' (exclusive host tier)' if summary['exclusive'] else ''}, backend {summary['backend']}",
         f"modeled times: {summary['cost_model']}",
+        "capacities are fractions of this trace's unbounded working set (a --limit shrinks the working set and "
+        "the capacities with it); prefill tokens computed can exceed prompt tokens: retracted requests "
+        "recompute what they lost" + ("" if verbose else "; --verbose shows every row"),
     ]
     return "\n".join(lines + [""] + notes)
+
+
+def run_title(summary: dict[str, Any] | Any) -> str:
+    """Two lines naming a run: what ran (requests, trace, preset) and with what (capacities,
+    policy, backend); the title of ``--plot``'s figure. ``summary``: :func:`run_replay`'s."""
+    return (f"kvtier replay: {summary.get('requests', 0):,} requests of {summary.get('trace', 'a trace')}, "
+            f"preset {summary.get('preset', '?')}\n"
+            f"device {summary.get('device_tokens', 0):,} tokens, host {summary.get('host_tokens', 0):,} tokens "
+            f"(of a {summary.get('working_set_tokens', 0):,}-token working set), policy {summary.get('policy', '?')}, "
+            f"backend {summary.get('backend', '?')}")
 
 
 def to_json(results: Sequence[ConfigResult], summary: dict[str, Any]) -> dict[str, Any]:

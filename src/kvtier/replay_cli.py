@@ -6,12 +6,14 @@ import argparse
 import json
 import math
 import sys
+import time
 from typing import Any, NamedTuple
 
 from .argtypes import int_in_range, positive_int
 from .exitcodes import ExitCode, LineFormatter, epilog
 
-__all__ = ["add_parser", "run", "Capacity", "CAPACITY_HELP", "DEFAULT_DEVICE_FRACTION", "DEFAULT_HOST_FRACTION"]
+__all__ = ["add_parser", "run", "Capacity", "CAPACITY_HELP", "DEFAULT_DEVICE_FRACTION", "DEFAULT_HOST_FRACTION",
+           "LineProgress"]
 
 DEFAULT_DEVICE_FRACTION = 0.05
 """Default ``--device``: 5 % of the trace's unbounded working set."""
@@ -146,6 +148,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot hit rate and tier occupancy over time (needs matplotlib: pip install 'kvtier[plot]')")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every row of the table (the default shows what a user decides on; --verbose adds "
+                        "internal counters: triggers, events per second, pages fingerprint-checked, ...)")
+    p.add_argument("--metrics-port", type=int_in_range(0, 65535), default=None, metavar="N",
+                   help="serve Prometheus metrics of the running configuration at http://127.0.0.1:N/metrics "
+                        "while the replay runs (needs prometheus_client: pip install 'kvtier[metrics]')")
+    p.add_argument("--metrics-hold", type=float, default=0.0, metavar="S",
+                   help="with --metrics-port: keep serving the final values S seconds after the replay "
+                        "(default %(default)s)")
+    p.add_argument("--event-log", default=None, metavar="FILE",
+                   help="record the lifecycle event log of every configuration (JSON lines; check it with "
+                        "kvtier check FILE). Recording costs bookkeeping time: see bench/RESULTS.md")
     p.set_defaults(func=run)
 
 
@@ -207,40 +221,104 @@ def run(args: argparse.Namespace) -> int:
                         host_units=host_units, policy=args.policy, eviction=args.eviction,
                         exclusive=args.exclusive,
                         backend=args.backend, byte_scale=args.byte_scale, limit=args.limit, seed=args.seed)
-    show = not args.json and sys.stderr.isatty()
     bars: list[Any] = []
 
     def progress(name: str, total: int) -> Any:
-        if not show:
+        if args.json:
             return None
-        from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
+        if sys.stderr.isatty():
+            from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
-        bar = tqdm(total=total, desc=name, unit="req", leave=False, file=sys.stderr)
-        bars.append(bar)
-        return bar.update
+            bar = tqdm(total=total, desc=name, unit="req", leave=False, file=sys.stderr)
+            bars.append(bar)
+            return bar.update
+        return LineProgress(name, total, sys.stderr)  # a plain log: one line every few seconds
 
-    if not args.json:
-        print(f"replaying {len(trace):,} requests of {trace.source} with preset {layout.name}: unbounded "
-              f"working set {ws * layout.alignment:,} tokens; device {setup.device_units * layout.alignment:,} "
-              f"tokens, host {setup.host_units * layout.alignment:,} tokens; backend {args.backend}",
-              flush=True)
-    try:
-        results, summary = run_replay(trace, setup, progress=progress)
-    finally:
-        for bar in bars:
-            bar.close()
-    if args.json:
-        json.dump(to_json(results, summary), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(format_table(results, summary))
-    if args.plot:
+    hooks: list[Any] = []
+    server = None
+    if args.metrics_port is not None:
         try:
-            from .plot import plot_timeline
+            from .metrics import KvtierCollector, serve
         except ImportError as exc:
-            print(f"kvtier replay: --plot needs matplotlib (pip install 'kvtier[plot]'): {exc}", file=sys.stderr)
-            return ExitCode.USAGE
-        plot_timeline(results, args.plot)
+            raise ValueError(f"--metrics-port needs prometheus_client: pip install 'kvtier[metrics]' ({exc})") \
+                from None
+        collector = KvtierCollector()
+        server = serve(collector, args.metrics_port)
+
+        def point(name: str, cache: Any, executor: Any) -> None:
+            collector.cache = cache
+            collector.engine = getattr(executor, "engine", None)
+
+        hooks.append(point)
         if not args.json:
-            print(f"plot written to {args.plot}")
+            print(f"metrics: http://127.0.0.1:{server.port}/metrics", flush=True)
+    recorder = None
+    try:
+        if args.event_log:
+            from .eventlog import EventRecorder
+
+            recorder = EventRecorder(args.event_log)
+            hooks.append(lambda name, cache, executor: recorder.attach(cache))
+
+        def on_start(name: str, cache: Any, executor: Any) -> None:
+            for h in hooks:
+                h(name, cache, executor)
+
+        if not args.json:
+            print(f"replaying {len(trace):,} requests of {trace.source} with preset {layout.name}: unbounded "
+                  f"working set {ws * layout.alignment:,} tokens; device {setup.device_units * layout.alignment:,} "
+                  f"tokens, host {setup.host_units * layout.alignment:,} tokens; backend {args.backend}",
+                  flush=True)
+        try:
+            results, summary = run_replay(trace, setup, progress=progress, on_start=on_start)
+        finally:
+            if recorder is not None:
+                recorder.close()
+            for bar in bars:
+                bar.close()
+        if args.json:
+            json.dump(to_json(results, summary), sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        else:
+            print(format_table(results, summary, verbose=args.verbose))
+        if args.plot:
+            try:
+                from .plot import plot_timeline
+            except ImportError as exc:
+                print(f"kvtier replay: --plot needs matplotlib (pip install 'kvtier[plot]'): {exc}", file=sys.stderr)
+                return ExitCode.USAGE
+            plot_timeline(results, args.plot, summary)
+            if not args.json:
+                print(f"plot written to {args.plot}")
+        if args.event_log and not args.json:
+            print(f"event log written to {args.event_log} (check it: kvtier check {args.event_log})")
+        if server is not None and args.metrics_hold > 0:
+            time.sleep(args.metrics_hold)
+    finally:
+        if server is not None:
+            server.close()
     return ExitCode.OK
+
+
+class LineProgress:
+    """Progress for a log that is not a terminal: one line every ``interval_s`` seconds
+    (and one at the end), e.g. ``device+host: 412/1,000 requests (41%), 12 s``.
+
+    Args:
+        name: the configuration's name; total: requests in it; stream: where lines go.
+        interval_s: seconds between lines (> 0).
+    """
+
+    def __init__(self, name: str, total: int, stream: Any, interval_s: float = 5.0) -> None:
+        self.name, self.total, self.stream, self.interval_s = name, total, stream, interval_s
+        self.done = 0
+        self.t0 = self.last = time.monotonic()
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= self.interval_s or self.done >= self.total:
+            self.last = now
+            pct = f" ({self.done / self.total:.0%})" if self.total else ""
+            print(f"{self.name}: {self.done:,}/{self.total:,} requests{pct}, {now - self.t0:.0f} s",
+                  file=self.stream, flush=True)

@@ -32,8 +32,9 @@ from kvtier.fsm import Completion, ConfigError, Direction, UsageError
 from kvtier.fsm.admission import Admitter
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
 from kvtier.fsm.completions import CompletionRouter
-from kvtier.fsm.fence import check_requests
+from kvtier.fsm.fence import check_all
 from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.l3 import L3Options, L3Tier
 from kvtier.fsm.node import PageMap
 from kvtier.fsm.forward import ForwardResults
 from kvtier.fsm.request import CALLS, TERMINAL, Admission, PollResult, RequestEvent, RequestView
@@ -59,7 +60,9 @@ class TieredCache:
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (core ``match``).
-        eviction, exclusive: eviction policy (``lru``, ``lru2``); an exclusive host tier.
+        eviction: the eviction policy (``lru``, ``lru2``).
+        exclusive: an exclusive host tier (see :class:`kvtier.fsm.core.CacheCore`).
+        l3: :class:`kvtier.fsm.l3.L3Options` turns on the L3 tier ``cache.l3`` (README "A third tier").
 
     Raises:
         ConfigError: bad capacities or options.
@@ -70,7 +73,7 @@ class TieredCache:
                  policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold: int = 2,
                  world_size: int = 1, max_writebacks_in_flight: int = 2, op_deadline_steps: int | None = None,
                  finish_writeback: bool | None = None, history_replay: bool = False, eviction: str = "lru",
-                 exclusive: bool = False) -> None:
+                 exclusive: bool = False, l3: L3Options | None = None) -> None:
         self.core = CacheCore(layout, device_pages, host_pages, policy=policy, write_threshold=write_threshold,
                               world_size=world_size, op_deadline_steps=op_deadline_steps, eviction=eviction,
                               exclusive=exclusive)
@@ -80,14 +83,14 @@ class TieredCache:
             finish_writeback = as_bool(finish_writeback, "finish_writeback (or None)", error=ConfigError)
         self.history_replay = as_bool(history_replay, "history_replay", error=ConfigError)
         self.layout = layout
-        self.finish_writeback = (self.core.policy is WritePolicy.WRITE_THROUGH) if finish_writeback is None \
-            else finish_writeback
+        self.finish_writeback = self.core.policy is WritePolicy.WRITE_THROUGH if finish_writeback is None else finish_writeback
         self._table = RequestTable(self.core)
         self._admitter = Admitter(self._table, self.history_replay)
         self._forward = ForwardResults(self._table)
         self._ender = Ender(self._table, self._forward, self.finish_writeback)
         self._router = CompletionRouter(self._table, self._forward)
         self._victims = 0
+        self.l3: L3Tier | None = L3Tier(self.core, l3) if l3 is not None else None
 
     def request(self, request_id: str) -> RequestView:
         """A summary of one request (UsageError: unknown request)."""
@@ -212,8 +215,9 @@ class TieredCache:
         Returns the checkpoint pages the tree adopted, as :meth:`step_done`.
 
         Raises:
-            UsageError: unknown request. IllegalTransition: not running. GuardRejected
-            (``settled``): a forward result is owed (step_done first). Nothing changes.
+            UsageError: unknown request.
+            IllegalTransition: not running.
+            GuardRejected: a forward result is owed (step_done first). Nothing changes.
         """
         return self._ender.finish(self._table.get(request_id))
 
@@ -221,14 +225,14 @@ class TieredCache:
         """Preempt: publish full units and the exact continuation state at its terminal,
         write back what resuming needs (its own operation), free its own pages now and
         let go of the tree's after the ack. Resume matches with ``state_recovery``.
-
         Returns the checkpoint pages the tree adopted, as :meth:`step_done` (fill them
         before submitting the commands :meth:`poll` returns).
 
         Raises:
-            UsageError: unknown request. IllegalTransition: not running. GuardRejected
-            (``settled``): a pass is out, whose KV writes would land in pages given away
-            (step_done first). Nothing changes.
+            UsageError: unknown request.
+            IllegalTransition: not running.
+            GuardRejected: ``settled`` is false: a pass is out, whose KV writes would land in
+                pages given away (step_done first). Nothing changes.
         """
         return self._ender.retract(self._table.get(request_id))
 
@@ -282,19 +286,15 @@ class TieredCache:
         commands = tuple(self.core.poll_commands())
         return PollResult(commands, tuple(self._table.take_events()))
 
-    def in_flight(self) -> bool:
-        """True while any operation or forward result is outstanding."""
+    def in_flight(self) -> bool:  # any operation or forward result outstanding
         return bool(self.core.ops_in_flight()) or self._table.owes_forward()
 
     def check_invariants(self) -> None:
-        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_requests`):
+        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_all`):
         raises InvariantViolation naming the invariant and the request or node."""
-        self.core.check_invariants()
-        check_requests(self._table)
+        check_all(self._table)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the core plus scheduler aborts."""
-        s = vars(self.core.stats).copy()
-        s.pop("extra", None)
-        s["scheduler_aborts"] = self.aborted_by_scheduler
-        return s
+        """The core's counters, scheduler aborts, and ``"facade"``: the requests' (FacadeCounters.as_dict)."""
+        s = {k: v for k, v in vars(self.core.stats).items() if k != "extra"}
+        return {**s, "scheduler_aborts": self.aborted_by_scheduler, "facade": self._table.counters.as_dict()}

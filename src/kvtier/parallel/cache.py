@@ -39,8 +39,10 @@ class RankCache(TieredCache):
     """:class:`~kvtier.tiered.TieredCache` for one rank of a tensor-parallel group.
 
     Args:
-        layout, device_pages, host_pages: as :class:`~kvtier.tiered.TieredCache` (page
-            counts, not bytes: every rank has the same counts; its pages hold its shard).
+        layout: as :class:`~kvtier.tiered.TieredCache`.
+        device_pages: as :class:`~kvtier.tiered.TieredCache` (page counts, not bytes:
+            every rank has the same counts; its pages hold its shard).
+        host_pages: likewise.
         world_size: ranks whose completions every operation needs (>= 1).
         **options: the other :class:`~kvtier.tiered.TieredCache` options.
 

@@ -3,8 +3,11 @@ configuration, and what the rules of several machines share (the kit's small lay
 the fault roll, the terminal request states).
 
 Fault injection: ``fault_rate`` (class attribute; :meth:`KitMachine.configured`) is the
-chance that a delivered completion reports failure; ``world_size`` fixes the number of
-tensor-parallel ranks (else drawn from 1 and 2).
+campaign's fault rate; each example draws its own rate from it (:data:`FAULT_MIX`: none,
+a fifth, the rate itself, or twice it, at most 1), so that all-success runs are common
+and so are failure-heavy ones, and a delivered completion fails with the example's rate
+(``kit_rate``); ``world_size`` fixes the number of tensor-parallel ranks (else drawn
+from 1 and 2).
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, Family
 from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.presets import preset
 from kvtier.fsm.request import TERMINAL as _REQUEST_TERMINAL
 from kvtier.fsm.spec import load_spec
 
 from .sequence import EventSequence, Step, machine_name
 
-__all__ = ["KitMachine", "RunStats", "STATS", "recorded", "kit_layout", "INVARIANTS", "ROLL", "TERMINAL"]
+__all__ = ["KitMachine", "RunStats", "STATS", "recorded", "kit_layout", "INVARIANTS", "ROLL", "TERMINAL",
+           "FAULT_MIX", "FAULT_LEVEL", "LAYOUTS", "STATE_LAYOUTS", "PRESET_PARAMS", "layout_named", "probe_layers"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -74,6 +79,42 @@ def kit_layout(with_state: bool = False) -> CacheLayout:
     return CacheLayout("kvtier-testing", tuple(groups), 3)
 
 
+#: The presets' layouts the machines run, with fewer layers and smaller heads than the
+#: models (the lifecycle depends on the groups, their families, page geometry in tokens,
+#: windows and layer sets, not on the bytes per page): every group of each preset kept.
+PRESET_PARAMS: dict[str, dict[str, Any]] = {
+    "deepseek-v4": {"num_layers": 6, "head_dim": 128, "rope_dim": 64, "index_head_dim": 32},
+    "llama-3-8b": {"num_layers": 4, "kv_heads": 1, "head_dim": 16},
+    "deepseek-v3": {"num_layers": 4, "values_per_token": 32},
+}
+#: Layout names the machines draw (:func:`layout_named`): the kit's small layouts, then
+#: every preset's (``fsm/presets.py``).
+LAYOUTS: tuple[str, ...] = ("kit", "kit+state", *PRESET_PARAMS)
+#: The layouts with continuation-state groups (checkpoints).
+STATE_LAYOUTS: tuple[str, ...] = ("kit+state", "deepseek-v4")
+
+
+def layout_named(name: str) -> CacheLayout:
+    """The layout a machine's setup names: ``kit`` / ``kit+state`` (:func:`kit_layout`)
+    or a preset of ``fsm/presets.py`` with :data:`PRESET_PARAMS`.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name in ("kit", "kit+state"):
+        return kit_layout(name == "kit+state")
+    if name not in PRESET_PARAMS:
+        raise ValueError(f"unknown kit layout {name!r}; expected one of {list(LAYOUTS)}")
+    return preset(name, **PRESET_PARAMS[name])
+
+
+def probe_layers(layout: CacheLayout) -> tuple[int, ...]:
+    """The layers a simulated loadback reports progress for: the first, a middle and the
+    last layer (so an off-by-one in layer readiness shows between them)."""
+    n = layout.num_layers
+    return tuple(sorted({0, n // 2, n - 1}))
+
+
 class KitMachine(RuleBasedStateMachine):
     """Base of the kit's machines: step recording, named invariant checks, configuration.
 
@@ -89,6 +130,7 @@ class KitMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.kit_rate = self.fault_rate
         self.kit_trace: list[Step] = []
         self.kit_replaying = False
         STATS.examples += 1
@@ -104,9 +146,15 @@ class KitMachine(RuleBasedStateMachine):
         sub.__module__ = cls.__module__
         return sub
 
+    def kit_fault_level(self, level: int | None) -> None:
+        """Set this example's fault rate: ``fault_rate`` times :data:`FAULT_MIX` [``level``]
+        (at most 1); ``None`` keeps ``fault_rate`` (sequences saved before the mix)."""
+        self.kit_rate = self.fault_rate if level is None else min(1.0, self.fault_rate * FAULT_MIX[level])
+
     def kit_fail(self, roll: int) -> bool:
-        """Whether a completion drawn with ``roll`` (0..999) fails under ``fault_rate``."""
-        return roll < int(round(self.fault_rate * 1000))
+        """Whether a completion drawn with ``roll`` (0..999) fails under this example's
+        fault rate (``kit_rate``)."""
+        return roll < int(round(self.kit_rate * 1000))
 
     def kit_set_args(self, **args: Any) -> None:
         """Replace the recorded arguments of the step now running (effective values)."""
@@ -147,6 +195,11 @@ class KitMachine(RuleBasedStateMachine):
         raise NotImplementedError(f"{type(self).__name__} does not support bounded verification")
 
 
+#: Per-example fault rate, as multiples of the campaign's ``fault_rate`` (level 0, no
+#: faults at all, is what Hypothesis shrinks toward).
+FAULT_MIX: tuple[float, ...] = (0.0, 0.2, 1.0, 2.0)
+#: The per-example fault level drawn by the machines' setup (an index into :data:`FAULT_MIX`).
+FAULT_LEVEL = st.integers(0, len(FAULT_MIX) - 1)
 #: A completion's fault roll (0..999), compared with ``fault_rate`` by :meth:`KitMachine.kit_fail`.
 ROLL = st.integers(0, 999)
 #: The request states a request ends in.

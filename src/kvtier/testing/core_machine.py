@@ -19,9 +19,11 @@ from kvtier.fsm.node import DEVICE_READABLE, Node
 from kvtier.fsm.ops import Settled
 from kvtier.fsm.records import TransferCommand
 
+from ..eventlog import attach_active
 from . import _views as views
-from .base import ROLL, KitMachine, kit_layout, recorded
+from .base import FAULT_LEVEL, LAYOUTS, ROLL, KitMachine, kit_layout, layout_named, probe_layers, recorded
 from .content import check_tree_bytes, content, node_prefix
+from .models import ModelViolation, check_eviction_order, liveness_bound, snapshot_candidates
 from .sequence import register_machine
 
 __all__ = ["CoreMachine"]
@@ -36,7 +38,12 @@ class CoreMachine(KitMachine):
     After every step ``check_invariants()`` holds, and the byte model checks invariant
     12: every device or host page a node exposes holds exactly the content written for
     its prefix (located through the page mapping). A reference set of inserted keys
-    checks that nothing is matched beyond an inserted prefix.
+    checks that nothing is matched beyond an inserted prefix. The setup draws the layout
+    (the kit's, with or without state groups, or a preset's: :data:`~kvtier.testing.base.LAYOUTS`),
+    the eviction policy (``lru``, ``lru2``, exclusive host tier) and the example's fault
+    level; inserts make final and chunk checkpoints. Reference models
+    (:mod:`kvtier.testing.models`): every eviction takes victims in the policy's order,
+    and ``quiesce`` checks that everything queued is issued within a bound.
     """
 
     kit_invariants = ("check_cache_invariants", "check_loaded_equals_written")
@@ -54,21 +61,32 @@ class CoreMachine(KitMachine):
         self.commands: dict[int, TransferCommand] = {}
         self.failed_ops: set[int] = set()
         self.world = 1
+        self.layers: tuple[int, ...] = (0, 2)
+        self.eviction = "lru"
+        self.exclusive = False
 
     @initialize(with_state=st.booleans(), world=st.sampled_from([1, 2]), policy=st.sampled_from(
         ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 8),
         host_units=st.integers(2, 10), deadline=st.sampled_from([None, 3]),
-        seed_keys=st.lists(_KEYS, max_size=3))
+        seed_keys=st.lists(_KEYS, max_size=3), layout=st.sampled_from(LAYOUTS),
+        eviction=st.sampled_from(["lru", "lru2"]), exclusive=st.booleans(), faults=FAULT_LEVEL)
     @recorded
     def setup(self, with_state: bool, world: int, policy: str, dev_units: int, host_units: int,
-              deadline: int | None, seed_keys: list[list[str]]) -> None:
+              deadline: int | None, seed_keys: list[list[str]], layout: str | None = None,
+              eviction: str = "lru", exclusive: bool = False, faults: int | None = None) -> None:
         if self.world_size is not None and not self.kit_replaying:
             world = self.world_size
         self.kit_set_args(with_state=with_state, world=world, policy=policy, dev_units=dev_units,
-                          host_units=host_units, deadline=deadline, seed_keys=seed_keys)
+                          host_units=host_units, deadline=deadline, seed_keys=seed_keys, layout=layout,
+                          eviction=eviction, exclusive=exclusive, faults=faults)
+        self.kit_fault_level(faults)
         self.world = world
-        self.cache = CacheCore(kit_layout(with_state), dev_units, host_units, policy=policy,
-                                       world_size=world, op_deadline_steps=deadline)
+        self.eviction, self.exclusive = eviction, exclusive
+        lay = kit_layout(with_state) if layout is None else layout_named(layout)
+        self.layers = probe_layers(lay)
+        self.cache = CacheCore(lay, dev_units, host_units, policy=policy, world_size=world,
+                               op_deadline_steps=deadline, eviction=eviction, exclusive=exclusive)
+        attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
         for key in seed_keys:
             self._insert(tuple(key), True)
 
@@ -86,7 +104,7 @@ class CoreMachine(KitMachine):
             for rank in range(self.world):
                 q: list[Completion] = []
                 if cmd.direction is Direction.LOADBACK:
-                    q += [Completion(cmd.op_id, rank, True, layer) for layer in (0, 2)]
+                    q += [Completion(cmd.op_id, rank, True, layer) for layer in self.layers]
                 q.append(Completion(cmd.op_id, rank, True, None))
                 queues.append(q)
             self.events[cmd.op_id] = queues
@@ -111,7 +129,7 @@ class CoreMachine(KitMachine):
             for s, d in zip(t.src_pages, t.dst_pages):
                 dst[(t.group, d)] = src.get((t.group, s)) if ok else ("garbage", op_id)
 
-    def _insert(self, key: tuple[str, ...], checkpoint: bool) -> None:
+    def _insert(self, key: tuple[str, ...], checkpoint: bool, chunk: bool = False) -> None:
         c = self.cache
         ppu, history = views.pages_per_unit(c), views.history_groups(c)
         m = c.match(key)
@@ -138,7 +156,7 @@ class CoreMachine(KitMachine):
         for g, ps in ckpt.items():
             for j, p in enumerate(ps):
                 self.dev_bytes[(g, p)] = content(key, g, j, ppu)
-        result = c.insert(key, pages, ckpt or None)
+        result = c.insert(key, pages, ckpt or None, chunk_checkpoint=chunk and bool(ckpt))
         if hold is not None:
             c.unlock(hold)
         self.inserted.add(key)
@@ -149,15 +167,17 @@ class CoreMachine(KitMachine):
         self._take_commands()
 
     # -- rules ---------------------------------------------------------------------
-    @rule(key=_KEYS, checkpoint=st.booleans())
+    @rule(key=_KEYS, checkpoint=st.booleans(), chunk=st.booleans())
     @recorded
-    def insert(self, key: list[str], checkpoint: bool) -> None:
-        self._insert(tuple(key), checkpoint)
+    def insert(self, key: list[str], checkpoint: bool, chunk: bool = False) -> None:
+        """Publish ``key`` (with a checkpoint at its end; a chunk checkpoint, which a
+        deeper one replaces, when ``chunk``)."""
+        self._insert(tuple(key), checkpoint, chunk)
 
-    @rule(key=_KEYS)
+    @rule(key=_KEYS, chunk=st.booleans())
     @recorded
-    def insert_and_write_through(self, key: list[str]) -> None:
-        self._insert(tuple(key), True)
+    def insert_and_write_through(self, key: list[str], chunk: bool = False) -> None:
+        self._insert(tuple(key), True, chunk)
         self.cache.issue_writebacks()
         self._take_commands()
 
@@ -234,9 +254,9 @@ class CoreMachine(KitMachine):
             self._load_key(node_prefix(n))
 
     @precondition(lambda self: bool(views.nodes(self.cache)))
-    @rule(i=st.integers(0, 100), checkpoint=st.booleans())
+    @rule(i=st.integers(0, 100), checkpoint=st.booleans(), chunk=st.booleans())
     @recorded
-    def insert_split(self, i: int, checkpoint: bool) -> None:
+    def insert_split(self, i: int, checkpoint: bool, chunk: bool = False) -> None:
         """Insert a key diverging after the first unit of an existing node (a split in
         whatever state the node is in)."""
         n = self._node_at(i)
@@ -245,13 +265,16 @@ class CoreMachine(KitMachine):
         key = node_prefix(n)
         if len(n.key) >= 2:
             cut = len(key) - len(n.key) + 1
-            self._insert(tuple(str(u) for u in key[:cut]) + ("z",), checkpoint)
+            self._insert(tuple(str(u) for u in key[:cut]) + ("z",), checkpoint, chunk)
 
     @precondition(lambda self: any(any(q) for qs in self.events.values() for q in qs))
     @rule()
     @recorded
     def drain(self) -> None:
         """Deliver every pending completion successfully, oldest op first."""
+        self._drain()
+
+    def _drain(self) -> None:
         while self.events:
             op = min(self.events)
             for rank, q in enumerate(self.events[op]):
@@ -350,14 +373,23 @@ class CoreMachine(KitMachine):
                             raise InvariantViolation("operation_ends_once", f"op {op}",
                                                      "a late completion after the deadline was not absorbed")
 
-    @rule(g=st.sampled_from(["kv", "c4"]), n=st.integers(1, 8), tier=st.sampled_from(["device", "host"]))
+    @rule(g=st.integers(0, 3), n=st.integers(1, 8), tier=st.sampled_from(["device", "host"]))
     @recorded
-    def pressure(self, g: str, n: int, tier: str) -> None:
+    def pressure(self, g: int | str, n: int, tier: str) -> None:
+        """Evict ``n`` pages of a history group (by index; a name in older sequences),
+        checking the pages freed and the victims' order against the policy's shadow."""
         c = self.cache
+        history = views.history_groups(c)
+        g = g if isinstance(g, str) else history[g % len(history)]
         pool = c.device if tier == "device" else c.host
         assert pool is not None
         before = pool[g].free
+        victim = views.device_victim if tier == "device" else views.host_victim
+        cands = snapshot_candidates([x for x in c.nodes() if victim(c, x)], self.eviction, tier,
+                                    self.exclusive and c.has_host)
+        queued_before = set(views.writeback_queue(c))
         freed = c.evict_device({g: n}) if tier == "device" else c.evict_host({g: n})
+        check_eviction_order(cands, tier, set(views.nodes(c)), set(views.writeback_queue(c)), queued_before)
         if pool[g].free != before + freed[g]:
             raise InvariantViolation("conservation", f"{tier} pool of {g!r}",
                                      f"eviction reported {freed[g]} pages freed, {pool[g].free - before} were")
@@ -371,6 +403,26 @@ class CoreMachine(KitMachine):
             if left:
                 raise InvariantViolation("host_evict_leaves" if tier == "host" else "conservation",
                                          f"{tier} eviction", f"stopped with victims left: {left}")
+
+    @rule()
+    @recorded
+    def quiesce(self) -> None:
+        """Liveness: rounds of "issue queued writebacks, deliver everything successfully";
+        within :func:`~kvtier.testing.models.liveness_bound` rounds nothing may be queued
+        or in flight (every queued writeback issued, or dropped because its node left or
+        the host refused it)."""
+        c = self.cache
+        bound = liveness_bound(len(views.nodes(c)))
+        for _ in range(bound):
+            c.issue_writebacks()
+            self._take_commands()
+            if not self.events and not views.writeback_queue(c):
+                break
+            self._drain()
+        left = views.writeback_queue(c)
+        if left or views.ops(c) or self.events:
+            raise ModelViolation("model_liveness", "the core",
+                                 f"after {bound} rounds: queued {sorted(left)}, in flight {sorted(views.ops(c))}")
 
     # -- invariants ------------------------------------------------------------------
     def check_cache_invariants(self) -> None:

@@ -8,6 +8,14 @@ never exercised until some test fires it:
 - every guard of every lifecycle, seen true and seen false;
 - every (state, event) pair the spec does not allow, seen rejected.
 
+Hits are attributed to a *source* (the machine running). The *product* sources are the
+machines that drive the real core or facade (``core``, ``facade``, engines' own); the
+raw lifecycle machines fire events at the spec's machines directly. What the product
+must drive (:meth:`LifecycleCoverage.product_required`) is every transition and every
+guard value some transition accepts with; a guard value that only refuses (``unlocked =
+false``, ``has_device_child = true``) is exempt, since a correct core never fires a
+trigger its guards refuse, and so are rejections.
+
 Recording wraps :meth:`kvtier.fsm.machines.Lifecycle.fire` and ``check`` in the test
 process (``with coverage.recording(): ...``); ``fsm/`` itself is not changed. A guard's
 value is recorded whenever a candidate transition that names it is considered.
@@ -25,7 +33,32 @@ from kvtier.fsm.errors import IllegalTransition
 from kvtier.fsm.machines import Lifecycle
 from kvtier.fsm.spec import INTERNAL, Specification, TransitionSpec, load_spec
 
-__all__ = ["CoverageItem", "LifecycleCoverage", "transition_label"]
+__all__ = ["CoverageItem", "LifecycleCoverage", "transition_label", "UNREACHABLE_BY_PRODUCT"]
+
+#: Spec transitions a correct core and facade never take, with the reason (exempt from
+#: the product requirement, listed in every report; the raw request machine fires them).
+#: Abort poisons the request's own writebacks (``fsm/request_ends.py``, ``Ender.abort``),
+#: so in ``aborting`` they always end in ``writeback_fail``; and an aborting request owns
+#: at most one writeback (from ``finishing`` or ``retracting``, both entered settled: no
+#: forward result, no loadback), so that failure always settles it.
+UNREACHABLE_BY_PRODUCT: dict[str, str] = {
+    "request: aborting --writeback_ack [settled]--> aborted":
+        "abort poisons its own writeback: it ends in writeback_fail",
+    "request: aborting --writeback_ack [!settled]--> aborting":
+        "abort poisons its own writeback: it ends in writeback_fail",
+    "request: aborting --writeback_fail [!settled]--> aborting":
+        "an aborting request's own writeback is its only owed item (finishing and retracting are entered settled)",
+}
+
+
+#: Parts of the spec the fuzz's product machines do not run, with the reason: the L3 tier
+#: (the ``[l3]`` lifecycle and the node's ``fetching`` state) needs a store; the raw
+#: machines fire its transitions, and tests/l3 drives the product against a real Redis.
+OUTSIDE_FUZZ_PRODUCT = "the L3 tier needs a store: the raw machines and tests/l3 (real Redis) drive it"
+
+
+def _outside_fuzz_product(label: str) -> bool:
+    return label.startswith("l3:") or (label.startswith("node:") and ("fetch" in label))
 
 
 def transition_label(lifecycle: str, t: TransitionSpec) -> str:
@@ -72,6 +105,12 @@ class LifecycleCoverage:
                         item = CoverageItem("rejection", f"{lc.name}: {e} in {s}")
                         self._reject_item[(lc.name, s, e)] = item
                         self.items.append(item)
+        #: guard values some transition accepts with (the others only refuse)
+        self._accepting: set[CoverageItem] = set()
+        for lc in self.spec.lifecycles:
+            for t in lc.transitions:
+                for ref in t.guards:
+                    self._accepting.add(self._guard_item[(lc.name, ref.name, not ref.negated)])
         self.hits: dict[CoverageItem, Counter[str]] = {i: Counter() for i in self.items}
         self.source = "-"
         self.fires = 0
@@ -159,6 +198,20 @@ class LifecycleCoverage:
     @property
     def complete(self) -> bool:
         return not self.missing()
+
+    def product_required(self) -> list[CoverageItem]:
+        """What the product must drive: every transition and every accepting guard value."""
+        return [i for i in self.items if not _outside_fuzz_product(i.label) and (
+            (i.kind == "transition" and i.label not in UNREACHABLE_BY_PRODUCT) or i in self._accepting)]
+
+    def product_exempt(self) -> list[CoverageItem]:
+        """Guard values that only refuse (exempt from the product requirement)."""
+        return [i for i in self.items if i.kind == "guard" and i not in self._accepting]
+
+    def product_missing(self, sources: set[str]) -> list[CoverageItem]:
+        """Items of :meth:`product_required` never hit by any of ``sources``."""
+        done = set(self.covered(None, sources))
+        return [i for i in self.product_required() if i not in done]
 
     def merge(self, other: LifecycleCoverage) -> None:
         for item, counts in other.hits.items():

@@ -15,16 +15,20 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
+from kvtier.fsm import Completion, Direction
 from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, KvtierError, LifecycleError, UnknownOperation
+from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import request_lifecycle
-from kvtier.fsm.node import HOST_VISIBLE
+from kvtier.fsm.node import HOST_VISIBLE, Node
 from kvtier.fsm.ops import Operation
 
+from ..eventlog import attach_active
 from ..tiered import TieredCache
 from . import _views as views
-from .base import ROLL, TERMINAL, KitMachine, kit_layout, recorded
+from .base import FAULT_LEVEL, LAYOUTS, ROLL, TERMINAL, KitMachine, layout_named, recorded
 from .canonical import CanonicalState
 from .content import check_tree_bytes, content, node_prefix
+from .models import LayerModel, ModelViolation, liveness_bound
 from .plugs import SchedulerAdapter, TransferBackend
 from .sequence import Step, register_machine
 
@@ -32,6 +36,7 @@ __all__ = ["FacadeMachine"]
 
 _REQS = 3
 _RARE = st.integers(0, 4)  # destructive rules act when 0: one draw in five
+_ABORT_ALWAYS = frozenset({"loading", "fenced", "finishing", "retracting", "retracted"})
 
 
 class FacadeMachine(KitMachine):
@@ -40,15 +45,27 @@ class FacadeMachine(KitMachine):
     invariants plus invariant 12 for the tree and for what running requests read.
 
     Requests ``r0``..``r2`` have prompts drawn from a small alphabet (shared prefixes,
-    splits); their decode units are private. Subclass and override
-    :meth:`make_scheduler` / :meth:`make_transfer` to test an engine's integration.
+    splits); their decode units are private. The setup draws the layout (the kit's, with
+    or without continuation-state groups, or a preset's), so checkpoints (final and
+    chunk) are published and their pages filled, and the example's fault level.
+    Reference models (:mod:`kvtier.testing.models`) follow the run: ``layer_ready`` of
+    every request and layer against a per-rank model of the delivered layer completions;
+    an aborted request's own writeback is never published; admission never reuses the
+    whole prompt; ``quiesce`` checks that everything queued is issued, acknowledged and
+    released within a bound. Subclass and override :meth:`make_scheduler` /
+    :meth:`make_transfer` to test an engine's integration.
     """
 
     kit_invariants = ("check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
-                      "check_request_records")
+                      "check_request_records", "check_layer_ready")
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3
+    #: for ``kvtier verify``: prompts end one token past their last unit (so the whole
+    #: prompt's units may be reused, the case where a later request loads them back)
+    verify_tail: ClassVar[bool] = False
+    #: whether the setup may draw operation deadlines
+    kit_deadlines: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,13 +78,20 @@ class FacadeMachine(KitMachine):
         self.world = 1
         self.deadline: int | None = None
         self.fenced: dict[str, dict[str, list[int]]] = {}  # aborting request -> own pages it must keep
+        self.layout: CacheLayout = layout_named("kit")
+        self.finish_writeback: bool | None = None  # TieredCache(finish_writeback=...): None is its default
+        self.layer_model = LayerModel()
+        # an aborted request's own writebacks (poisoned): op -> (request, destination host pages, nodes)
+        self.poisoned: dict[int, tuple[str, dict[str, set[int]], list[Node]]] = {}
 
     # -- plug points -----------------------------------------------------------------
     def make_cache(self, world: int, policy: str, dev_units: int, host_units: int, deadline: int | None,
                    wb_limit: int) -> TieredCache:
-        """The cache under test (override to change the layout or options)."""
-        return TieredCache(kit_layout(False), dev_units, host_units, policy=policy, world_size=world,
-                           op_deadline_steps=deadline, max_writebacks_in_flight=wb_limit)
+        """The cache under test on ``self.layout`` (the layout the setup drew); override to
+        change the options."""
+        return TieredCache(self.layout, dev_units, host_units, policy=policy, world_size=world,
+                           op_deadline_steps=deadline, max_writebacks_in_flight=wb_limit,
+                           finish_writeback=self.finish_writeback)
 
     def make_scheduler(self, cache: TieredCache) -> SchedulerAdapter:
         """The scheduler adapter (override to plug in an engine's scheduler)."""
@@ -79,17 +103,26 @@ class FacadeMachine(KitMachine):
 
     @initialize(world=st.sampled_from([1, 2]), policy=st.sampled_from(
         ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 10),
-        host_units=st.integers(2, 10), deadline=st.sampled_from([None, 4]), wb_limit=st.sampled_from([1, 2]))
+        host_units=st.integers(2, 10), deadline=st.sampled_from([None, 4]), wb_limit=st.sampled_from([1, 2]),
+        layout=st.sampled_from(("kit+state", *LAYOUTS)), faults=FAULT_LEVEL,
+        finish_wb=st.sampled_from([None, True, False]))
     @recorded
     def setup(self, world: int, policy: str, dev_units: int, host_units: int, deadline: int | None,
-              wb_limit: int) -> None:
+              wb_limit: int, layout: str | None = None, faults: int | None = None,
+              finish_wb: bool | None = None) -> None:
         if self.world_size is not None and not self.kit_replaying:
             world = self.world_size
+        if not self.kit_deadlines:
+            deadline = None
         self.kit_set_args(world=world, policy=policy, dev_units=dev_units, host_units=host_units,
-                          deadline=deadline, wb_limit=wb_limit)
+                          deadline=deadline, wb_limit=wb_limit, layout=layout, faults=faults, finish_wb=finish_wb)
+        self.finish_writeback = finish_wb
+        self.kit_fault_level(faults)
+        self.layout = layout_named(layout or "kit")
         self.world = world
         self.deadline = deadline
         self.cache = self.make_cache(world, policy, dev_units, host_units, deadline, wb_limit)
+        attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
         self.sched = self.make_scheduler(self.cache)
         self.xfer = self.make_transfer(world, self.cache.layout.num_layers)
 
@@ -116,9 +149,48 @@ class FacadeMachine(KitMachine):
         ops = views.ops(self.cache.core)
         for op_id in sorted(set(self.inflight) - set(ops)):
             op = self.inflight.pop(op_id)
-            self.xfer.apply(op_id, op.ok and op_id not in self.expired)
+            ok = op.ok and op_id not in self.expired
+            self.xfer.apply(op_id, ok)
+            if op.command.direction is Direction.LOADBACK:
+                self.layer_model.settled(op_id, ok)
+            self._check_unpublished(op_id)
         for op_id, op in ops.items():
             self.inflight.setdefault(op_id, op)
+
+    def _complete(self, ev: Completion) -> None:
+        """Deliver one completion, recording it in the layer model."""
+        op = views.ops(self.cache.core).get(ev.op_id)
+        if op is not None and op.command.direction is Direction.LOADBACK:
+            self.layer_model.delivered(ev.op_id, ev.rank, ev.layer, ev.ok)
+        self.sched.complete(ev)
+
+    def _check_unpublished(self, op_id: int) -> None:
+        """Model: an aborted request's own writeback, once settled, left no host copy."""
+        entry = self.poisoned.pop(op_id, None)
+        if entry is None:
+            return
+        rid, dst, op_nodes = entry
+        live = views.nodes(self.cache.core)
+        for n in op_nodes:
+            if live.get(n.node_id) is not n or n.state not in HOST_VISIBLE:
+                continue
+            for g, pages in dst.items():
+                if pages & set(n.host.get(g, ())) or pages & set(n.host_ckpt.get(g, ())):
+                    raise ModelViolation("model_aborted_unpublished", f"request {rid!r}",
+                                         f"its own writeback op {op_id} was published after the abort "
+                                         f"(node {n.node_id} shows host pages of {g!r} it wrote)")
+
+    def _fill_checkpoint(self, rid: str, adopted: dict[str, list[int]] | None) -> None:
+        """The engine fills the checkpoint pages the tree adopted with the state at the
+        request's terminal (its published units)."""
+        if not adopted:
+            return
+        r = views.requests(self.cache)[rid]
+        prefix = tuple(r.units[: r.published])
+        ppu = self._ppu()
+        for g, pages in adopted.items():
+            for j, p in enumerate(pages):
+                self.xfer.dev[(g, p)] = content(prefix, g, j, ppu)
 
     def _expect_refused(self, rid: str, call: Callable[[], Any]) -> None:
         before = self._state(rid)
@@ -177,32 +249,138 @@ class FacadeMachine(KitMachine):
             self._expect_refused(rid, lambda: self.sched.admit(rid, list(key), prompt, chunk * align))
             return
         self.units[rid] = list(key)
-        adm = self.sched.admit(rid, list(key), prompt, chunk * align)
+        self._admit(rid, prompt, chunk * align)
+
+    def _admit(self, rid: str, prompt: int, chunk_tokens: int) -> None:
+        adm = self.sched.admit(rid, list(self.units[rid]), prompt, chunk_tokens)
         if adm is not None:
+            if adm.hit_tokens >= prompt:
+                raise ModelViolation("model_whole_prompt", f"request {rid!r}",
+                                     f"admission reuses {adm.hit_tokens} of its {prompt} prompt tokens: "
+                                     f"the last token must be computed")
+            self.layer_model.admitted(rid, adm.wait_ops)
             self._check_read(rid, adm.device_hit_tokens)
         self._sync()
 
+    def _demote(self) -> None:
+        """Time passes under memory pressure: every transfer completes successfully, then
+        device pressure demotes every evictable backed node (under ``write_back`` it
+        queues their writebacks first: a second round demotes them), so host hits follow."""
+        core = self.cache.core
+        for _ in range(2):
+            self._pump()
+            core.evict_device({g: 1 << 20 for g in views.history_groups(core)})
+            self._sync()
+
+    def _pump(self) -> None:
+        """Poll, then deliver every pending completion successfully, oldest op first."""
+        self._poll()
+        while self.xfer.ready():
+            op, rank = self.xfer.ready()[0]
+            self._complete(self.xfer.take(op, rank, True))
+            self._sync()
+
     @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
-    @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), chunk=st.integers(1, 3))
+    @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), chunk=st.integers(1, 3), tail=st.booleans(),
+          demote=st.booleans())
     @recorded
-    def admit_cached(self, req: int, i: int, chunk: int) -> None:
-        """Admit a prompt that extends the prefix of a node with a host copy (a host hit,
-        so a loadback when the node was demoted)."""
-        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state in HOST_VISIBLE]
-        if not nodes:
-            return
-        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
+    def admit_cached(self, req: int, i: int, chunk: int, tail: bool = True, demote: bool = False) -> None:
+        """Admit a prompt that is the prefix of a node with a host copy (host-only nodes
+        first, so a loadback), plus one token when ``tail``; with ``demote``, device
+        pressure demotes what it can first."""
         rid = self._rid(req)
         state = self._state(rid)
         r = views.requests(self.cache).get(rid)
-        align = self.cache.layout.alignment
-        prompt = len(key) * align + 1
         if r is not None and (state not in ("waiting", *TERMINAL) or not r.settled):
             return
+        if demote:
+            self._demote()
+        all_nodes = [n for _, n in sorted(views.nodes(self.cache.core).items())]
+        nodes = ([n for n in all_nodes if n.state == "host"]
+                 or [n for n in all_nodes if n.state in HOST_VISIBLE])
+        if not nodes:
+            return
+        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
+        align = self.cache.layout.alignment
         self.units[rid] = list(key)
-        adm = self.sched.admit(rid, list(key), prompt, chunk * align)
+        self._admit(rid, len(key) * align + (1 if tail else 0), chunk * align)
+
+    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), tail=st.booleans(), demote=st.booleans(),
+          overlap=st.booleans(), load_ok=st.booleans())
+    @recorded
+    def next_turn(self, req: int, chunk: int, tail: bool, demote: bool = True, overlap: bool = False,
+                  load_ok: bool = True) -> None:
+        """A conversation's next turn: a running request with no forward result owed
+        finishes, (with ``demote``) time passes under memory pressure, then the same id
+        is admitted with the whole conversation so far as its prompt (a host hit after a
+        demotion: a loadback). With ``overlap`` a second forward pass is reserved while
+        it loads (overlapped scheduling); without ``load_ok`` every rank then reports its
+        loadback failed (the request is fenced while its passes are out)."""
+        rid = self._rid(req)
+        r = views.requests(self.cache).get(rid)
+        if r is not None and r.state == "running" and r.owed_forward > 0:
+            self._forward(rid, False, False)  # its forward result comes back first
+        if r is None or r.state != "running" or r.owed_forward > 0:
+            return
+        self._fill_checkpoint(rid, self.sched.finish(rid))
+        self._sync()
+        if demote:
+            self._demote()
+        if self._state(rid) not in ("finished", None):
+            return
+        units: list[Hashable] = [str(u) for u in views.requests(self.cache)[rid].units] \
+            if rid in views.requests(self.cache) else [str(u) for u in r.units]
+        if not units:
+            return
+        align = self.cache.layout.alignment
+        self.units[rid] = units
+        self._admit(rid, len(units) * align + (1 if tail else 0), chunk * align)
+        r = views.requests(self.cache).get(rid)
+        if r is None or r.state != "loading":
+            return
+        if overlap:
+            self.sched.reserve(rid, align)
+            self._sync()
+        if not load_ok:
+            ops = views.ops(self.cache.core)
+            for op in sorted(r.ops):
+                if op in ops and ops[op].command.direction is Direction.LOADBACK:
+                    self._finish_op(op, False)
+
+    def _finish_op(self, op: int, ok: bool) -> None:
+        """Poll, then deliver every pending completion of ``op`` on every rank with ``ok``."""
+        self._poll()
+        while True:
+            ready = [(o, rank) for o, rank in self.xfer.ready() if o == op]
+            if not ready:
+                return
+            self._complete(self.xfer.take(op, ready[0][1], ok))
+            self._sync()
+
+    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), wb_ok=st.booleans())
+    @recorded
+    def preempt(self, req: int, chunk: int, wb_ok: bool = True) -> None:
+        """Preemption under memory pressure: a running request with no forward result
+        owed is retracted, its own writeback completes (without ``wb_ok`` every rank
+        reports it failed: the request is aborted), device pressure demotes what it can,
+        and the request resumes (from the host: a loadback)."""
+        rid = self._rid(req)
+        r = views.requests(self.cache).get(rid)
+        if r is not None and r.state == "running" and r.owed_forward > 0:
+            self._forward(rid, False, False)  # its forward result comes back first
+        if r is None or r.state != "running" or r.owed_forward > 0:
+            return
+        self._fill_checkpoint(rid, self.sched.retract(rid))
+        self._sync()
+        if not wb_ok:
+            for op in sorted(views.requests(self.cache)[rid].ops):
+                self._finish_op(op, False)
+        self._demote()
+        if self._state(rid) != "retracted":
+            return
+        adm = self.sched.resume(rid, chunk * self.cache.layout.alignment)
         if adm is not None:
-            self._check_read(rid, adm.device_hit_tokens)
+            self.layer_model.admitted(rid, adm.wait_ops)
         self._sync()
 
     @rule(req=st.integers(0, _REQS - 1), checkpoint=st.booleans(), discard=st.booleans())
@@ -226,7 +404,7 @@ class FacadeMachine(KitMachine):
         align = self.cache.layout.alignment
         full = (r.tokens + computed) // align
         new = [self._unit(rid, u) for u in range(len(r.units), full)] if full > len(r.units) else []
-        self.sched.step_done(rid, computed, new, checkpoint)
+        self._fill_checkpoint(rid, self.sched.step_done(rid, computed, new, checkpoint))
         self._sync()
 
     @rule(req=st.integers(0, _REQS - 1), units=st.integers(1, 2))
@@ -258,7 +436,8 @@ class FacadeMachine(KitMachine):
         if r is not None and r.state == "running" and r.owed_forward > 0:
             self._forward(rid, False, False)  # the last forward result first
         if r is not None:  # finishing is legal once no forward result is owed
-            self._lifecycle_call(rid, r.state == "running" and r.owed_forward == 0, lambda: self.sched.finish(rid))
+            self._lifecycle_call(rid, r.state == "running" and r.owed_forward == 0,
+                                 lambda: self._fill_checkpoint(rid, self.sched.finish(rid)))
 
     @rule(req=st.integers(0, _REQS - 1), go=_RARE)
     @recorded
@@ -268,27 +447,48 @@ class FacadeMachine(KitMachine):
             r = views.requests(self.cache).get(rid)
             # (refused while a forward result is owed: the forward fence, invariant 16)
             legal = r is not None and r.state == "running" and r.owed_forward == 0
-            self._lifecycle_call(rid, legal, lambda: self.sched.retract(rid))
+            self._lifecycle_call(rid, legal, lambda: self._fill_checkpoint(rid, self.sched.retract(rid)))
 
-    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3))
+    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), demote=st.booleans())
     @recorded
-    def resume(self, req: int, chunk: int) -> None:
+    def resume(self, req: int, chunk: int, demote: bool = False) -> None:
+        """Resume (with ``demote``: after device pressure, so its terminal is likely host
+        only and resuming loads it back)."""
         rid = self._rid(req)
         state = self._state(rid)
         if state is None:
             return
+        if demote and state == "retracted":
+            self._demote()
         align = self.cache.layout.alignment
-        self._lifecycle_call(rid, state == "retracted", lambda: self.sched.resume(rid, chunk * align))
+
+        def call() -> None:
+            adm = self.sched.resume(rid, chunk * align)
+            if adm is not None:
+                self.layer_model.admitted(rid, adm.wait_ops)
+
+        self._lifecycle_call(rid, state == "retracted", call)
 
     @rule(req=st.integers(0, _REQS - 1), go=_RARE)
     @recorded
     def abort(self, req: int, go: int = 0) -> None:
+        """Abort: one draw in five while running or waiting, always while the request
+        waits on a transfer or a forward result (``loading``, ``fenced``, ``finishing``,
+        ``retracting``) or is ``retracted``, whose aborts are the rarer paths."""
         rid = self._rid(req)
         state = self._state(rid)
-        if go == 0 and state is not None:
+        if state is not None and (go == 0 or state in _ABORT_ALWAYS):
             r = views.requests(self.cache)[rid]
             own = {g: list(p) for g, p in r.own.items() if p}
+            ops = views.ops(self.cache.core)
+            mine = {op: ops[op] for op in r.ops if op in ops and ops[op].command.direction is Direction.WRITEBACK}
             self._lifecycle_call(rid, state not in ("aborting", *TERMINAL), lambda: self.sched.abort(rid))
+            if self._state(rid) in ("aborting", "aborted"):
+                for op_id, op in mine.items():
+                    dst: dict[str, set[int]] = {}
+                    for t in op.command.transfers:
+                        dst.setdefault(t.group, set()).update(t.dst_pages)
+                    self.poisoned[op_id] = (rid, dst, list(op.nodes))
             if self._state(rid) == "aborting":
                 self.fenced[rid] = own
 
@@ -309,7 +509,7 @@ class FacadeMachine(KitMachine):
         core = self.cache.core
         late = op not in views.ops(core)
         absorbed = core.stats.absorbed_late_completions
-        self.sched.complete(ev)
+        self._complete(ev)
         if late and core.stats.absorbed_late_completions != absorbed + 1:
             raise InvariantViolation("operation_ends_once", f"op {op}", "a completion for a settled op was not absorbed")
         in_flight = op in views.ops(core)
@@ -337,13 +537,8 @@ class FacadeMachine(KitMachine):
     @recorded
     def drain(self, go: int = 0) -> None:
         """Poll, then deliver every pending completion successfully, oldest op first."""
-        if go != 0:
-            return
-        self._poll()
-        while self.xfer.ready():
-            op, rank = self.xfer.ready()[0]
-            self.sched.complete(self.xfer.take(op, rank, True))
-            self._sync()
+        if go == 0:
+            self._pump()
 
     @rule()
     @recorded
@@ -361,18 +556,60 @@ class FacadeMachine(KitMachine):
                                          f"reported in unknown state {ev.state!r}")
         self._sync()
 
-    @rule(tier=st.sampled_from(["device", "device", "host"]), g=st.sampled_from(["kv", "c4"]),
-          n=st.integers(1, 16))
+    @rule(tier=st.sampled_from(["device", "device", "host"]), g=st.integers(0, 3), n=st.integers(1, 16))
     @recorded
-    def pressure(self, tier: str, g: str, n: int) -> None:
+    def pressure(self, tier: str, g: int | str, n: int) -> None:
+        """Evict ``n`` pages of a history group (by index; a name in older sequences)."""
         core = self.cache.core
+        history = views.history_groups(core)
+        g = g if isinstance(g, str) else history[g % len(history)]
         if tier == "device":
             core.evict_device({g: n})
         else:
             core.evict_host({g: n})
         self._sync()
 
+    @rule()
+    @recorded
+    def quiesce(self) -> None:
+        """Liveness: the forward results owed come back, then rounds of "poll, deliver
+        everything successfully"; within :func:`~kvtier.testing.models.liveness_bound`
+        rounds nothing is queued or in flight, and no request still waits in ``loading``,
+        ``finishing``, ``retracting`` or ``aborting``."""
+        for rid, r in sorted(views.requests(self.cache).items()):
+            while r.owed_forward > 0:
+                self._forward(rid, False, False)
+        core = self.cache.core
+        bound = liveness_bound(len(views.nodes(core)))
+        for _ in range(bound):
+            self._poll()
+            if not self.xfer.ready() and not views.writeback_queue(core) and not views.outbox(core):
+                break
+            self._pump()
+        stuck = {rid: r.state for rid, r in views.requests(self.cache).items()
+                 if r.state in ("loading", "finishing", "retracting", "aborting")}
+        left = views.writeback_queue(core)
+        if left or views.ops(core) or stuck:
+            raise ModelViolation("model_liveness", "the facade",
+                                 f"after {bound} rounds: writebacks queued {sorted(left)}, operations in "
+                                 f"flight {sorted(views.ops(core))}, requests waiting {stuck}")
+
     # -- invariants --------------------------------------------------------------------
+    def check_layer_ready(self) -> None:
+        """Model: ``layer_ready`` of every request and layer agrees with the per-rank model."""
+        if not hasattr(self, "cache"):
+            return
+        ops = views.ops(self.cache.core)
+        for rid, r in views.requests(self.cache).items():
+            for layer in range(self.cache.layout.num_layers):
+                want = self.layer_model.expect(rid, r.state, layer, self.world, ops)
+                got = self.sched.layer_ready(rid, layer)
+                if got != want:
+                    raise ModelViolation("model_layer_ready", f"request {rid!r} ({r.state})",
+                                         f"layer_ready(layer {layer}) is {got}, the per-rank model says {want} "
+                                         f"(progress {self.layer_model.progress}, waits "
+                                         f"{sorted(self.layer_model.waits.get(rid, ()))})")
+
     def check_cache_invariants(self) -> None:
         if hasattr(self, "cache"):
             self.cache.check_invariants()
@@ -443,7 +680,7 @@ class FacadeMachine(KitMachine):
             state = None if r is None else r.state
             # the bounded model: at most 2 forward passes owed per request
             if state is None or ((state == "waiting" or state in TERMINAL) and r is not None and r.owed_forward < 2):
-                out.append(Step.of("admit", dict(req=req, key=list(key), chunk=len(key), tail=False)))
+                out.append(Step.of("admit", dict(req=req, key=list(key), chunk=len(key), tail=self.verify_tail)))
             if r is None:
                 continue
             if r.owed_forward > 0:

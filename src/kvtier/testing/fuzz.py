@@ -22,15 +22,17 @@ from typing import Any, TextIO
 from hypothesis import HealthCheck, Phase, Verbosity, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from .coverage import LifecycleCoverage
+from .coverage import OUTSIDE_FUZZ_PRODUCT, UNREACHABLE_BY_PRODUCT, LifecycleCoverage
 from .machines import INVARIANTS, STATS, KitMachine
 from .sequence import EventSequence, ReplayResult, SequenceError, classify, machine_class, minimize, replay
 
 __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
 #: machine name -> share of the step budget
-DEFAULT_MIX: dict[str, float] = {"core": 0.4, "facade": 0.4, "node": 0.1, "request": 0.1}
-LIFECYCLE_DRIVERS = ("core", "facade")
+DEFAULT_MIX: dict[str, float] = {"core": 0.33, "facade": 0.33, "engine": 0.1, "node": 0.1, "request": 0.09, "l3": 0.05}
+LIFECYCLE_DRIVERS = ("core", "facade", "engine")
+#: The machines that fire events at the spec's lifecycles directly (not the product).
+RAW_MACHINES = ("node", "request", "l3")
 
 
 @dataclass
@@ -53,6 +55,17 @@ class CampaignResult:
         return self.failure is None
 
     @property
+    def product_sources(self) -> set[str]:
+        """The machines of the run that drive the product (every one but the raw lifecycle machines)."""
+        return {m for m, n in self.steps_by_machine.items() if m not in RAW_MACHINES and n}
+
+    @property
+    def product_complete(self) -> bool:
+        """Every transition and accepting guard value was driven by the product."""
+        drivers = self.product_sources
+        return bool(drivers) and not self.coverage.product_missing(drivers)
+
+    @property
     def steps_per_second(self) -> float:
         return self.steps / self.seconds if self.seconds > 0 else 0.0
 
@@ -65,11 +78,19 @@ class CampaignResult:
             f"{len(INVARIANTS)} named invariants: {', '.join(INVARIANTS)}",
             self.coverage.report(by_source=tuple(self.steps_by_machine)),
         ]
-        drivers = set(LIFECYCLE_DRIVERS) & set(self.steps_by_machine)
+        drivers = self.product_sources
         if drivers:
-            lines.append("  transitions and guards never driven by the core or the facade (raw machines only): "
-                         + (", ".join(i.label for i in self.coverage.missing(None, drivers) if i.kind != "rejection")
-                            or "none"))
+            req = self.coverage.product_required()
+            miss = self.coverage.product_missing(drivers)
+            lines.append(f"driven by the product ({', '.join(sorted(drivers))}): {len(req) - len(miss)}/{len(req)} "
+                         f"transitions and accepting guard values "
+                         f"({len(self.coverage.product_exempt())} refusing guard values exempt)")
+            lines.append("  raw machines only (never driven by the product): "
+                         + (", ".join(i.label for i in miss) or "none"))
+            lines.append("  exempt, unreachable by a correct product: "
+                         + "; ".join(f"{k} ({v})" for k, v in UNREACHABLE_BY_PRODUCT.items()))
+            lines.append(f"  exempt, outside the fuzz's product: the [l3] lifecycle and node fetch transitions "
+                         f"({OUTSIDE_FUZZ_PRODUCT})")
         if self.failure is not None:
             res = self.failure_result
             lines.append(f"VIOLATION of {res.invariant if res else '?'}: {res.message if res else ''}")
@@ -98,9 +119,11 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     reached; at least one is needed) or an invariant fails.
 
     Args:
-        steps, minutes: budgets.
+        steps: step budget (``None``: none).
+        minutes: time budget in minutes (``None``: none).
         seed_value: the campaign seed (every chunk's seed is derived from it).
-        faults: the chance that a delivered completion fails (0..1).
+        faults: the campaign's fault rate (0..1): each example draws its own rate from it
+            (:data:`~kvtier.testing.base.FAULT_MIX`: none, a fifth, the rate, twice the rate).
         world_size: fix the tensor-parallel ranks (default: drawn from 1 and 2).
         save: where to save a failing sequence (default ``kvtier-fuzz-failure.json``).
         mix: machine name -> share of the step budget (default :data:`DEFAULT_MIX`).
@@ -129,7 +152,7 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     t0 = time.perf_counter()
     bar: Any = None
     if progress:
-        from tqdm import tqdm  # type: ignore[import-untyped]
+        from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
         bar = tqdm(total=steps if steps is not None else int((minutes or 0) * 60), unit=" steps" if steps else " s",
                    file=sys.stderr, dynamic_ncols=True, leave=False, desc="kvtier fuzz")

@@ -2,7 +2,7 @@
 
 This module is the kit's entry point: it re-exports the machines and what an engine
 needs to plug into them, and importing it registers the kit's machines by name for
-event sequences (``core``, ``facade``, ``node``, ``request``). They live in modules
+event sequences (``core``, ``facade``, ``engine``, ``node``, ``request``). They live in modules
 with one job each:
 
 - :mod:`kvtier.testing.base`: :class:`KitMachine` (step recording, named invariant
@@ -20,6 +20,11 @@ with one job each:
   :meth:`FacadeMachine.make_scheduler` / :meth:`FacadeMachine.make_transfer` to run the
   same rules and invariants against its own integration;
   :mod:`kvtier.testing.canonical` abstracts its state for ``kvtier verify``;
+- :mod:`kvtier.testing.engine_plug`: :class:`EngineFacadeMachine`, the facade machine on
+  the real :class:`~kvtier.transfer.engine.TransferEngine` (one per rank) over the
+  fake-asynchronous backend, with failures at issue time and at completion;
+- :mod:`kvtier.testing.models`: the reference models (layer readiness per rank, the
+  eviction order, liveness, aborted writebacks, whole-prompt reuse);
 - :mod:`kvtier.testing.raw_machines`: :class:`NodeLifecycleMachine` and
   :class:`RequestLifecycleMachine` fire legal and illegal events at the raw lifecycle
   machines (where rejections are exercised).
@@ -31,17 +36,19 @@ are plain JSON values. Every invariant check raises
 :class:`~kvtier.fsm.errors.InvariantViolation` naming the spec invariant.
 
 Fault injection: ``fault_rate`` (class attribute; :meth:`KitMachine.configured`) is the
-chance that a delivered completion reports failure; ``world_size`` fixes the number of
-tensor-parallel ranks (else drawn from 1 and 2).
+campaign's fault rate, from which each example draws its own (:data:`~kvtier.testing.base.FAULT_MIX`),
+the chance that a delivered completion reports failure; ``world_size`` fixes the number
+of tensor-parallel ranks (else drawn from 1 and 2).
 """
 
 from __future__ import annotations
 
 from .base import INVARIANTS, STATS, KitMachine, RunStats, kit_layout, recorded
 from .core_machine import CoreMachine
+from .engine_plug import EngineFacadeMachine, EngineTransfer
 from .facade_machine import FacadeMachine
 from .plugs import SchedulerAdapter, TransferBackend
-from .raw_machines import NodeLifecycleMachine, RequestLifecycleMachine
+from .raw_machines import L3LifecycleMachine, NodeLifecycleMachine, RequestLifecycleMachine
 
 __all__ = [
     "KitMachine",
@@ -51,9 +58,12 @@ __all__ = [
     "kit_layout",
     "CoreMachine",
     "FacadeMachine",
+    "EngineFacadeMachine",
+    "EngineTransfer",
     "SchedulerAdapter",
     "TransferBackend",
     "NodeLifecycleMachine",
     "RequestLifecycleMachine",
+    "L3LifecycleMachine",
     "INVARIANTS",
 ]

@@ -31,7 +31,8 @@ class TransferBackend:
 
     def __init__(self, world_size: int, num_layers: int) -> None:
         self.world_size = world_size
-        self.layers = sorted({0, num_layers - 1})
+        # the first, a middle and the last layer: layer readiness differs between them
+        self.layers = sorted({0, num_layers // 2, num_layers - 1})
         self.dev: dict[tuple[str, int], Any] = {}
         self.host: dict[tuple[str, int], Any] = {}
         self.commands: dict[int, TransferCommand] = {}
@@ -90,14 +91,15 @@ class SchedulerAdapter:
         return out
 
     def step_done(self, request_id: str, computed_tokens: int, new_units: Sequence[Hashable],
-                  checkpoint: bool) -> None:
-        self.cache.step_done(request_id, computed_tokens, new_units=new_units, checkpoint=checkpoint)
+                  checkpoint: bool) -> dict[str, list[int]] | None:
+        """Returns the checkpoint pages the tree adopted (the engine fills them)."""
+        return self.cache.step_done(request_id, computed_tokens, new_units=new_units, checkpoint=checkpoint)
 
-    def finish(self, request_id: str) -> None:
-        self.cache.finish(request_id)
+    def finish(self, request_id: str) -> dict[str, list[int]] | None:
+        return self.cache.finish(request_id)
 
-    def retract(self, request_id: str) -> None:
-        self.cache.retract(request_id)
+    def retract(self, request_id: str) -> dict[str, list[int]] | None:
+        return self.cache.retract(request_id)
 
     def resume(self, request_id: str, chunk_tokens: int) -> Admission | None:
         return self.cache.resume(request_id, chunk_tokens)
@@ -110,6 +112,9 @@ class SchedulerAdapter:
 
     def advance_step(self, steps: int) -> None:
         self.cache.advance_step(steps)
+
+    def layer_ready(self, request_id: str, layer: int) -> bool:
+        return self.cache.layer_ready(request_id, layer)
 
     def poll(self) -> PollResult:
         return self.cache.poll()

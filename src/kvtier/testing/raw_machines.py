@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from kvtier.fsm.errors import InvariantViolation, LifecycleError
-from kvtier.fsm.machines import Lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
 from kvtier.fsm.spec import load_spec
 
 from .base import TERMINAL, KitMachine, recorded
@@ -61,7 +61,7 @@ class _RawNode:
 
     @property
     def has_host_child(self) -> bool:
-        return any(c.state in _HOST_COPY | {"writing"} for c in self.children)
+        return any(c.state in _HOST_COPY | {"writing", "fetching"} for c in self.children)
 
     def snapshot(self) -> tuple[Any, ...]:
         return (self.state, self.lock_ref, self.borrow_ref, self.extra_pins, self.op_pin,
@@ -83,6 +83,9 @@ _EFFECTS: dict[str, dict[str, Any]] = {
     "evict_device": {"device": False},
     "evict_host": {"host": False},
     "split": {},
+    "fetch_submit": {"pending": True},
+    "fetch_ack": {"pending": False, "host": True},
+    "fetch_fail": {"pending": False},
 }
 
 
@@ -127,6 +130,23 @@ class NodeLifecycleMachine(KitMachine):
             node.pending = "pending_host" in declared
             node.op_pin = "host_pin" in declared
             self.nodes.append(node)
+
+    @rule()
+    @recorded
+    def probe_root(self) -> None:
+        """Every event at the tree's root is refused and changes nothing: the root state
+        is never the subject of an event."""
+        root = _RawNode(-1, None)
+        root.state = "root"
+        for event in _NODE_SPEC.events:
+            try:
+                self.machine.fire(root, event)
+            except LifecycleError:
+                if root.state != "root":
+                    raise InvariantViolation("state_matches_resources", "the root",
+                                             f"a refused {event} moved it to {root.state}") from None
+                continue
+            raise InvariantViolation("state_matches_resources", "the root", f"{event} was accepted")
 
     @rule(index=st.integers(min_value=0, max_value=3), event=st.sampled_from(_NODE_SPEC.events))
     @recorded
@@ -195,6 +215,21 @@ class NodeLifecycleMachine(KitMachine):
                     continue
                 raise InvariantViolation("state_matches_resources", f"node {node.label}",
                                          f"{event} accepted in {before[0]}, which the spec does not allow")
+
+    @rule(event=st.sampled_from(_NODE_SPEC.events))
+    @recorded
+    def fire_at_root(self, event: str) -> None:
+        """The root is never the subject of an event: every event is refused."""
+        root = _RawNode(-1, None)
+        root.state = "root"
+        before = root.snapshot()
+        try:
+            self.machine.fire(root, event)
+        except LifecycleError:
+            if root.snapshot() != before:
+                raise InvariantViolation("state_matches_resources", "the root", "a refused event changed it") from None
+            return
+        raise InvariantViolation("state_matches_resources", "the root", f"{event} was accepted")
 
     @rule(index=st.integers(min_value=0, max_value=3))
     @recorded
@@ -375,5 +410,90 @@ class RequestLifecycleMachine(KitMachine):
                 raise InvariantViolation("state_matches_resources", f"request {r.label}", f"unknown state {r.state}")
 
 
+class _RawObject:
+    __slots__ = ("state", "label", "host_visible", "store_answered", "lease_holds")
+
+    def __init__(self, label: int) -> None:
+        self.state = "unknown"
+        self.label = label
+        self.host_visible = self.store_answered = self.lease_holds = False
+
+
+_L3 = load_spec().l3
+_L3_GUARDS = ("host_visible", "store_answered", "lease_holds")
+
+
+class L3LifecycleMachine(KitMachine):
+    """Random events with random guard inputs at plain L3 objects driven through the raw
+    ``[l3]`` machine: the result must be exactly the spec's (first candidate whose guards
+    hold; otherwise a refusal that changes nothing)."""
+
+    kit_invariants = ("check_states",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.machine: Lifecycle = l3_lifecycle()
+        self.objs = [_RawObject(i) for i in range(2)]
+        self.swept: set[str] = set()
+
+    def _fire(self, index: int, event: str, guards: tuple[bool, bool, bool]) -> None:
+        o = self.objs[index % len(self.objs)]
+        o.host_visible, o.store_answered, o.lease_holds = guards
+        expected = next((t for t in self.machine.spec.candidates(o.state, event)
+                         if all(getattr(o, g.name) != g.negated for g in t.guards)), None)
+        before = o.state
+        try:
+            self.machine.fire(o, event)
+        except LifecycleError:
+            if expected is not None or o.state != before:
+                raise InvariantViolation("state_matches_resources", f"l3 object {o.label}",
+                                         f"{event} refused in {before} (spec: {expected})") from None
+            return
+        if expected is None or o.state != expected.target:
+            raise InvariantViolation("state_matches_resources", f"l3 object {o.label}",
+                                     f"{event} from {before} went to {o.state}, the spec says {expected}")
+        if o.state not in self.swept:  # once per state per run: every refused event from it
+            self.swept.add(o.state)
+            for e in self.machine.spec.events:
+                if not self.machine.allowed(o.state, e):
+                    self._fire(index, e, guards)
+
+    @rule(index=st.integers(0, 1), event=st.sampled_from(_L3.events if _L3 is not None else ("-",)),
+          guards=st.tuples(st.booleans(), st.booleans(), st.booleans()))
+    @recorded
+    def fire(self, index: int, event: str, guards: tuple[bool, bool, bool]) -> None:
+        self._fire(index, event, tuple(guards))  # type: ignore[arg-type]
+
+    @rule(index=st.integers(0, 1), pick=st.sampled_from(range(8)))
+    @recorded
+    def fire_row(self, index: int, pick: int) -> None:
+        """Take a transition of the spec from the object's state, with guard inputs set so
+        that it applies (the machine must then pick exactly that row)."""
+        o = self.objs[index % len(self.objs)]
+        rows = [t for t in self.machine.spec.transitions if t.source == o.state]
+        if not rows:
+            return
+        row = rows[pick % len(rows)]
+        values = {g: getattr(o, g) for g in _L3_GUARDS}
+        for g in row.guards:
+            values[g.name] = not g.negated
+        self._fire(index, row.event, (values["host_visible"], values["store_answered"], values["lease_holds"]))
+
+    @rule(index=st.integers(0, 1), state=st.sampled_from(range(len(_L3.states) if _L3 is not None else 1)))
+    @recorded
+    def jump(self, index: int, state: int) -> None:
+        """Put an object in any state of the spec."""
+        names = self.machine.spec.state_names
+        self.objs[index % len(self.objs)].state = names[state % len(names)]
+
+    def check_states(self) -> None:
+        names = set(self.machine.spec.state_names)
+        for o in self.objs:
+            if o.state not in names:
+                raise InvariantViolation("state_matches_resources", f"l3 object {o.label}", f"unknown state {o.state}")
+
+
 register_machine("node", NodeLifecycleMachine)
 register_machine("request", RequestLifecycleMachine)
+if _L3 is not None:
+    register_machine("l3", L3LifecycleMachine)

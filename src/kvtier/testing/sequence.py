@@ -263,6 +263,9 @@ def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
     except SequenceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the system under test
+        from ..eventlog import record_failure
+
+        record_failure(exc)  # into the event log, when one is recording
         name, msg = classify(exc)
         return ReplayResult("violation", steps_run, name, msg, steps_run,
                             "".join(traceback.format_exception(exc)))

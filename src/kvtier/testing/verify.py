@@ -112,7 +112,8 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
         depth: the bound on steps after the setup.
         machine: the kit machine class (must implement ``kit_actions`` and ``kit_canonical``).
         setup: the setup step (default: ``machine.verify_setup()``).
-        max_states, seconds: stop early (reported in ``stopped``) past these.
+        max_states: stop early (reported in ``stopped``) past this many states.
+        seconds: stop early (reported in ``stopped``) past this many seconds.
         progress: called with (level, frontier size, states so far) after each level.
     """
     t0 = time.perf_counter()

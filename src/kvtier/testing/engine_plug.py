@@ -1,0 +1,264 @@
+"""The facade machine on the real transfer engine: :class:`EngineTransfer` routes every
+command through one :class:`~kvtier.transfer.engine.TransferEngine` per rank, on the
+fake-asynchronous backend (``transfer/fake_async.py``), with failures injected at issue
+time and at completion.
+
+- Bytes are real. Every page the model writes (a forward pass's KV, a checkpoint) is
+  written into every rank's pools as a pattern derived from its content value, through
+  ``TransferEngine.write_pages`` (which refuses pages a pending copy still uses). When an
+  operation settles successfully, every destination page of every rank must hold the
+  pattern of what the model says its source held (invariant 12 on the engine's copies).
+- Issue-time failures: before a command is flushed on a rank, a deterministic draw (from
+  the setup's ``issue_seed``, the op id and the rank, at half the example's fault rate)
+  may make the flush raise at one of its chunks, after the earlier chunks were issued: a
+  half-issued operation, whose failure may be acknowledged only once those copies finish.
+- Completion failures: delivering a completion with ``ok=False`` makes the next pending
+  copy of that op on that rank fail (its destination stays poisoned).
+
+Deadlines are off on this machine: an operation the core expires while its copy still
+runs would make the engine's hazard checks fire by design (the engine cannot cancel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import deque
+from collections.abc import Hashable
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from kvtier.fsm import Completion, Direction
+from kvtier.fsm.layout import CacheLayout
+from kvtier.fsm.records import TransferCommand
+from kvtier.transfer.engine import TransferEngine
+from kvtier.transfer.errors import HazardError, PoisonedReadError
+from kvtier.transfer.fake_async import FakeAsyncBackend, PendingCopy
+from kvtier.transfer.plan import ChunkPlan, FlushPlan
+from kvtier.transfer.pools import DevicePool, HostPool
+
+from ..tiered import TieredCache
+from .facade_machine import FacadeMachine
+from .models import ModelViolation
+from .plugs import TransferBackend
+from .sequence import register_machine
+
+__all__ = ["EngineTransfer", "EngineFacadeMachine", "FaultyBackend"]
+
+_LOG = logging.getLogger("kvtier.transfer")
+
+
+class FaultyBackend(FakeAsyncBackend):
+    """The fake-asynchronous backend with two test controls: :meth:`fail_at` makes the
+    ``k``-th chunk issued from now raise (earlier chunks stay issued), and
+    :meth:`fail_job` makes one pending copy fail when it completes."""
+
+    def __init__(self) -> None:
+        super().__init__(on_wait="raise")
+        self._fail_in: int | None = None
+
+    def fail_at(self, k: int) -> None:
+        self._fail_in = k
+
+    def run_chunk(self, direction: Direction, plan: FlushPlan, chunk: ChunkPlan,
+                  op_ids: tuple[int, ...]) -> Any:
+        if self._fail_in is not None:
+            if self._fail_in == 0:
+                self._fail_in = None
+                self.raise_on_issue()
+            else:
+                self._fail_in -= 1
+        return super().run_chunk(direction, plan, chunk, op_ids)
+
+    def clear_fault(self) -> None:
+        self._fail_in = None
+
+    def fail_job(self, job: int) -> None:
+        """Make pending copy ``job`` fail when it completes."""
+        for q in self._queues.values():
+            for j in q:
+                if j.info.job == job:
+                    j.fail = RuntimeError(f"injected failure of pending copy {job}")
+                    return
+
+
+def _pattern(value: Any, nbytes: int) -> torch.Tensor:
+    """The bytes a page holding content ``value`` carries (uint8 ``[nbytes]``)."""
+    digest = hashlib.sha256(repr(value).encode()).digest()
+    reps = -(-nbytes // len(digest))
+    return torch.from_numpy(np.frombuffer(digest * reps, dtype=np.uint8)[:nbytes].copy())
+
+
+class _Store(dict[tuple[str, int], Any]):
+    """A tier's content model; a write also writes the pattern into the real pools."""
+
+    def __init__(self, owner: EngineTransfer, side: str) -> None:
+        super().__init__()
+        self.owner = owner
+        self.side = side
+
+    def __setitem__(self, key: tuple[str, int], value: Any) -> None:
+        self.owner.write(self.side, key[0], key[1], value)
+        super().__setitem__(key, value)
+
+
+class EngineTransfer(TransferBackend):
+    """A :class:`TransferBackend` backed by real transfer engines (one per rank) on the
+    fake-asynchronous backend; see the module docstring.
+
+    Args:
+        world_size: ranks.
+        layout: the cache layout (the engines' cache groups).
+        device_pages, host_pages: pool pages per group (the core's capacities).
+        issue_seed: seed of the issue-time failure draws.
+        issue_rate: chance that a rank's flush of a command fails at issue.
+        chunk_layers: layers per loadback chunk (small: several chunks per loadback).
+    """
+
+    def __init__(self, world_size: int, layout: CacheLayout, device_pages: dict[str, int],
+                 host_pages: dict[str, int], *, issue_seed: int = 0, issue_rate: float = 0.0,
+                 chunk_layers: int = 1) -> None:
+        super().__init__(world_size, layout.num_layers)
+        specs = list(layout.groups)
+        self.specs = {g.name: g for g in specs}
+        self.issue_seed = issue_seed
+        self.issue_rate = issue_rate
+        self.backends = [FaultyBackend() for _ in range(world_size)]
+        self.engines = [TransferEngine(specs, HostPool(specs, {g: max(1, n) for g, n in host_pages.items()}, pin=False),
+                                       DevicePool.allocate(specs, {g: max(1, n) for g, n in device_pages.items()}, "cpu"),
+                                       self.backends[r], rank=r, chunk_layers=chunk_layers)
+                        for r in range(world_size)]
+        self.buffered: dict[tuple[int, int], deque[Completion]] = {}
+        self.dev = _Store(self, "device")
+        self.host = _Store(self, "host")
+        self.issue_failures = 0
+
+    # -- real bytes ------------------------------------------------------------------
+    def write(self, side: str, group: str, page: int, value: Any) -> None:
+        """Write the pattern of ``value`` into ``page`` of ``group`` on every rank."""
+        spec = self.specs[group]
+        for eng in self.engines:
+            for comp in spec.components:
+                data = _pattern(value, comp.page_bytes).view(1, -1)
+                for layer in spec.layers:
+                    try:
+                        eng.write_pages(side, group, comp.name, layer, [page], data)
+                    except HazardError as exc:
+                        raise ModelViolation("model_transfer_hazard", f"{side} page {page} of {group!r}",
+                                             f"written while a pending copy uses it: {exc}") from None
+
+    def _check_bytes(self, side: str, group: str, page: int, value: Any, op: int) -> None:
+        spec = self.specs[group]
+        for eng in self.engines:
+            for comp in spec.components:
+                want = _pattern(value, comp.page_bytes)
+                for layer in spec.layers:
+                    try:
+                        got = eng.read_pages(side, group, comp.name, layer, [page])[0]
+                    except PoisonedReadError as exc:
+                        raise ModelViolation("model_transfer_hazard", f"op {op}",
+                                             f"settled while a copy still writes its destination: {exc}") from None
+                    if not torch.equal(got, want):
+                        raise ModelViolation("loaded_equals_written", f"op {op} on rank {eng.rank}",
+                                             f"{side} page {page} of {group!r} (layer {layer}, {comp.name}) does "
+                                             f"not hold what its source held ({value!r})")
+
+    # -- the plug interface ------------------------------------------------------------
+    def _draw(self, op: int, rank: int) -> int:
+        digest = hashlib.sha256(f"{self.issue_seed}:{op}:{rank}".encode()).digest()
+        return int.from_bytes(digest[:4], "big")
+
+    def submit(self, cmd: TransferCommand) -> None:
+        if cmd.op_id in self.commands:
+            return
+        self.commands[cmd.op_id] = cmd
+        for rank, eng in enumerate(self.engines):
+            eng.submit(cmd)
+            draw = self._draw(cmd.op_id, rank)
+            if draw % 1000 < int(round(self.issue_rate * 1000)):
+                self.backends[rank].fail_at((draw >> 10) % 3)  # at its 1st, 2nd or 3rd chunk
+                self.issue_failures += 1
+            quiet = _LOG.level
+            _LOG.setLevel(logging.CRITICAL)  # injected issue failures are logged as exceptions
+            try:
+                eng.flush()
+            except HazardError as exc:
+                raise ModelViolation("model_transfer_hazard", f"op {cmd.op_id} on rank {rank}",
+                                     f"issued while a pending copy uses its pages: {exc}") from None
+            finally:
+                _LOG.setLevel(quiet)
+                self.backends[rank].clear_fault()
+            self._collect(rank)
+
+    def _collect(self, rank: int) -> None:
+        for c in self.engines[rank].poll_completions():
+            self.buffered.setdefault((c.op_id, rank), deque()).append(c)
+
+    def _pending(self, rank: int) -> list[PendingCopy]:
+        return self.backends[rank].pending()
+
+    def ready(self) -> list[tuple[int, int]]:
+        pairs = {k for k, q in self.buffered.items() if q}
+        for rank in range(self.world_size):
+            for p in self._pending(rank):
+                pairs.update((op, rank) for op in p.op_ids if op in self.commands)
+        return sorted(pairs)
+
+    def take(self, op: int, rank: int, ok: bool) -> Completion:
+        """The next completion of ``op`` on ``rank``: a buffered one, else its next pending
+        copy (and those before it on its stream) completes, failing when not ``ok``."""
+        backend = self.backends[rank]
+        first = True
+        while not self.buffered.get((op, rank)):
+            mine = [p for p in self._pending(rank) if op in p.op_ids]
+            if not mine:
+                raise ModelViolation("model_liveness", f"op {op} on rank {rank}",
+                                     "nothing pending or buffered: the engine lost its completion")
+            if first and not ok:
+                backend.fail_job(mine[0].job)
+            first = False
+            backend.complete(op, mine[0].chunk)
+            self._collect(rank)
+        q = self.buffered[(op, rank)]
+        c = q.popleft()
+        if not q:
+            del self.buffered[(op, rank)]
+        return c
+
+    def apply(self, op: int, ok: bool) -> None:
+        cmd = self.commands.pop(op, None)
+        if cmd is None:
+            return
+        src, dst = (self.dev, self.host) if cmd.direction is Direction.WRITEBACK else (self.host, self.dev)
+        dst_side = "host" if cmd.direction is Direction.WRITEBACK else "device"
+        for t in cmd.transfers:
+            for s, d in zip(t.src_pages, t.dst_pages):
+                value = src.get((t.group, s)) if ok else ("garbage", op)
+                if ok and value is not None:
+                    self._check_bytes(dst_side, t.group, d, value, op)
+                dict.__setitem__(dst, (t.group, d), value)
+
+
+class EngineFacadeMachine(FacadeMachine):
+    """The facade machine with :class:`EngineTransfer`: the real transfer engine on the
+    fake-asynchronous backend, failures at issue and at completion (registered as
+    ``engine``)."""
+
+    kit_deadlines: ClassVar[bool] = False
+
+    def make_transfer(self, world: int, num_layers: int) -> TransferBackend:
+        core = self.cache.core
+        dev = {g: a.capacity for g, a in core.device.items()}
+        host = {g: a.capacity for g, a in (core.host or {}).items()}
+        digest = hashlib.sha256(repr(self.kit_trace[0].args if self.kit_trace else ()).encode()).digest()
+        return EngineTransfer(world, self.cache.layout, dev, host, issue_seed=int.from_bytes(digest[:4], "big"),
+                              issue_rate=self.kit_rate / 2)
+
+    def kit_canonical(self) -> Hashable:  # pragma: no cover - verify runs the dict backend
+        raise NotImplementedError("kvtier verify runs the facade machine on the simulated backend")
+
+
+_ = TieredCache
+register_machine("engine", EngineFacadeMachine)

@@ -1,0 +1,179 @@
+"""Reference models: what the kit's machines check that the spec's invariants cannot see.
+
+The invariants (``check_invariants``) look at one state at a time. These models follow a
+run and compare what the system under test answers with what a small, independent
+reimplementation says it must answer:
+
+- :class:`LayerModel`: layer readiness per rank. Every layer completion a rank delivers
+  is recorded per (loadback, rank); ``TieredCache.layer_ready(rid, layer)`` must be true
+  exactly when the request is in a state that reads pages, none of its loadbacks failed
+  (a failed completion of any rank, a failed acknowledgement or an expired deadline),
+  and every loadback it waits on reached ``layer`` on *every* rank (the slowest rank
+  counts; an off-by-one or progress taken from the fastest rank disagrees).
+- :func:`eviction_key` / :func:`check_eviction_order`: a shadow of the eviction order.
+  The documented policies (``fsm/eviction.py``: ``lru``, ``lru2`` and the exclusive host
+  tier) are reimplemented here; after an eviction call every node it took must come
+  before, in the policy's order, every candidate it left behind.
+- Liveness (:func:`liveness_bound`): after a bounded number of rounds of "poll, deliver
+  everything successfully", nothing is queued, in flight or waiting: every queued
+  writeback was issued or dropped with a reason (the host refused it, or its node left).
+- The facade machine adds that an aborted request's own writeback is never published
+  and that admission never reuses the whole prompt (its last token is always computed).
+
+Failures raise :class:`ModelViolation` (an :class:`~kvtier.fsm.errors.InvariantViolation`
+whose name starts with ``model_``), so the fuzz shrinks and saves them like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvtier.fsm.errors import InvariantViolation
+from kvtier.fsm.node import Node
+
+__all__ = ["MODELS", "ModelViolation", "LayerModel", "eviction_key", "check_eviction_order", "liveness_bound"]
+
+#: The names a :class:`ModelViolation` carries (what a failure prints).
+MODELS: tuple[str, ...] = ("model_layer_ready", "model_eviction_order", "model_liveness",
+                           "model_aborted_unpublished", "model_whole_prompt", "model_transfer_hazard")
+
+#: The request states in which ``layer_ready`` may answer true (``[request.calls]`` of the
+#: spec, restated here so that the model does not read it from the system under test).
+READING_STATES = frozenset({"loading", "running", "finishing", "retracting", "aborting"})
+_DEVICE_RESIDENT = frozenset({"device", "writing", "backed", "loading"})
+
+
+class ModelViolation(InvariantViolation):
+    """The system under test disagrees with a reference model (``invariant`` is one of
+    :data:`MODELS`)."""
+
+
+# -- layer readiness ---------------------------------------------------------------------
+
+@dataclass
+class LayerModel:
+    """Per-rank layer progress of loadbacks and the loadbacks each request waits on.
+
+    Attributes:
+        progress: op -> rank -> highest layer that rank delivered successfully.
+        failed_ops: loadbacks any rank reported failed (or whose deadline passed).
+        waits: request -> loadback op ids its last admission waits on.
+        failed: requests one of whose loadbacks failed since their last admission.
+    """
+
+    progress: dict[int, dict[int, int]] = field(default_factory=dict)
+    failed_ops: set[int] = field(default_factory=set)
+    waits: dict[str, set[int]] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+    def admitted(self, rid: str, wait_ops: Iterable[int]) -> None:
+        """``rid`` was admitted (or resumed) and waits on ``wait_ops``."""
+        self.waits[rid] = set(wait_ops)
+        self.failed.discard(rid)
+
+    def delivered(self, op: int, rank: int, layer: int | None, ok: bool) -> None:
+        """A completion of loadback ``op`` from ``rank`` was delivered."""
+        if not ok:
+            self.failed_ops.add(op)
+        elif layer is not None:
+            ranks = self.progress.setdefault(op, {})
+            ranks[rank] = max(ranks.get(rank, -1), layer)
+
+    def settled(self, op: int, ok: bool) -> None:
+        """Loadback ``op`` settled (``ok`` False: failed or expired)."""
+        if not ok or op in self.failed_ops:
+            for rid, ops in self.waits.items():
+                if op in ops:
+                    self.failed.add(rid)
+        for ops in self.waits.values():
+            ops.discard(op)
+        self.progress.pop(op, None)
+        self.failed_ops.discard(op)
+
+    def expect(self, rid: str, state: str, layer: int, world: int, in_flight: Mapping[int, object]) -> bool:
+        """What ``layer_ready(rid, layer)`` must answer."""
+        if state not in READING_STATES or rid in self.failed:
+            return False
+        for op in self.waits.get(rid, ()):
+            if op not in in_flight:
+                continue
+            if op in self.failed_ops:
+                return False
+            ranks = self.progress.get(op, {})
+            if min(ranks.get(r, -1) for r in range(world)) < layer:
+                return False
+        return True
+
+
+# -- eviction order ----------------------------------------------------------------------
+
+def eviction_key(n: Node, policy: str, tier: str, exclusive: bool) -> tuple[int, ...]:
+    """The documented order of ``fsm/eviction.py``, restated: ``lru`` is oldest use first,
+    then deepest, then node id; ``lru2`` orders the host by the second-to-last use by a
+    distinct request first; an exclusive host tier takes nodes a loadback brought back
+    (still on the device) before all others."""
+    base: tuple[int, ...] = (n.last_access, -n.depth, n.node_id)
+    if tier == "host" and policy == "lru2":
+        base = (n.prev_use,) + base
+    if tier == "host" and exclusive:
+        base = (0 if n.reloaded and n.state in _DEVICE_RESIDENT else 1,) + base
+    return base
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    node: Node
+    key: tuple[int, ...]
+    state: str
+    pages: int
+
+
+def snapshot_candidates(nodes: Iterable[Node], policy: str, tier: str, exclusive: bool) -> list[_Candidate]:
+    """The eviction candidates before a call, with their keys, states and page counts."""
+    out = []
+    for n in nodes:
+        pm = (n.dev, n.dev_ckpt) if tier == "device" else (n.host, n.host_ckpt)
+        out.append(_Candidate(n, eviction_key(n, policy, tier, exclusive), n.state,
+                              sum(len(p) for m in pm for p in m.values())))
+    return out
+
+
+def check_eviction_order(before: list[_Candidate], tier: str, live: set[int], queued: set[int],
+                         queued_before: set[int]) -> None:
+    """Every candidate an eviction call took comes before, in the policy's order, every
+    candidate it left untouched.
+
+    A candidate was *taken* when it left the tree, changed state, lost pages of the tier
+    (the tail of a split) or was queued for writeback (``write_back``: queued instead of
+    dropped). ``live``: node ids still in the tree; ``queued``/``queued_before``: the
+    writeback queue after and before the call.
+
+    Raises:
+        ModelViolation: a candidate left behind precedes one taken.
+    """
+    taken: list[_Candidate] = []
+    left: list[_Candidate] = []
+    for c in before:
+        n = c.node
+        if n.node_id in queued_before and n.node_id in queued:
+            continue  # queued before and after (write_back): whether this call pledged it is unseen
+        pm = (n.dev, n.dev_ckpt) if tier == "device" else (n.host, n.host_ckpt)
+        pages = sum(len(p) for m in pm for p in m.values())
+        was_taken = (n.node_id not in live or n.state != c.state or pages < c.pages
+                     or (n.node_id in queued and n.node_id not in queued_before))
+        (taken if was_taken else left).append(c)
+    if not taken or not left:
+        return
+    last = max(taken, key=lambda c: c.key)
+    first_left = min(left, key=lambda c: c.key)
+    if first_left.key < last.key:
+        raise ModelViolation("model_eviction_order", f"{tier} eviction",
+                             f"took node {last.node.node_id} (key {last.key}) but left node "
+                             f"{first_left.node.node_id} (key {first_left.key}), which the policy evicts first")
+
+
+def liveness_bound(nodes: int) -> int:
+    """Rounds of "poll, deliver everything" within which everything queued must be done:
+    writebacks are issued parent first, one tree level per round at worst."""
+    return nodes + 3

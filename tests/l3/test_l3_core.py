@@ -1,0 +1,251 @@
+"""The L3 tier's core lifecycle (kvtier.fsm.l3 + kvtier.fsm.fetch) against an in-memory
+fake store answered synchronously: puts pin, visibility only through the store's answer,
+gets invisible until acked, failures shorten the hit, deadlines, leases, late results.
+(The claims that L3 works against a real store are in test_l3_redis.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.fsm import CacheCore, ConfigError, IllegalTransition, UsageError
+from kvtier.fsm.l3 import L3Options, L3Tier, StoreCommand, StoreOp, StoreResult, chain_keys, namespace
+from kvtier.fsm.names import HOST_VISIBLE
+
+from core_helpers import ack, h1, put, src
+
+
+class FakeStore:
+    """Keys -> page payload stand-ins (the host page ids the object came from)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, object] = {}
+
+    def answer(self, cmd: StoreCommand, *, drop_after_exists: int | None = None) -> StoreResult:
+        if cmd.kind is StoreOp.EXISTS:
+            n = 0
+            for k in cmd.keys:
+                if k not in self.data:
+                    break
+                n += 1
+            return StoreResult(cmd.op_id, present=n)
+        if cmd.kind is StoreOp.PUT:
+            for k, p in zip(cmd.keys, cmd.pages):
+                self.data[k] = p
+            return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys), nbytes=len(cmd.keys))
+        if cmd.kind is StoreOp.GET:
+            return StoreResult(cmd.op_id, ok=tuple(k in self.data for k in cmd.keys))
+        for k in cmd.keys:
+            self.data.pop(k, None)
+        return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys))
+
+
+def backed(core: CacheCore, key: tuple[str, ...]) -> None:
+    res = put(core, key)
+    cmd = core.writeback(res.node)
+    assert cmd is not None
+    ack(core, cmd)
+    assert res.node.state in HOST_VISIBLE
+
+
+def pump(tier: L3Tier, store: FakeStore, now: float = 0.0) -> list[StoreCommand]:
+    seen = []
+    while cmds := tier.poll_commands():
+        for c in cmds:
+            seen.append(c)
+            tier.complete(store.answer(c), now)
+            tier.core.check_invariants()
+            tier.check_invariants()
+    return seen
+
+
+def make(lease: float = 0.0, **kw: object) -> tuple[CacheCore, L3Tier]:
+    core = CacheCore(h1(), 16, 16)
+    return core, L3Tier(core, L3Options(lease_s=lease, deadline_s=1.0, **kw))  # type: ignore[arg-type]
+
+
+KEY = ("a", "b", "c", "d")
+
+
+def test_put_pins_then_another_instance_fetches_through_the_stores_answer() -> None:
+    store = FakeStore()
+    a, ta = make()
+    backed(a, KEY)
+    assert ta.offer(KEY, 0.0) == 4
+    node = a.walk(KEY)[-1]
+    assert node.host_pin == 1  # pinned while the put is in flight
+    ta.check_invariants()
+    cmds = pump(ta, store)
+    assert [c.kind for c in cmds] == [StoreOp.PUT] and node.host_pin == 0
+    assert len(store.data) == 4 and ta.offer(KEY, 0.0) == 0  # not put twice
+    b, tb = make()
+    assert tb.prefetch("r1", KEY + ("e",), 0.0)
+    assert tb.prefetching("r1")
+    [exists] = tb.poll_commands()
+    assert exists.kind is StoreOp.EXISTS and len(exists.keys) == 5
+    tb.complete(store.answer(exists), 0.0)
+    [get] = tb.poll_commands()
+    assert get.kind is StoreOp.GET and len(get.keys) == 4
+    # reserved pages are invisible to matching until the get is acked
+    assert b.match(KEY).host_units == 0
+    assert [n.state for n in b.walk(KEY)] == ["fetching"] * 4
+    b.check_invariants()
+    tb.check_invariants()
+    tb.complete(store.answer(get), 0.0)
+    assert not tb.prefetching("r1") and tb.fetched_units("r1") == 4
+    m = b.match(KEY + ("e",))
+    assert m.host_units == 4 and len(m.host_nodes) == 4
+    assert tb.stats.get_ok == 4 and b.stats.fetched_units == 4
+    b.check_invariants()
+    # keys agree across instances and are chained over the prefix
+    assert ta.keys_for(KEY) == tb.keys_for(KEY) == list(store.data)
+
+
+def test_keys_separate_models_ranks_and_prefixes() -> None:
+    lay = h1()
+    s0 = namespace(lay, "m", "bf16", 0, 2)
+    assert s0 != namespace(lay, "m", "bf16", 1, 2) != namespace(lay, "m2", "bf16", 0, 2)
+    assert s0 != namespace(lay, "m", "fp8", 0, 2)
+    k1 = chain_keys(s0, ["a", "b"])
+    k2 = chain_keys(s0, ["x", "b"])
+    assert k1[1] != k2[1]  # same unit, different prefix
+    assert chain_keys(s0, ["a", "b"], 1, k1[0]) == k1[1:]
+
+
+def test_store_drop_between_exists_and_get_shortens_the_hit() -> None:
+    store = FakeStore()
+    a, ta = make()
+    backed(a, KEY)
+    ta.offer(KEY, 0.0)
+    pump(ta, store)
+    b, tb = make()
+    tb.prefetch("r", KEY, 0.0)
+    [ex] = tb.poll_commands()
+    tb.complete(store.answer(ex), 0.0)
+    [get] = tb.poll_commands()
+    del store.data[get.keys[2]]  # the store evicts unit 2 after answering
+    tb.complete(store.answer(get), 0.0)
+    assert b.match(KEY).host_units == 2
+    assert tb.stats.get_misses == 1 and tb.stats.get_failed == 2  # unit 3 is past the gap
+    assert b.stats.fetch_failed_units == 2
+    b.check_invariants()
+    tb.check_invariants()
+    assert b.host is not None and b.host["kv"].free == 16 - 2  # failed reservations freed
+
+
+def test_deadline_fails_a_hung_get_and_absorbs_its_late_result() -> None:
+    store = FakeStore()
+    a, ta = make()
+    backed(a, KEY)
+    ta.offer(KEY, 0.0)
+    pump(ta, store)
+    b, tb = make()
+    tb.prefetch("r", KEY, 0.0)
+    [ex] = tb.poll_commands()
+    tb.complete(store.answer(ex), 0.0)
+    [get] = tb.poll_commands()
+    assert tb.expire(0.5) == []
+    cancelled: list[int] = []
+    assert tb.expire(1.0, cancelled.append) == [get.op_id] and cancelled == [get.op_id]
+    assert b.match(KEY).host_units == 0 and not tb.prefetching("r")
+    assert tb.stats.expired_ops == 1 and tb.stats.get_failed == 4
+    tb.complete(store.answer(get), 2.0)  # the late answer changes nothing
+    assert tb.stats.absorbed_late_results == 1 and b.match(KEY).host_units == 0
+    with pytest.raises(UsageError, match="never issued"):
+        tb.complete(StoreResult(99), 2.0)
+    b.check_invariants()
+    tb.check_invariants()
+
+
+def test_failed_put_unpins_and_counts() -> None:
+    a, ta = make()
+    backed(a, KEY)
+    ta.offer(KEY, 0.0)
+    [cmd] = ta.poll_commands()
+    ta.complete(StoreResult(cmd.op_id, error="ConnectionError: refused"), 0.0)
+    assert all(n.host_pin == 0 for n in a.walk(KEY))
+    assert ta.stats.put_failed == 4 and ta.stats.op_errors == 1 and ta.stats.errors == {"ConnectionError": 1}
+    assert ta.offer(KEY, 0.0) == 4  # not remembered as put: tried again
+    a.check_invariants()
+
+
+def test_lease_blocks_remove_until_it_ends() -> None:
+    store = FakeStore()
+    a, ta = make()
+    backed(a, KEY)
+    ta.offer(KEY, 0.0)
+    pump(ta, store)
+    b, tb = make(lease=10.0)
+    tb.prefetch("r", KEY, 0.0)
+    pump(tb, store)
+    key = tb.keys_for(KEY)[0]
+    assert tb.objects[key].state == "leased"
+    assert tb.remove([key], 1.0) == 0 and tb.stats.removes_deferred_by_lease == 1
+    assert tb.poll_commands() == [] and key in store.data
+    from kvtier.fsm.machines import l3_lifecycle
+    with pytest.raises(IllegalTransition):
+        l3_lifecycle().fire(tb.objects[key], "remove_submit")
+    tb.expire(10.0)  # the lease ends; the deferred remove goes out
+    [rm] = tb.poll_commands()
+    assert rm.kind is StoreOp.REMOVE and rm.keys == (key,)
+    tb.complete(store.answer(rm), 10.0)
+    assert key not in store.data and tb.objects == {}
+
+
+def test_prefetch_skips_what_is_local_and_refuses_bad_input() -> None:
+    store = FakeStore()
+    a, ta = make()
+    backed(a, KEY)
+    assert not ta.prefetch("r", KEY, 0.0)  # all local
+    assert ta.prefetch("r", KEY + ("e", "f"), 0.0)
+    [ex] = ta.poll_commands()
+    assert len(ex.keys) == 2  # only beyond the local hit
+    ta.complete(store.answer(ex), 0.0)
+    assert not ta.prefetching("r") and ta.poll_commands() == []
+    with pytest.raises(UsageError):
+        ta.prefetch(3, KEY, 0.0)  # type: ignore[arg-type]
+    with pytest.raises(UsageError):
+        ta.complete("x", 0.0)  # type: ignore[arg-type]
+
+
+def test_selective_policy_and_config_errors() -> None:
+    store = FakeStore()
+    a, ta = make(write_policy="selective", write_threshold=2)
+    backed(a, KEY)
+    assert ta.offer(KEY, 0.0) == 0  # not reused yet
+    node = a.walk(KEY)[-1]
+    a.unlock(a.lock(node, "x"))
+    a.unlock(a.lock(node, "y"))
+    assert ta.offer(KEY, 0.0) == 4
+    pump(ta, store)
+    with pytest.raises(ConfigError, match="write_policy"):
+        L3Tier(a, L3Options(write_policy="always"))
+    with pytest.raises(ConfigError, match="host tier"):
+        L3Tier(CacheCore(h1(), 8), L3Options())
+    with pytest.raises(ConfigError, match="continuation-state"):
+        L3Tier(CacheCore(src(), 8, 8), L3Options())
+
+
+def test_host_eviction_policy_puts_the_next_victims() -> None:
+    store = FakeStore()
+    a, ta = make(write_policy="host_eviction", eviction_lookahead=8)
+    backed(a, KEY)
+    node = a.walk(KEY)[-1]
+    a.evict_device({"kv": 16})  # demote: host-only leaves are host victims
+    assert node.state == "host"
+    assert ta.offer((), 0.0) == 4
+    pump(ta, store)
+    assert len(store.data) == 4
+
+
+def test_no_room_fetches_less_and_never_overwrites() -> None:
+    store = FakeStore()
+    a, ta = make()
+    backed(a, KEY)
+    ta.offer(KEY, 0.0)
+    pump(ta, store)
+    b = CacheCore(h1(), 16, 2)
+    tb = L3Tier(b, L3Options())
+    tb.prefetch("r", KEY, 0.0)
+    pump(tb, store)
+    assert b.match(KEY).host_units == 2 and tb.stats.get_no_room == 2
+    b.check_invariants()

@@ -1,0 +1,81 @@
+"""The store-backend interface: what a store must offer to be kvtier's third tier.
+
+A backend is a small synchronous object used from one thread (the
+:class:`~kvtier.transfer.store.driver.StoreDriver`'s): every call is a batch, answers per
+key, and raises :class:`StoreError` (or any ``OSError``) when the store cannot be reached;
+the driver turns that into a failed operation. Values are whole objects (bytes): a
+backend stores each in ONE store entry, so the store can drop an object but never tear it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+from kvtier.fsm.errors import ConfigError, KvtierError
+
+__all__ = ["StoreBackend", "StoreError", "open_store"]
+
+
+class StoreError(KvtierError):
+    """The store failed an operation as a whole (unreachable, refused, timed out)."""
+
+
+@runtime_checkable
+class StoreBackend(Protocol):
+    """A key-value store for whole objects.
+
+    Attributes:
+        name: ``redis`` or ``mooncake`` (for reports).
+        lease_s: the read lease a get leaves on an object (seconds; 0 if none): the store
+            refuses to remove it meanwhile.
+        copies: how many times a byte is copied in host memory on the way to or from the
+            store (documented cost; Redis: serialise + socket buffers).
+    """
+
+    name: str
+    lease_s: float
+    copies: int
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first on, the store holds."""
+        ...
+
+    def put(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Store every (key, object); per key, whether it was stored."""
+        ...
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The objects of ``keys`` (``None`` where the store has none)."""
+        ...
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Remove ``keys``; per key, whether it is gone (removed or already absent).
+        A key under a read lease is not removed (``False``)."""
+        ...
+
+    def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+def open_store(url: str, *, timeout_s: float = 2.0) -> StoreBackend:
+    """A backend for ``url``: ``redis://HOST:PORT[/DB]`` (``mooncake://`` is reserved for the
+    Mooncake Store backend, not in this build).
+
+    Raises:
+        ConfigError: an unknown scheme, a malformed URL, ``mooncake://``, or a backend whose
+            client is not installed (``pip install 'kvtier[l3]'``).
+    """
+    if not isinstance(url, str):
+        raise ConfigError(f"store URL must be a string like redis://127.0.0.1:6379, got {url!r}")
+    parts = urlsplit(url)
+    if parts.scheme == "redis":
+        from .redis_store import RedisStore
+
+        return RedisStore.from_url(url, timeout_s=timeout_s)
+    if parts.scheme == "mooncake":
+        raise ConfigError("the Mooncake Store backend is not part of this build yet (issue 20 follow-up); "
+                          "use redis://HOST:PORT")
+    raise ConfigError(f"unknown store URL scheme {parts.scheme!r} in {url!r}; expected redis:// or mooncake://")
