@@ -185,6 +185,14 @@ def test_loads_pin_their_sources_and_eviction_takes_unpinned_leaves_lru_first() 
     d = keys("d", 3)
     assert m.prepare_store(d, ctx("rd", d)) is None  # a pinned, c newest-but-unpinned: 2 < 3 free
     assert [m.lookup(k, ca) for k in a] == [HIT, HIT]
+    # c was evicted on the way (vLLM counts first and evicts nothing); the next store reports it
+    assert [m.lookup(k, cc) for k in c] == [MISS, MISS]
+    e = keys("e", 1)
+    ce = ctx("re", e)
+    out = m.prepare_store(e, ce)
+    assert out is not None and out.keys_to_store == e and sorted(out.evicted_keys) == sorted(c)
+    m.complete_store(e, ce)
+    m.on_request_finished(ce)
     m.complete_load(a, ca)
     for r in (ca, cb, cc):
         m.on_request_finished(r)
