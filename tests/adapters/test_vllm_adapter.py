@@ -89,6 +89,10 @@ def test_vllm_factory_loads_the_spec_from_kv_connector_extra_config() -> None:
     assert spec.num_chunks == 64
     m = spec.get_manager()
     assert isinstance(m, OffloadingManager) and m.num_chunks == 64 and spec.get_manager() is m
+    assert m.store_threshold == 1 and m.chain and m.core.eviction.name == "lru"
+    extra.update(store_threshold=3, kvtier_eviction="lru2", kvtier_chain=False)
+    m2 = OffloadingSpecFactory.create_spec(config([OffloadingGroupConfig(T, ("l0",), 0)], 4096, extra)).get_manager()
+    assert m2.store_threshold == 3 and not m2.chain and m2.core.eviction.name == "lru2"
 
 
 def test_spec_without_a_budget_names_the_missing_key() -> None:
@@ -181,6 +185,14 @@ def test_loads_pin_their_sources_and_eviction_takes_unpinned_leaves_lru_first() 
     d = keys("d", 3)
     assert m.prepare_store(d, ctx("rd", d)) is None  # a pinned, c newest-but-unpinned: 2 < 3 free
     assert [m.lookup(k, ca) for k in a] == [HIT, HIT]
+    # c was evicted on the way (vLLM counts first and evicts nothing); the next store reports it
+    assert [m.lookup(k, cc) for k in c] == [MISS, MISS]
+    e = keys("e", 1)
+    ce = ctx("re", e)
+    out = m.prepare_store(e, ce)
+    assert out is not None and out.keys_to_store == e and sorted(out.evicted_keys) == sorted(c)
+    m.complete_store(e, ce)
+    m.on_request_finished(ce)
     m.complete_load(a, ca)
     for r in (ca, cb, cc):
         m.on_request_finished(r)
@@ -303,6 +315,62 @@ def test_preempted_request_readmitted_while_its_store_is_in_flight_vllm_46014() 
     assert d.reqs["p"].external == 2 * T
     d.drain()
     check_drained(m)
+
+
+def test_eviction_is_exact_and_reports_the_evicted_keys_and_removal_events() -> None:
+    m = manager(4, enable_events=True)
+    a = keys("a", 4)
+    ca = ctx("ra", a)
+    assert store(m, ca, a) == a  # one node of 4 chunks
+    b = keys("b", 1)
+    out = m.prepare_store(b, ctx("rb", b))
+    assert out is not None and out.keys_to_store == b
+    assert out.evicted_keys == [a[3]]  # the leaf is split: only its deepest chunk goes
+    assert [m.lookup(k, ca) for k in a] == [HIT, HIT, HIT, MISS]
+    m.complete_store(b, ctx("rb", b))
+    events = list(m.take_events())
+    assert [(sorted(e.keys), e.removed) for e in events] == [
+        (sorted(a), False), ([a[3]], True), (b, False)]
+    assert list(m.take_events()) == []
+    assert m.evicted_chunks == 1 and m.host_chunks_used() == 4
+    m.check_invariants()  # (no chunk is left with only a staging copy)
+    assert not [n for n in m.core.nodes() if n.state == "device"]
+
+
+def test_acknowledged_chunks_stay_backed_and_a_store_touches_only_its_new_node() -> None:
+    m = manager(64)
+    sys_prompt = keys("sys", 2)
+    store(m, ctx("s", sys_prompt), sys_prompt)
+    for i in range(6):
+        ks = sys_prompt + keys(f"t{i}", 2)
+        c = ctx(f"r{i}", ks)
+        before = m.core.stats.triggers
+        assert store(m, c, ks) == ks[2:]
+        # create, submit, ack of the one new node: the shared prefix is neither
+        # republished nor demoted
+        assert m.core.stats.triggers - before == 3
+    hub = m._resolve(sys_prompt[0])
+    assert hub is not None and hub.state == "backed" and len(hub.children) == 6
+
+
+def test_store_threshold_stores_a_chunk_on_its_second_offer_and_get_stats_reports() -> None:
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+
+    m = manager(8, store_threshold=2)
+    ks = keys("a", 3)
+    c = ctx("r", ks)
+    out = m.prepare_store(ks, c)
+    assert out is not None and out.keys_to_store == []  # first offer: counted, not stored
+    assert store(m, c, ks) == ks
+    _, values = m.get_stats().metric_sections()
+    assert values[CPUOffloadingMetrics.STORES_SKIPPED][()] == 3
+    assert values[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC][()] == 3 / 8
+    assert values[CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC][()] == 0.0
+    assert values[CPUOffloadingMetrics.CPU_ALLOCATION_SIZE][()] == [3]
+    _, values = m.get_stats().metric_sections()  # the batch counters reset
+    assert values[CPUOffloadingMetrics.STORES_SKIPPED][()] == 0
+    with pytest.raises(ConfigError, match="store_threshold"):
+        manager(8, store_threshold=0)
 
 
 def test_failed_store_and_failed_load_leave_nothing_behind() -> None:

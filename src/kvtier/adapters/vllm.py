@@ -11,8 +11,11 @@ vLLM's ``OffloadingConnector`` loads an out-of-tree ``OffloadingSpec`` named in
   chunks are invisible to lookups until ``complete_store(success=True)`` acknowledges it;
   a failure is the ``writeback_fail`` transition and the chunks are dropped); a load pins
   its host sources until ``complete_load``; eviction takes least-recently-used host
-  *leaves* only, so a prefix never loses its head before its tail (deterministic: the
-  core's logical clock, never wall time).
+  leaves, exactly (a leaf is split so that only the chunks needed go, deepest first), so
+  a prefix never loses its head before its tail (deterministic: the core's logical
+  clock, never wall time). Acknowledged chunks stay ``backed`` on the core's nominal
+  staging pool, so a store adds one node under its stored prefix and touches nothing
+  else.
 - :class:`KvtierOffloadingWorker`: the worker side. It moves the bytes with kvtier's
   :class:`~kvtier.transfer.TransferEngine` (``cpu`` backend without a GPU, ``numba`` or
   ``torch`` on one) between vLLM's KV tensors and a host pool, with layer-wise completion
@@ -34,11 +37,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, unused-ignore]
+from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
     GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
@@ -54,14 +58,15 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, unused-ign
     TransferResult,
     get_offload_group_idx,
 )
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # type: ignore[import-untyped, unused-ignore]
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, ConfigError, Direction, Family, KvtierError
 from kvtier.fsm import GroupTransfer, TransferCommand
 from kvtier.fsm import CacheCore as Core  # the one import of the core class
 from kvtier.fsm.errors import CapacityError
+from kvtier.fsm.eviction import EvictionPolicy
 from kvtier.fsm.layout import CacheLayout
-from kvtier.fsm.node import HOST_VISIBLE, LockReceipt, Node, NodeReceipt
+from kvtier.fsm.node import HOST_VISIBLE, LockReceipt, Node, NodeReceipt, PageMap
 
 __all__ = [
     "GROUP",
@@ -118,8 +123,50 @@ class _Request:
     finished: bool = False
 
 
+def _keys(n: Node) -> tuple[bytes, ...]:
+    """A node's unit keys (the adapter's units are vLLM offload keys, bytes)."""
+    return cast("tuple[bytes, ...]", n.key)
+
+
+class _Victims:
+    """The core's eviction policy, decorated (an :class:`~kvtier.fsm.eviction.EvictionPolicy`).
+
+    Records every node the core considered for host eviction (so the manager learns which
+    chunks it evicted: ``evicted_keys`` and removal events), and can restrict the device
+    candidates to an explicit list (so the manager clears exactly the staging copies of
+    the chunks that lost their host copy). Order and legality stay the core's: the
+    wrapped policy orders host victims, the core checks every guard.
+    """
+
+    def __init__(self, inner: EvictionPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.considered: list[Node] = []
+        self.only: list[Node] | None = None
+
+    def touch(self, node: Node) -> None:
+        self.inner.touch(node)
+
+    def device_candidates(self) -> Iterator[Node]:
+        return iter(self.only) if self.only is not None else self.inner.device_candidates()
+
+    def host_candidates(self) -> Iterator[Node]:
+        for n in self.inner.host_candidates():
+            self.considered.append(n)
+            yield n
+
+
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-ignore]
     """vLLM ``OffloadingManager`` whose host tier is kvtier's radix core.
+
+    Acknowledged chunks stay ``backed`` in the core (a host copy, plus a nominal device
+    copy on the core's staging pool standing for vLLM's GPU blocks): a store under a
+    stored prefix then adds one node and never republishes or demotes the prefix, so the
+    scheduler-side cost of a store does not grow with the prefix's depth or with the
+    number of conversations that branch off a shared system prompt. Host eviction is the
+    core's (least recently used host leaf first, exact: a victim leaf is split so that
+    only the chunks needed go, deepest first); a chunk that loses its host copy leaves the
+    staging pool at once.
 
     Args:
         num_chunks: host capacity in offload chunks (keys of one group each), >= 1.
@@ -129,26 +176,47 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         sliding_window_groups: group ids stored as single-chunk nodes (sliding window,
             Mamba and other groups vLLM stores sparsely).
         enable_events: collect ``OffloadingEvent`` records for :meth:`take_events`.
-        staging_chunks: virtual device pages of the core (the vLLM GPU blocks a transfer
-            reads or writes stand behind them); default ``4 * num_chunks + 4096``.
+        staging_chunks: staging pages of the core (nominal device copies); default
+            ``2 * num_chunks + 4096`` (acknowledged chunks, plus the stores in flight
+            and one request's prefix path).
+        store_threshold: offers of a chunk before it is stored (vLLM's
+            ``store_threshold``; 1: store on the first offer). Offers are counted in a
+            least-recently-offered table of ``max_tracker_size`` keys.
+        max_tracker_size: keys the offer counter tracks (with ``store_threshold >= 2``).
+        eviction: the core's host eviction policy (:data:`kvtier.fsm.eviction.POLICIES`:
+            ``"lru"``, ``"lru2"``).
+        chain: hang a store's run of chunks under its stored parent chunk (one radix
+            tree per conversation: a head is never evicted before its tails). ``False``:
+            every run is a tree of its own under the root (eviction goes by recency alone
+            across runs, tail first within a run, as vLLM's ``lru`` ranks a request's
+            chunks).
 
     Raises:
-        ConfigError: a non-positive capacity or token count.
+        ConfigError: a non-positive capacity, token count, threshold or tracker size, or
+            an unknown eviction policy.
     """
 
     def __init__(self, num_chunks: int, *, tokens_per_chunk: Mapping[int, int] | None = None,
                  sliding_window_groups: Collection[int] = (), enable_events: bool = False,
-                 staging_chunks: int | None = None) -> None:
+                 staging_chunks: int | None = None, store_threshold: int = 1,
+                 max_tracker_size: int = 64_000, eviction: str = "lru", chain: bool = True) -> None:
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
             raise ConfigError(f"num_chunks must be an int >= 1 (host offload chunks), got {num_chunks!r}")
         tpc = dict(tokens_per_chunk or {})
         for g, t in tpc.items():
             if isinstance(t, bool) or not isinstance(t, int) or t < 1:
                 raise ConfigError(f"tokens_per_chunk[{g!r}] must be an int >= 1, got {t!r}")
+        for name, v in (("store_threshold", store_threshold), ("max_tracker_size", max_tracker_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
         self.num_chunks = num_chunks
         self._tpc = {g: t for g, t in tpc.items() if g not in set(sliding_window_groups)}
         self._sparse = frozenset(sliding_window_groups)
-        self._staging = staging_chunks if staging_chunks is not None else 4 * num_chunks + 4096
+        self._staging = staging_chunks if staging_chunks is not None else 2 * num_chunks + 4096
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self._eviction_name = eviction
+        self.chain = chain
         self.medium = Medium.CPU
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self._new_core()
@@ -158,11 +226,20 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         self.refused_stores = 0
         self.retried_stores = 0
         self.rootless_chunks = 0
+        self.evicted_chunks = 0
+        self.stores_skipped = 0
+        self._batch_alloc: list[int] = []
+        self._batch_skipped = 0
 
     def _new_core(self) -> None:
-        self.core = Core(chunk_layout(), {GROUP: self._staging}, {GROUP: self.num_chunks}, policy="write_through")
+        self.core = Core(chunk_layout(), {GROUP: self._staging}, {GROUP: self.num_chunks}, policy="write_through",
+                         eviction=self._eviction_name)
+        self._victims = _Victims(self.core.eviction)
+        self.core.eviction = self._victims
         self._index: dict[bytes, Node] = {}
         self._reqs: dict[str, _Request] = {}
+        self._counts: OrderedDict[bytes, int] | None = OrderedDict() if self.store_threshold >= 2 else None
+        self._pending_evicted: list[bytes] = []  # evicted by a refused store, reported by the next
 
     # ------------------------------------------------------------------ helpers
     def _req(self, ctx: ReqContext) -> _Request:
@@ -172,10 +249,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         return st
 
     def _alive(self, n: Node) -> bool:
-        try:
-            return self.core.node(n.node_id) is n
-        except KvtierError:
-            return False
+        return self.core.tree.has(n)
 
     def _resolve(self, key: bytes) -> Node | None:
         """The live node holding ``key``, or None. Splits move a key into a new ancestor
@@ -188,8 +262,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             n = n.parent
         if n is None or n.parent is None or not self._alive(n):
             del self._index[key]
-            if self.events is not None:
-                self.events.append(OffloadingEvent(keys=[OffloadKey(key)], medium=self.medium, removed=True))
             return None
         if n is not start:
             self._index[key] = n
@@ -213,10 +285,59 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             return None
         return int(pos // tpc - 1)
 
-    def _settle_device(self) -> None:
-        """Demote every unlocked staged node back to host-only (drop device-only ones):
-        vLLM's GPU blocks, not the core, hold the device copies."""
-        self.core.evict_device({GROUP: self._staging})
+    def _clear_staging(self, nodes: Iterable[Node]) -> None:
+        """Drop the staging copies of ``nodes`` that hold no host copy (``device`` state:
+        their host copy was evicted or their writeback failed), through the core's device
+        eviction restricted to exactly these nodes."""
+        gone = [n for n in nodes if self._alive(n) and n.state == "device"]
+        if not gone:
+            return
+        self._victims.only = gone
+        try:
+            self.core.evict_device({GROUP: sum(len(n.dev.get(GROUP, ())) for n in gone)})
+        finally:
+            self._victims.only = None
+
+    def _take_evicted(self) -> list[bytes]:
+        """Keys of the chunks the core's host eviction took since the last call (nodes it
+        removed, or whose host copy it dropped); their staging copies are cleared."""
+        considered, self._victims.considered = self._victims.considered, []
+        evicted: list[bytes] = []
+        dropped: list[Node] = []
+        for n in dict.fromkeys(considered):  # (a node may be considered twice)
+            alive = self._alive(n)
+            if alive and n.state in HOST_VISIBLE:
+                continue  # spared (pinned, protected, or not needed)
+            evicted.extend(_keys(n))
+            if alive:
+                dropped.append(n)
+        self._clear_staging(dropped)
+        for k in evicted:
+            self._index.pop(k, None)
+        if evicted:
+            self.evicted_chunks += len(evicted)
+            if self.events is not None:
+                self.events.append(OffloadingEvent(keys=[OffloadKey(k) for k in evicted], medium=self.medium,
+                                                   removed=True))
+        return evicted
+
+    def _make_room(self, need: int, protect: Collection[Node]) -> list[bytes] | None:
+        """Evict host chunks (the core's order) until ``need`` chunks are free.
+
+        Returns the evicted keys, or None if the host cannot free enough (pinned or
+        in-flight chunks); what was evicted stays evicted (and is reported by the next
+        store)."""
+        assert self.core.host is not None
+        short = need - self.core.host[GROUP].free
+        if short <= 0:
+            return []
+        self._victims.considered = []
+        self.core.evict_host({GROUP: short}, protect=protect)
+        evicted = self._take_evicted()
+        if self.core.host[GROUP].free < need:
+            self._pending_evicted.extend(evicted)
+            return None
+        return evicted
 
     def _sweep(self) -> None:
         """Forget dead index entries once the index is twice the host capacity
@@ -229,6 +350,25 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         self.busy_s += time.perf_counter() - t0
         self.calls += 1
 
+    def _threshold(self, keys: list[bytes]) -> set[bytes]:
+        """vLLM's store_threshold: count this offer; the keys offered often enough."""
+        counts = self._counts
+        assert counts is not None
+        seen = [k for k in keys if k in counts]
+        for k in seen:
+            counts.move_to_end(k)
+            counts[k] += 1
+        unprotected = len(counts) - len(seen)
+        for k in keys:
+            if k in counts:
+                continue
+            if len(counts) >= self.max_tracker_size:
+                if unprotected == 0:
+                    continue
+                counts.popitem(last=False)
+                unprotected -= 1
+            counts[k] = 1
+        return {k for k in keys if counts.get(k, 0) >= self.store_threshold}
     # ------------------------------------------------------------------ vLLM API
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         t0 = time.perf_counter()
@@ -259,7 +399,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """Pin the host copies of ``keys`` (and lock their nodes, which stamps their
-        recency) until :meth:`complete_load` with the same keys.
+        recency, the deepest first) until :meth:`complete_load` with the same keys.
 
         Raises:
             KvtierError: a key has no acknowledged host copy (nothing changes).
@@ -276,11 +416,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                                   f"has no acknowledged host copy ({n.state if n else 'absent'})")
             slots.append(n.host[GROUP][n.key.index(key)])
             nodes.setdefault(n.node_id, n)
+        for key in keys:
             idx = self._chunk_index(key, req_context)
             if idx is not None:
                 st.chain.setdefault(get_offload_group_idx(key), {})[idx] = key
         pin = self.core.pin(list(nodes.values()), owner=st.req_id) if nodes else None
-        locks = [self.core.lock(n, owner=st.req_id) for n in nodes.values()]
+        # deepest first: a shallower chunk gets the later stamp (tails go before heads)
+        locks = [self.core.lock(n, owner=st.req_id) for n in sorted(nodes.values(), key=lambda x: -x.depth)]
         st.loads.append(_Load(frozenset(keys), pin, locks))
         self._timed(t0)
         return CPULoadStoreSpec(slots)
@@ -288,7 +430,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Stamp the recency of ``keys`` (a lock and unlock of their nodes)."""
         t0 = time.perf_counter()
-        for key in keys:
+        for key in reversed(list(keys)):
             n = self._resolve(key)
             if n is not None:
                 self.core.unlock(self.core.lock(n, owner=req_context.req_id))
@@ -312,18 +454,19 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             self.core.release(load.pin)
         for lock in load.locks:
             self.core.unlock(lock)
-        self._settle_device()
         self._maybe_drop(st)
         self._timed(t0)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Start the writeback of the offered chunks that the host does not hold yet.
 
-        Returns ``None`` (vLLM retries next step) when the host cannot take every new
-        chunk even after evicting unpinned leaves, or when a chain's parent is still being
-        written by another operation. A run of chunks whose parent chunk is not on the host
-        is stored as a chain from the root (vLLM reaches it while its GPU prefix cache
-        holds the prefix).
+        Host room comes first: least-recently-used host chunks are evicted (their keys are
+        ``evicted_keys``), never one this offer holds or chains from. Returns ``None``
+        (vLLM retries next step) when the host cannot free enough (its chunks are pinned by
+        loads or in flight), or when a chain's parent is still being written by another
+        operation. A run of chunks whose parent chunk is not on the host is stored as a
+        chain from the root (vLLM reaches it while its GPU prefix cache holds the prefix).
+        With ``store_threshold >= 2``, only chunks offered that often are stored.
         """
         t0 = time.perf_counter()
         try:
@@ -333,9 +476,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
 
     def _prepare_store(self, keys: list[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         st = self._req(ctx)
+        eligible = self._threshold([bytes(k) for k in keys]) if self._counts is not None else None
         chains: dict[int, list[tuple[int, bytes]]] = {}
         flat: list[bytes] = []
         reused: dict[int, Node] = {}
+        skipped = 0
         for key in keys:
             g = get_offload_group_idx(key)
             idx = self._chunk_index(key, ctx)
@@ -343,14 +488,21 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                 st.chain.setdefault(g, {})[idx] = key
             n = self._resolve(key)
             if n is not None:
-                reused.setdefault(n.node_id, n)
+                if n.state in HOST_VISIBLE:
+                    reused.setdefault(n.node_id, n)
+                continue  # (written by another store: it becomes visible on its ack)
+            if eligible is not None and key not in eligible:
+                skipped += 1
                 continue
             if idx is None:
                 flat.append(key)
             else:
                 chains.setdefault(g, []).append((idx, key))
+        self.stores_skipped += skipped
+        self._batch_skipped += skipped
         paths: list[tuple[bytes, ...]] = []
         new_keys: list[bytes] = []
+        parents: dict[int, Node] = {}
         for g, items in chains.items():
             items.sort()
             runs: list[list[tuple[int, bytes]]] = []
@@ -372,8 +524,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                         # the parent chunk is not on the host: the run hangs from the root
                         # (reachable while vLLM's GPU cache holds the prefix)
                         self.rootless_chunks += len(run)
-                    else:
+                    elif self.chain:
                         prefix = self._path_to(parent, pkey)
+                        parents.setdefault(parent.node_id, parent)
                 run_keys = tuple(k for _, k in run)
                 paths.append(prefix + run_keys)
                 new_keys.extend(run_keys)
@@ -381,43 +534,47 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             paths.append((fkey,))
             new_keys.append(fkey)
         if not new_keys:
-            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
-        # keep the offered chunks the host already holds (and their ancestors) out of the
-        # eviction below; the locks also stamp their recency
-        guards = [self.core.lock(n, owner=st.req_id) for n in reused.values()]
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]),
+                                      evicted_keys=self._flush_evicted([]))
+        # keep the offered chunks the host already holds, and the parents of the new runs,
+        # out of the eviction below; the locks also stamp their recency
+        guarded = {**reused, **parents}
+        guards = [self.core.lock(n, owner=st.req_id) for n in sorted(guarded.values(), key=lambda x: -x.depth)]
         created: list[Node] = []
         try:
+            evicted = self._make_room(len(new_keys), guarded.values())
+            if evicted is None:
+                self.refused_stores += 1
+                return None
             for path in paths:
-                try:
-                    pages = self.core.alloc_device({GROUP: len(path)}, evict=False)
-                except CapacityError:
-                    self._settle_device()
-                    try:
-                        pages = self.core.alloc_device({GROUP: len(path)}, evict=False)
-                    except CapacityError:
-                        self._rollback(created, [])
-                        self.refused_stores += 1
-                        return None
+                pages = self._stage(len(path))
+                if pages is None:
+                    self._rollback(created, [])
+                    self.refused_stores += 1
+                    return None
                 res = self.core.insert(path, pages)
-                spare = {g: p for g, p in res.duplicates.items() if p}
-                for g, p in res.kept.items():
-                    spare.setdefault(g, []).extend(p)
+                spare = {grp: p for grp, p in res.duplicates.items() if p}
+                for grp, p in res.kept.items():
+                    spare.setdefault(grp, []).extend(p)
                 if spare:
                     self.core.free_device(spare)
                 created.extend(res.created)
                 for n in res.created:
-                    for k in n.key:
+                    for k in _keys(n):
                         self._index[k] = n
             commands = self.core.issue_writebacks()
             op_ids = [c.op_id for c in commands]
+            evicted += self._take_evicted()  # (none expected: the room was made above)
             if any(n.state != "writing" for n in created):
                 self._rollback(created, op_ids)
+                self._pending_evicted.extend(evicted)
                 self.refused_stores += 1
                 return None
         finally:
             for lock in guards:
                 self.core.unlock(lock)
         st.stores.append(_Store(frozenset(new_keys), op_ids))
+        self._batch_alloc.append(len(new_keys))
         want = set(new_keys)
         keys_to_store = [k for k in keys if k in want]
         slots = []
@@ -425,17 +582,35 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             n = self._index[k]
             slots.append(n.pending[GROUP][n.key.index(k)])
         self._sweep()
-        return PrepareStoreOutput(keys_to_store=keys_to_store, store_spec=CPULoadStoreSpec(slots), evicted_keys=[])
+        return PrepareStoreOutput(keys_to_store=keys_to_store, store_spec=CPULoadStoreSpec(slots),
+                                  evicted_keys=self._flush_evicted(evicted))
+
+    def _flush_evicted(self, evicted: list[bytes]) -> list[OffloadKey]:
+        out = [OffloadKey(k) for k in itertools.chain(self._pending_evicted, evicted)]
+        self._pending_evicted = []
+        return out
+
+    def _stage(self, units: int) -> PageMap | None:
+        """Staging pages for a path of ``units`` chunks; when the staging pool is full,
+        the least recently used staged leaves are demoted (their host copies stay)."""
+        try:
+            return self.core.alloc_device({GROUP: units}, evict=False)
+        except CapacityError:
+            self.core.evict_device({GROUP: max(units, self._staging // 4)})
+            try:
+                return self.core.alloc_device({GROUP: units}, evict=False)
+            except CapacityError:
+                return None
 
     def _rollback(self, created: list[Node], op_ids: list[int]) -> None:
         """Undo a store that could not take every chunk: fail its writebacks (the
-        ``writeback_fail`` transition) and drop the device-only nodes."""
+        ``writeback_fail`` transition) and drop the staged nodes."""
         for op in op_ids:
             self.core.poison(op)
             self.core.complete(Completion(op, 0, False))
-        self._settle_device()
+        self._clear_staging(created)
         for n in created:
-            for k in n.key:
+            for k in _keys(n):
                 self._resolve(k)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -456,7 +631,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if not success:
                 self.core.poison(op)
             self.core.complete(Completion(op, 0, success))
-        self._settle_device()
         if self.events is not None:
             if success:
                 self.events.append(OffloadingEvent(keys=[OffloadKey(k) for k in store.keys], medium=self.medium,
@@ -465,6 +639,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                 self.events.append(OffloadingEvent(keys=[OffloadKey(k) for k in store.keys], medium=self.medium,
                                                    removed=True, metadata_only=True))
         if not success:
+            nodes = {id(n): n for n in (self._resolve(k) for k in store.keys) if n is not None}
+            self._clear_staging(nodes.values())
             for k in store.keys:
                 self._resolve(k)
         self._maybe_drop(st)
@@ -492,6 +668,30 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         """Drop every chunk and every request's state (vLLM discards the jobs in flight)."""
         self._new_core()
 
+    def get_stats(self) -> Any:
+        """vLLM's CPU offloading gauges for this manager (an ``OffloadingConnectorStats``):
+        host usage (acknowledged and in-flight chunks over capacity), write usage (chunks
+        being stored), read usage (the rest), the sizes of this batch's stores and, with
+        ``store_threshold >= 2``, the chunks skipped. The batch counters reset."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+            OffloadingConnectorStats,
+        )
+        from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+        stats = OffloadingConnectorStats()
+        usage = self.host_chunks_used() / self.num_chunks
+        writing = sum(len(s.keys) for r in self._reqs.values() for s in r.stores) / self.num_chunks
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
+        for size in self._batch_alloc:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._batch_alloc.clear()
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, writing)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(usage - writing, 0.0))
+        if self.store_threshold >= 2:
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, self._batch_skipped)
+            self._batch_skipped = 0
+        return stats
+
     # ------------------------------------------------------------------ introspection
     def in_flight(self) -> int:
         """Stores and loads prepared and not yet completed, over all requests."""
@@ -507,7 +707,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
 
     def check_invariants(self) -> None:
         """The core's invariants, then the adapter's: every in-flight store names live
-        ``writing`` operations and every in-flight load holds a live pin.
+        ``writing`` operations, every in-flight load holds a live pin, and every staged
+        node holds a host copy or is being written (no orphaned staging copy).
 
         Raises:
             InvariantViolation: from the core.
@@ -523,6 +724,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             for ld in r.loads:
                 if (ld.pin is not None and ld.pin.released) or any(lk.released for lk in ld.locks):
                     raise KvtierError(f"request {r.req_id!r}: a load's pin or lock was released early")
+        orphans = [n.node_id for n in self.core.nodes() if n.state == "device"]
+        if orphans:
+            raise KvtierError(f"nodes {orphans[:8]} hold only a staging copy (no host copy, no writeback)")
 
 
 class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
@@ -534,6 +738,11 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
             divides by all groups' bytes per key instead (vLLM #56871).
         ``num_host_chunks`` (int): capacity in chunks directly (overrides the budget).
         ``kvtier_backend`` (str): the worker's transfer backend (default ``"auto"``).
+        ``store_threshold``, ``max_tracker_size`` (int): as vLLM's CPU spec reads them
+            (a threshold below 2 stores on the first offer).
+        ``kvtier_eviction`` (str): the host eviction policy (``"lru"``, ``"lru2"``).
+        ``kvtier_chain`` (bool): chain a store's run under its stored parent chunk
+            (:class:`KvtierOffloadingManager`'s ``chain``).
 
     Raises:
         ConfigError: neither key given, or a capacity below one chunk.
@@ -559,6 +768,10 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
                                  if g.sliding_window_size_in_chunks is None}
         self.sparse_groups = {g.group_id for g in groups if g.sliding_window_size_in_chunks is not None}
         self.backend = str(self.extra_config.get("kvtier_backend", "auto"))
+        self.store_threshold = max(1, int(self.extra_config.get("store_threshold", 0)))
+        self.max_tracker_size = int(self.extra_config.get("max_tracker_size", 64_000))
+        self.eviction = str(self.extra_config.get("kvtier_eviction", "lru"))
+        self.chain = bool(self.extra_config.get("kvtier_chain", True))
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
@@ -567,7 +780,9 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
             self._manager = KvtierOffloadingManager(
                 self.num_chunks, tokens_per_chunk=self.tokens_per_chunk,
                 sliding_window_groups=self.sparse_groups,
-                enable_events=self.kv_events_config.enable_kv_cache_events)
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=self.store_threshold, max_tracker_size=self.max_tracker_size,
+                eviction=self.eviction, chain=self.chain)
         return self._manager
 
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:

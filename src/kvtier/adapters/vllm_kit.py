@@ -30,20 +30,20 @@ from . import vllm_stubs
 
 vllm_stubs.install()
 
-from vllm.sampling_params import SamplingParams  # type: ignore[import-untyped, unused-ignore]
-from vllm.utils.hashing import get_hash_fn_by_name  # type: ignore[import-untyped, unused-ignore]
-from vllm.v1.core import kv_cache_utils  # type: ignore[import-untyped, unused-ignore]
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # type: ignore[import-untyped, unused-ignore]
-from vllm.v1.kv_cache_interface import (  # type: ignore[import-untyped, unused-ignore]
+from vllm.sampling_params import SamplingParams  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.utils.hashing import get_hash_fn_by_name  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.v1.core import kv_cache_utils  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.v1.kv_cache_interface import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # type: ignore[import-untyped, unused-ignore]
-from vllm.v1.request import Request  # type: ignore[import-untyped, unused-ignore]
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.v1.request import Request  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-__all__ = ["ConnectorDriver", "DriverRequest", "Job", "replay"]
+__all__ = ["ConnectorDriver", "DriverRequest", "Job", "Replayer", "SharedHasher", "replay"]
 
 _HASHER: dict[tuple[str, int], Any] = {}
 
@@ -90,11 +90,13 @@ class ConnectorDriver:
             tokens.
         hash_name: vLLM's block hash function (``"sha256"`` by default, as in vLLM).
         max_model_len: longest request in tokens.
+        block_hasher: vLLM's request block hasher to use instead (for example one shared
+            by several drivers replaying the same requests).
     """
 
     def __init__(self, manager: Any, device_blocks: int, block_tokens: int = 16,
                  groups: Sequence[int | None] = (None,), hash_name: str = "sha256",
-                 max_model_len: int = 1 << 20) -> None:
+                 max_model_len: int = 1 << 20, block_hasher: Callable[[Any], Any] | None = None) -> None:
         self.manager = manager
         self.T = block_tokens
         self.groups = list(groups)
@@ -110,7 +112,7 @@ class ConnectorDriver:
         cfg = KVCacheConfig(num_blocks=device_blocks + 1, kv_cache_tensors=[], kv_cache_groups=specs)
         self.kvm = KVCacheManager(cfg, max_model_len=max_model_len, scheduler_block_size=block_tokens,
                                   hash_block_size=block_tokens, enable_caching=True)
-        self.hasher = _hasher(hash_name, block_tokens)
+        self.hasher = block_hasher if block_hasher is not None else _hasher(hash_name, block_tokens)
         self.sp = SamplingParams(max_tokens=1)
         self.reqs: dict[str, DriverRequest] = {}
         self.jobs: dict[int, Job] = {}
@@ -355,6 +357,76 @@ def prompt_for(hash_ids: Sequence[int], input_length: int, block_tokens: int) ->
     return list(chain.from_iterable(range(h * block_tokens, h * block_tokens + n) for h, n in zip(hash_ids, sizes)))
 
 
+class SharedHasher:
+    """vLLM's block hasher, computed once for drivers that replay the same requests.
+
+    The first driver to build request ``r`` hashes it (timed in :attr:`hash_s`); the
+    other ``users - 1`` get the same hashes (block hashes depend only on the tokens).
+    """
+
+    def __init__(self, users: int, hash_name: str = "sha256", block_tokens: int = 512) -> None:
+        self.inner = _hasher(hash_name, block_tokens)
+        self.users = users
+        self.hash_s = 0.0
+        self._memo: dict[tuple[str, int], tuple[Any, int]] = {}
+
+    def __call__(self, req: Any) -> Any:
+        key = (req.request_id, len(req.block_hashes))
+        got = self._memo.pop(key, None)
+        if got is None:
+            t = time.perf_counter()
+            hashes = self.inner(req)
+            self.hash_s += time.perf_counter() - t
+            got = (hashes, self.users)
+        hashes, left = got
+        if left > 1:
+            self._memo[key] = (hashes, left - 1)
+        return list(hashes)
+
+
+class Replayer:
+    """One manager's replay of trace records, one request at a time (see :func:`replay`);
+    :meth:`step` runs one record, :meth:`result` sums up."""
+
+    def __init__(self, manager: Any, device_blocks: int, block_tokens: int = 512,
+                 block_hasher: Callable[[Any], Any] | None = None) -> None:
+        self.d = ConnectorDriver(manager, device_blocks, block_tokens, max_model_len=block_tokens * 1024,
+                                 block_hasher=block_hasher)
+        self.block_tokens = block_tokens
+        self.total = self.dev = self.host = self.n = self.not_admitted = 0
+
+    def step(self, rid: str, rec: Any) -> None:
+        d = self.d
+        d.add(rid, prompt_for(rec.hash_ids, rec.input_length, self.block_tokens))
+        self.total += rec.input_length
+        state = d.admit(rid)
+        self.n += 1
+        if state in ("no-room", "delayed"):
+            self.not_admitted += 1
+            d.finish(rid, aborted=True)
+            return
+        r = d.reqs[rid]
+        self.dev += r.local
+        self.host += r.external
+        for j in sorted(r.jobs):
+            d.complete(j)
+        d.compute(rid)
+        for j in sorted(r.jobs):
+            d.complete(j)
+        d.finish(rid)
+        for j in sorted(d.jobs):
+            d.complete(j)
+
+    def result(self) -> dict[str, Any]:
+        d, n, total = self.d, max(1, self.n), max(1, self.total)
+        return {
+            "requests": self.n, "prompt_tokens": self.total, "device_hit": self.dev / total,
+            "host_hit": self.host / total, "total_hit": (self.dev + self.host) / total,
+            "manager_us": d.manager_s / n * 1e6, "kvm_us": d.kvm_s / n * 1e6, "hash_us": d.hash_s / n * 1e6,
+            "not_admitted": self.not_admitted, "refused_stores": d.refused_stores,
+        }
+
+
 def replay(records: Iterable[Any], make_manager: Callable[[], Any], device_blocks: int,
            block_tokens: int = 512, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Replay trace records (``hash_ids``, ``input_length``) one request at a time, prompt
@@ -364,34 +436,9 @@ def replay(records: Iterable[Any], make_manager: Callable[[], Any], device_block
         ``prompt_tokens``, ``device_hit`` / ``host_hit`` / ``total_hit`` (fractions of
         prompt tokens), ``manager_us`` / ``kvm_us`` / ``hash_us`` (per request), counts.
     """
-    d = ConnectorDriver(make_manager(), device_blocks, block_tokens, max_model_len=block_tokens * 1024)
-    total = dev = host = 0
-    n = not_admitted = 0
+    rp = Replayer(make_manager(), device_blocks, block_tokens)
     for i, rec in enumerate(records):
-        rid = str(i)
-        d.add(rid, prompt_for(rec.hash_ids, rec.input_length, block_tokens))
-        total += rec.input_length
-        state = d.admit(rid)
-        n += 1
-        if state in ("no-room", "delayed"):
-            not_admitted += 1
-            d.finish(rid, aborted=True)
-            continue
-        r = d.reqs[rid]
-        dev += r.local
-        host += r.external
-        for j in sorted(r.jobs):
-            d.complete(j)
-        d.compute(rid)
-        for j in sorted(r.jobs):
-            d.complete(j)
-        d.finish(rid)
-        for j in sorted(d.jobs):
-            d.complete(j)
+        rp.step(str(i), rec)
         if progress is not None:
             progress(i)
-    return {
-        "requests": n, "prompt_tokens": total, "device_hit": dev / total, "host_hit": host / total,
-        "total_hit": (dev + host) / total, "manager_us": d.manager_s / n * 1e6, "kvm_us": d.kvm_s / n * 1e6,
-        "hash_us": d.hash_s / n * 1e6, "not_admitted": not_admitted, "refused_stores": d.refused_stores,
-    }
+    return rp.result()

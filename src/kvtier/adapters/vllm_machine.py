@@ -37,22 +37,22 @@ def check_drained(manager: KvtierOffloadingManager) -> None:
     core = manager.core
     manager.check_invariants()
     if manager.in_flight() or manager.tracked_requests():
-        raise InvariantViolation("drained", f"{manager.in_flight()} transfers and {manager.tracked_requests()} "
+        raise InvariantViolation("drained", "the vLLM adapter", f"{manager.in_flight()} transfers and {manager.tracked_requests()} "
                                  "requests still tracked after draining")
     if core.operations():
-        raise InvariantViolation("drained", f"operations still in flight: {sorted(core.operations())}")
+        raise InvariantViolation("drained", "the vLLM adapter", f"operations still in flight: {sorted(core.operations())}")
     held = 0
     for n in core.nodes():
         if n.lock_ref or n.host_pin or n.borrow_ref:
-            raise InvariantViolation("drained", f"node {n.node_id} still locked/pinned/borrowed")
+            raise InvariantViolation("drained", "the vLLM adapter", f"node {n.node_id} still locked/pinned/borrowed")
         if n.state not in ("host", "backed"):
-            raise InvariantViolation("drained", f"node {n.node_id} left in state {n.state!r} (expected an "
+            raise InvariantViolation("drained", "the vLLM adapter", f"node {n.node_id} left in state {n.state!r} (expected an "
                                      "acknowledged host copy)")
         held += len(n.host.get(GROUP, ()))
     if held != manager.host_chunks_used():
-        raise InvariantViolation("drained", f"host pages used {manager.host_chunks_used()} but nodes hold {held}")
+        raise InvariantViolation("drained", "the vLLM adapter", f"host pages used {manager.host_chunks_used()} but nodes hold {held}")
     if core.external_pages(GROUP):
-        raise InvariantViolation("drained", f"staging pages leaked: {sorted(core.external_pages(GROUP))[:8]}")
+        raise InvariantViolation("drained", "the vLLM adapter", f"staging pages leaked: {sorted(core.external_pages(GROUP))[:8]}")
 
 
 class VllmAdapterMachine(KitMachine):
@@ -140,17 +140,17 @@ class VllmAdapterMachine(KitMachine):
         pins = sum(1 for r in self.manager._reqs.values() for ld in r.loads if ld.pin is not None)
         loads = sum(1 for j in self.driver.jobs.values() if not j.is_store)
         if self.manager.in_flight() != len(self.driver.jobs):
-            raise InvariantViolation("adapter_records", f"{self.manager.in_flight()} transfers tracked, "
+            raise InvariantViolation("adapter_records", "the vLLM adapter", f"{self.manager.in_flight()} transfers tracked, "
                                      f"{len(self.driver.jobs)} jobs in flight")
         if pins > loads:
-            raise InvariantViolation("adapter_records", f"{pins} pins for {loads} loads in flight")
+            raise InvariantViolation("adapter_records", "the vLLM adapter", f"{pins} pins for {loads} loads in flight")
 
     @invariant()
     def hit_keys_readable(self) -> None:
         # every key the manager reports HIT has an acknowledged host copy
         for node in self.manager.core.nodes():
             if node.state == "writing" and not node.wb_op:
-                raise InvariantViolation("adapter_records", f"node {node.node_id} writing without an operation")
+                raise InvariantViolation("adapter_records", "the vLLM adapter", f"node {node.node_id} writing without an operation")
 
     def teardown(self) -> None:
         self.driver.drain()
