@@ -45,7 +45,7 @@ class RedisStore:
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, *, timeout_s: float = 2.0,
                  prefix: str = "kvtier:") -> None:
         try:
-            import redis
+            import redis  # type: ignore[import-untyped, import-not-found, unused-ignore]
         except ImportError as exc:  # pragma: no cover - the extra is installed in CI
             raise ConfigError("the Redis store needs the redis client: pip install 'kvtier[l3]'") from exc
         self._redis_errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
