@@ -24,7 +24,7 @@ def test_state_sets() -> None:
     assert DEVICE_READABLE == {"device", "writing", "backed"}
     assert DEVICE_RESIDENT == {"device", "writing", "backed", "loading"}
     assert HOST_VISIBLE == {"backed", "host", "loading"}
-    assert HOST_PENDING == {"writing"}
+    assert HOST_PENDING == {"writing", "fetching"}
 
 
 def test_new_node_fields() -> None:
