@@ -102,7 +102,8 @@ class ForwardResults:
                 ckpt = core.alloc_device(dict(t.state_pages), evict=False)
             except CapacityError:
                 ckpt = None
-        result = core.insert(r.units[:n_units], pages, ckpt, chunk_checkpoint=not final)
+        anchor = r.lock.node if r.lock is not None and not r.lock.released else None
+        result = core.insert(r.units[:n_units], pages, ckpt, chunk_checkpoint=not final, anchor=anchor)
         dup = {g: p for g, p in result.duplicates.items() if p}
         # own pages now published or duplicated leave the request's own list
         for g in t.history:

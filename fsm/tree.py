@@ -85,9 +85,14 @@ class RadixTree:
         """Nodes matching ``key`` from the root, parent first. Where the key diverges inside
         a node, ``split(node, k)`` cuts it after ``k`` units and the prefix fragment ends
         the path."""
+        return self.walk_from(self.root, key, split)
+
+    def walk_from(self, start: Node, key: Sequence[Hashable], split: Callable[[Node, int], Node]) -> list[Node]:
+        """Like :meth:`walk`, from ``start`` (a node whose path is ``key[:start.depth]``,
+        which the caller vouches for) over ``key[start.depth:]``; ``start`` is not listed."""
         path: list[Node] = []
-        node = self.root
-        i = 0
+        node = start
+        i = start.depth
         n = len(key)
         while i < n:
             child = node.children.get(key[i])
