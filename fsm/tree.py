@@ -99,12 +99,17 @@ class RadixTree:
             if child is None:
                 break
             ck = child.key
-            m = 1
             limit = min(len(ck), n - i)
             # identity first, as the children dict does: a key not equal to itself (NaN)
-            # still matches its own node, so lookups and comparisons agree
-            while m < limit and (ck[m] is key[i + m] or ck[m] == key[i + m]):
-                m += 1
+            # still matches its own node, so lookups and comparisons agree (tuple
+            # comparison does the same, element by element, in C: the common whole-node
+            # match costs one comparison)
+            if limit == len(ck) and ck == tuple(key[i:i + limit]):
+                m = limit
+            else:
+                m = 1
+                while m < limit and (ck[m] is key[i + m] or ck[m] == key[i + m]):
+                    m += 1
             if m < len(ck):
                 child = split(child, m)
             path.append(child)
