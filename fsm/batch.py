@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from .admission import Admitter
 from .checks import as_bool, as_int, as_keys
 from .errors import KvtierError, UsageError
 from .forward import ForwardResults
 from .node import PageMap
+from .request import CALLS
 from .request_table import RequestTable
 
 __all__ = ["ForwardResult", "Reservation", "ItemOutcome", "StepOutcome", "Batcher", "OK", "SHORT", "REFUSED",
@@ -38,9 +40,9 @@ REFUSED = "refused"  #: the item raised (``ItemOutcome.error``; nothing changed 
 SKIPPED = "skipped"  #: not attempted: an earlier reservation was short and ``stop_on_short`` was set
 
 
-@dataclass(frozen=True, slots=True)
-class ForwardResult:
-    """The result of the forward pass for one request (see ``TieredCache.step_done``).
+class ForwardResult(NamedTuple):
+    """The result of the forward pass for one request (see ``TieredCache.step_done``); a
+    plain tuple ``(request_id, computed_tokens[, new_units[, checkpoint]])`` does as well.
 
     Attributes:
         request_id: the request.
@@ -55,10 +57,9 @@ class ForwardResult:
     checkpoint: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(NamedTuple):
     """Pages for ``tokens`` more tokens of one request (its next prefill chunk or decode
-    token; see ``TieredCache.reserve``)."""
+    token; see ``TieredCache.reserve``); a plain tuple ``(request_id, tokens)`` does as well."""
 
     request_id: str
     tokens: int
@@ -89,23 +90,48 @@ class ItemOutcome:
 
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
-    """The outcomes of one batched step, item by item in the order given.
+    """The outcomes of one batched step, item by item in the order given, kept compact
+    (a step of a large batch builds no record per item): statuses in lists, pages and
+    errors only where there are any, keyed by the item's index.
 
     Attributes:
-        results: one per forward result.
-        reserved: one per reservation.
+        result_ids, reserve_ids: the items' request ids.
+        result_status, reserve_status: each item's status (:data:`OK`, :data:`SHORT`,
+            :data:`REFUSED`, :data:`SKIPPED`).
+        adopted: result index -> checkpoint pages the tree adopted (non-empty only).
+        new_pages: reservation index -> pages newly added to its table (non-empty only).
+        errors: ``("results" | "reserve", index)`` -> the exception of a refused item.
     """
 
-    results: tuple[ItemOutcome, ...]
-    reserved: tuple[ItemOutcome, ...]
+    result_ids: tuple[str, ...]
+    result_status: tuple[str, ...]
+    reserve_ids: tuple[str, ...]
+    reserve_status: tuple[str, ...]
+    adopted: dict[int, PageMap]
+    new_pages: dict[int, PageMap]
+    errors: dict[tuple[str, int], KvtierError]
 
     @property
     def ok(self) -> bool:
         """True when every item was applied."""
-        return all(o.status == OK for o in self.results) and all(o.status == OK for o in self.reserved)
+        return not self.errors and all(s == OK for s in self.reserve_status)
 
+    @property
+    def results(self) -> tuple[ItemOutcome, ...]:
+        """One :class:`ItemOutcome` per forward result."""
+        return tuple(ItemOutcome(rid, st, self.adopted.get(i, {}), self.errors.get(("results", i)))
+                     for i, (rid, st) in enumerate(zip(self.result_ids, self.result_status)))
 
-_NO_PAGES: PageMap = {}
+    @property
+    def reserved(self) -> tuple[ItemOutcome, ...]:
+        """One :class:`ItemOutcome` per reservation."""
+        return tuple(ItemOutcome(rid, st, self.new_pages.get(i, {}), self.errors.get(("reserve", i)))
+                     for i, (rid, st) in enumerate(zip(self.reserve_ids, self.reserve_status)))
+
+    def raise_first(self) -> None:
+        """Raise the first refused item's exception, if any (results first)."""
+        for key in sorted(self.errors):
+            raise self.errors[key]
 
 
 class Batcher:
@@ -115,6 +141,7 @@ class Batcher:
         self.table = table
         self.admitter = admitter
         self.forward = forward
+        self._reserve_states = CALLS["reserve"]
 
     # -- one request -----------------------------------------------------------------
     def reserve_one(self, request_id: str, tokens: int) -> PageMap | None:
@@ -150,54 +177,90 @@ class Batcher:
         return self.forward.step_done(r, computed_tokens, new_units, checkpoint)
 
     # -- a batch ---------------------------------------------------------------------
-    def step(self, results: Sequence[ForwardResult], reserve: Sequence[Reservation],
-             stop_on_short: bool = False) -> StepOutcome:
+    def step(self, results: Sequence[ForwardResult | tuple[Any, ...]],
+             reserve: Sequence[Reservation | tuple[Any, ...]], stop_on_short: bool = False) -> StepOutcome:
         """Report ``results`` then make the reservations ``reserve``, item by item; see
-        ``TieredCache.step``.
+        ``TieredCache.step``. An item on the hot path (a decode token its pages cover, a
+        result that completes no unit) costs a few attribute updates; any other goes
+        through :meth:`result_one` / :meth:`reserve_one`.
 
         Raises:
-            UsageError: ``results`` or ``reserve`` is not a list of the right records, or a
+            UsageError: ``results`` or ``reserve`` is not a list of such tuples, or a
                 request appears twice in one of them (nothing changes).
         """
-        results = self._items(results, ForwardResult, "results")
-        reserve = self._items(reserve, Reservation, "reserve")
+        rids = self._ids(results, 2, 4, "results")
+        qids = self._ids(reserve, 2, 2, "reserve")
         stop_on_short = as_bool(stop_on_short, "step: stop_on_short")
-        done: list[ItemOutcome] = []
-        for f in results:
-            try:
-                pages = self.result_one(f.request_id, f.computed_tokens, f.new_units, f.checkpoint)
-            except KvtierError as exc:
-                done.append(ItemOutcome(f.request_id, REFUSED, {}, exc))
+        find = self.table.find
+        quick = self.forward.quick
+        covered = self.admitter.covered
+        adopted: dict[int, PageMap] = {}
+        new_pages: dict[int, PageMap] = {}
+        errors: dict[tuple[str, int], KvtierError] = {}
+        rst: list[str] = []
+        for i, f in enumerate(results):
+            r = find(f[0])
+            n = f[1]
+            units = f[2] if len(f) > 2 else ()
+            ckpt = f[3] if len(f) > 3 else False
+            if (r is not None and type(n) is int and n >= 0 and type(units) is tuple and not units
+                    and ckpt is False and quick(r, n, units, False)):
+                rst.append(OK)
                 continue
-            done.append(ItemOutcome(f.request_id, OK, pages))
-        got: list[ItemOutcome] = []
+            try:
+                pages = self.result_one(f[0], n, units, ckpt)
+            except KvtierError as exc:
+                errors[("results", i)] = exc
+                rst.append(REFUSED)
+                continue
+            if pages:
+                adopted[i] = pages
+            rst.append(OK)
+        qst: list[str] = []
+        accepts = self._reserve_states
         short = False
-        for q in reserve:
+        for i, q in enumerate(reserve):
             if short:
-                got.append(ItemOutcome(q.request_id, SKIPPED))
+                qst.append(SKIPPED)
+                continue
+            r = find(q[0])
+            n = q[1]
+            if r is not None and r.state in accepts and type(n) is int and n >= 1 and covered(r, n):
+                qst.append(OK)
                 continue
             try:
-                new = self.reserve_one(q.request_id, q.tokens)
+                new = self.reserve_one(q[0], n)
             except KvtierError as exc:
-                got.append(ItemOutcome(q.request_id, REFUSED, {}, exc))
+                errors[("reserve", i)] = exc
+                qst.append(REFUSED)
                 continue
             if new is None:
-                got.append(ItemOutcome(q.request_id, SHORT))
+                qst.append(SHORT)
                 short = stop_on_short
-            else:
-                got.append(ItemOutcome(q.request_id, OK, new))
-        return StepOutcome(tuple(done), tuple(got))
+                continue
+            if new:
+                new_pages[i] = new
+            qst.append(OK)
+        return StepOutcome(rids, tuple(rst), qids, tuple(qst), adopted, new_pages, errors)
 
     @staticmethod
-    def _items(items: object, kind: type, what: str) -> Sequence[object]:
+    def _ids(items: object, least: int, most: int, what: str) -> tuple[str, ...]:
+        """The request ids of ``items`` (tuples of ``least`` .. ``most`` fields, a request
+        at most once)."""
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-            raise UsageError(f"step: {what} must be a list of {kind.__name__}, got {items!r}")
-        seen: set[str] = set()
-        for x in items:
-            if not isinstance(x, kind):
-                raise UsageError(f"step: {what} must hold {kind.__name__} records, got {x!r}")
-            rid = x.request_id  # type: ignore[attr-defined]
-            if rid in seen:
-                raise UsageError(f"step: request {rid!r} appears twice in {what} (one pass per step)")
-            seen.add(rid)
-        return items
+            raise UsageError(f"step: {what} must be a list of tuples, got {items!r}")
+        try:
+            ids = tuple(x[0] for x in items if isinstance(x, tuple) and least <= len(x) <= most)
+        except TypeError:
+            ids = ()
+        if len(ids) != len(items):
+            bad = next(x for x in items if not isinstance(x, tuple) or not least <= len(x) <= most)
+            raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
+                             f"(ForwardResult / Reservation), got {bad!r}")
+        try:
+            distinct = len(set(ids))
+        except TypeError:
+            raise UsageError(f"step: request ids in {what} must be str, got {ids!r}") from None
+        if distinct != len(ids):
+            raise UsageError(f"step: a request appears twice in {what} (one pass per step): {ids!r}")
+        return ids
