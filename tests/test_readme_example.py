@@ -15,11 +15,11 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 MARKER = "<!-- example:embed -->"
 
 
-def example_code() -> str:
+def example_code(marker: str = MARKER) -> str:
     text = README.read_text(encoding="utf-8")
-    assert text.count(MARKER) == 1, f"README.md needs exactly one {MARKER} marker"
-    m = re.search(re.escape(MARKER) + r"\s*\n```python\n(.*?)\n```", text, re.DOTALL)
-    assert m is not None, f"no ```python block right after {MARKER}"
+    assert text.count(marker) == 1, f"README.md needs exactly one {marker} marker"
+    m = re.search(re.escape(marker) + r"\s*\n```python\n(.*?)\n```", text, re.DOTALL)
+    assert m is not None, f"no ```python block right after {marker}"
     return m.group(1) + "\n"
 
 
@@ -53,3 +53,30 @@ def test_readme_example_runs() -> None:
     assert all((n.lock_ref, n.host_pin, n.borrow_ref) == (0, 0, 0) for n in cache.core.nodes())
     stats = cache.stats()
     assert stats["loadbacks"] == 1 and stats["demotions"] >= 1 and stats["writebacks"] >= 1
+
+
+def test_readme_batched_step_example_runs() -> None:
+    """The batched step example (issue 14): one call per step for the whole batch; a short
+    reservation leaves the others' outcomes intact and is retried once pages are freed."""
+    code = example_code("<!-- example:batch -->")
+    namespace: dict[str, object] = {"__name__": "readme_batch_example"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README) + ":example:batch", "exec"), namespace)
+    assert out.getvalue().splitlines() == [
+        "a:ok b:ok c:ok",
+        "a:ok b:ok c:short",  # c's chunk does not fit beside a and b: a and b go on
+        "c:short",  # a and b finish after this step's call
+        "c:ok",
+        "c:ok",
+        "-",
+    ]
+    cache = namespace["cache"]
+    from kvtier.tiered import TieredCache
+
+    assert isinstance(cache, TieredCache)
+    cache.check_invariants()
+    cache.poll()
+    assert cache.requests() == []
+    assert all(not cache.core.external_pages(g) for g in cache.core.device)
+    assert all(n.lock_ref == 0 for n in cache.core.nodes())
