@@ -130,7 +130,7 @@ class StepOutcome:
 
     def raise_first(self) -> None:
         """Raise the first refused item's exception, if any (results first)."""
-        for key in sorted(self.errors):
+        for key in sorted(self.errors, key=lambda k: (k[0] != "results", k[1])):
             raise self.errors[key]
 
 

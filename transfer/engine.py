@@ -416,6 +416,43 @@ class TransferEngine:
         idx = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=region.device)
         return region.index_select(0, idx)
 
+    def read_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """A copy of ``pages`` of ``component`` in every layer of ``group``: uint8
+        ``[layers, len(pages), page_bytes]`` (layers in the spec's order), in one
+        ``index_select`` when the pool has a layer view; checked like :meth:`read_pages`."""
+        spec = self._pool(side).specs[group]
+        check = getattr(self.backend, "check_read", None)
+        if check is not None:
+            for layer in spec.layers:
+                check(side, group, layer, pages)
+        view = self._pool(side).layer_view(group, component)
+        if view is None:
+            return torch.stack([self.read_pages(side, group, component, layer, pages) for layer in spec.layers])
+        return view.index_select(1, self._index(pages, view.device))
+
+    def write_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor,
+                     data: torch.Tensor) -> None:
+        """Overwrite ``pages`` of ``component`` in every layer of ``group`` with ``data``
+        (uint8 ``[layers, len(pages), page_bytes]``), in one ``index_copy_`` when the pool
+        has a layer view; checked like :meth:`write_pages`."""
+        spec = self._pool(side).specs[group]
+        check = getattr(self.backend, "check_write", None)
+        if check is not None:
+            for layer in spec.layers:
+                check(side, group, layer, pages)
+        view = self._pool(side).layer_view(group, component)
+        if view is None:
+            for i, layer in enumerate(spec.layers):
+                self.write_pages(side, group, component, layer, pages, data[i])
+            return
+        view.index_copy_(1, self._index(pages, view.device), data.to(view.device, torch.uint8))
+
+    @staticmethod
+    def _index(pages: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+        if isinstance(pages, torch.Tensor):
+            return pages.to(device, torch.int64)
+        return torch.as_tensor(np.asarray(pages, dtype=np.int64), device=device)
+
     def write_pages(self, side: str, group: str, component: str, layer: int,
                     pages: Sequence[int], data: torch.Tensor) -> None:
         """Overwrite pages of one region with ``data`` (uint8 ``[len(pages), page_bytes]``).
