@@ -12,14 +12,14 @@ from kvtier.fsm import Direction
 from .backend import Backend, ChunkCounts, DoneEvent, TransferEvent
 from .errors import BackendUnavailable
 from .plan import ChunkPlan, ChunkRef, FlushPlan, Planner
-from .pools import DevicePool, HostPool, _Pool
+from .pools import DevicePool, HostPool, _Pool, put_layers
 
 __all__ = ["CpuBackend", "copy_chunk_indexed"]
 
 
 def copy_chunk_indexed(src_pool: _Pool, dst_pool: _Pool, plan: FlushPlan, chunk: ChunkPlan) -> int:
     """Copy every ref of ``chunk`` by index arrays: for each (group, component), the
-    chunk's layers of that component in one ``index_select`` + ``index_copy_`` over the
+    chunk's layers of that component in one ``index_select`` + indexed store over the
     pools' ``[layers, pages, page_bytes]`` views (:meth:`_Pool.layer_view`) when its
     layers are consecutive in the group's spec, else one pair per ref.
 
@@ -37,7 +37,7 @@ def copy_chunk_indexed(src_pool: _Pool, dst_pool: _Pool, plan: FlushPlan, chunk:
         dst_v = dst_pool.layer_view(group, comp) if src_v is not None else None
         if span is not None and src_v is not None and dst_v is not None:
             lo, hi = span
-            dst_v[lo:hi].index_copy_(1, d_idx, src_v[lo:hi].index_select(1, s_idx))
+            put_layers(dst_v[lo:hi], d_idx, src_v[lo:hi].index_select(1, s_idx))
             calls += 1
             continue
         for r in refs:

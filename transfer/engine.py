@@ -41,7 +41,7 @@ from .backend import Backend, TransferEvent, make_backend
 from .errors import TransferError
 from .layers import LayerCounter, OpLayers
 from .plan import FlushPlan, Planner, layers_for
-from .pools import DevicePool, HostPool, _Pool
+from .pools import DevicePool, HostPool, _Pool, put_layers
 from .stats import DirectionStats, TransferStats
 
 __all__ = ["TransferEngine"]
@@ -427,7 +427,8 @@ class TransferEngine:
                 check(side, group, layer, pages)
         view = self._pool(side).layer_view(group, component)
         if view is None:
-            return torch.stack([self.read_pages(side, group, component, layer, pages) for layer in spec.layers])
+            ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
+            return torch.stack([self.read_pages(side, group, component, layer, ids) for layer in spec.layers])
         return view.index_select(1, self._index(pages, view.device))
 
     def write_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor,
@@ -442,10 +443,11 @@ class TransferEngine:
                 check(side, group, layer, pages)
         view = self._pool(side).layer_view(group, component)
         if view is None:
+            ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
             for i, layer in enumerate(spec.layers):
-                self.write_pages(side, group, component, layer, pages, data[i])
+                self.write_pages(side, group, component, layer, ids, data[i])
             return
-        view.index_copy_(1, self._index(pages, view.device), data.to(view.device, torch.uint8))
+        put_layers(view, self._index(pages, view.device), data.to(view.device, torch.uint8))
 
     @staticmethod
     def _index(pages: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -26,6 +26,7 @@ from kvtier.fsm import CacheGroupSpec, ConfigError
 from .errors import HostMemoryError
 
 __all__ = [
+    "put_layers",
     "REGION_ALIGN",
     "RegionKey",
     "HostPool",
@@ -41,6 +42,17 @@ REGION_ALIGN = 256
 RegionKey = tuple[str, str, int]
 
 _GiB = float(1 << 30)
+
+
+def put_layers(view: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
+    """``view[:, index] = data`` for a ``[layers, pages, page_bytes]`` uint8 layer view
+    (:meth:`_Pool.layer_view`) and uint8 ``data`` ``[layers, len(index), page_bytes]``:
+    one indexed store, in 8-byte words when both allow it (about 3x faster than bytes)."""
+    try:
+        view, data = view.view(torch.int64), data.contiguous().view(torch.int64)
+    except RuntimeError:  # page bytes or offsets not multiples of 8: store bytes
+        pass
+    view[:, index] = data
 
 
 def _check_specs(specs: Sequence[CacheGroupSpec]) -> dict[str, CacheGroupSpec]:

@@ -188,7 +188,8 @@ class TieredCache:
         reserved; nothing changes."""
         return self._batch.result_one(request_id, computed_tokens, new_units, checkpoint)
 
-    def step(self, results: Sequence[ForwardResult] = (), reserve: Sequence[Reservation] = (), *,
+    def step(self, results: Sequence[ForwardResult | tuple[Any, ...]] = (),
+             reserve: Sequence[Reservation | tuple[Any, ...]] = (), *,
              stop_on_short: bool = False) -> StepOutcome:
         """One call per scheduler step for the whole batch: each :class:`ForwardResult` (as
         :meth:`step_done`), then each :class:`Reservation` (as :meth:`reserve`), in order.
@@ -202,8 +203,7 @@ class TieredCache:
 
     def states(self, request_ids: Sequence[str]) -> list[str]:
         """The lifecycle state of each request (UsageError: an unknown request)."""
-        get = self._table.get
-        return [get(rid).state for rid in request_ids]
+        return [self._table.get(rid).state for rid in request_ids]
 
     # ------------------------------------------------------------------ ends
     def finish(self, request_id: str) -> PageMap:
