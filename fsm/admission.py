@@ -130,6 +130,21 @@ class Admitter:
                          m.history_units * t.align,
                          {g: list(table[g]) for g in t.state_pages if g in table})
 
+    @staticmethod
+    def covered(r: Request, tokens: int) -> bool:
+        """The hot path of :meth:`reserve` (most decode steps): when the pages ``r`` holds
+        already cover ``tokens`` more tokens, count the pass owed and return True; else
+        change nothing and return False."""
+        # with a pass out (overlapped scheduling) the next pass starts where it ends
+        upto = (r.reserved if r.passes > r.results else r.tokens) + tokens
+        if upto < r.reserved:
+            upto = r.reserved
+        if upto > r.room:
+            return False
+        r.reserved = upto
+        r.passes += 1
+        return True
+
     def reserve(self, r: Request, tokens: int) -> PageMap | None:
         """Reserve device pages for ``tokens`` more tokens and count one forward pass owed;
         all or nothing (state checked by the caller).
@@ -138,13 +153,10 @@ class Admitter:
             The pages newly added to its table, or ``None`` if pages are short after
             eviction (nothing changed).
         """
-        # with a pass out (overlapped scheduling) the next pass starts where it ends
+        if self.covered(r, tokens):
+            return {}
         start = r.reserved if r.passes > r.results else r.tokens
         upto = max(r.reserved, start + tokens)
-        if upto <= r.room:  # the pages it holds already cover them (most decode steps)
-            r.reserved = upto
-            r.passes += 1
-            return {}
         need = self.table.need(r, upto)
         pages: PageMap = {}
         if any(need.values()):

@@ -82,11 +82,15 @@ def as_keys(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = 
     """``value`` if it is a list or tuple (not a str or bytes) of hashable unit keys."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise error(f"{what} must be a list or tuple of unit keys, got {value!r}")
-    for u in value:
-        try:
-            hash(u)
-        except TypeError:
-            raise error(f"{what}: unit keys must be hashable, got {u!r}") from None
+    try:
+        hash(value if isinstance(value, tuple) else tuple(value))  # one C-level pass
+    except TypeError:
+        for u in value:
+            try:
+                hash(u)
+            except TypeError:
+                raise error(f"{what}: unit keys must be hashable, got {u!r}") from None
+        raise
     return value
 
 

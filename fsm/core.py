@@ -309,14 +309,15 @@ class CacheCore:
     # ------------------------------------------------------------------ insert
     def insert(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
                checkpoint: Mapping[str, Sequence[int]] | None = None, *,
-               chunk_checkpoint: bool = False) -> InsertResult:
-        """Publish a computed prefix (:meth:`kvtier.fsm.publish.Publisher.insert` says how).
+               chunk_checkpoint: bool = False, anchor: Node | None = None) -> InsertResult:
+        """Publish a computed prefix (:meth:`kvtier.fsm.publish.Publisher.insert` says how;
+        ``anchor``: a locked node on the key's path to start the walk from).
 
         Raises:
             UsageError: wrong page counts, unknown groups, or pages that are neither the
                 caller's nor the canonical ones for their range (nothing changes).
         """
-        return self._publisher.insert(key, pages, checkpoint, chunk_checkpoint=chunk_checkpoint)
+        return self._publisher.insert(key, pages, checkpoint, chunk_checkpoint=chunk_checkpoint, anchor=anchor)
 
     # ------------------------------------------------------------------ eviction
     def evict_device(self, need: Mapping[str, int]) -> dict[str, int]:

@@ -85,10 +85,16 @@ _Entry = tuple[Key, Node]
 class HeapIndex:
     """Candidates on lazy heaps, one per tier, each ordered by its key function.
 
-    A touch pushes a new entry; stale entries (the node left the tree, or its key
-    changed) are skipped when popped, so a touch costs O(log n). Keys end with the node
-    id, so entries never tie and nodes are never compared. Each heap holds at most
-    ``4 x nodes + 256`` entries: past that it is rebuilt from the live nodes.
+    Each node has at most one live entry per heap (``_dev_at`` / ``_host_at``: node id ->
+    the key it was filed under). A touch files a node that has no entry, or whose key
+    went down (an exclusive host key does, when a loadback brings the node back); a key
+    that went up (the keys are logical clocks, counts and depths, which grow) is left
+    where it is: when that entry comes to the top it is filed again under the current
+    key instead of being yielded. Candidates therefore come out in the order of their
+    current keys, as if every touch had pushed a fresh entry, at one dictionary lookup
+    per touch instead of a heap push. Keys end with the node id, so entries never tie
+    and nodes are never compared. Each heap holds at most ``4 x nodes + 256`` entries:
+    past that it is rebuilt from the live nodes.
 
     Args:
         name: the policy's name (:data:`POLICIES`).
@@ -103,37 +109,61 @@ class HeapIndex:
         self.name = name
         self.dev_key, host_key = POLICIES[name]
         self.host_key = _exclusive(host_key) if exclusive else host_key
+        self._same = self.host_key is self.dev_key
         self._nodes = nodes
         self._size = size
         self._is_live = is_live
         self._dev: list[_Entry] = []
         self._host: list[_Entry] = []
+        self._dev_at: dict[int, Key] = {}
+        self._host_at: dict[int, Key] = {}
 
     def touch(self, node: Node) -> None:
-        heapq.heappush(self._dev, (self.dev_key(node), node))
-        heapq.heappush(self._host, (self.host_key(node), node))
-        limit = 4 * self._size() + 256
-        if len(self._dev) > limit:
-            self._dev = self._rebuilt(self.dev_key)
-        if len(self._host) > limit:
-            self._host = self._rebuilt(self.host_key)
+        kd = self.dev_key(node)
+        kh = kd if self._same else self.host_key(node)
+        nid = node.node_id
+        at = self._dev_at.get(nid)
+        if at is None or kd < at:
+            self._dev_at[nid] = kd
+            heapq.heappush(self._dev, (kd, node))
+            if len(self._dev) > 4 * self._size() + 256:
+                self._dev = self._rebuilt(self.dev_key, self._dev_at)
+        at = self._host_at.get(nid)
+        if at is None or kh < at:
+            self._host_at[nid] = kh
+            heapq.heappush(self._host, (kh, node))
+            if len(self._host) > 4 * self._size() + 256:
+                self._host = self._rebuilt(self.host_key, self._host_at)
 
-    def _rebuilt(self, key: KeyFn) -> list[_Entry]:
+    def _rebuilt(self, key: KeyFn, at: dict[int, Key]) -> list[_Entry]:
         heap = [(key(n), n) for n in self._nodes()]
         heapq.heapify(heap)
+        at.clear()
+        at.update((n.node_id, k) for k, n in heap)
         return heap
 
-    def _pop(self, heap: list[_Entry], key: KeyFn) -> Iterator[Node]:
+    def _pop(self, heap: list[_Entry], key: KeyFn, at: dict[int, Key]) -> Iterator[Node]:
         while heap:
             k, n = heapq.heappop(heap)
-            if self._is_live(n) and k == key(n):
-                yield n
+            nid = n.node_id
+            if at.get(nid) != k:
+                continue  # superseded by a lower key filed later
+            if not self._is_live(n):
+                del at[nid]
+                continue
+            now = key(n)
+            if now != k:  # its key went up since it was filed: file it again
+                at[nid] = now
+                heapq.heappush(heap, (now, n))
+                continue
+            del at[nid]  # yielded: forgotten until touched again
+            yield n
 
     def device_candidates(self) -> Iterator[Node]:
-        return self._pop(self._dev, self.dev_key)
+        return self._pop(self._dev, self.dev_key, self._dev_at)
 
     def host_candidates(self) -> Iterator[Node]:
-        return self._pop(self._host, self.host_key)
+        return self._pop(self._host, self.host_key, self._host_at)
 
     def heap_sizes(self) -> tuple[int, int]:
         """Entries on the device and host heaps (stale ones included), for tests."""

@@ -31,6 +31,7 @@ class ForwardResults:
         self.table = table
         self.core = table.core
         self._running_result_noop = table.lifecycle.is_noop("running", "forward_result")
+        self._align = table.align
 
     def step_done(self, r: Request, computed_tokens: int, new_units: Sequence[Hashable],
                   checkpoint: bool) -> PageMap:
@@ -51,16 +52,7 @@ class ForwardResults:
         if r.tokens + computed_tokens > r.reserved:
             raise UsageError(f"request {r.request_id!r}: {computed_tokens} tokens computed but only "
                              f"{r.reserved - r.tokens} reserved (state {r.state!r})")
-        if (r.state == "running" and self._running_result_noop and r.ckpt_borrow is None and not checkpoint
-                and not r.deferred and min(r.tokens + computed_tokens, (len(r.units) + len(new_units)) * t.align)
-                < (r.published + 1) * t.align):
-            # hot path (most decode steps): no unit completes, nothing to publish or free, and
-            # the spec's forward_result in running is an unguarded internal transition
-            if new_units:
-                r.units.extend(new_units)
-            r.tokens += computed_tokens
-            r.retract_ckpt = False
-            r.results += 1
+        if self.quick(r, computed_tokens, new_units, checkpoint):
             return {}
         t.check(r, "forward_result")
         adopted: PageMap = {}
@@ -80,6 +72,23 @@ class ForwardResults:
         t.retire_deferred(r)
         t.fire(r, "forward_result")
         return adopted
+
+    def quick(self, r: Request, computed_tokens: int, new_units: Sequence[Hashable], checkpoint: bool) -> bool:
+        """The hot path of :meth:`step_done` (most decode steps; arguments checked, the call
+        accepted and a result owed): when no unit completes and nothing is to publish or
+        free, and the spec's ``forward_result`` in ``running`` is an unguarded internal
+        transition, record the result and return True; else change nothing, return False."""
+        if (r.state == "running" and self._running_result_noop and r.ckpt_borrow is None and not checkpoint
+                and not r.deferred and r.passes > r.results and r.tokens + computed_tokens <= r.reserved
+                and min(r.tokens + computed_tokens, (len(r.units) + len(new_units)) * self._align)
+                < (r.published + 1) * self._align):
+            if new_units:
+                r.units.extend(new_units)
+            r.tokens += computed_tokens
+            r.retract_ckpt = False
+            r.results += 1
+            return True
+        return False
 
     def publish(self, r: Request, checkpoint: bool, final: bool = False) -> PageMap:
         """Insert ``r``'s full units into the tree; move its lock to the new terminal.
@@ -104,7 +113,8 @@ class ForwardResults:
                 ckpt = core.alloc_device(dict(t.state_pages), evict=False)
             except CapacityError:
                 ckpt = None
-        result = core.insert(r.units[:n_units], pages, ckpt, chunk_checkpoint=not final)
+        anchor = r.lock.node if r.lock is not None and not r.lock.released else None
+        result = core.insert(r.units[:n_units], pages, ckpt, chunk_checkpoint=not final, anchor=anchor)
         dup = {g: p for g, p in result.duplicates.items() if p}
         # own pages now published or duplicated leave the request's own list
         for g in t.history:

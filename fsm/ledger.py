@@ -97,6 +97,10 @@ class PageLedger:
     def held_by_caller(self, group: str, page: int) -> bool:
         return page in self._callers[group]
 
+    def all_held_by_caller(self, group: str, pages: Iterable[int]) -> bool:
+        """Whether every one of ``pages`` is a caller's (one set operation)."""
+        return self._callers[group].issuperset(pages)
+
     def alloc_for_callers(self, need: Mapping[str, int]) -> dict[str, list[int]]:
         """Allocate ``need`` (group -> pages) to callers. The caller checked that every
         group has room (:meth:`device_short`), so this cannot fail halfway."""

@@ -136,7 +136,7 @@ def find_match(path: Sequence[Node], root: Node, key_units: int, mode: MatchMode
             if not (full and max(dev_end, host_end) == h):
                 dev_end = host_end = 0
         state_tokens = path[max(dev_end, host_end) - 1].depth * align if max(dev_end, host_end) else 0
-        span = layout.replay_span_tokens()
+        span = layout.replay_span_tokens() if history_replay else 0  # (O(layers): only when asked)
         if history_replay and history_units * align - span > state_tokens:
             recompute = span
             dev_end, host_end = d, h

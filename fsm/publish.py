@@ -13,7 +13,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .errors import UsageError
-from .names import NODE_EVENT as EV, NODE_STATE as NS
+from .names import DEVICE_READABLE, NODE_EVENT as EV, NODE_STATE as NS
 from .node import Node, PageMap
 from .results import InsertResult
 
@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from .core import CacheCore
 
 __all__ = ["Publisher"]
+
+#: states an anchor's path may be in: device pages every request may read (a ``loading``
+#: node stops a publish and a ``host`` one is republished: those take the full walk).
+_ANCHOR_STATES = DEVICE_READABLE - {NS.loading}
 
 
 class Publisher:
@@ -31,7 +35,7 @@ class Publisher:
 
     def insert(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
                checkpoint: Mapping[str, Sequence[int]] | None = None, *,
-               chunk_checkpoint: bool = False) -> InsertResult:
+               chunk_checkpoint: bool = False, anchor: Node | None = None) -> InsertResult:
         """Publish a computed prefix: ``pages`` hold, per history group, the caller's device
         page table for the whole ``key`` (canonical pages it borrowed, then its own pages).
 
@@ -43,14 +47,49 @@ class Publisher:
         continuation state; ``chunk_checkpoint`` marks it as left by an intermediate
         prefill chunk, so that a later, deeper checkpoint of the same prefix may drop it.
 
+        ``anchor``: a node the caller holds a lock on whose path is ``key``'s prefix (a
+        request's last published terminal). When its path's device pages are exactly the
+        first pages of ``pages`` (checked: one list comparison per group), the walk starts
+        there and only the pages beyond it are checked and compared, so a request that
+        publishes unit by unit pays per new unit, not per unit of its whole prefix. Any
+        other anchor is ignored (the whole key is walked and checked).
+
         Raises:
             UsageError: wrong page counts, unknown groups, or pages that are neither the
                 caller's nor the canonical ones for their range (nothing changes).
         """
         own, ckpt = self._check_arguments(key, pages, checkpoint)
-        path = self.core.walk(key)  # (a split on the way is semantically invisible)
-        self._check_pages(path, own, ckpt)
-        return self._commit(key, path, own, ckpt, chunk_checkpoint)
+        base = self._anchored(anchor, key, own)
+        if base is None:
+            path = self.core.walk(key)  # (a split on the way is semantically invisible)
+            self._check_pages(path, own, ckpt, 0)
+            return self._commit(key, path, own, ckpt, chunk_checkpoint, 0)
+        # the anchor's path is the caller's, page for page: walk and check only beyond it
+        path = base[::-1] + self.core.tree.walk_from(base[0], key, self.core.split)
+        depth = base[0].depth
+        self._check_pages(path[len(base):], own, ckpt, depth)
+        return self._commit(key, path, own, ckpt, chunk_checkpoint, depth)
+
+    def _anchored(self, anchor: Node | None, key: Sequence[Hashable], own: PageMap) -> list[Node] | None:
+        """``anchor``'s path (deepest first) when it may start the walk, else ``None``."""
+        core = self.core
+        if anchor is None or anchor.parent is None or anchor.lock_ref <= 0 or not core.tree.has(anchor) \
+                or anchor.depth > len(key):
+            return None
+        base = anchor.path()
+        if any(n.state not in _ANCHOR_STATES for n in base):
+            return None
+        ppu = core.pages_per_unit
+        have = core.device_pages(anchor)
+        for g in core.history_groups:
+            if own[g][:anchor.depth * ppu[g]] != have[g]:
+                return None
+        k = 0
+        for n in reversed(base):  # the anchor's key is key's prefix (C-level tuple compares)
+            if tuple(key[k:k + len(n.key)]) != n.key:
+                return None
+            k += len(n.key)
+        return base
 
     # -- validation -----------------------------------------------------------------
     def _check_arguments(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
@@ -86,29 +125,34 @@ class Publisher:
                 raise UsageError(f"insert: the page table of group {g!r} lists a page twice")
         return own, ckpt
 
-    def _check_pages(self, path: list[Node], own: PageMap, ckpt: PageMap) -> None:
-        """Every page is the canonical one for its position or the caller's own."""
+    def _check_pages(self, path: list[Node], own: PageMap, ckpt: PageMap, start: int) -> None:
+        """Every page from unit ``start`` on is the canonical one for its position (along
+        ``path``, which starts at ``start``) or the caller's own."""
         ledger = self.core.ledger
         ppu = self.core.pages_per_unit
-        pos = 0
+        pos = start
         for n in path:
             lo = pos
             pos = n.depth
             for g in self.core.history_groups:
                 span = own[g][lo * ppu[g]:pos * ppu[g]]
                 canon = n.dev.get(g, [])
+                if span == canon[:len(span)] or ledger.all_held_by_caller(g, span):
+                    continue
                 for j, page in enumerate(span):
                     if not (ledger.held_by_caller(g, page) or (j < len(canon) and canon[j] == page)):
                         raise UsageError(f"insert: page {page} of group {g!r} at unit {lo + j // ppu[g]} "
                                          f"is neither the caller's nor node {n.node_id}'s")
         for g, ps in itertools.chain(((g, own[g][pos * ppu[g]:]) for g in self.core.history_groups), ckpt.items()):
+            if ledger.all_held_by_caller(g, ps):
+                continue
             bad = [p for p in ps if not ledger.held_by_caller(g, p)]
             if bad:
                 raise UsageError(f"insert: pages {bad} of group {g!r} are not held by the caller")
 
     # -- commit ---------------------------------------------------------------------
     def _commit(self, key: Sequence[Hashable], path: list[Node], own: PageMap, ckpt: PageMap,
-                chunk_checkpoint: bool) -> InsertResult:
+                chunk_checkpoint: bool, anchored: int) -> InsertResult:
         core = self.core
         ppu = core.pages_per_unit
         hist = core.history_groups
@@ -124,6 +168,12 @@ class Publisher:
             if n.state in (NS.loading, NS.fetching):  # not readable by everyone yet
                 stopped = True
                 break
+            if hi <= anchored:  # the caller's canonical pages (checked by _anchored)
+                n.last_access = stamp
+                core.eviction.touch(n)
+                last = n
+                done = hi
+                continue
             for g in hist:
                 mine = own[g][lo * ppu[g]:hi * ppu[g]]
                 if n.state == NS.host:

@@ -212,6 +212,16 @@ class GroupTransfer:
         """Number of pages moved."""
         return len(self.src_pages)
 
+    @classmethod
+    def trusted(cls, group: str, src_pages: tuple[int, ...], dst_pages: tuple[int, ...]) -> GroupTransfer:
+        """The record without re-validation, for the core, whose page ids come from its own
+        allocators (equal-length tuples of ints >= 0). Anything else builds it normally."""
+        t = object.__new__(cls)
+        object.__setattr__(t, "group", group)
+        object.__setattr__(t, "src_pages", src_pages)
+        object.__setattr__(t, "dst_pages", dst_pages)
+        return t
+
 
 @dataclass(frozen=True, slots=True)
 class TransferCommand:
@@ -265,6 +275,20 @@ class TransferCommand:
     def pages(self) -> int:
         """Pages moved, summed over groups."""
         return sum(t.pages for t in self.transfers)
+
+    @classmethod
+    def trusted(cls, op_id: int, direction: Direction, transfers: tuple[GroupTransfer, ...],
+                layers: tuple[int, ...], request_id: str | None, node_ids: tuple[int, ...],
+                deadline_step: int | None) -> TransferCommand:
+        """The record without re-validation (one attribute store per field), for the core,
+        which builds every field from its own counters, allocators and layout. Engines and
+        tests build commands normally (validated)."""
+        c = object.__new__(cls)
+        for name, value in (("op_id", op_id), ("direction", direction), ("transfers", transfers),
+                            ("layers", layers), ("request_id", request_id), ("node_ids", node_ids),
+                            ("deadline_step", deadline_step)):
+            object.__setattr__(c, name, value)
+        return c
 
 
 @dataclass(frozen=True, slots=True)

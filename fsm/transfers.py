@@ -31,6 +31,7 @@ class Mover:
     def __init__(self, core: CacheCore) -> None:
         self.core = core
         self.outbox: list[TransferCommand] = []  # commands not yet handed out by poll_commands
+        self._layers: tuple[int, ...] = tuple(range(core.layout.num_layers))  # every command moves every layer
 
     # -- loadback ------------------------------------------------------------------
     def load(self, match: MatchResult, owner: str | None = None, *, evict: bool = True,
@@ -141,11 +142,11 @@ class Mover:
     def command(self, op_id: int, direction: Direction, transfers: _Transfers, owner: str | None,
                 nodes: Sequence[Node]) -> TransferCommand:
         """Record and return the command of a new operation (it waits in the outbox)."""
-        command = TransferCommand(
-            op_id=op_id, direction=direction,
-            transfers=tuple(GroupTransfer(g, tuple(s), tuple(d)) for g, (s, d) in transfers.items() if s),
-            layers=tuple(range(self.core.layout.num_layers)), request_id=owner,
-            node_ids=tuple(n.node_id for n in nodes), deadline_step=self.core.optable.deadline())
+        # the core's own ids and counters: no per-command record re-validation
+        command = TransferCommand.trusted(
+            op_id, direction,
+            tuple(GroupTransfer.trusted(g, tuple(s), tuple(d)) for g, (s, d) in transfers.items() if s),
+            self._layers, owner, tuple(n.node_id for n in nodes), self.core.optable.deadline())
         self.outbox.append(command)
         return command
 

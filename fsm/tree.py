@@ -96,21 +96,31 @@ class RadixTree:
         """Nodes matching ``key`` from the root, parent first. Where the key diverges inside
         a node, ``split(node, k)`` cuts it after ``k`` units and the prefix fragment ends
         the path."""
+        return self.walk_from(self.root, key, split)
+
+    def walk_from(self, start: Node, key: Sequence[Hashable], split: Callable[[Node, int], Node]) -> list[Node]:
+        """Like :meth:`walk`, from ``start`` (a node whose path is ``key[:start.depth]``,
+        which the caller vouches for) over ``key[start.depth:]``; ``start`` is not listed."""
         path: list[Node] = []
-        node = self.root
-        i = 0
+        node = start
+        i = start.depth
         n = len(key)
         while i < n:
             child = node.children.get(key[i])
             if child is None:
                 break
             ck = child.key
-            m = 1
             limit = min(len(ck), n - i)
             # identity first, as the children dict does: a key not equal to itself (NaN)
-            # still matches its own node, so lookups and comparisons agree
-            while m < limit and (ck[m] is key[i + m] or ck[m] == key[i + m]):
-                m += 1
+            # still matches its own node, so lookups and comparisons agree (tuple
+            # comparison does the same, element by element, in C: the common whole-node
+            # match costs one comparison)
+            if limit == len(ck) and ck == tuple(key[i:i + limit]):
+                m = limit
+            else:
+                m = 1
+                while m < limit and (ck[m] is key[i + m] or ck[m] == key[i + m]):
+                    m += 1
             if m < len(ck):
                 child = split(child, m)
             path.append(child)

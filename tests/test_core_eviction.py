@@ -288,22 +288,42 @@ def test_lazy_lru_heaps_are_rebuilt_and_keep_lru_order():
 
 
 def test_lazy_lru_heaps_grow_to_their_bound_and_no_further():
-    """The heaps are rebuilt exactly when they pass 4 x nodes + 256 entries: never longer
-    (memory), never rebuilt earlier (a rebuild costs O(nodes))."""
+    """A touch that leaves a node's key alone, or raises it, files nothing new (the entry
+    is re-filed when it reaches the top); one that lowers it files an entry. The heaps are
+    rebuilt exactly when they pass 4 x nodes + 256 entries: never longer (memory), never
+    rebuilt earlier (a rebuild costs O(nodes))."""
     c = CacheCore(h1(), 8, 8)
     y = put(c, "y").node
     put(c, "x")
     assert all(n is not c.root for n in lru(c).heap_nodes())  # only tree nodes
+    base = lru(c).heap_sizes()
+    for _ in range(50):
+        c.eviction.touch(y)  # same key: nothing filed
+    y.last_access += 100
+    c.eviction.touch(y)  # a higher key: re-filed lazily
+    assert lru(c).heap_sizes() == base
     limit = 4 * len(c.nodes()) + 256
     lengths = []
-    for _ in range(300):
-        c.eviction.touch(y)  # one entry per touch
+    for i in range(300):
+        y.last_access = -1 - i  # a lower key each time: one entry per touch
+        c.eviction.touch(y)
         dev_len, host_len = lru(c).heap_sizes()
         lengths.append(dev_len)
         assert host_len == dev_len  # nothing popped: both grow alike
     assert max(lengths) == limit
     after = lengths[lengths.index(limit) + 1]
     assert len(c.nodes()) <= after <= len(c.nodes()) + 2  # rebuilt from the live nodes only
+
+
+def test_a_key_raised_without_a_fresh_entry_still_comes_out_in_key_order():
+    """The lazy re-filing yields candidates in the order of their current keys."""
+    c = CacheCore(h1(), 8, None)
+    a = put(c, "a").node
+    b = put(c, "b").node
+    assert a.last_access < b.last_access
+    a.last_access = b.last_access + 10  # a is now the most recent
+    c.eviction.touch(a)
+    assert [n.node_id for n in lru(c).device_candidates()][:2] == [b.node_id, a.node_id]
 
 
 def test_a_parent_dropped_from_the_heap_comes_back_when_its_last_child_leaves():

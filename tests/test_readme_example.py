@@ -73,3 +73,30 @@ def test_readme_transfer_example_runs_on_cpu() -> None:
     st = cache.stats()
     assert st["loadbacks"] == 1 and st["pages_loaded"] == 3 and st["demotions"] >= 1
     assert "..." not in code.replace('"..."', "")  # nothing left for the reader to fill in
+
+
+def test_readme_batched_step_example_runs() -> None:
+    """The batched step example (issue 14): one call per step for the whole batch; a short
+    reservation leaves the others' outcomes intact and is retried once pages are freed."""
+    code = example_code("<!-- example:batch -->")
+    namespace: dict[str, object] = {"__name__": "readme_batch_example"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README) + ":example:batch", "exec"), namespace)
+    assert out.getvalue().splitlines() == [
+        "a:ok b:ok c:ok",
+        "a:ok b:ok c:short",  # c's chunk does not fit beside a and b: a and b go on
+        "c:short",  # a and b finish after this step's call
+        "c:ok",
+        "c:ok",
+        "-",
+    ]
+    cache = namespace["cache"]
+    from kvtier.tiered import TieredCache
+
+    assert isinstance(cache, TieredCache)
+    cache.check_invariants()
+    cache.poll()
+    assert cache.requests() == []
+    assert all(not cache.core.external_pages(g) for g in cache.core.device)
+    assert all(n.lock_ref == 0 for n in cache.core.nodes())

@@ -11,25 +11,52 @@ from kvtier.fsm import Direction
 
 from .backend import Backend, ChunkCounts, DoneEvent, TransferEvent
 from .errors import BackendUnavailable
-from .plan import ChunkPlan, FlushPlan, Planner
-from .pools import DevicePool, HostPool, _Pool
+from .plan import ChunkPlan, ChunkRef, FlushPlan, Planner
+from .pools import DevicePool, HostPool, _Pool, put_layers
 
 __all__ = ["CpuBackend", "copy_chunk_indexed"]
 
 
 def copy_chunk_indexed(src_pool: _Pool, dst_pool: _Pool, plan: FlushPlan, chunk: ChunkPlan) -> int:
-    """Copy every ref of ``chunk`` with one ``index_select`` + ``index_copy_`` per ref.
+    """Copy every ref of ``chunk`` by index arrays: for each (group, component), the
+    chunk's layers of that component in one ``index_select`` + indexed store over the
+    pools' ``[layers, pages, page_bytes]`` views (:meth:`_Pool.layer_view`) when its
+    layers are consecutive in the group's spec, else one pair per ref.
 
-    Returns the number of copy calls (one per ref)."""
+    Returns the number of copy calls."""
     calls = 0
+    by_tensor: dict[tuple[int, str], list[ChunkRef]] = {}
     for r in chunk.refs:
-        g = plan.groups[r.group_index]
+        by_tensor.setdefault((r.group_index, r.component), []).append(r)
+    for (gi, comp), refs in by_tensor.items():
+        g = plan.groups[gi]
         s_idx, d_idx = g.index_tensors()
-        src = src_pool.region(r.group, r.component, r.layer)
-        dst = dst_pool.region(r.group, r.component, r.layer)
-        dst.index_copy_(0, d_idx, src.index_select(0, s_idx))
-        calls += 1
+        group = refs[0].group
+        span = _layer_span(src_pool, group, [r.layer for r in refs])
+        src_v = src_pool.layer_view(group, comp) if span is not None else None
+        dst_v = dst_pool.layer_view(group, comp) if src_v is not None else None
+        if span is not None and src_v is not None and dst_v is not None:
+            lo, hi = span
+            put_layers(dst_v[lo:hi], d_idx, src_v[lo:hi].index_select(1, s_idx))
+            calls += 1
+            continue
+        for r in refs:
+            src = src_pool.region(r.group, r.component, r.layer)
+            dst = dst_pool.region(r.group, r.component, r.layer)
+            dst.index_copy_(0, d_idx, src.index_select(0, s_idx))
+            calls += 1
     return calls
+
+
+def _layer_span(pool: _Pool, group: str, layers: list[int]) -> tuple[int, int] | None:
+    """``(lo, hi)``: the positions of ``layers`` in the group's spec when consecutive."""
+    spec_layers = pool.specs[group].layers
+    try:
+        lo = spec_layers.index(layers[0])
+    except ValueError:
+        return None
+    hi = lo + len(layers)
+    return (lo, hi) if tuple(layers) == spec_layers[lo:hi] else None
 
 
 class CpuBackend(Backend):

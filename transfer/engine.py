@@ -41,7 +41,7 @@ from .backend import Backend, TransferEvent, make_backend
 from .errors import TransferError
 from .layers import LayerCounter, OpLayers
 from .plan import FlushPlan, Planner, layers_for
-from .pools import DevicePool, HostPool, _Pool
+from .pools import DevicePool, HostPool, _Pool, put_layers
 from .stats import DirectionStats, TransferStats
 
 __all__ = ["TransferEngine"]
@@ -415,6 +415,45 @@ class TransferEngine:
         region = self._pool(side).region(group, component, layer)
         idx = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=region.device)
         return region.index_select(0, idx)
+
+    def read_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """A copy of ``pages`` of ``component`` in every layer of ``group``: uint8
+        ``[layers, len(pages), page_bytes]`` (layers in the spec's order), in one
+        ``index_select`` when the pool has a layer view; checked like :meth:`read_pages`."""
+        spec = self._pool(side).specs[group]
+        check = getattr(self.backend, "check_read", None)
+        if check is not None:
+            for layer in spec.layers:
+                check(side, group, layer, pages)
+        view = self._pool(side).layer_view(group, component)
+        if view is None:
+            ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
+            return torch.stack([self.read_pages(side, group, component, layer, ids) for layer in spec.layers])
+        return view.index_select(1, self._index(pages, view.device))
+
+    def write_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor,
+                     data: torch.Tensor) -> None:
+        """Overwrite ``pages`` of ``component`` in every layer of ``group`` with ``data``
+        (uint8 ``[layers, len(pages), page_bytes]``), in one ``index_copy_`` when the pool
+        has a layer view; checked like :meth:`write_pages`."""
+        spec = self._pool(side).specs[group]
+        check = getattr(self.backend, "check_write", None)
+        if check is not None:
+            for layer in spec.layers:
+                check(side, group, layer, pages)
+        view = self._pool(side).layer_view(group, component)
+        if view is None:
+            ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
+            for i, layer in enumerate(spec.layers):
+                self.write_pages(side, group, component, layer, ids, data[i])
+            return
+        put_layers(view, self._index(pages, view.device), data.to(view.device, torch.uint8))
+
+    @staticmethod
+    def _index(pages: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+        if isinstance(pages, torch.Tensor):
+            return pages.to(device, torch.int64)
+        return torch.as_tensor(np.asarray(pages, dtype=np.int64), device=device)
 
     def write_pages(self, side: str, group: str, component: str, layer: int,
                     pages: Sequence[int], data: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from kvtier.fsm import CacheGroupSpec, ConfigError
 from .errors import HostMemoryError
 
 __all__ = [
+    "put_layers",
     "REGION_ALIGN",
     "RegionKey",
     "HostPool",
@@ -41,6 +42,17 @@ REGION_ALIGN = 256
 RegionKey = tuple[str, str, int]
 
 _GiB = float(1 << 30)
+
+
+def put_layers(view: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
+    """``view[:, index] = data`` for a ``[layers, pages, page_bytes]`` uint8 layer view
+    (:meth:`_Pool.layer_view`) and uint8 ``data`` ``[layers, len(index), page_bytes]``:
+    one indexed store, in 8-byte words when both allow it (about 3x faster than bytes)."""
+    try:
+        view, data = view.view(torch.int64), data.contiguous().view(torch.int64)
+    except RuntimeError:  # page bytes or offsets not multiples of 8: store bytes
+        pass
+    view[:, index] = data
 
 
 def _check_specs(specs: Sequence[CacheGroupSpec]) -> dict[str, CacheGroupSpec]:
@@ -214,6 +226,34 @@ class _Pool:
             return self._offsets[(group, component, layer)]
         except KeyError:
             raise ConfigError(self._missing((group, component, layer))) from None
+
+    def layer_view(self, group: str, component: str) -> torch.Tensor | None:
+        """One uint8 view ``[layers, pages(group), page_bytes]`` over the regions of
+        ``component`` in every layer of ``group`` (positions as in the spec's ``layers``),
+        when they lie in one storage at equal spacing (always for a pool's own buffer);
+        else ``None`` (registered tensors: use :meth:`region` per layer). Cached.
+
+        Raises:
+            ConfigError: unknown group or component.
+        """
+        cache: dict[tuple[str, str], torch.Tensor | None] = self.__dict__.setdefault("_layer_views", {})
+        key = (group, component)
+        if key in cache:
+            return cache[key]
+        spec = self.specs.get(group)
+        if spec is None or component not in [c.name for c in spec.components]:
+            raise ConfigError(self._missing((group, component, -1)))
+        regions = [self.region(group, component, layer) for layer in spec.layers]
+        first = regions[0]
+        ptrs = [int(t.data_ptr()) for t in regions]
+        step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else first.numel()
+        view = None
+        same = all(t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in regions)
+        if same and step > 0 and all(b - a == step for a, b in zip(ptrs, ptrs[1:])) and first.is_contiguous():
+            rows, width = first.shape
+            view = torch.as_strided(first, (len(regions), rows, width), (step, width, 1), first.storage_offset())
+        cache[key] = view
+        return view
 
     def single_buffer(self) -> torch.Tensor | None:
         """The pool's own uint8 buffer (starting at :attr:`base_ptr`) when it allocated

@@ -127,7 +127,9 @@ class BytesExecutor:
         """The tree adopted checkpoint pages at ``tokens``: fill them with the state's fingerprint."""
         unit = tokens // self._align - 1
         for g, ps in pages.items():
-            self._write(cache, request_id, g, ps, [(unit, j) for j in range(len(ps))], state=True)
+            n = len(ps)
+            self._write(cache, request_id, g, ps, torch.full((n,), unit, dtype=torch.int64),
+                        torch.arange(n, dtype=torch.int64), state=True)
 
     def forward(self, cache: TieredCache, batch: Sequence[tuple[str, int, int]]) -> None:
         for rid, start, n in batch:
@@ -144,60 +146,72 @@ class BytesExecutor:
                 table = table or cache.page_table(rid)
                 pages = table[g.name][first:last + 1]
                 ppu = self._align // tpp
-                self._write(cache, rid, g.name, pages, [(i // ppu, i % ppu) for i in range(first, last + 1)])
+                idx = torch.arange(first, last + 1, dtype=torch.int64)
+                self._write(cache, rid, g.name, pages, idx // ppu, idx % ppu)
 
     # -- fingerprints ----------------------------------------------------------------
-    def _prefix_hash(self, cache: TieredCache, rid: str, unit: int) -> int:
+    def _prefix_hashes(self, cache: TieredCache, rid: str, upto: int) -> torch.Tensor:
+        """The prefix hash chain of ``rid`` for units ``0 .. upto - 1`` (int64; one Python
+        step per unit, computed once per request and unit)."""
         chain = self._prefix.setdefault(rid, [])
-        if len(chain) <= unit:
+        if len(chain) < upto:
             keys: Sequence[Hashable] = cache.unit_keys(rid)
             h = chain[-1] if chain else self.salt
-            for u in range(len(chain), unit + 1):
+            for u in range(len(chain), upto):
                 key = keys[u] if u < len(keys) else (rid, "u", u)
                 h = hash((h, key)) & _MASK
                 chain.append(h)
-        return chain[unit]
+        return torch.tensor(chain[:upto], dtype=torch.int64)
 
-    def _bases(self, cache: TieredCache, rid: str, group: str, where: Sequence[tuple[int, int]],
+    def _bases(self, cache: TieredCache, rid: str, group: str, units: torch.Tensor, index: torch.Tensor,
                state: bool) -> torch.Tensor:
+        """One fingerprint base per page (unit ``units[i]``, page ``index[i]`` in it), in
+        array operations (int64 arithmetic wraps; the mask keeps it non-negative)."""
         gi = self._groups[group][0]
-        vals = [hash((self._prefix_hash(cache, rid, u), gi, j, state)) & _MASK for u, j in where]
-        return torch.tensor(vals, dtype=torch.int64)
+        prefix = self._prefix_hashes(cache, rid, int(units.max()) + 1)[units]
+        mixed = prefix ^ ((index * 1000033 + gi * 97 + int(state) * 7 + 11) * 2862933555777941757)
+        return (mixed * 6364136223846793005 + 1442695040888963407) & _MASK
 
-    @staticmethod
-    def _values(bases: torch.Tensor, comp: int, layer: int) -> torch.Tensor:
-        # int64 arithmetic wraps; the mask keeps the fingerprint non-negative
-        return (bases * 6364136223846793005 + (comp * 1000003 + layer * 10007 + 1)) & _MASK
+    def _values(self, bases: torch.Tensor, spec_layers: torch.Tensor, comp: int) -> torch.Tensor:
+        """``[layers, pages]``: the fingerprint of every page in every layer of a component."""
+        return (bases[None, :] * 6364136223846793005 + (comp * 1000003 + spec_layers[:, None] * 10007 + 1)) & _MASK
 
-    def _write(self, cache: TieredCache, rid: str, group: str, pages: Sequence[int],
-               where: Sequence[tuple[int, int]], state: bool = False) -> None:
+    def _layers(self, group: str) -> torch.Tensor:
+        return torch.tensor(self._groups[group][1].layers, dtype=torch.int64)
+
+    def _write(self, cache: TieredCache, rid: str, group: str, pages: Sequence[int], units: torch.Tensor,
+               index: torch.Tensor, state: bool = False) -> None:
+        """Fill ``pages`` with their fingerprints: one array operation per component for
+        every layer and page of the chunk."""
         if not pages:
             return
         _, spec = self._groups[group]
-        bases = self._bases(cache, rid, group, where, state)
+        bases = self._bases(cache, rid, group, units, index, state)
+        layers = self._layers(group)
         for ci, comp in enumerate(spec.components):
             words = comp.page_bytes // 8
-            for layer in spec.layers:
-                vals = self._values(bases, ci, layer)
-                data = vals[:, None].expand(len(pages), words).contiguous().view(torch.uint8)
-                self.engine.write_pages("device", group, comp.name, layer, pages, data)
+            vals = self._values(bases, layers, ci)
+            data = vals[:, :, None].expand(len(layers), len(pages), words).contiguous().view(torch.uint8)
+            self.engine.write_layers("device", group, comp.name, pages, data)
         self.pages_written += len(pages)
 
-    def _check(self, cache: TieredCache, rid: str, group: str, pages: Sequence[int],
-               where: Sequence[tuple[int, int]], state: bool = False) -> None:
+    def _check(self, cache: TieredCache, rid: str, group: str, pages: Sequence[int], units: torch.Tensor,
+               index: torch.Tensor, state: bool = False) -> None:
+        """Compare every word of every page in every layer with its fingerprint (one read
+        and one comparison per component); the first wrong page raises."""
         if not pages:
             return
         _, spec = self._groups[group]
-        bases = self._bases(cache, rid, group, where, state)
+        bases = self._bases(cache, rid, group, units, index, state)
+        layers = self._layers(group)
         for ci, comp in enumerate(spec.components):
-            for layer in spec.layers:
-                got = self.engine.read_pages("device", group, comp.name, layer, pages).view(torch.int64)
-                want = self._values(bases, ci, layer).to(got.device)
-                bad = (got != want[:, None]).any(dim=1)
-                if bool(bad.any()):
-                    i = int(bad.nonzero()[0, 0])
-                    raise FingerprintMismatch(rid, group, comp.name, layer, int(pages[i]),
-                                              f"does not hold unit {where[i][0]} page {where[i][1]} of its prefix")
+            got = self.engine.read_layers("device", group, comp.name, pages).view(torch.int64)
+            want = self._values(bases, layers, ci).to(got.device)
+            bad = (got != want[:, :, None]).any(dim=2)  # [layers, pages]
+            if bool(bad.any()):
+                li, i = (int(x) for x in bad.nonzero()[0])
+                raise FingerprintMismatch(rid, group, comp.name, int(spec.layers[li]), int(pages[i]),
+                                          f"does not hold unit {int(units[i])} page {int(index[i])} of its prefix")
         self.pages_checked += len(pages)
 
     def _check_hit(self, cache: TieredCache, adm: Admission) -> None:
@@ -211,7 +225,10 @@ class BytesExecutor:
             if g.family is Family.HISTORY:
                 ppu = self._align // g.tokens_per_page
                 n = units * ppu
-                self._check(cache, adm.request_id, g.name, table[g.name][:n], [(i // ppu, i % ppu) for i in range(n)])
+                idx = torch.arange(n, dtype=torch.int64)
+                self._check(cache, adm.request_id, g.name, table[g.name][:n], idx // ppu, idx % ppu)
             elif adm.checkpoint_pages.get(g.name) and units:
                 ps = adm.checkpoint_pages[g.name]
-                self._check(cache, adm.request_id, g.name, ps, [(units - 1, j) for j in range(len(ps))], state=True)
+                n = len(ps)
+                self._check(cache, adm.request_id, g.name, ps, torch.full((n,), units - 1, dtype=torch.int64),
+                            torch.arange(n, dtype=torch.int64), state=True)

@@ -29,7 +29,9 @@ from typing import Protocol
 from kvtier.fsm import Completion, ConfigError, Direction, KvtierError, TransferCommand
 
 from .costmodel import CostModel
-from .tiered import Admission, TieredCache
+from kvtier.fsm.batch import OK, SHORT
+
+from .tiered import Admission, Reservation, TieredCache
 from .trace import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, MAX_TIMESTAMP_MS
 
 __all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats", "Clock", "SchedulerStalled",
@@ -496,28 +498,44 @@ class ReferenceScheduler:
         return arrived
 
     def _decode(self, plan: _StepPlan) -> None:
-        """One decode token for each decoding request, oldest admission first; when pages
-        run out, retract the newest decoding request not yet in the batch."""
+        """One decode token for each decoding request, oldest admission first, in one
+        batched :meth:`TieredCache.step`; when pages run out, retract the newest decoding
+        request not yet in the batch (then the batch goes on after the short request)."""
         running = self._running
-        decoding = sorted((r for r in running if r.tokens >= r.kv_target), key=lambda r: r.admitted_order)
-        for r in list(decoding):
-            if plan.budget <= 0 or r not in running:
-                continue
+        pending = sorted((r for r in running if r.tokens >= r.kv_target), key=lambda r: r.admitted_order)
+        while pending:
+            batch = [r for r in pending if r in running][:max(0, plan.budget)]
+            if not batch:
+                return
             self._timed.decode = True
-            table = self.cache.reserve(r.request_id, 1)
+            out = self.cache.step(reserve=[(r.request_id, 1) for r in batch], stop_on_short=True)
             self._timed.decode = False
-            while table is None:  # each pass retracts one request of `running`, or stops
-                victims = [x for x in running if x.tokens >= x.kv_target and all(x is not b for b, _ in plan.batch)
-                           and self.cache.state(x.request_id) == "running"]  # a loading one cannot retract
-                if not victims:
+            out.raise_first()
+            pending = []
+            for i, (r, st) in enumerate(zip(batch, out.reserve_status)):
+                if st == OK:
+                    plan.add(r, 1)
+                elif st == SHORT:
+                    if self._decode_short(r, plan):
+                        plan.add(r, 1)
+                    pending = batch[i + 1:]
                     break
-                victim = max(victims, key=lambda x: x.admitted_order)
-                self._retract(victim)
-                if victim is r:
-                    break
-                table = self.cache.reserve(r.request_id, 1)
-            if table is not None:
-                plan.add(r, 1)
+
+    def _decode_short(self, r: SchedRequest, plan: _StepPlan) -> bool:
+        """Pages are short for ``r``'s decode token: retract the newest decoding request
+        not in the batch (a loading one cannot retract) until it fits; whether it did."""
+        running = self._running
+        while True:  # each pass retracts one request of `running`, or stops
+            victims = [x for x in running if x.tokens >= x.kv_target and all(x is not b for b, _ in plan.batch)
+                       and self.cache.state(x.request_id) == "running"]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda x: x.admitted_order)
+            self._retract(victim)
+            if victim is r:
+                return False
+            if self.cache.reserve(r.request_id, 1) is not None:
+                return True
 
     def _retract(self, victim: SchedRequest) -> None:
         """Retract ``victim``: it resumes later by recomputing what it had."""
@@ -531,18 +549,33 @@ class ReferenceScheduler:
         self._retracted.append(victim)
 
     def _continue_prefills(self, plan: _StepPlan) -> None:
-        """The next prefill chunk of each running prefill, oldest admission first."""
-        cache = self.cache
-        for r in sorted((r for r in self._running if r.tokens < r.kv_target), key=lambda r: r.admitted_order):
-            if plan.budget <= 0:
-                break
-            if cache.state(r.request_id) not in ("running", "loading"):
-                continue
-            end = self._chunk_end(r, r.tokens, plan.budget)
-            if cache.reserve(r.request_id, end - r.tokens) is None:
-                plan.blocked.append(r.request_id)
-                continue
-            plan.add(r, end - r.tokens)
+        """The next prefill chunk of each running prefill, oldest admission first, in one
+        batched :meth:`TieredCache.step` (a request short of pages is blocked; the chunks
+        after it are sized again with the budget it left)."""
+        pending = sorted((r for r in self._running if r.tokens < r.kv_target), key=lambda r: r.admitted_order)
+        if not pending or plan.budget <= 0:
+            return
+        states = self.cache.states([r.request_id for r in pending])
+        pending = [r for r, st in zip(pending, states) if st in ("running", "loading")]
+        while pending and plan.budget > 0:
+            batch: list[tuple[SchedRequest, int]] = []
+            budget = plan.budget
+            for r in pending:
+                if budget <= 0:
+                    break
+                n = self._chunk_end(r, r.tokens, budget) - r.tokens
+                batch.append((r, n))
+                budget -= n
+            out = self.cache.step(reserve=[Reservation(r.request_id, n) for r, n in batch], stop_on_short=True)
+            out.raise_first()
+            rest, pending = pending[len(batch):], []
+            for i, ((r, n), st) in enumerate(zip(batch, out.reserve_status)):
+                if st == OK:
+                    plan.add(r, n)
+                elif st == SHORT:
+                    plan.blocked.append(r.request_id)
+                    pending = [x for x, _ in batch[i + 1:]] + rest
+                    break
 
     def _resume_and_admit(self, plan: _StepPlan) -> None:
         """Resume retracted requests, then admit waiting ones (FIFO each; a queue stops at
@@ -625,26 +658,40 @@ class ReferenceScheduler:
         self.stats.steps += 1
 
     def _step_results(self, batch: list[tuple[SchedRequest, int]]) -> None:
-        """Report the forward results; finish the requests that are done."""
-        cache = self.cache
-        for r, n in batch:
-            if r.request_id not in self._live:
-                continue
-            if cache.state(r.request_id) not in ("running", "loading"):
-                cache.step_done(r.request_id, 0)  # a discarded result (retracted, requeued, aborting)
+        """Report the forward results in one batched :meth:`TieredCache.step` (a request no
+        longer computing reports a discarded pass); then finish the requests that are done."""
+        live = [(r, n) for r, n in batch if r.request_id in self._live]
+        if not live:
+            return
+        states = self.cache.states([r.request_id for r, _ in live])
+        items: list[tuple[Any, ...]] = []
+        counted: list[tuple[SchedRequest, int]] = []  # (request, tokens before)
+        decode = 0
+        for (r, n), st in zip(live, states):
+            if st not in ("running", "loading"):
+                items.append((r.request_id, 0))  # a discarded pass (retracted, requeued, aborting)
                 continue
             before = r.tokens
             r.tokens += n
             units = self._units_for(r, r.tokens) if r.tokens // self.align > len(r.units) + r.decode_units \
                 else ()
             ckpt = r.tokens % self.align == 0
-            self._timed.decode = before >= r.kv_target
-            adopted = cache.step_done(r.request_id, n, new_units=units, checkpoint=ckpt)
-            self._timed.decode = False
-            if adopted:
-                self.executor.checkpointed(self._real_cache, r.request_id, adopted, r.tokens)
+            items.append((r.request_id, n, units, True) if ckpt else (r.request_id, n, units) if units
+                         else (r.request_id, n))
+            counted.append((r, before))
+            decode += before >= r.kv_target
+        t0 = perf_counter()
+        out = self._real_cache.step(results=items)
+        dt = perf_counter() - t0
+        self.stats.kvtier_s += dt
+        self.stats.kvtier_decode_s += dt * decode / len(items)  # its decode items' share
+        out.raise_first()
+        adopted = {out.result_ids[i]: pages for i, pages in out.adopted.items()}
+        for r, before in counted:
+            if r.request_id in adopted:
+                self.executor.checkpointed(self._real_cache, r.request_id, adopted[r.request_id], r.tokens)
             self._count_tokens(r, before)
-            if r.generated >= max(1, r.output_tokens) and cache.state(r.request_id) == "running":
+            if r.generated >= max(1, r.output_tokens) and self.cache.state(r.request_id) == "running":
                 self._finish(r)
 
     def _count_tokens(self, r: SchedRequest, before: int) -> None:

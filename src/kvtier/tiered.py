@@ -10,15 +10,14 @@ A step, as an engine runs it::
     adm = cache.admit("r1", unit_keys, prompt_tokens=4096, chunk_tokens=2048)
     out = cache.poll()                     # the one place commands come from: submit them all
     transfer_engine.submit(out.commands)   # (adm.loadback_op names the admission's loadback)
-    # forward pass over adm.start_token .. adm.start_token + adm.chunk_tokens,
-    # reading each layer only when cache.layer_ready("r1", layer) (loadbacks)
-    cache.step_done("r1", computed_tokens=adm.chunk_tokens)
-    table = cache.reserve("r1", tokens=2048)          # next chunk, or None: wait
+    # forward pass over its chunk; a layer is read once cache.layer_ready("r1", layer)
+    out = cache.step(results=[ForwardResult("r1", adm.chunk_tokens)],  # the whole batch:
+                     reserve=[Reservation("r1", 2048)])             # results, next chunks
     for completion in transfer_engine.poll_completions():
         cache.complete(completion)
     cache.advance_step()                               # operation deadlines count steps
     out = cache.poll()                                 # commands to submit, request events
-    cache.finish("r1")
+    cache.finish("r1")                                 # once no pass is owed
     ...
     assert cache.quiescent(), cache.outstanding()      # after draining: nothing leaked
 
@@ -36,9 +35,11 @@ changes nothing. Units: tokens; a *unit* is ``layout.alignment`` tokens.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 from kvtier.fsm import Completion, ConfigError, Direction, UsageError
 from kvtier.fsm.admission import Admitter
+from kvtier.fsm.batch import Batcher, ForwardResult, ItemOutcome, Reservation, StepOutcome
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
 from kvtier.fsm.completions import CompletionRouter
 from kvtier.fsm.layout import CacheLayout
@@ -52,7 +53,8 @@ from kvtier.fsm.request_table import DEFAULT_ENDED_HISTORY, CacheCore, RequestTa
 from .facade_views import RequestViews
 
 __all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView", "Outstanding", "TERMINAL",
-           "DEFAULT_OP_DEADLINE_STEPS", "DEFAULT_ENDED_HISTORY"]
+           "DEFAULT_OP_DEADLINE_STEPS", "DEFAULT_ENDED_HISTORY", "ForwardResult", "Reservation", "ItemOutcome",
+           "StepOutcome"]
 
 #: The default ``op_deadline_steps``: an operation not acknowledged on every rank within
 #: this many :meth:`TieredCache.advance_step` steps fails (its request recomputes or
@@ -113,6 +115,7 @@ class TieredCache(RequestViews):
         self._forward = ForwardResults(self._table)
         self._ender = Ender(self._table, self._forward, self.finish_writeback)
         self._router = CompletionRouter(self._table, self._forward)
+        self._batch = Batcher(self._table, self._admitter, self._forward)
         self._victims = 0
         self.l3: L3Tier | None = L3Tier(self.core, l3) if l3 is not None else None
 
@@ -155,45 +158,43 @@ class TieredCache(RequestViews):
                                                minimum=1))
 
     def reserve(self, request_id: str, tokens: int) -> PageMap | None:
-        """Reserve device pages for ``tokens`` more tokens (the next prefill chunk or decode
-        step) and count one forward pass owed; all or nothing. The pass may be reserved
-        before the previous one's :meth:`step_done` (overlapped scheduling): it then
-        starts where the reserved tokens end, else where the computed tokens end.
-
-        Returns:
-            The pages newly added to the request's page table (group -> page ids, appended
-            in order; empty when its pages already cover them), or ``None`` if pages are
-            short after eviction (nothing changed).
-
-        Raises:
-            UsageError: unknown request, a state other than ``running``/``loading``, or
-                ``tokens`` < 1; nothing changes.
-        """
-        r = self._table.get(request_id)
-        self._table.require(r, "reserve")
-        return self._admitter.reserve(r, as_int(tokens, f"request {request_id!r}: reserve tokens", minimum=1))
+        """One request's :meth:`step` reservation: device pages for ``tokens`` more tokens
+        (next prefill chunk or decode step), one forward pass owed; all or nothing. A pass
+        reserved before the previous one's :meth:`step_done` (overlapped scheduling) starts
+        where the reserved tokens end. Returns the pages newly added to its page table
+        (group -> page ids, in order; empty when its pages cover them), or ``None`` if pages
+        are short after eviction. UsageError: unknown request, a state other than
+        ``running``/``loading``, or ``tokens`` < 1. Nothing changes on ``None`` or error."""
+        return self._batch.reserve_one(request_id, tokens)
 
     def step_done(self, request_id: str, computed_tokens: int, *, new_units: Sequence[Hashable] = (),
                   checkpoint: bool = False) -> PageMap:
-        """The oldest forward pass out that included the request returned: ``computed_tokens``
-        (0: discarded) more tokens have KV; ``new_units``: keys of units completed beyond the
-        prompt's. Publishes newly full units (when running) and, with ``checkpoint`` (the
-        engine holds the exact state at ``floor(tokens/alignment)`` units), that state.
-        Pages leaving its table are freed once every pass reserved before has returned.
+        """One request's :meth:`step` result: its oldest pass out returned, ``computed_tokens``
+        (0: discarded) more tokens have KV, ``new_units`` complete units beyond the prompt's.
+        Publishes newly full units (when running) and, with ``checkpoint`` (the engine holds
+        the exact state at ``floor(tokens/alignment)`` units), that state; pages leaving its
+        table are freed once every pass reserved before has returned. Returns the checkpoint
+        pages the tree adopted (state group -> page ids; the engine copies its state there).
+        UsageError: unknown request, nothing owed, a bad argument, or more tokens than
+        reserved; nothing changes."""
+        return self._batch.result_one(request_id, computed_tokens, new_units, checkpoint)
 
-        Returns:
-            Checkpoint pages the tree adopted (state group -> page ids): the engine copies
-            its continuation state into them. Empty otherwise.
+    def step(self, results: Sequence[ForwardResult | tuple[Any, ...]] = (),
+             reserve: Sequence[Reservation | tuple[Any, ...]] = (), *,
+             stop_on_short: bool = False) -> StepOutcome:
+        """One call per scheduler step for the whole batch: each :class:`ForwardResult` (as
+        :meth:`step_done`), then each :class:`Reservation` (as :meth:`reserve`), in order.
+        Each item is all or nothing on its own: a refused one (``"refused"`` with its
+        ``error``, or ``"short"`` of pages) changes nothing and leaves the others intact;
+        with ``stop_on_short`` the reservations after the first short one are ``"skipped"``.
+        Returns a :class:`StepOutcome` (one :class:`ItemOutcome` per item, ``pages``: adopted
+        checkpoint pages or new pages). UsageError: not lists of those records, or a request
+        twice in one list (nothing changes)."""
+        return self._batch.step(results, reserve, stop_on_short)
 
-        Raises:
-            UsageError: unknown request, nothing owed, a bad argument, or more tokens than
-                reserved; nothing changes.
-        """
-        r = self._table.get(request_id)
-        computed_tokens = as_int(computed_tokens, f"request {request_id!r}: computed_tokens")
-        checkpoint = as_bool(checkpoint, f"request {request_id!r}: step_done checkpoint")
-        new_units = as_keys(new_units, f"request {request_id!r}: step_done new_units")
-        return self._forward.step_done(r, computed_tokens, new_units, checkpoint)
+    def states(self, request_ids: Sequence[str]) -> list[str]:
+        """The lifecycle state of each request (UsageError: an unknown request)."""
+        return [self._table.get(rid).state for rid in request_ids]
 
     # ------------------------------------------------------------------ ends
     def finish(self, request_id: str) -> PageMap:

@@ -11,9 +11,10 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvtier.fsm import Completion, Direction
+from kvtier.fsm.batch import SHORT
 from kvtier.fsm.records import TransferCommand
 
-from ..tiered import Admission, PollResult, TieredCache
+from ..tiered import Admission, ForwardResult, PollResult, Reservation, TieredCache
 
 __all__ = ["TransferBackend", "SchedulerAdapter"]
 
@@ -86,14 +87,20 @@ class SchedulerAdapter:
               chunk_tokens: int) -> Admission | None:
         return self.cache.admit(request_id, units, prompt_tokens, chunk_tokens)
 
+    # reserve and step_done go through the batched step (TieredCache.step), one item each:
+    # a refused item re-raises its error, a short reservation is None
     def reserve(self, request_id: str, tokens: int) -> dict[str, list[int]] | None:
-        out: dict[str, list[int]] | None = self.cache.reserve(request_id, tokens)
-        return out
+        out = self.cache.step(reserve=[Reservation(request_id, tokens)])
+        out.raise_first()
+        return None if out.reserve_status[0] == SHORT else out.new_pages.get(0, {})
 
     def step_done(self, request_id: str, computed_tokens: int, new_units: Sequence[Hashable],
                   checkpoint: bool) -> dict[str, list[int]] | None:
-        """Returns the checkpoint pages the tree adopted (the engine fills them)."""
-        return self.cache.step_done(request_id, computed_tokens, new_units=new_units, checkpoint=checkpoint)
+        """Returns the checkpoint pages the tree adopted (the engine fills them); through
+        the batched step, as an engine's scheduler calls it."""
+        out = self.cache.step(results=[ForwardResult(request_id, computed_tokens, new_units, checkpoint)])
+        out.raise_first()
+        return out.adopted.get(0, {})
 
     def finish(self, request_id: str) -> dict[str, list[int]] | None:
         return self.cache.finish(request_id)
