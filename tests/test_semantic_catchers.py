@@ -181,8 +181,8 @@ def test_layer_ready_is_exact() -> None:
     """s12: after layer 0 of the loadback, layer 0 is readable and layer 1 is not."""
     cache = _facade_host_hit()
     adm = cache.admit("r", ["a", "b"], prompt_tokens=5, chunk_tokens=2)
-    assert adm is not None and adm.loadback is not None and cache.state("r") == "loading"
-    op = adm.loadback.op_id
+    assert adm is not None and adm.loadback_op is not None and cache.state("r") == "loading"
+    op = adm.loadback_op
     assert not cache.layer_ready("r", 0)
     cache.complete(Completion(op, 0, True, 0))
     assert cache.layer_ready("r", 0) and not cache.layer_ready("r", 1)
@@ -195,8 +195,8 @@ def test_joined_loadback_layers_from_the_slowest_rank() -> None:
     loaded it, whatever the fastest rank did before it joined."""
     cache = _facade_host_hit(world=2)
     adm = cache.admit("r0", ["a", "b"], prompt_tokens=5, chunk_tokens=2)
-    assert adm is not None and adm.loadback is not None
-    op = adm.loadback.op_id
+    assert adm is not None and adm.loadback_op is not None
+    op = adm.loadback_op
     cache.complete(Completion(op, 0, True, 1))  # rank 0 has every layer, rank 1 none
     joined = cache.admit("r1", ["a", "b"], prompt_tokens=5, chunk_tokens=2)
     assert joined is not None and op in joined.wait_ops and cache.state("r1") == "loading"

@@ -27,6 +27,7 @@ from kvtier.fsm import Completion
 from kvtier.fsm.ops import LayerProgress, Settled
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.node import Node, PageMap
+from kvtier.fsm.batch import ForwardResult, Reservation, StepOutcome
 from kvtier.fsm.request import Admission, PollResult
 
 from ..tiered import TieredCache
@@ -120,6 +121,19 @@ class RankCache(TieredCache):
                   checkpoint: bool = False) -> PageMap:
         out = super().step_done(request_id, computed_tokens, new_units=new_units, checkpoint=checkpoint)
         self.digest.add_pages("step_done", request_id, out)
+        return out
+
+    def step(self, results: Sequence[ForwardResult | tuple[Any, ...]] = (),
+             reserve: Sequence[Reservation | tuple[Any, ...]] = (), *, stop_on_short: bool = False) -> StepOutcome:
+        """The batched step, with every item's outcome and pages folded into the digest."""
+        out = super().step(results, reserve, stop_on_short=stop_on_short)
+        d = self.digest
+        for i, (rid, st) in enumerate(zip(out.result_ids, out.result_status)):
+            d.add("step_done", rid, st)
+            d.add_pages("step_done", rid, out.adopted.get(i, {}))
+        for i, (rid, st) in enumerate(zip(out.reserve_ids, out.reserve_status)):
+            d.add("reserve", rid, st)
+            d.add_pages("reserve", rid, out.new_pages.get(i, {}))
         return out
 
     def finish(self, request_id: str) -> PageMap:
