@@ -42,7 +42,7 @@ def check_agreement(results: list[object], job: RankJob, world: int) -> list[dic
     rs: list[dict[str, object]] = results  # type: ignore[assignment]
     assert [r["rank"] for r in rs] == list(range(world))
     assert len({r["digest"] for r in rs}) == 1 and len({r["decisions"] for r in rs}) == 1
-    assert rs[0]["decisions"] > 500  # type: ignore[operator]
+    assert rs[0]["decisions"] > 300  # type: ignore[operator]  # (the batched step folds one entry per item)
     assert all(r["failed_op_ids"] == rs[0]["failed_op_ids"] for r in rs)
     if job.backend == "none":
         ref = reference_run(job, world)
