@@ -1,0 +1,73 @@
+"""Build the per-test coverage map of fsm/ that the mutation runner selects tests from.
+
+Runs the subset in ``tests.txt`` once, unmutated, under coverage.py with one context per
+test (pytest-cov ``--cov-context=test``), and writes ``covermap.json``:
+``{"fsm/<file>.py": {"<line>": [test node id, ...]}}``, plus ``"<import>"`` for lines run
+outside any test (at import or collection). Line numbers are those of the committed
+sources: rebuild the map after any change to fsm/ or to the tests (run.sh does when it is
+older than either). Also records each test's duration (``"durations"``) so the runner can
+try the fastest tests first.
+
+Usage: python bench/mutation/covermap.py     (needs coverage and pytest-cov)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def subset() -> list[str]:
+    lines = (HERE / "tests.txt").read_text(encoding="utf-8").splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def main() -> int:
+    from coverage import CoverageData
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data_file = Path(tmp) / ".coverage"
+        junit = Path(tmp) / "junit.xml"
+        env = dict(os.environ, COVERAGE_FILE=str(data_file), HYPOTHESIS_PROFILE="kvtier-ci",
+                   NUMBA_ENABLE_CUDASIM="1", PYTHONDONTWRITEBYTECODE="1")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=300",
+               f"--cov={ROOT / 'fsm'}", "--cov-context=test", "--cov-report=", f"--junitxml={junit}", *subset()]
+        rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+        if rc != 0:
+            print(f"the subset fails unmutated (pytest status {rc})", file=sys.stderr)
+            return 1
+        data = CoverageData(basename=str(data_file))
+        data.read()
+        out: dict[str, dict[str, list[str]]] = {}
+        for f in sorted(data.measured_files()):
+            rel = Path(f).resolve().relative_to(ROOT).as_posix()
+            by_line = data.contexts_by_lineno(f)
+            out[rel] = {str(ln): sorted({(c.rsplit("|", 1)[0] if c else "<import>") for c in ctxs})
+                        for ln, ctxs in sorted(by_line.items())}
+        durations: dict[str, float] = {}
+        for tc in ET.parse(junit).getroot().iter("testcase"):
+            cls, name = tc.get("classname", ""), tc.get("name", "")
+            path = cls.replace(".", "/")
+            # junit classname is "tests.test_x" or "tests.test_x.TestClass"
+            parts = cls.split(".")
+            for i in range(len(parts), 0, -1):
+                if (ROOT / ("/".join(parts[:i]) + ".py")).exists():
+                    path = "/".join(parts[:i]) + ".py" + "".join("::" + p for p in parts[i:])
+                    break
+            durations[f"{path}::{name}"] = float(tc.get("time", "0"))
+    (HERE / "covermap.json").write_text(json.dumps({"files": out, "durations": durations}, indent=0,
+                                                   sort_keys=True), encoding="utf-8")
+    print(f"covermap.json: {len(out)} files, {len(durations)} tests")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
