@@ -2,11 +2,11 @@
 
 Runs the subset in ``tests.txt`` once, unmutated, under coverage.py with one context per
 test (pytest-cov ``--cov-context=test``), and writes ``covermap.json``:
-``{"fsm/<file>.py": {"<line>": [test node id, ...]}}``, plus ``"<import>"`` for lines run
-outside any test (at import or collection). Line numbers are those of the committed
+``{"tests": [node id, ...], "files": {"fsm/<file>.py": {"<line>": [test index, ...]}}}``,
+tests in order of their duration, fastest first, with ``"<import>"`` (index 0) for lines
+run outside any test (at import or collection). Line numbers are those of the committed
 sources: rebuild the map after any change to fsm/ or to the tests (run.sh does when it is
-older than either). Also records each test's duration (``"durations"``) so the runner can
-try the fastest tests first.
+older than either).
 
 Usage: python bench/mutation/covermap.py     (needs coverage and pytest-cov)
 """
@@ -28,6 +28,16 @@ ROOT = HERE.parents[1]
 def subset() -> list[str]:
     lines = (HERE / "tests.txt").read_text(encoding="utf-8").splitlines()
     return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def write(files: dict[str, dict[str, list[str]]], durations: dict[str, float]) -> None:
+    """Write covermap.json compactly: tests by index, fastest first."""
+    names = sorted({t for lines in files.values() for ts in lines.values() for t in ts} | set(durations),
+                   key=lambda t: (t != "<import>", durations.get(t, 0.0), t))
+    index = {t: i for i, t in enumerate(names)}
+    compact = {f: {ln: sorted(index[t] for t in ts) for ln, ts in lines.items()} for f, lines in files.items()}
+    (HERE / "covermap.json").write_text(json.dumps({"tests": names, "files": compact}, separators=(",", ":")),
+                                        encoding="utf-8")
 
 
 def main() -> int:
@@ -63,8 +73,7 @@ def main() -> int:
                     path = "/".join(parts[:i]) + ".py" + "".join("::" + p for p in parts[i:])
                     break
             durations[f"{path}::{name}"] = float(tc.get("time", "0"))
-    (HERE / "covermap.json").write_text(json.dumps({"files": out, "durations": durations}, indent=0,
-                                                   sort_keys=True), encoding="utf-8")
+    write(out, durations)
     print(f"covermap.json: {len(out)} files, {len(durations)} tests")
     return 0
 

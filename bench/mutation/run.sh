@@ -16,6 +16,12 @@ if [ -d .venv/bin ]; then export PATH="$PWD/.venv/bin:$PATH"; fi
 # rebuilt with `python bench/mutation/covermap.py` after fsm/ or the tests change
 [ -f bench/mutation/covermap.json ] || python bench/mutation/covermap.py
 export HYPOTHESIS_PROFILE=kvtier-ci NUMBA_ENABLE_CUDASIM=1 PYTHONDONTWRITEBYTECODE=1
+# the fork server (forkserver.py) that runner.sh hands its pytest runs to; stopped on exit
+sock=bench/mutation/.forkserver.sock
+python bench/mutation/forkserver.py serve "$sock" &
+server=$!
+trap 'kill "$server" 2>/dev/null; rm -f "$sock"' EXIT
+for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.2; done
 RUNNER="bash bench/mutation/runner.sh"
 if [ "$#" -gt 0 ]; then files=("$@"); else mapfile -t files < <(grep -v '^\s*#' bench/mutation/files.txt | grep -v '^\s*$'); fi
 for f in "${files[@]}"; do
