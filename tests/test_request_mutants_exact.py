@@ -1,0 +1,219 @@
+"""Exact values of the request lifecycle in fsm/ that the mutation run (bench/mutation,
+issue 12) found unchecked: error messages naming the request, its state, the call and the
+accepted states; the guard named alone when every candidate row shares it; the request
+records' views and accounting."""
+
+from __future__ import annotations
+
+import pytest
+from core_helpers import h1
+
+from kvtier.fsm import GuardRejected, UsageError
+from kvtier.fsm.request import Request
+from kvtier.tiered import TieredCache
+
+
+def finished() -> TieredCache:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    c.finish("a")
+    return c
+
+
+# ----------------------------------------------------------------------------- request_table
+def test_unknown_request_is_named() -> None:
+    c = TieredCache(h1(), 12, None)
+    with pytest.raises(UsageError) as exc:
+        c.table.get("nope")
+    assert str(exc.value) == "unknown request 'nope'"
+    with pytest.raises(UsageError) as exc:
+        c.table.get(5)
+    assert str(exc.value) == "unknown request 5"
+
+
+def test_a_call_refused_in_a_state_names_the_accepted_states() -> None:
+    c = finished()
+    with pytest.raises(UsageError) as exc:
+        c.reserve("a", 1)
+    assert str(exc.value) == "request 'a': reserve in state 'finished' (accepted in loading, running)"
+    with pytest.raises(UsageError) as exc:
+        c.step_done("a", 1)
+    assert str(exc.value) == ("request 'a': step_done in state 'finished' "
+                              "(accepted in aborting, fenced, loading, running)")
+
+
+def test_a_guard_of_a_single_row_is_named_as_the_lifecycle_names_it() -> None:
+    """``abort`` in ``loading`` has one row ([!settled]); a settled record is refused with it."""
+    t = TieredCache(h1(), 12, None).table
+    r = Request("x", ["a"], 3)
+    r.state = "loading"
+    with pytest.raises(GuardRejected) as exc:
+        t.check(r, "abort")
+    assert exc.value.guards == ("!settled",)
+    assert str(exc.value) == "request 'x': event 'abort' refused in state 'loading': guard '!settled' rejected it"
+    r.ops.add(7)
+    assert t.check(r, "abort") == "aborting"
+    assert r.state == "loading"
+
+
+def test_a_guard_shared_by_every_row_is_named_alone() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    with pytest.raises(GuardRejected) as exc:
+        c.retract("a")
+    assert exc.value.guards == ("settled",)
+    assert str(exc.value) == "request 'a': event 'retract' refused in state 'running': guard 'settled' rejected it"
+    assert c.state("a") == "running"
+
+
+# ----------------------------------------------------------------------------- request
+def test_views_of_an_overlapped_request_and_a_settled_one() -> None:
+    """``b`` reserved pass 2 before pass 1 returned: its copies of ``a``'s published pages
+    wait in its deferred frees; ``a`` is settled."""
+    from kvtier.fsm.request import RequestView
+
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    c.reserve("b", 1)
+    c.step_done("b", 9)
+    assert c.request("b") == RequestView("b", "running", 9, 10, 0, 1, (), None, False, {"kv": [9]},
+                                         {"kv": [5, 6, 7, 8]}, (3,), 4)
+    assert c.request("a") == RequestView("a", "running", 9, 9, 0, 0, (), None, True, {"kv": [4]}, {}, (2,), 4)
+    r = c.table.get("b")
+    assert (r.label, r.owed_forward, r.settled) == ("'b'", 1, False)
+    c.step_done("b", 1)
+    assert c.request("b").deferred_pages == {}
+    assert (r.owed_forward, r.settled) == (0, True)
+
+
+def test_reserve_adds_pages_only_to_the_groups_that_need_them() -> None:
+    """h2: ``a`` 2 tokens per page, ``b`` 4; 5 tokens reserved hold 3 ``a`` and 2 ``b``
+    pages (room 6 tokens); 7 tokens need one more ``a`` page and no ``b`` page."""
+    from core_helpers import h2
+
+    c = TieredCache(h2(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=5, chunk_tokens=5)
+    c.step_done("a", 5)
+    assert c.table.get("a").room == 6
+    assert c.reserve("a", 2) == {"a": [3]}
+    assert c.page_table("a") == {"a": [0, 1, 2, 3], "b": [0, 1]}
+    assert c.table.get("a").room == 8
+    assert c.reserve("a", 2) == {"a": [4], "b": [2]}
+
+
+def test_request_records_crossing_the_facade_are_frozen() -> None:
+    from dataclasses import FrozenInstanceError
+
+    from kvtier.fsm.request import Admission, PollResult, RequestEvent, RequestView
+
+    c = TieredCache(h1(), 12, None)
+    adm = c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    assert isinstance(adm, Admission)
+    poll = c.poll()
+    records = [adm, poll, poll.events[0], c.request("a")]
+    assert [type(x) for x in records] == [Admission, PollResult, RequestEvent, RequestView]
+    for rec in records:
+        # frozen and slotted: CPython 3.11 raises TypeError from the frozen __setattr__ of a
+        # slotted class (its super() has no class cell), later versions FrozenInstanceError
+        with pytest.raises((FrozenInstanceError, TypeError)):
+            rec.commands = ()  # type: ignore[misc]
+        assert not hasattr(rec, "__dict__")
+    assert poll.commands == () and adm.request_id == "a"
+
+
+# ----------------------------------------------------------------------------- fence
+def _violation(c: TieredCache) -> tuple[str, str]:
+    from kvtier.fsm import InvariantViolation
+
+    with pytest.raises(InvariantViolation) as exc:
+        c.check_invariants()
+    return exc.value.invariant, str(exc.value)
+
+
+def borrowing() -> TieredCache:
+    """src(): ``a`` published 2 units with the checkpoint at 8 tokens; ``b`` hit them and
+    owes its first pass, which copies that checkpoint (borrowed)."""
+    from core_helpers import src
+
+    c = TieredCache(src(), 16, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    assert c.step_done("a", 9, checkpoint=True) == {"swa": [4, 5, 6, 7]}
+    c.finish("a")
+    adm = c.admit("b", list("abcd"), prompt_tokens=12, chunk_tokens=4)
+    assert adm is not None and adm.checkpoint_pages == {"swa": [4, 5, 6, 7]}
+    r = c.table.get("b")
+    assert (r.canon, r.own, r.ckpt_pages) == ({"fh": [0, 1]}, {"fh": [2], "swa": [3, 2, 1, 0]}, {"swa": [4, 5, 6, 7]})
+    c.check_invariants()
+    return c
+
+
+def test_a_page_held_by_two_requests_is_caught() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("ab"), prompt_tokens=5, chunk_tokens=5)
+    c.admit("b", list("cd"), prompt_tokens=5, chunk_tokens=5)
+    c.table.get("b").own["kv"].append(c.table.get("a").own["kv"][0])
+    assert _violation(c) == ("conservation", "invariant 'conservation' violated by request 'b': "
+                                             "page 0 of 'kv' also held by 'a'")
+
+
+def test_a_caller_page_no_request_holds_is_caught() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("ab"), prompt_tokens=5, chunk_tokens=5)
+    c.core.alloc_device({"kv": 2})
+    assert _violation(c) == ("conservation", "invariant 'conservation' violated by the request table: "
+                                             "5 caller pages in the core, 3 held by requests")
+
+
+def test_a_settled_request_sent_back_with_pages_is_caught() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("ab"), prompt_tokens=5, chunk_tokens=5)
+    c.step_done("a", 5)
+    c.table.get("a").state = "waiting"
+    assert _violation(c) == ("release_once_after_fence", "invariant 'release_once_after_fence' violated by "
+                             "request 'a': waiting but still holds pages, locks, pins or borrows")
+
+
+def test_canonical_pages_off_the_locked_path_are_caught() -> None:
+    c = borrowing()
+    c.table.get("b").canon["fh"] = [1, 0]
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "canonical pages of 'fh' are no longer its locked path's device pages")
+
+
+def test_a_live_lock_with_its_pages_passes_and_a_released_one_is_caught() -> None:
+    c = borrowing()
+    r = c.table.get("b")
+    c.core.unlock(r.lock)
+    r.lock = None
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "reads canonical pages without a live lock")
+
+
+def test_a_checkpoint_copied_without_its_borrow_is_caught() -> None:
+    c = borrowing()
+    r = c.table.get("b")
+    c.core.release(r.ckpt_borrow)
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "copies a checkpoint it no longer borrows")
+    r.ckpt_borrow = None
+    assert _violation(c)[1].endswith("copies a checkpoint it no longer borrows")
+
+
+def test_a_checkpoint_that_left_the_borrowed_node_is_caught() -> None:
+    c = borrowing()
+    c.table.get("b").ckpt_pages = {"swa": [4, 5, 6, 8]}
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "the checkpoint it copies left the borrowed node")
+
+
+def test_a_fenced_request_with_readable_layers_is_caught() -> None:
+    c = borrowing()
+    r = c.table.get("b")
+    r.state = "fenced"
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "fenced after a failed loadback, but layers read as ready")
+    r.layers_failed = True
+    c.check_invariants()
