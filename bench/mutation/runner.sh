@@ -26,7 +26,7 @@ fi
 case "$mode" in
   none) exit 0 ;;
   some) args=("@$sel") ;;
-  *) grep -v '^\s*#' "$here/tests.txt" | grep -v '^\s*$' > "$sel"; args=("@$sel") ;;
+  *) [ -s "$sel" ] || grep -v '^\s*#' "$here/tests.txt" | grep -v '^\s*$' > "$sel"; args=("@$sel") ;;
 esac
 opts=(-x -q -p no:cacheprovider -p no:pytest_cov --timeout=60)
 rc=99

@@ -9,11 +9,12 @@ It prints them one per line, fastest first, into the file named by argv[1], and 
 
 - ``some``: the file lists the tests to run;
 - ``all``:  the line runs outside any function (module or class level, a ``def`` line and
-  its defaults or decorators) or inside one that also runs at import: run the whole subset;
+  its defaults or decorators) or inside one that also runs at import: the file lists the
+  whole subset, fastest first;
 - ``none``: no test of the subset enters the function: the mutant survives without a run.
 
 This is per-test coverage analysis, as Stryker's ``perTest`` and mutmut 3 do it; the map is
-of the committed sources and tests, so run.sh rebuilds it when either is newer.
+of the committed sources and tests: rebuild it (or --add new tests) after either changes.
 """
 
 from __future__ import annotations
@@ -61,16 +62,18 @@ def main(argv: list[str]) -> int:
     cmap = json.loads((HERE / "covermap.json").read_text(encoding="utf-8"))
     by_line = cmap["files"].get(rel, {})
     tree = ast.parse(original)
+    names = cmap["tests"]
     tests: set[int] = set()
     for line in lines:
         sc = scope(tree, line)
         if sc is None:
-            print("all")
-            return 0
+            tests = set(range(len(names)))
+            break
         for ln in range(sc[0], sc[1] + 1):
             tests.update(by_line.get(str(ln), ()))
-    names = cmap["tests"]
     if any(names[i] == "<import>" for i in tests):
+        # the whole subset, fastest first
+        out.write_text("\n".join(t for t in names if t != "<import>") + "\n", encoding="utf-8")
         print("all")
         return 0
     if not tests:
