@@ -217,3 +217,64 @@ def test_a_fenced_request_with_readable_layers_is_caught() -> None:
                                               "fenced after a failed loadback, but layers read as ready")
     r.layers_failed = True
     c.check_invariants()
+
+
+def test_a_retracted_request_holds_no_own_page_and_no_room() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    r = c.table.get("a")
+    assert (r.room, r.own) == (10, {"kv": [4]})
+    c.retract("a")
+    assert (r.state, r.room, r.own, r.reserved) == ("retracted", 0, {"kv": []}, 9)
+
+
+def test_the_borrowed_checkpoint_is_let_go_when_the_pass_that_copies_it_returns() -> None:
+    c = borrowing()
+    r = c.table.get("b")
+    borrow = r.ckpt_borrow
+    c.step_done("b", 4)
+    assert (r.ckpt_borrow, r.ckpt_pages, borrow.released) == (None, {}, True)
+    c.check_invariants()
+
+
+def test_release_frees_deferred_pages_too_exactly_once() -> None:
+    """Releasing an overlapped request (as every path into a state that owns nothing does)
+    gives back its deferred copies with its own pages."""
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    c.reserve("b", 1)
+    c.step_done("b", 9)
+    r = c.table.get("b")
+    assert (r.deferred_pages(), r.own) == ({"kv": [5, 6, 7, 8]}, {"kv": [9]})
+    before = c.core.external_pages("kv")
+    assert {5, 6, 7, 8, 9} <= before
+    c.table.release(r)
+    assert (list(r.deferred), r.own, r.lock, r.pins) == ([], {"kv": []}, None, [])
+    assert c.core.external_pages("kv") == before - {5, 6, 7, 8, 9}
+
+
+def test_a_settled_request_sent_back_with_only_its_lock_is_caught() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    c.finish("a")
+    c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    c.step_done("b", 1)
+    r = c.table.get("b")
+    c.table.free_own(r)
+    r.state = "waiting"
+    assert (r.lock is not None, r.pins, r.ckpt_borrow, r.own) == (True, [], None, {"kv": []})
+    assert _violation(c) == ("release_once_after_fence", "invariant 'release_once_after_fence' violated by "
+                             "request 'b': waiting but still holds pages, locks, pins or borrows")
+
+
+# ----------------------------------------------------------------------------- admission
+def test_too_few_unit_keys_are_refused_with_the_counts() -> None:
+    c = TieredCache(h1(), 12, None)
+    with pytest.raises(UsageError) as exc:
+        c.admit("a", list("ab"), prompt_tokens=9, chunk_tokens=9)
+    assert str(exc.value) == "request 'a': 9 prompt tokens need 4 unit keys, got 2"
+    assert c.requests() == []
