@@ -278,3 +278,16 @@ def test_too_few_unit_keys_are_refused_with_the_counts() -> None:
         c.admit("a", list("ab"), prompt_tokens=9, chunk_tokens=9)
     assert str(exc.value) == "request 'a': 9 prompt tokens need 4 unit keys, got 2"
     assert c.requests() == []
+
+
+def test_resume_after_a_retract_mid_prefill_hits_its_own_terminal() -> None:
+    """4 of 9 prompt tokens computed, then retracted: resuming matches exactly the 2 units
+    it published (not the prompt's 4 unit keys) and continues from token 4."""
+    from kvtier.fsm.request import Admission
+
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=4)
+    c.step_done("a", 4)
+    assert c.retract("a") == {}
+    assert c.resume("a", 5) == Admission("a", 4, 5, 4, 4, {"kv": [0, 1, 2, 3, 4]}, None, (), 0, 4, {})
+    assert c.request("a").own_pages == {"kv": [2, 3, 4]}
