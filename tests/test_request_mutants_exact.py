@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from core_helpers import h1
+from test_facade import ack, seeded
 
 from kvtier.fsm import GuardRejected, UsageError
 from kvtier.fsm.request import Request
@@ -291,3 +292,31 @@ def test_resume_after_a_retract_mid_prefill_hits_its_own_terminal() -> None:
     assert c.retract("a") == {}
     assert c.resume("a", 5) == Admission("a", 4, 5, 4, 4, {"kv": [0, 1, 2, 3, 4]}, None, (), 0, 4, {})
     assert c.request("a").own_pages == {"kv": [2, 3, 4]}
+
+
+# ----------------------------------------------------------------------------- completions
+@pytest.mark.parametrize(("warm", "canon_after"), [(("a", "ab"), [3, 2]), (("a",), [3])])
+def test_a_failed_loadback_keeps_only_the_device_prefix_its_lock_holds(warm: tuple[str, ...],
+                                                                        canon_after: list[int]) -> None:
+    """``abcd`` lives on the host; earlier requests loaded ``a`` (and ``b``) back as nodes of
+    their own. ``z``'s loadback of the rest fails while its first pass is out: it is
+    fenced, and its table keeps the canonical pages of every device node before the
+    failed ones (their sum, not the last node's), no layer reads as ready, and its own
+    page stays until the pass returns."""
+    c = seeded(device=12)
+    for rid in warm:
+        adm = c.admit(rid, list(rid), prompt_tokens=2 * len(rid) + 1, chunk_tokens=2 * len(rid) + 1)
+        assert adm is not None and adm.loadback is not None
+        ack(c, adm.loadback.op_id)
+        c.step_done(rid, adm.chunk_tokens)
+        c.finish(rid)
+    z = c.admit("z", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    assert z is not None and z.loadback is not None
+    r = c.table.get("z")
+    assert len(r.canon["kv"]) == 4
+    ack(c, z.loadback.op_id, ok=False)
+    assert (c.state("z"), r.canon, r.own) == ("fenced", {"kv": canon_after}, {"kv": [4]})
+    assert [c.layer_ready("z", i) for i in range(2)] == [False, False]
+    c.step_done("z", 0)
+    assert c.state("z") == "waiting" and c.request("z").own_pages == {}
+    c.check_invariants()
