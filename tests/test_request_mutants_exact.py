@@ -320,3 +320,42 @@ def test_a_failed_loadback_keeps_only_the_device_prefix_its_lock_holds(warm: tup
     c.step_done("z", 0)
     assert c.state("z") == "waiting" and c.request("z").own_pages == {}
     c.check_invariants()
+
+
+def test_a_loadback_ack_publishes_no_second_checkpoint() -> None:
+    """src(): ``ab`` with its checkpoint lives on the host only; ``b``'s loadback brings both
+    back. Its acknowledgement publishes nothing new: no checkpoint pages are allocated for
+    the hit terminal (which has one), so none wait in b's deferred frees."""
+    from core_helpers import src
+    from test_facade import prefill
+
+    c = TieredCache(src(), 16, 16, policy="write_back", finish_writeback=True)
+    prefill(c, "seed", "abcd", 9, checkpoint=True)
+    c.finish("seed")
+    (cmd,) = c.poll().commands
+    ack(c, cmd.op_id)
+    assert c.core.evict_device({"fh": 100, "swa": 100}) == {"fh": 2, "swa": 4}
+    b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    assert b is not None and b.loadback is not None and b.checkpoint_pages == {"swa": [7, 6, 5, 4]}
+    free = {g: a.free for g, a in c.core.device.items()}
+    ack(c, b.loadback.op_id)
+    v = c.request("b")
+    assert (v.state, v.own_pages, v.deferred_pages, v.owed_forward) == (
+        "running", {"fh": [2], "swa": [3, 2, 1, 0]}, {}, 1)
+    assert {g: a.free for g, a in c.core.device.items()} == free
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_every_failed_retract_writeback_counts_as_a_scheduler_abort(n: int) -> None:
+    c = TieredCache(h1(), 12, 12, policy="write_back")
+    rids = [f"r{i}" for i in range(n)]
+    for i, rid in enumerate(rids):
+        c.admit(rid, [f"{rid}{u}" for u in range(2)], prompt_tokens=5, chunk_tokens=5)
+        c.step_done(rid, 5)
+        c.retract(rid)
+    cmds = c.poll().commands
+    assert len(cmds) == n
+    for cmd in cmds:
+        ack(c, cmd.op_id, ok=False)
+    assert [c.request(rid).reason for rid in rids] == ["retract writeback failed"] * n
+    assert c.aborted_by_scheduler == n
