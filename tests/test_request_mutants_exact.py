@@ -359,3 +359,36 @@ def test_every_failed_retract_writeback_counts_as_a_scheduler_abort(n: int) -> N
         ack(c, cmd.op_id, ok=False)
     assert [c.request(rid).reason for rid in rids] == ["retract writeback failed"] * n
     assert c.aborted_by_scheduler == n
+
+
+def test_a_pass_that_computed_less_than_reserved_is_continued_from_its_tokens() -> None:
+    """No pass out: the next reservation starts at the tokens computed (10), not at the
+    end of the last reservation (13), so 2 more tokens need nothing new."""
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcdef"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    assert c.reserve("a", 4) == {"kv": [5, 6]}
+    c.step_done("a", 1)
+    assert (c.request("a").tokens, c.request("a").reserved_tokens) == (10, 13)
+    assert c.reserve("a", 2) == {}
+    assert c.request("a").reserved_tokens == 13
+
+
+# ----------------------------------------------------------------------------- request_ends
+def test_finish_without_finish_writeback_issues_none_and_returns_no_checkpoint() -> None:
+    c = TieredCache(h1(), 12, 12, policy="write_back", finish_writeback=False)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    assert c.finish("a") == {}
+    assert c.state("a") == "finished"
+    assert c.poll().commands == ()
+
+
+def test_retract_publishes_the_exact_continuation_state_at_its_terminal() -> None:
+    from core_helpers import src
+
+    c = TieredCache(src(), 16, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    assert c.retract("a") == {"swa": [4, 5, 6, 7]}
+    assert c.state("a") == "retracted"
