@@ -392,3 +392,31 @@ def test_retract_publishes_the_exact_continuation_state_at_its_terminal() -> Non
     c.step_done("a", 9)
     assert c.retract("a") == {"swa": [4, 5, 6, 7]}
     assert c.state("a") == "retracted"
+
+
+@pytest.mark.parametrize("end", ["finish", "retract"])
+def test_the_checkpoint_a_request_ends_with_survives_a_deeper_one(end: str) -> None:
+    """The checkpoint published when a request finishes or retracts is a final one, not a
+    chunk checkpoint: a deeper checkpoint published later by another request leaves it."""
+    from core_helpers import src
+
+    c = TieredCache(src(), 32, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9, checkpoint=end == "finish")
+    adopted = c.finish("a") if end == "finish" else c.retract("a")
+    assert adopted == ({} if end == "finish" else {"swa": [4, 5, 6, 7]})
+    b = c.admit("b", list("abcdefgh"), prompt_tokens=25, chunk_tokens=8)
+    assert b is not None and (b.start_token, b.checkpoint_pages) == (8, {"swa": [4, 5, 6, 7]})
+    deeper = c.step_done("b", 8, checkpoint=True)
+    assert sorted(deeper["swa"]) == [8, 9, 10, 11]
+    ckpts = {n.key: n.dev_ckpt for n in c.core.nodes()}
+    assert ckpts == {("a", "b"): {"swa": [4, 5, 6, 7]}, ("c", "d"): deeper}
+
+
+def test_an_aborted_request_is_marked_poisoned() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    r = c.table.get("a")
+    assert r.poisoned is False
+    c.abort("a", "gone")
+    assert (r.state, r.reason, r.poisoned) == ("aborting", "gone", True)
