@@ -420,3 +420,42 @@ def test_an_aborted_request_is_marked_poisoned() -> None:
     assert r.poisoned is False
     c.abort("a", "gone")
     assert (r.state, r.reason, r.poisoned) == ("aborting", "gone", True)
+
+
+# ----------------------------------------------------------------------------- forward
+def test_step_done_refusals_name_what_is_owed_and_reserved() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=4)
+    with pytest.raises(UsageError) as exc:
+        c.step_done("a", 5)
+    assert str(exc.value) == "request 'a': 5 tokens computed but only 4 reserved"
+    c.step_done("a", 3)
+    c.reserve("a", 2)
+    with pytest.raises(UsageError) as exc:
+        c.step_done("a", 4)
+    assert str(exc.value) == "request 'a': 4 tokens computed but only 2 reserved"
+    c.step_done("a", 2)
+    with pytest.raises(UsageError) as exc:
+        c.step_done("a", 1)
+    assert str(exc.value) == "request 'a' (state 'running') owes no forward result"
+    assert (c.request("a").tokens, c.request("a").reserved_tokens) == (5, 5)
+
+
+def test_a_short_pass_after_a_checkpoint_hit_still_lets_go_of_the_checkpoint() -> None:
+    c = borrowing()
+    r = c.table.get("b")
+    c.step_done("b", 1)  # no unit completes: the checkpoint copy is done all the same
+    assert (r.ckpt_borrow, r.ckpt_pages, r.tokens) == (None, {}, 9)
+    c.check_invariants()
+
+
+def test_a_decode_step_that_completes_a_unit_publishes_it() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("ab"), prompt_tokens=5, chunk_tokens=5)
+    c.step_done("a", 5)
+    r = c.table.get("a")
+    assert (r.published, r.tokens) == (2, 5)
+    c.reserve("a", 1)
+    c.step_done("a", 1, new_units=["c"])
+    assert (r.published, r.tokens, r.units) == (3, 6, ["a", "b", "c"])
+    assert sorted(n.key for n in c.core.nodes()) == [("a", "b"), ("c",)]
