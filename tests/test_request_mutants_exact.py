@@ -459,3 +459,30 @@ def test_a_decode_step_that_completes_a_unit_publishes_it() -> None:
     c.step_done("a", 1, new_units=["c"])
     assert (r.published, r.tokens, r.units) == (3, 6, ["a", "b", "c"])
     assert sorted(n.key for n in c.core.nodes()) == [("a", "b"), ("c",)]
+
+
+def test_a_decode_step_inside_a_unit_counts_its_tokens_and_drops_the_retract_checkpoint() -> None:
+    """After the prompt (9 tokens, 4 units published) a one-token step completes no unit
+    (the step_done fast path): tokens grow by one, and the continuation-state checkpoint
+    asked for by the previous result no longer matches, so none is published at retract."""
+    from core_helpers import src
+
+    c = TieredCache(src(), 32, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    assert c.step_done("a", 9, checkpoint=True) == {"swa": [4, 5, 6, 7]}
+    r = c.table.get("a")
+    assert (r.tokens, r.published, r.retract_ckpt) == (9, 2, True)
+    c.reserve("a", 1)
+    assert c.step_done("a", 1) == {}
+    assert (r.tokens, r.published, r.retract_ckpt, r.results) == (10, 2, False, 2)
+    c.reserve("a", 1)
+    assert c.step_done("a", 1) == {}
+    assert c.request("a").tokens == 11
+
+
+def test_a_result_while_loading_returns_no_checkpoint() -> None:
+    c = seeded()
+    b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    assert b is not None and c.state("b") == "loading"
+    assert c.step_done("b", 1) == {}
+    assert (c.state("b"), c.request("b").tokens) == ("loading", 9)
