@@ -486,3 +486,17 @@ def test_a_result_while_loading_returns_no_checkpoint() -> None:
     assert b is not None and c.state("b") == "loading"
     assert c.step_done("b", 1) == {}
     assert (c.state("b"), c.request("b").tokens) == ("loading", 9)
+
+
+def test_request_records_defaults() -> None:
+    """The optional fields of the public records default to "nothing": engines and tests
+    build them with the required fields only."""
+    from kvtier.fsm.request import Admission, RequestEvent, RequestView
+
+    adm = Admission("a", 0, 4, 0, 0, {"kv": [1, 2]}, None, ())
+    assert (adm.recompute_tokens, adm.history_hit_tokens, adm.checkpoint_pages) == (0, 0, {})
+    assert RequestEvent("a", "finished").reason is None
+    v = RequestView("a", "running", 4, 4, 0, 0, (), None)
+    assert (v.settled, v.own_pages, v.deferred_pages, v.receipts, v.units) == (True, {}, {}, (), 0)
+    other = Admission("b", 0, 4, 0, 0, {}, None, ())
+    assert other.checkpoint_pages == {} and other.checkpoint_pages is not adm.checkpoint_pages
