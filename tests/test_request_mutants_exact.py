@@ -500,3 +500,29 @@ def test_request_records_defaults() -> None:
     assert (v.settled, v.own_pages, v.deferred_pages, v.receipts, v.units) == (True, {}, {}, (), 0)
     other = Admission("b", 0, 4, 0, 0, {}, None, ())
     assert other.checkpoint_pages == {} and other.checkpoint_pages is not adm.checkpoint_pages
+
+
+def test_the_checkpoint_at_the_prompts_last_full_unit_is_kept() -> None:
+    """src() (4-token units): a 9-token prompt's chunk of 8 tokens ends at its last full
+    unit; the checkpoint there is kept for later turns, not given way to a deeper one."""
+    from core_helpers import src
+
+    c = TieredCache(src(), 32, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=8)
+    assert c.step_done("a", 8, checkpoint=True) == {"swa": [4, 5, 6, 7]}
+    b = c.admit("b", list("abcdefgh"), prompt_tokens=25, chunk_tokens=8)
+    assert b is not None and (b.start_token, b.checkpoint_pages) == (8, {"swa": [4, 5, 6, 7]})
+    deeper = c.step_done("b", 8, checkpoint=True)
+    assert sorted(deeper["swa"]) == [12, 13, 14, 15]
+    assert {n.key: n.dev_ckpt for n in c.core.nodes()} == {("a", "b"): {"swa": [4, 5, 6, 7]}, ("c", "d"): deeper}
+
+
+def test_retract_adds_the_checkpoint_to_a_unit_published_without_one() -> None:
+    from core_helpers import src
+
+    c = TieredCache(src(), 16, None)
+    c.admit("a", list("ab"), prompt_tokens=5, chunk_tokens=5)
+    assert c.step_done("a", 5) == {}
+    assert c.table.get("a").published == 1
+    assert c.retract("a") == {"swa": [4, 5, 6, 7]}
+    assert {n.key: n.dev_ckpt for n in c.core.nodes()} == {("a",): {"swa": [4, 5, 6, 7]}}
