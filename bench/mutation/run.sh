@@ -11,19 +11,42 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p bench/mutation/cache bench/mutation/results
+if [ -d .venv/bin ]; then export PATH="$PWD/.venv/bin:$PATH"; fi
+# the per-test coverage map the runner selects tests from (select_tests.py): built once,
+# rebuilt with `python bench/mutation/covermap.py` after fsm/ or the tests change
+[ -f bench/mutation/covermap.json ] || python bench/mutation/covermap.py
 export HYPOTHESIS_PROFILE=kvtier-ci NUMBA_ENABLE_CUDASIM=1 PYTHONDONTWRITEBYTECODE=1
+# the fork server (forkserver.py) that runner.sh hands its pytest runs to; stopped on exit
+sock=bench/mutation/.forkserver.sock
+python bench/mutation/forkserver.py serve "$sock" &
+server=$!
+trap 'kill "$server" 2>/dev/null; rm -f "$sock"' EXIT
+for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.2; done
 RUNNER="bash bench/mutation/runner.sh"
 if [ "$#" -gt 0 ]; then files=("$@"); else mapfile -t files < <(grep -v '^\s*#' bench/mutation/files.txt | grep -v '^\s*$'); fi
 for f in "${files[@]}"; do
   stem=$(basename "$f" .py)
   cache=bench/mutation/cache/$stem.sqlite
-  if [ -f "$cache" ]; then cp "$cache" .mutmut-cache; else rm -f .mutmut-cache; fi
+  # a new file's cache starts from seed.sqlite (no mutants, only the baseline time and the
+  # hash of the tests), so mutmut does not rerun the unmutated baseline for every file
+  if [ -f "$cache" ]; then cp "$cache" .mutmut-cache
+  elif [ -f bench/mutation/cache/seed.sqlite ]; then cp bench/mutation/cache/seed.sqlite .mutmut-cache
+  else rm -f .mutmut-cache; fi
   id_args=(); if [ -n "${MUTANT_ID:-}" ]; then id_args=("$MUTANT_ID"); fi
   echo "=== $f $(date -u +%FT%TZ)"
   # per-mutant timeout = baseline * 2.0 + 5 s (mutmut 2: -m / -b)
   mutmut run --paths-to-mutate "$f" --tests-dir tests --runner "$RUNNER" \
     -m 2.0 -b 5.0 --simple-output --no-progress "${id_args[@]}" || true
   cp .mutmut-cache "$cache"
+  cp .mutmut-cache bench/mutation/cache/seed.sqlite
+  python - <<'PY'
+import sqlite3
+db = sqlite3.connect("bench/mutation/cache/seed.sqlite")
+for table in ("Mutant", "Line", "SourceFile"):
+    db.execute(f"DELETE FROM {table}")
+db.commit()
+db.execute("VACUUM")
+PY
   mutmut junitxml --untested-policy=skipped > "bench/mutation/results/$stem.xml"
 done
 git diff --stat -- fsm/
