@@ -294,6 +294,26 @@ class NodeLifecycleMachine(KitMachine):
                 raise InvariantViolation("state_matches_resources", f"node {n.label}", "removed but owns resources")
 
 
+def _fire_as_spec_says(machine: Lifecycle, subject: Any, event: str, what: str) -> bool:
+    """Fire ``event`` at a plain subject whose guard inputs are set: the machine must do
+    exactly what the spec says (the first candidate whose guards hold, else a refusal that
+    changes nothing). Returns whether it moved."""
+    expected = next((t for t in machine.spec.candidates(subject.state, event)
+                     if all(getattr(subject, g.name) != g.negated for g in t.guards)), None)
+    before = subject.state
+    try:
+        machine.fire(subject, event)
+    except LifecycleError:
+        if expected is not None or subject.state != before:
+            raise InvariantViolation("state_matches_resources", what,
+                                     f"{event} refused in {before} (spec: {expected})") from None
+        return False
+    if expected is None or subject.state != expected.target:
+        raise InvariantViolation("state_matches_resources", what,
+                                 f"{event} from {before} went to {subject.state}, the spec says {expected}")
+    return True
+
+
 class _RawRequest:
     __slots__ = ("state", "label", "has_loadback", "has_own_writeback", "settled")
 
@@ -333,20 +353,8 @@ class RequestLifecycleMachine(KitMachine):
     def _fire(self, index: int, event: str, has_loadback: bool, has_own_writeback: bool, settled: bool) -> None:
         r = self.reqs[index % len(self.reqs)]
         r.has_loadback, r.has_own_writeback, r.settled = has_loadback, has_own_writeback, settled
-        spec = self.machine.spec
-        expected = next((t for t in spec.candidates(r.state, event)
-                         if all(getattr(r, g.name) != g.negated for g in t.guards)), None)
-        before = r.state
-        try:
-            self.machine.fire(r, event)
-        except LifecycleError:
-            if expected is not None or r.state != before:
-                raise InvariantViolation("state_matches_resources", f"request {r.label}",
-                                         f"{event} refused in {before} (spec: {expected})") from None
+        if not _fire_as_spec_says(self.machine, r, event, f"request {r.label}"):
             return
-        if expected is None or r.state != expected.target:
-            raise InvariantViolation("state_matches_resources", f"request {r.label}",
-                                     f"{event} from {before} went to {r.state}, the spec says {expected}")
         if r.state not in self.swept:  # once per state per run: every refused event from it
             self.swept.add(r.state)
             for e in self.machine.spec.events:
@@ -439,19 +447,8 @@ class L3LifecycleMachine(KitMachine):
     def _fire(self, index: int, event: str, guards: tuple[bool, bool, bool]) -> None:
         o = self.objs[index % len(self.objs)]
         o.host_visible, o.store_answered, o.lease_holds = guards
-        expected = next((t for t in self.machine.spec.candidates(o.state, event)
-                         if all(getattr(o, g.name) != g.negated for g in t.guards)), None)
-        before = o.state
-        try:
-            self.machine.fire(o, event)
-        except LifecycleError:
-            if expected is not None or o.state != before:
-                raise InvariantViolation("state_matches_resources", f"l3 object {o.label}",
-                                         f"{event} refused in {before} (spec: {expected})") from None
+        if not _fire_as_spec_says(self.machine, o, event, f"l3 object {o.label}"):
             return
-        if expected is None or o.state != expected.target:
-            raise InvariantViolation("state_matches_resources", f"l3 object {o.label}",
-                                     f"{event} from {before} went to {o.state}, the spec says {expected}")
         if o.state not in self.swept:  # once per state per run: every refused event from it
             self.swept.add(o.state)
             for e in self.machine.spec.events:
