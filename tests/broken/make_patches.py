@@ -217,8 +217,8 @@ SEMANTIC: dict[str, Mutant] = {
         "fsm-request", "layer_ready confuses a layer count with a layer index: the layer after "
         "the last loaded one reads as ready",
         (f"{_C}test_layer_ready_is_exact",),
-        [("fsm/completions.py", "        return all(done >= layer for done in r.layers.values())",
-          "        return all(done + 1 >= layer for done in r.layers.values())  # BROKEN: count vs index")]),
+        [("fsm/completions.py", "            if done < layer:\n                return False",
+          "            if done + 1 < layer:  # BROKEN: count vs index\n                return False")]),
     "s13-joined-layers-fastest-rank": Mutant(
         "fsm-request", "a request joining a loadback in flight takes its layer progress from the "
         "fastest rank",
@@ -237,10 +237,8 @@ SEMANTIC: dict[str, Mutant] = {
         "fsm-request", "abort does not poison the request's own writeback in flight: its possibly "
         "corrupt KV is published on the ack",
         (f"{_C}test_aborted_request_writeback_is_not_published",),
-        [("fsm/request_ends.py", "            if op in ops and ops[op].direction is Direction.WRITEBACK:\n"
-                                 "                self.core.poison(op)",
-          "            if op in ops and ops[op].direction is Direction.WRITEBACK:\n"
-          "                pass  # BROKEN: not poisoned")]),
+        [("fsm/request_ends.py", "        for op in own:\n            self.core.poison(op)",
+          "        for op in own:\n            pass  # BROKEN: not poisoned")]),
     "s16-whole-prompt-reused": Mutant(
         "fsm-request", "a fully cached, aligned prompt is reused whole: no token is left to compute "
         "the first logits from",
@@ -287,7 +285,9 @@ SEMANTIC: dict[str, Mutant] = {
         "tokens end, so it reserves no new room",
         (f"{_C}test_overlapped_reserve_starts_after_the_pass_out",),
         [("fsm/admission.py", "        start = r.reserved if r.passes > r.results else r.tokens",
-          "        start = r.tokens  # BROKEN: ignores the pass out")]),
+          "        start = r.tokens  # BROKEN: ignores the pass out"),
+         ("fsm/admission.py", "        upto = (r.reserved if r.passes > r.results else r.tokens) + tokens",
+          "        upto = r.tokens + tokens  # BROKEN: ignores the pass out")]),
     # -- facade (src/kvtier/tiered.py) ---------------------------------------------------------
     "s23-poll-quota-off-by-one": Mutant(
         "facade", "poll counts the batch it is about to issue against the writeback quota: with "
@@ -305,7 +305,7 @@ SEMANTIC: dict[str, Mutant] = {
         "facade", "in_flight() forgets forward passes out, so a scheduler drains and stops with "
         "results still owed",
         (f"{_C}test_in_flight_counts_passes_out",),
-        [("src/kvtier/tiered.py", "        return bool(self.core.ops_in_flight()) or self._table.owes_forward()",
+        [("src/kvtier/facade_views.py", "        return bool(self.core.ops_in_flight()) or self._table.owes_forward()",
           "        return bool(self.core.ops_in_flight())  # BROKEN: passes out are forgotten")]),
     # -- transfer/ -------------------------------------------------------------------------------
     "s26-failed-issue-no-barrier": Mutant(
