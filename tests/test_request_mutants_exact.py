@@ -529,3 +529,14 @@ def test_retract_adds_the_checkpoint_to_a_unit_published_without_one() -> None:
     assert c.table.get("a").published == 1
     assert c.retract("a") == {"swa": [4, 5, 6, 7]}
     assert {n.key: n.dev_ckpt for n in c.core.nodes()} == {("a",): {"swa": [4, 5, 6, 7]}}
+
+
+def test_a_new_request_record_holds_and_owes_nothing() -> None:
+    r = Request("x", ["a", "b"], 5)
+    assert (r.request_id, r.state, r.units, r.prompt_tokens) == ("x", "waiting", ["a", "b"], 5)
+    assert (r.tokens, r.reserved, r.published, r.hit_tokens, r.room, r.passes, r.results) == (0, 0, 0, 0, 0, 0, 0)
+    assert (r.canon, r.own, r.lock, r.pins, r.ops, r.layers, r.ckpt_borrow, r.ckpt_pages, list(r.deferred)) == (
+        {}, {}, None, [], set(), {}, None, {}, [])
+    assert (r.reason, r.has_loadback, r.has_own_writeback, r.layers_failed, r.poisoned, r.retract_ckpt) == (
+        None, False, False, False, False, False)
+    assert (r.settled, r.owed_forward, r.receipts(), r.deferred_pages()) == (True, 0, (), {})
