@@ -504,16 +504,19 @@ def test_request_records_defaults() -> None:
 
 def test_the_checkpoint_at_the_prompts_last_full_unit_is_kept() -> None:
     """src() (4-token units): a 9-token prompt's chunk of 8 tokens ends at its last full
-    unit; the checkpoint there is kept for later turns, not given way to a deeper one."""
+    unit; the checkpoint there is kept for later turns (even after ``a`` is aborted), not
+    given way to a deeper one."""
     from core_helpers import src
 
     c = TieredCache(src(), 32, None)
     c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=8)
     assert c.step_done("a", 8, checkpoint=True) == {"swa": [4, 5, 6, 7]}
+    c.abort("a")
+    assert c.state("a") == "aborted"
     b = c.admit("b", list("abcdefgh"), prompt_tokens=25, chunk_tokens=8)
     assert b is not None and (b.start_token, b.checkpoint_pages) == (8, {"swa": [4, 5, 6, 7]})
     deeper = c.step_done("b", 8, checkpoint=True)
-    assert sorted(deeper["swa"]) == [12, 13, 14, 15]
+    assert sorted(deeper["swa"]) == [8, 9, 10, 11]
     assert {n.key: n.dev_ckpt for n in c.core.nodes()} == {("a", "b"): {"swa": [4, 5, 6, 7]}, ("c", "d"): deeper}
 
 
@@ -526,3 +529,14 @@ def test_retract_adds_the_checkpoint_to_a_unit_published_without_one() -> None:
     assert c.table.get("a").published == 1
     assert c.retract("a") == {"swa": [4, 5, 6, 7]}
     assert {n.key: n.dev_ckpt for n in c.core.nodes()} == {("a",): {"swa": [4, 5, 6, 7]}}
+
+
+def test_a_new_request_record_holds_and_owes_nothing() -> None:
+    r = Request("x", ["a", "b"], 5)
+    assert (r.request_id, r.state, r.units, r.prompt_tokens) == ("x", "waiting", ["a", "b"], 5)
+    assert (r.tokens, r.reserved, r.published, r.hit_tokens, r.room, r.passes, r.results) == (0, 0, 0, 0, 0, 0, 0)
+    assert (r.canon, r.own, r.lock, r.pins, r.ops, r.layers, r.ckpt_borrow, r.ckpt_pages, list(r.deferred)) == (
+        {}, {}, None, [], set(), {}, None, {}, [])
+    assert (r.reason, r.has_loadback, r.has_own_writeback, r.layers_failed, r.poisoned, r.retract_ckpt) == (
+        None, False, False, False, False, False)
+    assert (r.settled, r.owed_forward, r.receipts(), r.deferred_pages()) == (True, 0, (), {})

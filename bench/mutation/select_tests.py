@@ -15,6 +15,7 @@ It prints them one per line, fastest first, into the file named by argv[1], and 
 
 This is per-test coverage analysis, as Stryker's ``perTest`` and mutmut 3 do it; the map is
 of the committed sources and tests: rebuild it (or --add new tests) after either changes.
+The map's test list is the subset: a test missing from the map is never selected.
 """
 
 from __future__ import annotations
