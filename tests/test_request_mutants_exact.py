@@ -306,15 +306,15 @@ def test_a_failed_loadback_keeps_only_the_device_prefix_its_lock_holds(warm: tup
     c = seeded(device=12)
     for rid in warm:
         adm = c.admit(rid, list(rid), prompt_tokens=2 * len(rid) + 1, chunk_tokens=2 * len(rid) + 1)
-        assert adm is not None and adm.loadback is not None
-        ack(c, adm.loadback.op_id)
+        assert adm is not None and adm.loadback_op is not None
+        ack(c, adm.loadback_op)
         c.step_done(rid, adm.chunk_tokens)
         c.finish(rid)
     z = c.admit("z", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert z is not None and z.loadback is not None
+    assert z is not None and z.loadback_op is not None
     r = c.table.get("z")
     assert len(r.canon["kv"]) == 4
-    ack(c, z.loadback.op_id, ok=False)
+    ack(c, z.loadback_op, ok=False)
     assert (c.state("z"), r.canon, r.own) == ("fenced", {"kv": canon_after}, {"kv": [4]})
     assert [c.layer_ready("z", i) for i in range(2)] == [False, False]
     c.step_done("z", 0)
@@ -336,9 +336,9 @@ def test_a_loadback_ack_publishes_no_second_checkpoint() -> None:
     ack(c, cmd.op_id)
     assert c.core.evict_device({"fh": 100, "swa": 100}) == {"fh": 2, "swa": 4}
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
-    assert b is not None and b.loadback is not None and b.checkpoint_pages == {"swa": [7, 6, 5, 4]}
+    assert b is not None and b.loadback_op is not None and b.checkpoint_pages == {"swa": [7, 6, 5, 4]}
     free = {g: a.free for g, a in c.core.device.items()}
-    ack(c, b.loadback.op_id)
+    ack(c, b.loadback_op)
     v = c.request("b")
     assert (v.state, v.own_pages, v.deferred_pages, v.owed_forward) == (
         "running", {"fh": [2], "swa": [3, 2, 1, 0]}, {}, 1)
@@ -428,12 +428,12 @@ def test_step_done_refusals_name_what_is_owed_and_reserved() -> None:
     c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=4)
     with pytest.raises(UsageError) as exc:
         c.step_done("a", 5)
-    assert str(exc.value) == "request 'a': 5 tokens computed but only 4 reserved"
+    assert str(exc.value) == "request 'a': 5 tokens computed but only 4 reserved (state 'running')"
     c.step_done("a", 3)
     c.reserve("a", 2)
     with pytest.raises(UsageError) as exc:
         c.step_done("a", 4)
-    assert str(exc.value) == "request 'a': 4 tokens computed but only 2 reserved"
+    assert str(exc.value) == "request 'a': 4 tokens computed but only 2 reserved (state 'running')"
     c.step_done("a", 2)
     with pytest.raises(UsageError) as exc:
         c.step_done("a", 1)
