@@ -57,7 +57,7 @@ def _check_declared_resources(n: Node) -> None:
             raise _fail(missing_inv, n, f"state {n.state!r} declares {res} but the node has none")
 
 
-def _check_node(core: CacheCore, n: Node) -> None:
+def _check_node(core: CacheCore, n: Node, sizes: dict[str, int]) -> None:
     _check_declared_resources(n)
     units = len(n.key)
     for attr in ("dev", "host", "pending"):
@@ -73,7 +73,6 @@ def _check_node(core: CacheCore, n: Node) -> None:
         raise _fail("host_means_acked", n, "a host checkpoint without a visible host copy")
     if n.pending_ckpt and n.state not in HOST_PENDING:
         raise _fail("host_means_acked", n, "a pending checkpoint outside a writeback")
-    sizes = {g.name: g.state_pages for g in core.layout.state_groups}
     for attr in ("dev_ckpt", "host_ckpt", "pending_ckpt"):
         pm = getattr(n, attr)
         if pm and set(pm) != set(core.ckpt_groups):
@@ -158,8 +157,9 @@ def check_cache(core: CacheCore) -> None:
     seen = _walk(core)
     locks, pins, borrows = _count_receipts(core, seen)
     _check_ops(core, seen)
+    sizes = {g.name: g.state_pages for g in core.layout.state_groups}  # checkpoint pages per state group
     for n in seen.values():
-        _check_node(core, n)
+        _check_node(core, n, sizes)
         if n.lock_ref < 0 or n.borrow_ref < 0 or n.host_pin < 0:
             raise _fail("counts_with_receipts", n, "a negative count")
         for what, have, want in (("lock", n.lock_ref, locks), ("pin", n.host_pin, pins),

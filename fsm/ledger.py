@@ -104,13 +104,10 @@ class PageLedger:
     def alloc_for_callers(self, need: Mapping[str, int]) -> dict[str, list[int]]:
         """Allocate ``need`` (group -> pages) to callers. The caller checked that every
         group has room (:meth:`device_short`), so this cannot fail halfway."""
-        return self.hand_out({g: self.device[g].alloc(n) for g, n in need.items() if n > 0})
-
-    def hand_out(self, pages: Mapping[str, list[int]]) -> dict[str, list[int]]:
-        """Record freshly allocated device ``pages`` as the callers'."""
-        for g, ps in pages.items():
+        out = {g: self.device[g].alloc(n) for g, n in need.items() if n > 0}
+        for g, ps in out.items():
             self._callers[g].update(ps)
-        return dict(pages)
+        return out
 
     def take_back(self, group: str, pages: Iterable[int]) -> None:
         """Callers' pages that became a node's (published, or adopted as a checkpoint)."""
