@@ -144,14 +144,6 @@ class FacadeMachine(KitMachine):
     def _ppu(self) -> dict[str, int]:
         return views.pages_per_unit(self.cache.core)
 
-    def _running_and_settled(self, rid: str) -> bool:
-        """Whether ``rid`` is running with no forward result owed, once the result of a pass
-        it has out came back first."""
-        r = views.requests(self.cache).get(rid)
-        if r is not None and r.state == "running" and r.owed_forward > 0:
-            self._forward(rid, False, False)
-        return r is not None and r.state == "running" and r.owed_forward == 0
-
     def _sync(self) -> None:
         """Bytes move for every operation that settled since the last step."""
         ops = views.ops(self.cache.core)
@@ -325,7 +317,10 @@ class FacadeMachine(KitMachine):
         it loads (overlapped scheduling); without ``load_ok`` every rank then reports its
         loadback failed (the request is fenced while its passes are out)."""
         rid = self._rid(req)
-        if not self._running_and_settled(rid):
+        r = views.requests(self.cache).get(rid)
+        if r is not None and r.state == "running" and r.owed_forward > 0:
+            self._forward(rid, False, False)  # its forward result comes back first
+        if r is None or r.state != "running" or r.owed_forward > 0:
             return
         self._fill_checkpoint(rid, self.sched.finish(rid))
         self._sync()
@@ -370,7 +365,10 @@ class FacadeMachine(KitMachine):
         reports it failed: the request is aborted), device pressure demotes what it can,
         and the request resumes (from the host: a loadback)."""
         rid = self._rid(req)
-        if not self._running_and_settled(rid):
+        r = views.requests(self.cache).get(rid)
+        if r is not None and r.state == "running" and r.owed_forward > 0:
+            self._forward(rid, False, False)  # its forward result comes back first
+        if r is None or r.state != "running" or r.owed_forward > 0:
             return
         self._fill_checkpoint(rid, self.sched.retract(rid))
         self._sync()
