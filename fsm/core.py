@@ -43,8 +43,6 @@ from .writeback import WritebackQueue, WritePolicy
 
 __all__ = ["CacheCore"]
 
-_Transfers = dict[str, tuple[list[int], list[int]]]
-
 
 class CacheCore:
     """A radix prefix cache whose nodes carry device and host copies of several cache groups.
