@@ -61,12 +61,15 @@ class StoreBackend(Protocol):
 
 
 def open_store(url: str, *, timeout_s: float = 2.0) -> StoreBackend:
-    """A backend for ``url``: ``redis://HOST:PORT[/DB]`` (``mooncake://`` is reserved for the
-    Mooncake Store backend, not in this build).
+    """A backend for ``url``: ``redis://HOST:PORT[/DB]`` (:class:`~.redis_store.RedisStore`) or
+    ``mooncake://HOST:PORT[?lease_s=S&segment_mb=N&buffer_mb=N&protocol=tcp|rdma]`` (the
+    ``mooncake_master`` RPC address; :class:`~.mooncake_store.MooncakeStore`).
 
     Raises:
-        ConfigError: an unknown scheme, a malformed URL, ``mooncake://``, or a backend whose
-            client is not installed (``pip install 'kvtier[l3]'``).
+        ConfigError: an unknown scheme, a malformed URL, or a backend whose client is not
+            installed (Redis: ``pip install 'kvtier[l3]'``; Mooncake: ``pip install
+            mooncake-transfer-engine-non-cuda`` and ``apt-get install libibverbs1``).
+        StoreError: a Mooncake master that cannot be reached (the client connects at once).
     """
     if not isinstance(url, str):
         raise ConfigError(f"store URL must be a string like redis://127.0.0.1:6379, got {url!r}")
@@ -76,6 +79,7 @@ def open_store(url: str, *, timeout_s: float = 2.0) -> StoreBackend:
 
         return RedisStore.from_url(url, timeout_s=timeout_s)
     if parts.scheme == "mooncake":
-        raise ConfigError("the Mooncake Store backend is not part of this build yet (issue 20 follow-up); "
-                          "use redis://HOST:PORT")
+        from .mooncake_store import MooncakeStore
+
+        return MooncakeStore.from_url(url, timeout_s=timeout_s)
     raise ConfigError(f"unknown store URL scheme {parts.scheme!r} in {url!r}; expected redis:// or mooncake://")
