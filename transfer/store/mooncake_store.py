@@ -276,14 +276,17 @@ class MooncakeStore:
             codes = client.batch_get_into(ks, [self._ptr + i * slot for i in range(len(ks))], [slot] * len(ks))
             self._lease(ks)
             codes_all.extend(codes)
-            for i, (k, c) in enumerate(zip(ks, codes)):
+            larger: list[int] = []
+            for i, c in enumerate(codes):
                 if c > 0:
                     out.append(self._buf[i * slot:i * slot + c].tobytes())
                     self._slot = slot
-                elif c == BUFFER_TOO_SMALL:  # a larger object than the others: fetch it alone
-                    out.append(self._get_one(client, k))
                 else:
                     out.append(None)
+                    if c == BUFFER_TOO_SMALL:
+                        larger.append(lo + i)
+            for j in larger:  # a larger object than the slot: fetch it alone (the slots are read)
+                out[j] = self._get_one(client, keys[j])
         if all(b is None for b in out):
             self._whole("get", codes_all)
         return out
