@@ -82,7 +82,9 @@ class _Client(Protocol):
 
 def _new_client() -> _Client:
     try:
-        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-not-found, unused-ignore]
+        from mooncake.store import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+            MooncakeDistributedStore,
+        )
     except ImportError as exc:
         raise ConfigError(f"the Mooncake Store backend needs the mooncake client: {MOONCAKE_INSTALL} "
                           f"({type(exc).__name__}: {exc})") from exc
