@@ -7,8 +7,9 @@ which mounts the segment that holds the objects), and for each object size times
 ``--batch`` objects: put (fresh keys every round), exists (the whole batch present), get.
 A ``mooncake raw`` row times Mooncake's own zero-copy calls (``batch_put_from`` /
 ``batch_get_into`` on the registered buffer, no bytes objects), i.e. what the backend adds.
-Prints a table (median of ``--rounds`` rounds after one warm-up, ms per batch and MB/s) and
-the Redis / Mooncake time ratios.
+Rounds interleave the stores (put of each, exists of each, get of each), so a busy machine
+slows them alike. Prints a table (median of ``--rounds`` rounds after one warm-up, ms per
+batch and MB/s) and the Redis / Mooncake time ratios.
 
     python bench/l3_stores.py [--sizes 4096 65536] [--batch 200] [--rounds 15] [--json out.json]
 """
@@ -48,14 +49,9 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
     raise SystemExit(f"{what} did not start on port {port}")
 
 
-def _median_ms(fn: Callable[[int], Any], rounds: int) -> float:
-    fn(-1)  # warm-up
-    times = []
-    for r in range(rounds):
-        t0 = time.perf_counter()
-        fn(r)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def _ok(good: bool) -> None:
+    if not good:
+        raise SystemExit("a store answered wrongly (a put refused, an object missing or wrong)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,47 +90,49 @@ def main(argv: list[str] | None = None) -> int:
                   "mooncake": open_store(f"mooncake://127.0.0.1:{mport}?segment_mb={seg_mb}"
                                          f"&buffer_mb={max(8, (per_round >> 20) + 8)}")}
         rng = np.random.default_rng(0)
+        mc: Any = stores["mooncake"]
         for size in args.sizes:
             blobs = [rng.integers(0, 255, size, dtype=np.uint8).tobytes() for _ in range(args.batch)]
             nbytes = size * args.batch
-            for name, st in stores.items():
-                def keys(r: int, tag: str = f"{name}-{size}") -> list[str]:
-                    return [f"{tag}-{r}-{i}" for i in range(args.batch)]
+            # Mooncake's own zero-copy calls on the backend's registered buffer (no bytes objects)
+            client, ptr = mc._client, mc._ptr
+            ptrs, sizes = [ptr + i * size for i in range(args.batch)], [size] * args.batch
 
-                def put(r: int) -> None:
-                    assert all(st.put(list(zip(keys(r), blobs))))
+            def ops(name: str) -> dict[str, Callable[[int], Any]]:
+                def keys(r: int) -> list[str]:
+                    return [f"{name}-{size}-{r}-{i}" for i in range(args.batch)]
 
-                def exists(r: int) -> None:
-                    assert st.exists_prefix(keys(r)) == args.batch
+                if name == "mooncake raw":
+                    def rput(r: int) -> None:
+                        mc._buf[:nbytes] = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+                        assert all(c == 0 for c in client.batch_put_from(keys(r), ptrs, sizes))
+
+                    return {"put": rput,
+                            "exists": lambda r: _ok(all(c == 1 for c in client.batch_is_exist(keys(r)))),
+                            "get": lambda r: _ok(all(c == size for c in client.batch_get_into(keys(r), ptrs, sizes)))}
+                st = stores[name]
 
                 def get(r: int) -> None:
                     got = st.get(keys(r))
                     assert got[0] == blobs[0] and got[-1] == blobs[-1]
 
-                row = {"store": name, "object_bytes": size, "batch": args.batch,
-                       "put_ms": _median_ms(put, args.rounds), "exists_ms": _median_ms(exists, args.rounds),
-                       "get_ms": _median_ms(get, args.rounds)}
-                rows.append(row)
-            # Mooncake's own zero-copy calls on the backend's registered buffer (no bytes objects)
-            mc: Any = stores["mooncake"]
-            client, ptr = mc._client, mc._ptr
-            mc._buf[:nbytes] = np.frombuffer(b"".join(blobs), dtype=np.uint8)
-            ptrs, sizes = [ptr + i * size for i in range(args.batch)], [size] * args.batch
+                return {"put": lambda r: _ok(all(st.put(list(zip(keys(r), blobs))))),
+                        "exists": lambda r: _ok(st.exists_prefix(keys(r)) == args.batch),
+                        "get": get}
 
-            def rput(r: int) -> None:
-                assert all(c == 0 for c in client.batch_put_from([f"raw-{size}-{r}-{i}" for i in range(args.batch)],
-                                                                 ptrs, sizes))
-
-            def rget(r: int) -> None:
-                assert all(c == size for c in client.batch_get_into(
-                    [f"raw-{size}-{r}-{i}" for i in range(args.batch)], ptrs, sizes))
-
-            def rexists(r: int) -> None:
-                assert all(c == 1 for c in client.batch_is_exist([f"raw-{size}-{r}-{i}" for i in range(args.batch)]))
-
-            rows.append({"store": "mooncake raw", "object_bytes": size, "batch": args.batch,
-                         "put_ms": _median_ms(rput, args.rounds), "exists_ms": _median_ms(rexists, args.rounds),
-                         "get_ms": _median_ms(rget, args.rounds)})
+            names = ["redis", "mooncake", "mooncake raw"]
+            table = {n: ops(n) for n in names}
+            times: dict[tuple[str, str], list[float]] = {(n, o): [] for n in names for o in ("put", "exists", "get")}
+            for r in range(-1, args.rounds):  # interleaved, so the machine's load hits every store alike
+                for op in ("put", "exists", "get"):
+                    for n in names:
+                        t0 = time.perf_counter()
+                        table[n][op](r)
+                        if r >= 0:
+                            times[(n, op)].append(time.perf_counter() - t0)
+            for n in names:
+                rows.append({"store": n, "object_bytes": size, "batch": args.batch,
+                             **{f"{o}_ms": statistics.median(times[(n, o)]) * 1e3 for o in ("put", "exists", "get")}})
         for st in stores.values():
             st.close()
     finally:
