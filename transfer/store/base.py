@@ -28,8 +28,9 @@ class StoreBackend(Protocol):
 
     Attributes:
         name: ``redis`` or ``mooncake`` (for reports).
-        lease_s: the read lease a get leaves on an object (seconds; 0 if none): the store
-            refuses to remove it meanwhile.
+        lease_s: the read lease a get (Mooncake: any question about the object, exists
+            too) leaves on an object (seconds; 0 if none): the store refuses to remove it
+            meanwhile. Give it to the tier: ``L3Options(lease_s=backend.lease_s)``.
         copies: how many times a byte is copied in host memory on the way to or from the
             store (documented cost; Redis: serialise + socket buffers).
     """
