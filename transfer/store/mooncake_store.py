@@ -140,6 +140,7 @@ class MooncakeStore:
         rc = client.setup(local_hostname, "P2PHANDSHAKE", segment_mb << 20, 16 << 20, protocol, rdma_devices,
                           self.address)
         if rc != OK:
+            client.close()
             raise StoreError(f"mooncake setup against {self.address} failed with code {rc}")
         self._client = client
         self._buf = np.zeros(buffer_mb << 20, dtype=np.uint8)
