@@ -24,7 +24,7 @@ from kvtier.scheduler import SchedRequest
 from kvtier.transfer.store import HostPageIO, StoreError, open_store
 from kvtier.transfer.store.mooncake_store import MooncakeStore
 
-from l3.conftest import MooncakeMaster, _free_port
+from l3.conftest import MooncakeMaster, _free_port, mooncake_binary
 
 LAYOUT = preset("llama-3-8b", num_layers=2)
 A = LAYOUT.alignment
@@ -135,7 +135,7 @@ def test_open_store_errors_are_clear(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_unreachable_master_fails_at_once() -> None:
-    pytest.importorskip("mooncake.store")
+    mooncake_binary()  # skips (or fails under KVTIER_REQUIRE_MOONCAKE) without the client
     t0 = time.monotonic()
     with pytest.raises(StoreError, match="unreachable"):
         open_store(f"mooncake://127.0.0.1:{_free_port()}", timeout_s=0.5)
