@@ -130,7 +130,7 @@ class MooncakeStore:
         self.lease_refusals = 0  # removes not sent because a lease of this client may hold
         self._leases: dict[str, float] = {}  # key -> monotonic time its lease surely ended
         self._prune_at = 1024
-        self._slot = 0  # object size of the last get (objects of one layout have one size)
+        self._slot = 0  # get slot: the largest object got so far (one layout: one size)
         client = _new_client()
         try:
             with socket.create_connection((host, port), timeout=timeout_s):
@@ -283,7 +283,7 @@ class MooncakeStore:
             for i, c in enumerate(codes):
                 if c > 0:
                     out.append(self._buf[i * slot:i * slot + c].tobytes())
-                    self._slot = slot
+                    self._slot = max(self._slot, slot)
                 else:
                     out.append(None)
                     if c == BUFFER_TOO_SMALL:
@@ -302,7 +302,7 @@ class MooncakeStore:
         self._lease([key])
         if c <= 0:
             return None
-        self._slot = n
+        self._slot = max(self._slot, n)  # the largest object seen: later batches fit it
         return self._buf[:c].tobytes()
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
