@@ -20,7 +20,9 @@ refused (:class:`ConfigError`): a store object carries history pages only.
 Rules: spec ``[l3]`` and invariants ``l3_*`` (``spec/README.md`` section 3): a put pins
 the host copy it reads until it ends and makes nothing visible; a prefetch asks one batch
 exists beyond the local hit, gets that prefix into invisible reserved host pages and keeps
-the acknowledged prefix; every operation fails at its deadline; no remove under a lease.
+the acknowledged prefix; every operation fails at its deadline; no remove under a lease
+(a get, acknowledged or failed, leaves the object ``leased`` for ``lease_s``; a corrupt
+object's remove waits for ``lease_end``).
 """
 
 from __future__ import annotations
@@ -254,9 +256,10 @@ class L3Tier:
         self.core.fetches.settle(op.op_id, acked)
         corrupt = set(res.corrupt)
         for i, o in enumerate(op.objects):
+            # the store may have leased every object it was asked for, served or not
+            o.lease_holds = self.options.lease_s > 0
+            o.lease_until = now + self.options.lease_s
             if i < acked:
-                o.lease_holds = self.options.lease_s > 0
-                o.lease_until = now + self.options.lease_s
                 self._fire(o, EV.get_ack)
                 self._remember(o.key)
             else:

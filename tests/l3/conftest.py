@@ -1,12 +1,15 @@
-"""A real redis-server for the L3 tests: started on a free loopback port per test module,
-never globally, with hooks for faults (kill, restart, slow, fill so that it evicts)."""
+"""Real stores for the L3 tests: a redis-server and a mooncake_master, each started on a free
+loopback port per test, never globally, with hooks for faults (kill, restart, slow, fill so
+that it evicts)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -96,6 +99,101 @@ def redis_server() -> Iterator[RedisServer]:
         pytest.skip("redis-server not installed (apt-get install redis-server)")
     pytest.importorskip("redis")
     srv = RedisServer(binary)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` child process on 127.0.0.1 over TCP (RPC and metrics on free
+    ports, the read lease set by ``lease_ms``). The clients (kvtier's backends) mount the
+    memory segments that hold the objects."""
+
+    def __init__(self, binary: str, lease_ms: int = 1000) -> None:
+        self.binary = binary
+        self.lease_ms = lease_ms
+        self.port = _free_port()
+        self.metrics_port = _free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvtier-mooncake-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def lease_s(self) -> float:
+        return self.lease_ms / 1000
+
+    def url(self, **params: object) -> str:
+        q = "&".join(f"{k}={v}" for k, v in {"lease_s": self.lease_s, "segment_mb": 16, "buffer_mb": 8,
+                                              **params}.items())
+        return f"mooncake://127.0.0.1:{self.port}?{q}"
+
+    def start(self) -> None:
+        assert self.proc is None
+        self.proc = subprocess.Popen(
+            [self.binary, "-rpc_address=127.0.0.1", f"-rpc_port={self.port}", f"-metrics_port={self.metrics_port}",
+             f"-default_kv_lease_ttl={self.lease_ms}", "-client_ttl=2", "-rpc_thread_num=2",
+             "-logtostderr=false", f"-log_dir={self.dir}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+        raise RuntimeError(f"mooncake_master did not start on port {self.port} (logs in {self.dir})")
+
+    def kill(self) -> None:
+        """SIGKILL the master (all object metadata is lost; the clients' segments stay)."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def slow(self, seconds: float) -> threading.Thread:
+        """Freeze the master for ``seconds`` (SIGSTOP, then SIGCONT)."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        t = threading.Thread(target=lambda: (time.sleep(seconds), os.kill(pid, signal.SIGCONT)), daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def mooncake_binary() -> str:
+    """The ``mooncake_master`` of the installed wheel (skip, or fail under
+    KVTIER_REQUIRE_MOONCAKE / CI, when the client cannot be imported)."""
+    required = os.environ.get("KVTIER_REQUIRE_MOONCAKE")
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        msg = (f"mooncake.store cannot be imported ({exc}): pip install mooncake-transfer-engine-non-cuda "
+               f"and apt-get install libibverbs1")
+        if required:
+            pytest.fail(msg + " (KVTIER_REQUIRE_MOONCAKE is set)")
+        pytest.skip(msg)
+    binary = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    if not os.path.exists(binary):
+        pytest.fail(f"mooncake.store imports but its mooncake_master is not on PATH nor at {binary}")
+    return binary
+
+
+@pytest.fixture
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    srv = MooncakeMaster(mooncake_binary())
     try:
         yield srv
     finally:

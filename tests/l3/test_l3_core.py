@@ -191,6 +191,41 @@ def test_lease_blocks_remove_until_it_ends() -> None:
     assert key not in store.data and tb.objects == {}
 
 
+def test_a_failed_get_is_leased_too_and_a_corrupt_objects_remove_waits_for_the_lease() -> None:
+    """Mooncake leases an object when it is asked for it, before any byte moves: a get that
+    failed (here: a corrupt object) leaves the object leased, and its remove goes out only
+    after lease_end."""
+    store = FakeStore()
+    a, ta = make()
+    backed(a, KEY)
+    ta.offer(KEY, 0.0)
+    pump(ta, store)
+    b, tb = make(lease=5.0)
+    tb.prefetch("r", KEY, 0.0)
+    [ex] = tb.poll_commands()
+    tb.complete(store.answer(ex), 0.0)
+    [get] = tb.poll_commands()
+    bad = get.keys[1]
+    tb.complete(StoreResult(get.op_id, ok=(True, False, False, False), corrupt=(bad,)), 1.0)
+    assert b.match(KEY).host_units == 1 and tb.stats.get_corrupt == 1
+    assert {k: o.state for k, o in tb.objects.items()} == {k: "leased" for k in get.keys}
+    assert all(o.lease_until == 6.0 for o in tb.objects.values())
+    tb.check_invariants()
+    assert tb.expire(5.9) == [] and tb.poll_commands() == []  # lease holds: no remove
+    tb.expire(6.0)
+    [rm] = tb.poll_commands()
+    assert rm.kind is StoreOp.REMOVE and rm.keys == (bad,) and tb.objects[bad].state == "removing"
+    tb.complete(store.answer(rm), 6.0)
+    assert bad not in store.data and tb.objects == {}
+    _, tn = make(lease=0.0)  # a store without leases: the failed objects are not kept
+    tn.prefetch("r", KEY, 0.0)
+    [ex] = tn.poll_commands()
+    tn.complete(store.answer(ex), 0.0)
+    [get] = tn.poll_commands()
+    tn.complete(StoreResult(get.op_id, error="ConnectionError: refused"), 0.0)
+    assert tn.objects == {}
+
+
 def test_prefetch_skips_what_is_local_and_refuses_bad_input() -> None:
     store = FakeStore()
     a, ta = make()

@@ -7,6 +7,8 @@
 - :mod:`.driver`: :class:`StoreDriver` runs a backend's operations on its own thread;
   results enter the core only through :meth:`StoreDriver.poll` on the scheduler's thread.
 - :mod:`.redis_store`: Redis (``redis://HOST:PORT``), one key per object.
+- :mod:`.mooncake_store`: Mooncake Store (``mooncake://HOST:PORT``, the master), one entry per
+  object, read leases honoured.
 - :func:`open_store`: a backend from a URL.
 """
 

@@ -28,8 +28,9 @@ class StoreBackend(Protocol):
 
     Attributes:
         name: ``redis`` or ``mooncake`` (for reports).
-        lease_s: the read lease a get leaves on an object (seconds; 0 if none): the store
-            refuses to remove it meanwhile.
+        lease_s: the read lease a get (Mooncake: any question about the object, exists
+            too) leaves on an object (seconds; 0 if none): the store refuses to remove it
+            meanwhile. Give it to the tier: ``L3Options(lease_s=backend.lease_s)``.
         copies: how many times a byte is copied in host memory on the way to or from the
             store (documented cost; Redis: serialise + socket buffers).
     """
@@ -61,12 +62,15 @@ class StoreBackend(Protocol):
 
 
 def open_store(url: str, *, timeout_s: float = 2.0) -> StoreBackend:
-    """A backend for ``url``: ``redis://HOST:PORT[/DB]`` (``mooncake://`` is reserved for the
-    Mooncake Store backend, not in this build).
+    """A backend for ``url``: ``redis://HOST:PORT[/DB]`` (:class:`~.redis_store.RedisStore`) or
+    ``mooncake://HOST:PORT[?lease_s=S&segment_mb=N&buffer_mb=N&protocol=tcp|rdma]`` (the
+    ``mooncake_master`` RPC address; :class:`~.mooncake_store.MooncakeStore`).
 
     Raises:
-        ConfigError: an unknown scheme, a malformed URL, ``mooncake://``, or a backend whose
-            client is not installed (``pip install 'kvtier[l3]'``).
+        ConfigError: an unknown scheme, a malformed URL, or a backend whose client is not
+            installed (Redis: ``pip install 'kvtier[l3]'``; Mooncake: ``pip install
+            mooncake-transfer-engine-non-cuda`` and ``apt-get install libibverbs1``).
+        StoreError: a Mooncake master that cannot be reached (the client connects at once).
     """
     if not isinstance(url, str):
         raise ConfigError(f"store URL must be a string like redis://127.0.0.1:6379, got {url!r}")
@@ -76,6 +80,7 @@ def open_store(url: str, *, timeout_s: float = 2.0) -> StoreBackend:
 
         return RedisStore.from_url(url, timeout_s=timeout_s)
     if parts.scheme == "mooncake":
-        raise ConfigError("the Mooncake Store backend is not part of this build yet (issue 20 follow-up); "
-                          "use redis://HOST:PORT")
+        from .mooncake_store import MooncakeStore
+
+        return MooncakeStore.from_url(url, timeout_s=timeout_s)
     raise ConfigError(f"unknown store URL scheme {parts.scheme!r} in {url!r}; expected redis:// or mooncake://")
