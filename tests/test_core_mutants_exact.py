@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from core_helpers import h1, h2
+from core_helpers import h1, h2, put
 
 from kvtier.fsm import CacheCore
 
@@ -17,3 +17,15 @@ def test_the_host_tier_is_inclusive_unless_asked() -> None:
 def test_alignment_is_the_layouts_in_tokens() -> None:
     assert CacheCore(h1(), 4).alignment == 2
     assert CacheCore(h2(), 4).alignment == 4
+
+
+def test_keys_equal_but_not_identical_match_inside_a_node() -> None:
+    """The radix walk compares units by equality, not only identity: token ids built apart
+    (ints above CPython's small-int cache) still match inside a node, where the walk
+    compares unit by unit (the query ends inside the node)."""
+    c = CacheCore(h1(), 8)
+    stored = [int(s) for s in ("1000", "1001", "1002", "1003")]
+    put(c, stored)
+    query = [int(s) for s in ("1000", "1001", "1002")]
+    assert all(a is not b for a, b in zip(stored, query))
+    assert c.match(query).device_units == 3
