@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvtier.fsm import units_to_pages
-from kvtier.fsm.l3 import L3Options, L3Stats
+from kvtier.fsm.l3 import L3Options, L3Stats, StoreCommand, StoreOp, StoreResult
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.presets import preset
 
@@ -141,18 +141,18 @@ class _Lanes:
         self.fetch = StoreDriver(open_store(url, timeout_s=timeout_s), io)
         self.write = StoreDriver(open_store(url, timeout_s=timeout_s), io)
 
-    def submit(self, commands: Sequence[Any]) -> None:
-        from kvtier.fsm.l3 import StoreOp
-
+    def submit(self, commands: Sequence[StoreCommand]) -> None:
         self.fetch.submit([c for c in commands if c.kind in (StoreOp.EXISTS, StoreOp.GET)])
         self.write.submit([c for c in commands if c.kind not in (StoreOp.EXISTS, StoreOp.GET)])
 
-    def poll(self) -> list[Any]:
-        return self.fetch.poll() + self.write.poll()
+    def poll(self) -> list[StoreResult]:
+        out: list[StoreResult] = self.fetch.poll()
+        out.extend(self.write.poll())
+        return out
 
     def wait(self, timeout_s: float) -> bool:
         """Wait on the prefetch lane (what a waiting request needs)."""
-        return self.fetch.wait(timeout_s)
+        return bool(self.fetch.wait(timeout_s))
 
     def cancel(self, op_id: int) -> None:
         self.fetch.cancel(op_id)
