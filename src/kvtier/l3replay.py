@@ -499,7 +499,7 @@ def format_report(rep: MultiReport) -> str:
              f"moved, {full:,} B at full geometry)"]
     if s.store_url is not None:
         notes.append(f"L3: {s.store_url}, write policy {s.l3.write_policy}, prefetch up to {s.l3.prefetch_units} "
-                     f"units, deadline {s.l3.deadline_s:g} s, key namespace {s.l3.model!r}")
+                     f"units, deadline {s.l3.deadline_s:g} s, hint {s.l3.hint_size:,} keys, key namespace {s.l3.model!r}")
     if rep.store and "error" not in rep.store:
         st = rep.store
         notes.append(f"store after the L3 run: {st.get('keys', 0):,} objects, used memory {st.get('used_memory', 0):,} B"

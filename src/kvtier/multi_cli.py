@@ -51,11 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "selective (chunks reused twice), host_eviction (the host's next victims)")
     g.add_argument("--prefetch-units", type=positive_int, default=None, metavar="N",
                    help="most units one prefetch asks the store for (default 512)")
+    g.add_argument("--l3-hint-size", type=positive_int, default=None, metavar="N",
+                   help="keys each instance remembers as put (not put again while remembered; default 65536): "
+                        "smaller puts a reused prefix again, which refreshes it in a store that evicts by LRU")
     g.add_argument("--l3-deadline", type=positive_float, default=None, metavar="S",
                    help="seconds a store operation may take before it fails (default 2)")
 
 
-_MULTI_ONLY = ("l3", "router", "l3_write_policy", "prefetch_units", "l3_deadline")
+_MULTI_ONLY = ("l3", "router", "l3_write_policy", "prefetch_units", "l3_deadline", "l3_hint_size")
 
 
 def refuse_multi_only(args: argparse.Namespace) -> None:
@@ -112,7 +115,8 @@ def run_multi_cli(args: argparse.Namespace) -> int:
     layout = preset(name, **params)
     deadline = args.l3_deadline or 2.0
     opts = L3Options(model=name, write_policy=args.l3_write_policy or "host_write",
-                     prefetch_units=args.prefetch_units or 512, deadline_s=deadline)
+                     prefetch_units=args.prefetch_units or 512, deadline_s=deadline,
+                     hint_size=args.l3_hint_size or L3Options.hint_size)
     if args.l3 is not None:
         if layout.state_groups:
             raise ValueError(f"--l3: preset {name!r} has continuation-state groups; the L3 tier stores history "
