@@ -98,6 +98,7 @@ class InstanceResult:
     l3: dict[str, Any] = field(default_factory=dict)
     device_only_times: list[float] = field(default_factory=list, repr=False)
     device_only_sched_times: list[float] = field(default_factory=list, repr=False)
+    device_only_prefetch_times: list[float] = field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float:
@@ -107,6 +108,8 @@ class InstanceResult:
         """The JSON form (per-request times summarised as their median, in seconds)."""
         d = asdict(self)
         times, sched = d.pop("device_only_times"), d.pop("device_only_sched_times")
+        asked = d.pop("device_only_prefetch_times")
+        d["device_only_asked_median_prefetch_seconds"] = statistics.median(asked) if asked else 0.0
         d["hit_rate"] = self.hit_rate
         d["device_only_median_seconds"] = statistics.median(times) if times else 0.0
         d["device_only_median_scheduler_cpu_seconds"] = statistics.median(sched) if sched else 0.0
@@ -250,6 +253,8 @@ class Instance:
             r.device_only_asked += asked
             r.device_only_times.append(took)
             r.device_only_sched_times.append(t_run)
+            if asked:
+                r.device_only_prefetch_times.append(t_prefetch)
 
     def flush(self) -> None:
         """Wait for the store operations in flight to end (at most the deadline)."""
@@ -291,6 +296,7 @@ def _sum(results: Sequence[InstanceResult]) -> InstanceResult:
             setattr(total, f, getattr(total, f) + getattr(r, f))
         total.device_only_times.extend(r.device_only_times)
         total.device_only_sched_times.extend(r.device_only_sched_times)
+        total.device_only_prefetch_times.extend(r.device_only_prefetch_times)
         for k, v in r.l3.items():
             if isinstance(v, (int, float)):
                 total.l3[k] = total.l3.get(k, 0) + v
@@ -529,7 +535,8 @@ def format_report(rep: MultiReport) -> str:
                      f"requests, scheduler CPU median {_median_us(l3.device_only_sched_times)}, whole serve wall median "
                      f"{_median_us(l3.device_only_times)}, of which the L3 prefetch wall mean "
                      f"{_us(l3.device_only_prefetch_seconds, l3.device_only_requests)} "
-                     f"({l3.device_only_asked:,} of them asked the store: their prompt went on past the device hit)")
+                     f"({l3.device_only_asked:,} of them asked the store, their prompt going on past the device "
+                     f"hit: prefetch wall median {_median_us(l3.device_only_prefetch_times)} for those)")
     return "\n".join(lines + [""] + ["- " + x for x in notes])
 
 
