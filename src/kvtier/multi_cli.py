@@ -116,7 +116,7 @@ def run_multi_cli(args: argparse.Namespace) -> int:
     deadline = args.l3_deadline or 2.0
     opts = L3Options(model=name, write_policy=args.l3_write_policy or "host_write",
                      prefetch_units=args.prefetch_units or 512, deadline_s=deadline,
-                     hint_size=args.l3_hint_size or L3Options.hint_size)
+                     hint_size=args.l3_hint_size or L3Options().hint_size)
     if args.l3 is not None:
         if layout.state_groups:
             raise ValueError(f"--l3: preset {name!r} has continuation-state groups; the L3 tier stores history "
