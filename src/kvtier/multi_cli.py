@@ -106,7 +106,7 @@ def run_multi_cli(args: argparse.Namespace) -> int:
         raise ValueError(f"--backend {args.backend}: the multi-instance replay moves real host bytes (scaled by "
                          f"--byte-scale, fingerprint-checked) between the instances' host tiers and the store; use "
                          f"--backend cpu (the default with --instances; its copies are host-memory copies)")
-    name = args.preset or MULTI_DEFAULTS["preset"]
+    name = str(args.preset or MULTI_DEFAULTS["preset"])
     params: dict[str, Any] = {}
     if name == "llama-3-8b" or args.layers is not None:
         params["num_layers"] = args.layers or MULTI_DEFAULTS["layers"]
