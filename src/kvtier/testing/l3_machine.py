@@ -77,7 +77,7 @@ class L3TierMachine(KitMachine):
         self.owners = 0
 
     @initialize(layout=st.sampled_from(L3_LAYOUTS), dev_units=st.integers(3, 8), host_units=st.integers(3, 10),
-                lease=st.sampled_from([0.0, 5.0]), deadline=st.sampled_from([1.0, 3.0]),
+                lease=st.sampled_from([0.0, 2.0, 5.0]), deadline=st.sampled_from([1.0, 3.0]),
                 prefetch_units=st.integers(1, 4), write_policy=st.sampled_from(WRITE_POLICIES),
                 hint=st.sampled_from([1, 16]), faults=FAULT_LEVEL)
     @recorded
@@ -234,7 +234,8 @@ class L3TierMachine(KitMachine):
     def serve_twice(self, i: int, pick: int, roll: int) -> None:
         """The other instance's prefix, put (answered at once), then served on instance
         ``i`` twice with everything evictable evicted in between: the second request
-        fetches again what the first fetched (under a read lease, when the store grants one)."""
+        fetches again what the first fetched (under a read lease, when the store grants
+        one); then the leases pass."""
         key = self._known(1 - i, pick)
         if key is None:
             return
@@ -243,11 +244,34 @@ class L3TierMachine(KitMachine):
             mine = [j for j, p in enumerate(self.pending) if p.inst == 1 - i and p.cmd.kind is StoreOp.PUT]
             if not mine:
                 break
-            r = (roll + 104729 * n) % 1000
-            self._answer_one(mine[0], r, _FAULTS[r % len(_FAULTS)])
+            self._answer_one(mine[0], 999, "error")  # roll 999: never a fault (the puts must land)
         self._serve(i, key, roll)
         self._evict_all(i)
         self._serve(i, key, (roll * 31 + 7) % 1000)
+        self._advance(self.tiers[i].options.lease_s + 0.5)  # the read leases pass
+
+    @precondition(lambda self: bool(self.store))
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100))
+    @recorded
+    def drop_between(self, i: int, pick: int) -> None:
+        """A prefetch on instance ``i`` of a prefix the store holds; the store answers the
+        exists, then drops the first object before the get: the get misses, the hit
+        shortens, nothing is read."""
+        keys = sorted(self.store)
+        key = self.prefix_of.get(keys[pick % len(keys)])
+        if key is None:
+            return
+        self._prefetch(i, key)
+        mine = [j for j, p in enumerate(self.pending) if p.inst == i and p.cmd.kind is StoreOp.EXISTS]
+        if not mine:
+            return
+        self._answer_one(mine[-1], 999, "error")  # roll 999: never a fault
+        for p in self.pending:
+            if p.inst == i and p.cmd.kind is StoreOp.GET and p.cmd.keys:
+                self.store.pop(p.cmd.keys[0], None)
+        mine = [j for j, p in enumerate(self.pending) if p.inst == i and p.cmd.kind is StoreOp.GET]
+        if mine:
+            self._answer_one(mine[-1], 999, "error")
 
     def _serve(self, i: int, k: tuple[Hashable, ...], roll: int) -> None:
         self._prefetch(i, k)
@@ -409,11 +433,14 @@ class L3TierMachine(KitMachine):
         keys = sorted(self.store)
         del self.store[keys[pick % len(keys)]]
 
-    @rule(dt=st.sampled_from([0.5, 1.5, 3.5]))
+    @rule(dt=st.sampled_from([0.5, 1.5, 3.5, 6.0]))
     @recorded
     def advance(self, dt: float) -> None:
         """Time passes: operations past their deadline fail (the driver is told to cancel
         them: their answers come late), leases end, deferred removes go out."""
+        self._advance(dt)
+
+    def _advance(self, dt: float) -> None:
         self.now += dt
         for i, tier in enumerate(self.tiers):
             cancelled: list[int] = []
