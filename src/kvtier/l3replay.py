@@ -406,8 +406,9 @@ def object_bytes(layout: CacheLayout, byte_scale: int) -> tuple[int, int]:
 
 
 def _store_info(url: str) -> dict[str, Any]:
-    """Redis's own account of the store after the run (memory, evictions, keys); ``{}``
-    for other stores or when the server cannot be asked."""
+    """Redis's own account of the store (memory, evictions, keys; :func:`run_multi` reports
+    the counters' change over the L3 run); ``{}`` for other stores, the error when the
+    server cannot be asked."""
     if not url.startswith("redis://"):
         return {}
     try:
@@ -453,12 +454,16 @@ def run_multi(requests: Sequence[SchedRequest], where: Sequence[int], layout: Ca
     store: dict[str, Any] = {}
     for name, k, dev, host, url, placed in plan:
         bar = progress(name, len(requests)) if progress is not None else None
+        before = _store_info(url) if url is not None else {}
         t0 = time.perf_counter()
         runs[name] = run_configuration(requests, placed, layout, k, dev, host, setup.router, url,
                                        opts if url else None, setup.byte_scale, progress=bar, **kw)
         seconds[name] = time.perf_counter() - t0
         if url is not None:
             store = _store_info(url)
+            for k in ("evicted_keys", "keyspace_hits", "keyspace_misses"):  # the server counts from its start
+                if isinstance(store.get(k), int) and isinstance(before.get(k), int):
+                    store[k] -= before[k]
     return MultiReport(setup, runs, seconds, len(requests), layout, object_bytes(layout, setup.byte_scale), store)
 
 
