@@ -461,9 +461,9 @@ def run_multi(requests: Sequence[SchedRequest], where: Sequence[int], layout: Ca
         seconds[name] = time.perf_counter() - t0
         if url is not None:
             store = _store_info(url)
-            for k in ("evicted_keys", "keyspace_hits", "keyspace_misses"):  # the server counts from its start
-                if isinstance(store.get(k), int) and isinstance(before.get(k), int):
-                    store[k] -= before[k]
+            for counter in ("evicted_keys", "keyspace_hits", "keyspace_misses"):  # counted from the server's start
+                if isinstance(store.get(counter), int) and isinstance(before.get(counter), int):
+                    store[counter] -= before[counter]
     return MultiReport(setup, runs, seconds, len(requests), layout, object_bytes(layout, setup.byte_scale), store)
 
 
@@ -510,7 +510,7 @@ def format_report(rep: MultiReport) -> str:
              f"moved, {full:,} B at full geometry)"]
     if s.store_url is not None:
         notes.append(f"L3: {s.store_url}, write policy {s.l3.write_policy}, prefetch up to {s.l3.prefetch_units} "
-                     f"units, deadline {s.l3.deadline_s:g} s, hint {s.l3.hint_size:,} keys, key namespace {s.l3.model!r}")
+                     f"units, deadline {s.l3.deadline_s:g} s, read lease {s.l3.lease_s:g} s, hint {s.l3.hint_size:,} keys, key namespace {s.l3.model!r}")
     if rep.store and "error" not in rep.store:
         st = rep.store
         notes.append(f"store after the L3 run: {st.get('keys', 0):,} objects, used memory {st.get('used_memory', 0):,} B"
@@ -592,7 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.l3:
         from kvtier.transfer.store import open_store
 
-        open_store(args.l3).close()  # fail early on a bad URL
+        store = open_store(args.l3)  # fail early on a bad URL
+        opts = replace(opts, lease_s=float(store.lease_s))  # the store's read leases are honoured
+        store.close()
     setup = MultiSetup(args.instances, router, args.device_tokens // a, args.host_tokens // a, args.l3, opts,
                        args.byte_scale)
     rep = run_multi(load_requests(trace, layout), route_requests(trace.requests, args.instances, router,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from .argtypes import int_in_range, positive_float, positive_int
@@ -68,13 +69,15 @@ def refuse_multi_only(args: argparse.Namespace) -> None:
         raise ValueError(f"{', '.join(given)} need(s) --instances N (the multi-instance replay)")
 
 
-def _check_store(url: str, timeout_s: float) -> None:
-    """Fail before the run when the store URL is malformed or the store does not answer."""
+def _check_store(url: str, timeout_s: float) -> float:
+    """Fail before the run when the store URL is malformed or the store does not answer;
+    returns the read lease the store grants (seconds; Mooncake Store: 10 by default)."""
     from kvtier.transfer.store import StoreError, open_store
 
     store = open_store(url, timeout_s=timeout_s)
     try:
         store.exists_prefix(["0" * 32])
+        return float(store.lease_s)
     except (StoreError, OSError) as exc:
         raise ValueError(f"--l3 {url}: the store does not answer ({exc})") from None
     finally:
@@ -121,7 +124,7 @@ def run_multi_cli(args: argparse.Namespace) -> int:
         if layout.state_groups:
             raise ValueError(f"--l3: preset {name!r} has continuation-state groups; the L3 tier stores history "
                              f"pages only (use --preset llama-3-8b or deepseek-v3)")
-        _check_store(args.l3, deadline)
+        opts = replace(opts, lease_s=_check_store(args.l3, deadline))  # leases are honoured
     _one_thread()
     trace = load_trace(args.trace, limit=args.limit)
     ws = working_set_units(trace, layout)
