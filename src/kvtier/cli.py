@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a violation (the bug reproduces), 0 if it passes; the printed verdict "
                    "compares the outcome with the file's expected one")
     p.add_argument("--machine", action="append", metavar="NAME",
-                   help="run only this machine (repeatable): core, facade, node, request, or an engine's "
+                   help="run only this machine (repeatable): core, facade, node, request, l3, l3tier, or an engine's "
                         "kit machine as module:Class (default: the four built-in ones)")
     p.add_argument("--require-coverage", action="store_true",
                    help="exit 3 unless every transition, guard value and rejection was exercised, and "

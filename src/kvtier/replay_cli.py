@@ -112,8 +112,9 @@ def add_parser(sub: Any) -> None:
         epilog=epilog(), formatter_class=LineFormatter)
     p.add_argument("trace", nargs="?", default=None,
                    help="trace file (.jsonl or .jsonl.gz); default: the embedded slice")
-    p.add_argument("--preset", default="deepseek-v4", choices=["deepseek-v4", "llama-3-8b", "deepseek-v3"],
-                   help="model preset (default: %(default)s)")
+    p.add_argument("--preset", default=None, choices=["deepseek-v4", "llama-3-8b", "deepseek-v3"],
+                   help="model preset (default: deepseek-v4; with --instances: llama-3-8b with 2 layers and "
+                        "512-token pages, one trace block per cache unit, as the L3 tier stores history pages only)")
     p.add_argument("--layers", type=int_in_range(1, 4096), default=None, metavar="N",
                    help="model layers, 1 to 4096 (a preset parameter; default: the preset's; deepseek-v4 "
                         "below 3 layers: ratios (4,) or (1, 4))")
@@ -124,20 +125,21 @@ def add_parser(sub: Any) -> None:
                         f"at most 1) or tokens with a 't' suffix (300000t) (default {DEFAULT_DEVICE_FRACTION})")
     p.add_argument("--host", type=_capacity, default=Capacity("fraction", DEFAULT_HOST_FRACTION), metavar="CAP",
                    help=f"host capacity, likewise (default {DEFAULT_HOST_FRACTION})")
-    p.add_argument("--policy", default="write_back",
+    p.add_argument("--policy", default=None,
                    choices=["write_through", "write_through_selective", "write_back"],
                    help="write policy: write_back for the highest hit rate when the host is tight (with "
                         "--exclusive), write_through to keep every node backed (cheap demotions, more copies), "
                         "write_through_selective to back up only what two requests used (fewest copies) "
-                        "(default: %(default)s)")
+                        "(default: write_back; with --instances: write_through, so every prefix reaches the "
+                        "host and the L3 write policy sees it)")
     p.add_argument("--eviction", default="lru", choices=["lru", "lru2"],
                    help="eviction policy: lru (default; best on conversation traces, where the next turn reuses "
                         "the newest tail), lru2 (LRU on the device, LRU-2 on the host: keeps what two requests "
                         "used over one-off tails; for shared-prefix workloads)")
-    p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None,
                    help="exclusive host tier: the host keeps what the device does not (loaded-back duplicates "
                         "are dropped first); best with --policy write_back when the host is small "
-                        "(default: on; --no-exclusive for an inclusive host tier)")
+                        "(default: on; --no-exclusive for an inclusive host tier; with --instances: off)")
     p.add_argument("--backend", default="cpu", choices=["none", "cpu", "torch", "numba", "hybrid"],
                    help="transfer backend; none = metadata only, cpu = real copies in host memory, torch, "
                         "numba and hybrid need a CUDA GPU (default: %(default)s)")
@@ -161,6 +163,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--event-log", default=None, metavar="FILE",
                    help="record the lifecycle event log of every configuration (JSON lines; check it with "
                         "kvtier check FILE). Recording costs bookkeeping time: see bench/RESULTS.md")
+    from .multi_cli import add_arguments as add_multi
+
+    add_multi(p)
     p.set_defaults(func=run)
 
 
@@ -199,6 +204,17 @@ def run(args: argparse.Namespace) -> int:
 
     from .replay import ReplaySetup, capacity_bounds, format_table, run_replay, to_json, working_set_units
     from .trace import load_trace
+
+    if args.instances is not None:
+        from .multi_cli import run_multi_cli
+
+        return run_multi_cli(args)
+    from .multi_cli import refuse_multi_only
+
+    refuse_multi_only(args)
+    args.preset = args.preset or "deepseek-v4"
+    args.policy = args.policy or "write_back"
+    args.exclusive = True if args.exclusive is None else args.exclusive
 
     if args.plot:
         _check_plot(args.plot)

@@ -47,6 +47,7 @@ from .base import INVARIANTS, STATS, KitMachine, RunStats, kit_layout, recorded
 from .core_machine import CoreMachine
 from .engine_plug import EngineFacadeMachine, EngineTransfer
 from .facade_machine import FacadeMachine
+from .l3_machine import L3TierMachine
 from .plugs import SchedulerAdapter, TransferBackend
 from .raw_machines import L3LifecycleMachine, NodeLifecycleMachine, RequestLifecycleMachine
 
@@ -65,5 +66,6 @@ __all__ = [
     "NodeLifecycleMachine",
     "RequestLifecycleMachine",
     "L3LifecycleMachine",
+    "L3TierMachine",
     "INVARIANTS",
 ]
