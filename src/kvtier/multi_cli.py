@@ -53,10 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch-units", type=positive_int, default=None, metavar="N",
                    help="most units one prefetch asks the store for (default 512)")
     g.add_argument("--l3-hint-size", type=positive_int, default=None, metavar="N",
-                   help="keys each instance remembers as put (not put again while remembered; default 65536): "
+                   help="keys each instance remembers as put (not put again while remembered; default 2048): "
                         "smaller puts a reused prefix again, which refreshes it in a store that evicts by LRU "
                         "(whole conversation trace, 4 instances, a 168 MB Redis: 2048 recovered 91.5 %% of the "
-                        "routing loss, the default 83.2 %%; bench/RESULTS.md)")
+                        "routing loss, 65536 83.2 %%; bench/RESULTS.md)")
     g.add_argument("--l3-deadline", type=positive_float, default=None, metavar="S",
                    help="seconds a store operation may take before it fails (default 2)")
 

@@ -21,7 +21,7 @@ from kvtier.fsm.l3 import L3Options
 from kvtier.fsm.presets import preset
 from kvtier.l3replay import Instance, run_configuration
 from kvtier.scheduler import SchedRequest
-from kvtier.transfer.store import HostPageIO, StoreError, open_store
+from kvtier.transfer.store import HostPageIO, StoreBackend, StoreError, open_store
 from kvtier.transfer.store.mooncake_store import MooncakeStore
 
 from l3.conftest import MooncakeMaster, _free_port, mooncake_binary
@@ -174,7 +174,7 @@ def test_corrupt_object_is_refused_and_removed_only_after_the_lease(mooncake_mas
     time.sleep(mooncake_master.lease_s + 0.1)
     b.serve(_req("r2", [50, 51, 52], 1300))
     assert b.result.l3_hit_tokens == 3 * A  # up to the corrupt object, which was not read
-    store = b.driver.backend
+    store = b.driver.write.backend  # the write lane sends the removes
     assert isinstance(store, MooncakeStore)
     b._pump()
     assert b.cache.l3.stats.removes_deferred_by_lease + len(b.cache.l3._pending_removes) >= 1
@@ -192,6 +192,14 @@ def test_corrupt_object_is_refused_and_removed_only_after_the_lease(mooncake_mas
     raw.close()
 
 
+def _probe(store: StoreBackend) -> bool:
+    """A put through ``store`` lands (False while its client is still reconnecting)."""
+    try:
+        return store.put([("probe", b"p")]) == [True]
+    except StoreError:
+        return False
+
+
 def test_master_killed_and_restarted_mid_replay(mooncake_master: MooncakeMaster) -> None:
     a, b = _instances(mooncake_master, deadline=1.0)
     a.serve(_req("r1", [10, 11], 1024))
@@ -204,10 +212,10 @@ def test_master_killed_and_restarted_mid_replay(mooncake_master: MooncakeMaster)
     mooncake_master.start()  # back, with no metadata: everything stored before is gone
     assert a.driver is not None
     end = time.monotonic() + 15
-    while a.driver._queued and time.monotonic() < end:  # a's late puts still retrying: wait them out
+    while (a.driver.fetch._queued or a.driver.write._queued) and time.monotonic() < end:  # a's late puts still retrying: wait them out
         time.sleep(0.1)
     # the clients mount their segments again on their own (a's driver is idle: probe through it)
-    while a.driver.backend.put([("probe", b"p")]) != [True] and time.monotonic() < end:
+    while not _probe(a.driver.write.backend) and time.monotonic() < end:
         time.sleep(0.2)
     b.serve(_req("r4", [10, 11, 13], 1300))  # the data is gone: a miss, not an error
     assert b.result.l3_hit_tokens == 0
