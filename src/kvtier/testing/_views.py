@@ -27,6 +27,7 @@ __all__ = [
     "ops",
     "outbox",
     "writeback_queue",
+    "writeback_refused",
     "locks",
     "receipts",
     "history_groups",
@@ -60,6 +61,11 @@ def outbox(core: CacheCore) -> tuple[TransferCommand, ...]:
 def writeback_queue(core: CacheCore) -> dict[int, Node]:
     """Nodes waiting for a tree writeback, by node id."""
     return core.writebacks.queued()
+
+
+def writeback_refused(core: CacheCore, node_id: int) -> bool:
+    """Whether the host refused ``node_id``'s tree writeback (it left the queue for that)."""
+    return core.writebacks.refused(node_id)
 
 
 def locks(core: CacheCore) -> dict[int, LockReceipt]:
