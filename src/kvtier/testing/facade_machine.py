@@ -30,6 +30,7 @@ from .canonical import CanonicalState
 from .content import check_tree_bytes, content, node_prefix
 from .models import LayerModel, ModelViolation, liveness_bound
 from .plugs import SchedulerAdapter, TransferBackend
+from .view_model import check_facade_views
 from .sequence import Step, register_machine
 
 __all__ = ["FacadeMachine"]
@@ -57,7 +58,7 @@ class FacadeMachine(KitMachine):
     """
 
     kit_invariants = ("check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
-                      "check_request_records", "check_layer_ready")
+                      "check_request_records", "check_layer_ready", "check_views")
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3
@@ -609,6 +610,11 @@ class FacadeMachine(KitMachine):
                                          f"layer_ready(layer {layer}) is {got}, the per-rank model says {want} "
                                          f"(progress {self.layer_model.progress}, waits "
                                          f"{sorted(self.layer_model.waits.get(rid, ()))})")
+
+    def check_views(self) -> None:
+        """Model: the facade's read-only answers (:mod:`kvtier.testing.view_model`)."""
+        if hasattr(self, "cache"):
+            check_facade_views(self.cache)
 
     def check_cache_invariants(self) -> None:
         if hasattr(self, "cache"):
