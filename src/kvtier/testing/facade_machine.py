@@ -30,6 +30,7 @@ from .canonical import CanonicalState
 from .content import check_tree_bytes, content, node_prefix
 from .models import LayerModel, ModelViolation, liveness_bound
 from .plugs import SchedulerAdapter, TransferBackend
+from .pass_model import PassModel, check_reserve
 from .view_model import check_facade_views
 from .sequence import Step, register_machine
 
@@ -82,6 +83,7 @@ class FacadeMachine(KitMachine):
         self.layout: CacheLayout = layout_named("kit")
         self.finish_writeback: bool | None = None  # TieredCache(finish_writeback=...): None is its default
         self.layer_model = LayerModel()
+        self.pass_model = PassModel()
         # an aborted request's own writebacks (poisoned): op -> (request, destination host pages, nodes)
         self.poisoned: dict[int, tuple[str, dict[str, set[int]], list[Node]]] = {}
 
@@ -157,6 +159,7 @@ class FacadeMachine(KitMachine):
             self._check_unpublished(op_id)
         for op_id, op in ops.items():
             self.inflight.setdefault(op_id, op)
+        self.pass_model.sync(self.cache)
 
     def _complete(self, ev: Completion) -> None:
         """Deliver one completion, recording it in the layer model."""
@@ -340,8 +343,7 @@ class FacadeMachine(KitMachine):
         if r is None or r.state != "loading":
             return
         if overlap:
-            self.sched.reserve(rid, align)
-            self._sync()
+            self._reserve(rid, align)
         if not load_ok:
             ops = views.ops(self.cache.core)
             for op in sorted(r.ops):
@@ -405,6 +407,10 @@ class FacadeMachine(KitMachine):
         align = self.cache.layout.alignment
         full = (r.tokens + computed) // align
         new = [self._unit(rid, u) for u in range(len(r.units), full)] if full > len(r.units) else []
+        prefix = tuple(self._unit(rid, k) for k in range(r.tokens // align))
+        ppu = self._ppu()
+        self.pass_model.check_before_result(self.cache, rid, self.xfer.dev,
+                                            lambda g, j: content(prefix, g, j, ppu))
         self._fill_checkpoint(rid, self.sched.step_done(rid, computed, new, checkpoint))
         self._sync()
 
@@ -419,7 +425,14 @@ class FacadeMachine(KitMachine):
         if state not in ("running", "loading"):
             self._expect_refused(rid, lambda: self.sched.reserve(rid, tokens))
             return
-        self.sched.reserve(rid, tokens)
+        self._reserve(rid, tokens)
+
+    def _reserve(self, rid: str, tokens: int) -> None:
+        """``reserve``, checked against :func:`~kvtier.testing.pass_model.check_reserve`."""
+        r = views.requests(self.cache)[rid]
+        before = (r.reserved, r.tokens, r.passes, r.results)
+        got = self.sched.reserve(rid, tokens)
+        check_reserve(self.cache, rid, before, got is not None, tokens)
         self._sync()
 
     def _lifecycle_call(self, rid: str, legal: bool, call: Callable[[], Any]) -> None:
