@@ -25,6 +25,9 @@ with one job each:
   fake-asynchronous backend, with failures at issue time and at completion;
 - :mod:`kvtier.testing.models`: the reference models (layer readiness per rank, the
   eviction order, liveness, aborted writebacks, whole-prompt reuse);
+- :mod:`kvtier.testing.misuse_machine`: :class:`MisuseMachine`, hostile calls on a live
+  cache (bad arguments, unknown ids, spent receipts, wrong states, malformed layouts and
+  specs), each refused with a KvtierError and changing nothing;
 - :mod:`kvtier.testing.raw_machines`: :class:`NodeLifecycleMachine` and
   :class:`RequestLifecycleMachine` fire legal and illegal events at the raw lifecycle
   machines (where rejections are exercised).
@@ -47,6 +50,7 @@ from .base import INVARIANTS, STATS, KitMachine, RunStats, kit_layout, recorded
 from .core_machine import CoreMachine
 from .engine_plug import EngineFacadeMachine, EngineTransfer
 from .facade_machine import FacadeMachine
+from .misuse_machine import MisuseMachine
 from .plugs import SchedulerAdapter, TransferBackend
 from .raw_machines import L3LifecycleMachine, NodeLifecycleMachine, RequestLifecycleMachine
 
@@ -60,6 +64,7 @@ __all__ = [
     "FacadeMachine",
     "EngineFacadeMachine",
     "EngineTransfer",
+    "MisuseMachine",
     "SchedulerAdapter",
     "TransferBackend",
     "NodeLifecycleMachine",

@@ -3,8 +3,9 @@
 - :class:`PassModel`: the page table a forward pass reads is the one the request had
   when the pass was reserved (the engine builds its block table then). Until that pass's
   result comes back (``step_done``), every page of that table holding a full unit the
-  request has computed must stay allocated and, while the request reads valid KV
-  (running, no failed loadback), hold that unit's content: a page the request let go of
+  request has computed must stay allocated and, while the request runs, hold that
+  unit's content (unless a loadback it waited on failed: that pass's result is
+  discarded and the failed loadback's pages go): a page the request let go of
   meanwhile (a duplicate of what another request published, a window that slid) is freed
   only after the passes that may read it returned (invariant 16, the forward fence).
 - :func:`check_reserve`: an accepted reservation extends the request's reserved tokens
@@ -72,12 +73,12 @@ class PassModel:
         request's table in ``group`` holds)."""
         t = self._tracks.get(rid)
         r = views.requests(cache).get(rid)
-        if t is None or r is None or not t.tables or t.record != id(r):
-            return
+        if t is None or r is None or not t.tables or t.record != id(r) or r.layers_failed:
+            return  # (after a failed loadback its pages may go: the pass's result is discarded)
         core = cache.core
         table = t.tables[0]
         units = r.tokens // cache.layout.alignment
-        valid = r.state == "running" and not r.layers_failed
+        valid = r.state == "running"
         ppu = views.pages_per_unit(core)
         for g in views.history_groups(core):
             for j, p in enumerate(table.get(g, ())[: units * ppu[g]]):
