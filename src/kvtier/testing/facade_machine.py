@@ -309,6 +309,64 @@ class FacadeMachine(KitMachine):
         self.units[rid] = list(key)
         self._admit(rid, len(key) * align + (1 if tail else 0), chunk * align)
 
+    @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), layers=st.integers(0, 3))
+    @recorded
+    def shared_loadback(self, req: int, i: int, layers: int) -> None:
+        """Two requests with the same cached prompt arrive while it is on the host only:
+        the first one's loadback starts, the first rank delivers ``layers`` layer
+        completions of it (the other ranks none yet), then the second request joins it."""
+        first, second = self._rid(req), self._rid(req + 1)
+        for rid in (first, second):
+            r = views.requests(self.cache).get(rid)
+            if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
+                return
+        self._demote()
+        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state == "host"]
+        if not nodes:
+            return
+        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
+        align = self.cache.layout.alignment
+        self.units[first] = list(key)
+        self._admit(first, len(key) * align + 1, 3 * align)
+        r = views.requests(self.cache).get(first)
+        if r is None or r.state != "loading":
+            return
+        self._poll()
+        ops = views.ops(self.cache.core)
+        for op in sorted(r.ops):
+            if op in ops and ops[op].command.direction is Direction.LOADBACK:
+                for _ in range(layers):
+                    if (op, 0) not in self.xfer.ready():
+                        break
+                    ev = self.xfer.take(op, 0, True)
+                    if ev.layer is None:  # (keep the acknowledgement: the loadback stays in flight)
+                        self._complete(ev)
+                        self._sync()
+                        break
+                    self._complete(ev)
+                    self._sync()
+        self.units[second] = list(key)
+        self._admit(second, len(key) * align + 1, 3 * align)
+
+    @precondition(lambda self: any(n.state == "loading" for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), tail=st.booleans())
+    @recorded
+    def join_loading(self, req: int, i: int, tail: bool = True) -> None:
+        """Admit a prompt ending in a node that is being loaded back: the request joins
+        the loadback in flight (its layer progress so far, per rank, counts)."""
+        rid = self._rid(req)
+        r = views.requests(self.cache).get(rid)
+        if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
+            return
+        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state == "loading"]
+        if not nodes:
+            return
+        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
+        align = self.cache.layout.alignment
+        self.units[rid] = list(key)
+        self._admit(rid, len(key) * align + (1 if tail else 0), 3 * align)
+
     @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), tail=st.booleans(), demote=st.booleans(),
           overlap=st.booleans(), load_ok=st.booleans())
     @recorded

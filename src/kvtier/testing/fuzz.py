@@ -31,7 +31,7 @@ __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
 #: machine name -> share of the step budget
 DEFAULT_MIX: dict[str, float] = {"core": 0.33, "facade": 0.33, "engine": 0.1, "node": 0.1, "request": 0.09, "l3": 0.05,
-                                  "misuse": 0.03}
+                                  "misuse": 0.05}
 LIFECYCLE_DRIVERS = ("core", "facade", "engine")
 #: The machines that fire events at the spec's lifecycles directly (not the product).
 RAW_MACHINES = ("node", "request", "l3")
