@@ -104,16 +104,29 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/publish.py", "Publisher._check_pages"): _BAD,
     ("fsm/publish.py", "Publisher._commit"): (REACH, "publishing up to a loading node, checkpoints through the "
                                                      "facade: the facade layout has no state groups"),
-    ("fsm/publish.py", "Publisher._adopt_checkpoint"): (REACH, "chunk checkpoints: the core machine never inserts "
-                                                               "with chunk_checkpoint=True"),
+    ("fsm/publish.py", "Publisher._adopt_checkpoint"): (REACH, "an ancestor's chunk checkpoint that stays because a "
+                                                               "lock or borrow holds it while a deeper one lands"),
+    ("fsm/publish.py", "Publisher._anchored"): (REACH, "an anchor the walk may not start from (it left the tree, "
+                                                       "its path is not readable, or its pages differ): the facade "
+                                                       "passes its locked terminal, which always qualifies here"),
+    ("fsm/presets.py", "deepseek_v4"): (OPTION, "preset parameters the kit keeps fixed (PRESET_PARAMS)"),
+    ("fsm/presets.py", "_positive"): _BAD,
+    ("fsm/batch.py", "Batcher.step"): (REACH, "batch items the kit's one-item batches never mix (a refused item "
+                                              "after an accepted one, pages adopted on the fast path)"),
+    ("fsm/batch.py", "Batcher._ids"): _BAD,
+    ("fsm/batch.py", "Batcher.reserve_one"): _BAD,
+    ("fsm/node.py", "Node.parent_on_host"): (REACH, "the guard asked for a node whose parent is the root or "
+                                                    "writing: a correct core checks before it fires"),
+    ("fsm/admission.py", "Admitter.covered"): (REACH, "a reservation that ends before the one already made"),
+    ("src/kvtier/facade_views.py", "*"): _BAD,
     ("fsm/admission.py", "Admitter.admit"): _BAD,
     ("fsm/admission.py", "Admitter._admit"): (REACH, "state_recovery without an exact terminal and checkpoint "
                                                      "borrows need state groups in the facade layout"),
     ("fsm/admission.py", "Admitter.reserve"): (REACH, "a reserve refused for lack of pages"),
     ("fsm/completions.py", "*"): (REACH, "loadbacks that succeed on every layer and rank, and aborts during a "
                                          "loadback, are rare at a 25 % fault rate per completion"),
-    ("fsm/forward.py", "*"): (REACH, "checkpoints through the facade (no state groups in its layout) and "
-                                     "history-replay spans (history_replay is never set)"),
+    ("fsm/forward.py", "*"): (REACH, "history-replay spans (history_replay is never set) and a checkpoint "
+                                     "publish on the batched fast path"),
     ("fsm/request.py", "*"): (REACH, "checkpoint borrows and deferred frees of several groups"),
     ("fsm/request_ends.py", "Ender.abort"): (REACH, "aborting a request with its own writeback in flight"),
     ("fsm/request_ends.py", "Ender.abort_victim"): (OPTION, "abort_victim is the scheduler's; the kit never calls it"),
