@@ -1,9 +1,10 @@
 """A loadback whose later chunk fails at issue and whose earlier chunk's copy then fails:
 the failed chunk's layers are never reported as loaded (found by ``kvtier fuzz``'s engine
-machine, issue 12; the sequence is tests/regressions/semantic/found-issue-failure-then-copy-failure.json)."""
+machine, issue 12; its sequence is tests/regressions/found/found-issue-failure-then-copy-failure.json)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,3 +46,14 @@ def test_copy_failure_after_an_issue_failure_reports_no_layer() -> None:
     fake.complete_all()
     got = eng.poll_completions()
     assert got == [Completion(1, 0, False)], got  # no layer of the failed first chunk reported
+
+
+def test_the_found_sequence_passes() -> None:
+    """The engine machine's minimal sequence (a replay through the facade and the engines)."""
+    pytest.importorskip("torch")
+    from kvtier.testing.sequence import EventSequence, replay
+
+    seq = EventSequence.load(Path(__file__).parents[1] / "regressions" / "found"
+                             / "found-issue-failure-then-copy-failure.json")
+    result = replay(seq)
+    assert result.matches(seq.expect), result.describe() + "\n" + result.detail
