@@ -325,7 +325,7 @@ class EngineFacadeMachine(FacadeMachine):
     ``engine``)."""
 
     kit_deadlines: ClassVar[bool] = False
-    kit_invariants = (*FacadeMachine.kit_invariants, "check_engine_waits")
+    kit_invariants: ClassVar[tuple[str, ...]] = (*FacadeMachine.kit_invariants, "check_engine_waits")
 
     def check_engine_waits(self) -> None:
         """Model: ``wait_layer`` and the loaded bytes (:meth:`EngineTransfer.check_waits`)."""

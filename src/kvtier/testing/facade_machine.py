@@ -58,8 +58,9 @@ class FacadeMachine(KitMachine):
     :meth:`make_transfer` to test an engine's integration.
     """
 
-    kit_invariants = ("check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
-                      "check_request_records", "check_layer_ready", "check_views")
+    kit_invariants: ClassVar[tuple[str, ...]] = (
+        "check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
+        "check_request_records", "check_layer_ready", "check_views")
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3

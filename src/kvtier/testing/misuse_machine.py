@@ -157,6 +157,7 @@ class MisuseMachine(KitMachine):
         if not nodes:
             return
         n = nodes[i % len(nodes)]
+        r: Any
         if borrow:
             r = core.borrow([n], "hostile")
             core.release(r)
@@ -285,7 +286,7 @@ def _bad_completion(m: MisuseMachine, v: int) -> None:
     ops = views.ops(core)
     world = core.world_size
     if v % 5 == 0 or not ops:
-        m.cache.complete(_pick((999, "op", None), v))  # type: ignore[arg-type]
+        m.cache.complete(_pick((999, "op", None), v))
         return
     op = ops[sorted(ops)[v % len(ops)]]
     layers = op.command.layers
@@ -331,7 +332,7 @@ def _bad_record(v: int) -> None:
     variants: list[Callable[[], Any]] = [
         lambda: GroupTransfer("kv", (1, 2), (3,)),
         lambda: GroupTransfer("kv", (-1,), (2,)),
-        lambda: GroupTransfer("kv", (True,), (2,)),  # type: ignore[arg-type]
+        lambda: GroupTransfer("kv", (True,), (2,)),
         lambda: TransferCommand(1, "sideways", (gt,), (0,)),  # type: ignore[arg-type]
         lambda: TransferCommand(1, Direction.WRITEBACK, (object(),), (0,)),  # type: ignore[arg-type]
         lambda: TransferCommand(1, Direction.WRITEBACK, (gt,), (1, 0)),
@@ -354,7 +355,7 @@ def _bad_config(m: MisuseMachine, v: int) -> None:
         lambda: CacheCore(lay, 4, 4, policy="sometimes"),
         lambda: CacheCore(lay, 4, 4, op_deadline_steps=0),
         lambda: CacheCore(lay, 4, 4, eviction="random"),
-        lambda: CacheCore(lay, {g0: "3"}),
+        lambda: CacheCore(lay, {g0: "3"}),  # type: ignore[dict-item]
         lambda: CacheCore(lay, {"nogroup": 3}),
         lambda: CacheCore(lay, -1),
         lambda: CacheCore(lay, 4, {g0: True}),
@@ -539,10 +540,8 @@ CORRUPTIONS: list[tuple[str, Callable[[TieredCache, int], None]]] = [
     ("an owned page freed", lambda c, v: c.core.device[_g(c)].release(
         [_node(c, v, ("device", "backed"), "dev").dev[_g(c)][0]])),
     ("a page owned twice", _two_device_nodes),
-    ("a page allocated to nobody", lambda c, v: c.core.device[_g(c)].alloc(1) if c.core.device[_g(c)].free
-        else _skip()),
-    ("a host page allocated to nobody", lambda c, v: c.core.host[_g(c)].alloc(1)  # type: ignore[index]
-        if c.core.host and c.core.host[_g(c)].free else _skip()),
+    ("a page allocated to nobody", lambda c, v: _alloc_unowned(c, "device")),
+    ("a host page allocated to nobody", lambda c, v: _alloc_unowned(c, "host")),
     ("a device checkpoint on a host node", lambda c, v: _set(
         _node(c, v, ("host",)), "dev_ckpt", {g: [0] for g in _ckpt_groups(c)})),
     ("a host checkpoint on a device node", lambda c, v: _set(
@@ -567,6 +566,13 @@ CORRUPTIONS: list[tuple[str, Callable[[TieredCache, int], None]]] = [
 
 def _skip() -> None:
     raise _Skip()
+
+
+def _alloc_unowned(c: TieredCache, tier: str) -> None:
+    pools = c.core.device if tier == "device" else c.core.host
+    if not pools or not pools[_g(c)].free:
+        raise _Skip()
+    pools[_g(c)].alloc(1)
 
 
 register_machine("misuse", MisuseMachine)
