@@ -1,7 +1,8 @@
 """Branch coverage of ``kvtier fuzz`` alone over fsm/ and the facade (issue 12).
 
 Runs the fuzz campaign (by default the CI's: 30,000 steps, seed 1) in this process under
-coverage.py in branch mode, measuring ``fsm/*.py`` and ``src/kvtier/tiered.py`` only, and
+coverage.py in branch mode, measuring ``fsm/*.py`` and the facade (``src/kvtier/tiered.py``,
+``src/kvtier/facade_views.py``) only (the L3 modules, :data:`EXCLUDED`, are left out), and
 reports the branch coverage (branches taken / branches, coverage.py's count) and every
 missed branch grouped by file and function, each group with the reason the fuzz does not
 reach it (:data:`REASONS`; a group without a recorded reason is flagged). With
@@ -10,6 +11,7 @@ reach it (:data:`REASONS`; a group without a recorded reason is flagged). With
     pip install coverage                       # coverage.py 7.x (not a runtime dependency)
     python bench/fuzz_coverage.py --record     # a few minutes alone; 16 min on a loaded 2-core machine
     python bench/fuzz_coverage.py --steps 5000 --json /tmp/cov.json
+    python bench/fuzz_coverage.py --steps 10000 --min 0.9    # the CI's bound
 
 Target (issue 12): at least 95 % of the branches. Long runs: ``nice -n 10`` on a shared
 machine.
@@ -32,7 +34,11 @@ sys.path.insert(0, str(REPO / "bench"))
 from harness import provenance, record_section  # noqa: E402
 
 TARGET = 0.95
-MEASURED = [REPO / "fsm", REPO / "src" / "kvtier" / "tiered.py"]
+MEASURED = [REPO / "fsm", REPO / "src" / "kvtier" / "tiered.py", REPO / "src" / "kvtier" / "facade_views.py"]
+#: measured but left out of the figure, with the reason
+_L3 = ("the L3 tier (a shared store under the host tier) is driven by the raw l3 machine, tests/l3 against a "
+       "real Redis and its own helper's work; the fuzz's product machines run without a store")
+EXCLUDED: dict[str, str] = {"fsm/l3.py": _L3, "fsm/l3checks.py": _L3, "fsm/l3options.py": _L3, "fsm/fetch.py": _L3}
 
 #: why a branch is missed, by kind: a correct run never takes the first two kinds
 INVARIANT = "invariant check"  #: raises InvariantViolation: only a broken core takes it
@@ -98,16 +104,29 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/publish.py", "Publisher._check_pages"): _BAD,
     ("fsm/publish.py", "Publisher._commit"): (REACH, "publishing up to a loading node, checkpoints through the "
                                                      "facade: the facade layout has no state groups"),
-    ("fsm/publish.py", "Publisher._adopt_checkpoint"): (REACH, "chunk checkpoints: the core machine never inserts "
-                                                               "with chunk_checkpoint=True"),
+    ("fsm/publish.py", "Publisher._adopt_checkpoint"): (REACH, "an ancestor's chunk checkpoint that stays because a "
+                                                               "lock or borrow holds it while a deeper one lands"),
+    ("fsm/publish.py", "Publisher._anchored"): (REACH, "an anchor the walk may not start from (it left the tree, "
+                                                       "its path is not readable, or its pages differ): the facade "
+                                                       "passes its locked terminal, which always qualifies here"),
+    ("fsm/presets.py", "deepseek_v4"): (OPTION, "preset parameters the kit keeps fixed (PRESET_PARAMS)"),
+    ("fsm/presets.py", "_positive"): _BAD,
+    ("fsm/batch.py", "Batcher.step"): (REACH, "batch items the kit's one-item batches never mix (a refused item "
+                                              "after an accepted one, pages adopted on the fast path)"),
+    ("fsm/batch.py", "Batcher._ids"): _BAD,
+    ("fsm/batch.py", "Batcher.reserve_one"): _BAD,
+    ("fsm/node.py", "Node.parent_on_host"): (REACH, "the guard asked for a node whose parent is the root or "
+                                                    "writing: a correct core checks before it fires"),
+    ("fsm/admission.py", "Admitter.covered"): (REACH, "a reservation that ends before the one already made"),
+    ("src/kvtier/facade_views.py", "*"): _BAD,
     ("fsm/admission.py", "Admitter.admit"): _BAD,
     ("fsm/admission.py", "Admitter._admit"): (REACH, "state_recovery without an exact terminal and checkpoint "
                                                      "borrows need state groups in the facade layout"),
     ("fsm/admission.py", "Admitter.reserve"): (REACH, "a reserve refused for lack of pages"),
     ("fsm/completions.py", "*"): (REACH, "loadbacks that succeed on every layer and rank, and aborts during a "
                                          "loadback, are rare at a 25 % fault rate per completion"),
-    ("fsm/forward.py", "*"): (REACH, "checkpoints through the facade (no state groups in its layout) and "
-                                     "history-replay spans (history_replay is never set)"),
+    ("fsm/forward.py", "*"): (REACH, "history-replay spans (history_replay is never set) and a checkpoint "
+                                     "publish on the batched fast path"),
     ("fsm/request.py", "*"): (REACH, "checkpoint borrows and deferred frees of several groups"),
     ("fsm/request_ends.py", "Ender.abort"): (REACH, "aborting a request with its own writeback in flight"),
     ("fsm/request_ends.py", "Ender.abort_victim"): (OPTION, "abort_victim is the scheduler's; the kit never calls it"),
@@ -157,7 +176,7 @@ def run(steps: int, seed: int) -> dict:
         import coverage
     except ImportError:
         raise SystemExit("bench/fuzz_coverage.py needs coverage.py: pip install coverage") from None
-    include = [str(MEASURED[0] / "*.py"), str(MEASURED[1])]
+    include = [str(MEASURED[0] / "*.py"), *(str(p) for p in MEASURED[1:])]
     cov = coverage.Coverage(branch=True, include=include, data_file=None)
     cov.start()
     try:
@@ -186,6 +205,8 @@ def summarize(data: dict) -> tuple[int, int, dict[tuple[str, str], list[tuple[in
         if not path.is_absolute():
             path = Path.cwd() / path
         rel = path.resolve().relative_to(REPO).as_posix()
+        if rel in EXCLUDED:
+            continue
         s = f["summary"]
         total += s["num_branches"]
         covered += s["covered_branches"]
@@ -217,7 +238,8 @@ def report(total: int, covered: int, groups: dict[tuple[str, str], list[tuple[in
     takeable = total - never
     lines = [f"- campaign: `kvtier fuzz --steps {steps} --seed {seed}` in-process under coverage.py "
              f"(branch mode), {seconds:.0f} s",
-             f"- measured: fsm/*.py and src/kvtier/tiered.py",
+             f"- measured: fsm/*.py, src/kvtier/tiered.py and src/kvtier/facade_views.py; left out: "
+             + ", ".join(sorted(EXCLUDED)) + f" ({_L3})",
              f"- branch coverage: {covered:,}/{total:,} = {pct:.1%} (target >= {TARGET:.0%}: "
              f"{'met' if pct >= TARGET else 'MISSED'}); {total - covered} branches missed in {len(groups)} groups",
              "- missed by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])),
@@ -242,6 +264,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=1, help="campaign seed (default 1)")
     p.add_argument("--json", type=Path, help="also save coverage.py's JSON report here")
     p.add_argument("--record", action="store_true", help="write the result to bench/RESULTS.md")
+    p.add_argument("--min", type=float, metavar="FRACTION",
+                   help="exit 1 when the branch coverage is below this fraction (the CI's bound)")
     p.add_argument("--from-json", type=Path, metavar="FILE",
                    help="report a run saved with --json instead of running the fuzz (after editing REASONS)")
     args = p.parse_args(argv)
@@ -261,6 +285,14 @@ def main(argv: list[str]) -> int:
         record_section(REPO / "bench" / "RESULTS.md", "fuzz-coverage", "Fuzz branch coverage (issue 12)",
                        provenance(["bench/fuzz_coverage.py", *argv]) + "\n\n" + body)
         print("recorded in bench/RESULTS.md")
+    if args.min is not None:
+        if covered < args.min * total:
+            print(f"FAILED: branch coverage {covered}/{total} is below {args.min:.0%}")
+            return 1
+        print(f"ok: branch coverage {covered}/{total} (bound {args.min:.0%})")
+    if "campaign" in data and not data["campaign"].get("ok", True):
+        print("FAILED: the fuzz found a violation (see above)")
+        return 1
     return 0
 
 

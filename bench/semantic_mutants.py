@@ -18,6 +18,7 @@ least 90 %, the tests catch all.
     python bench/semantic_mutants.py --record              # every mutant: ~15 s CPU per uncaught one
     python bench/semantic_mutants.py --only s26-failed-issue-no-barrier --steps 5000
     python bench/semantic_mutants.py --jobs 2              # two mutants at a time
+    python bench/semantic_mutants.py --no-tests --steps 5000 --jobs 2 --min-rate 0.8   # the CI's bound
 
 Long runs: wrap in ``nice -n 10`` on a shared machine.
 """
@@ -126,6 +127,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds per fuzz run (default 900)")
     p.add_argument("--jobs", type=int, default=1, help="mutants measured at a time (default 1)")
     p.add_argument("--no-tests", action="store_true", help="run the fuzz only")
+    p.add_argument("--min-rate", type=float, metavar="FRACTION",
+                   help="exit 1 when the fuzz alone catches less than this fraction (the CI's bound)")
     p.add_argument("--record", action="store_true", help="write the table to bench/RESULTS.md")
     p.add_argument("--cache", type=Path, metavar="DIR",
                    help="keep each mutant's outcome in DIR/<name>-<steps>-<seed>.json and reuse it (an "
@@ -163,6 +166,12 @@ def main(argv: list[str]) -> int:
                   "(tests/test_semantic_mutants.py checks the same in CI).\n\n" + body)
         record_section(REPO / "bench" / "RESULTS.md", "semantic-mutants", "Semantic mutants (issue 12)", text)
         print("recorded in bench/RESULTS.md")
+    if args.min_rate is not None:
+        caught = sum(r.fuzz_caught for r in rows)
+        if caught < args.min_rate * len(rows):
+            print(f"FAILED: the fuzz alone caught {caught}/{len(rows)}, below {args.min_rate:.0%}")
+            return 1
+        print(f"ok: the fuzz alone caught {caught}/{len(rows)} (bound {args.min_rate:.0%})")
     return 0
 
 

@@ -53,6 +53,8 @@ class LayerCounter:
             if err is not None and self.error is None:
                 self.error = err
                 self.ok_limit = self.done_events  # chunks before this event succeeded
+            elif err is not None and self.ok_limit is None:
+                self.ok_limit = self.done_events  # a copy failed after a failure at issue
             self.done_events += 1
 
     @property

@@ -27,6 +27,8 @@ __all__ = [
     "ops",
     "outbox",
     "writeback_queue",
+    "writeback_refused",
+    "device_page_free",
     "locks",
     "receipts",
     "history_groups",
@@ -60,6 +62,16 @@ def outbox(core: CacheCore) -> tuple[TransferCommand, ...]:
 def writeback_queue(core: CacheCore) -> dict[int, Node]:
     """Nodes waiting for a tree writeback, by node id."""
     return core.writebacks.queued()
+
+
+def device_page_free(core: CacheCore, group: str, page: int) -> bool:
+    """Whether device page ``page`` of ``group`` is free in the core's allocator."""
+    return core.device[group].is_free(page)
+
+
+def writeback_refused(core: CacheCore, node_id: int) -> bool:
+    """Whether the host refused ``node_id``'s tree writeback (it left the queue for that)."""
+    return core.writebacks.refused(node_id)
 
 
 def locks(core: CacheCore) -> dict[int, LockReceipt]:

@@ -23,7 +23,8 @@ from ..eventlog import attach_active
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, KitMachine, kit_layout, layout_named, probe_layers, recorded
 from .content import check_tree_bytes, content, node_prefix
-from .models import ModelViolation, check_eviction_order, liveness_bound, snapshot_candidates
+from .models import (ModelViolation, check_eviction_order, check_queue_exits, check_use, liveness_bound,
+                     snapshot_candidates, snapshot_use)
 from .sequence import register_machine
 
 __all__ = ["CoreMachine"]
@@ -46,7 +47,7 @@ class CoreMachine(KitMachine):
     and ``quiesce`` checks that everything queued is issued within a bound.
     """
 
-    kit_invariants = ("check_cache_invariants", "check_loaded_equals_written")
+    kit_invariants = ("check_cache_invariants", "check_loaded_equals_written", "check_queue_model")
 
     def __init__(self) -> None:
         super().__init__()
@@ -64,6 +65,8 @@ class CoreMachine(KitMachine):
         self.layers: tuple[int, ...] = (0, 2)
         self.eviction = "lru"
         self.exclusive = False
+        self.queued: dict[int, Node] = {}  # the writeback queue at the last check
+        self.submitted: set[int] = set()  # nodes of writeback commands taken since the last check
 
     @initialize(with_state=st.booleans(), world=st.sampled_from([1, 2]), policy=st.sampled_from(
         ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 8),
@@ -97,9 +100,29 @@ class CoreMachine(KitMachine):
         ids = sorted(nodes)
         return nodes[ids[i % len(ids)]] if ids else None
 
+    def _newest_stamp(self) -> int:
+        return max((n.last_access for n in views.nodes(self.cache).values()), default=0)
+
+    def _lock(self, node: Node, owner: str) -> Any:
+        """``cache.lock``, checked against the use model (a reuse counted exactly when the
+        owner changes; the path becomes the most recently used)."""
+        before, newest = snapshot_use(node.path()), self._newest_stamp()
+        receipt = self.cache.lock(node, owner)
+        check_use(before, newest, owner, True, f"lock by {owner!r}")
+        return receipt
+
+    def _unlock(self, receipt: Any) -> None:
+        """``cache.unlock``, checked against the use model (the path becomes the most
+        recently used; reuse counts unchanged)."""
+        before, newest = snapshot_use(receipt.node.path()), self._newest_stamp()
+        self.cache.unlock(receipt)
+        check_use(before, newest, None, False, "unlock")
+
     def _take_commands(self) -> None:
         for cmd in self.cache.poll_commands():
             self.commands[cmd.op_id] = cmd
+            if cmd.direction is Direction.WRITEBACK:
+                self.submitted.update(cmd.node_ids)
             queues = []
             for rank in range(self.world):
                 q: list[Completion] = []
@@ -139,12 +162,12 @@ class CoreMachine(KitMachine):
         state_groups = views.checkpoint_groups(c) if checkpoint else []
         for g in state_groups:
             need[g] = views.checkpoint_pages(c)[g]
-        hold = c.lock(m.device_node, "r") if m.device_node is not c.root else None
+        hold = self._lock(m.device_node, "r") if m.device_node is not c.root else None
         try:
             fresh = c.alloc_device(need)
         except CapacityError:
             if hold is not None:
-                c.unlock(hold)
+                self._unlock(hold)
             return
         pages = {}
         for g in history:
@@ -158,7 +181,7 @@ class CoreMachine(KitMachine):
                 self.dev_bytes[(g, p)] = content(key, g, j, ppu)
         result = c.insert(key, pages, ckpt or None, chunk_checkpoint=chunk and bool(ckpt))
         if hold is not None:
-            c.unlock(hold)
+            self._unlock(hold)
         self.inserted.add(key)
         for g, ps in result.duplicates.items():
             c.free_device({g: ps})
@@ -181,9 +204,25 @@ class CoreMachine(KitMachine):
         self.cache.issue_writebacks()
         self._take_commands()
 
-    @rule(key=_KEYS, mode=st.sampled_from([m.value for m in MatchMode]), replay=st.booleans())
+    @rule(key=_KEYS, issue=st.booleans())
     @recorded
-    def match_and_lock(self, key: list[str], mode: str, replay: bool) -> None:
+    def chunked_prefill(self, key: list[str], issue: bool = True) -> None:
+        """A prompt prefilled one unit per chunk: each chunk publishes its prefix with a
+        chunk checkpoint (the last one with a final checkpoint); with ``issue`` the queued
+        writebacks are issued after each chunk, so a deeper chunk checkpoint lands while
+        an ancestor's writeback (which reads that ancestor's checkpoint) is in flight."""
+        k = tuple(key)
+        for j in range(1, len(k) + 1):
+            self._insert(k[:j], True, j < len(k))
+            if issue:
+                self.cache.issue_writebacks()
+                self._take_commands()
+
+    @rule(key=_KEYS, mode=st.sampled_from([m.value for m in MatchMode]), replay=st.booleans(),
+          owner=st.sampled_from(["r", "q"]))
+    @recorded
+    def match_and_lock(self, key: list[str], mode: str, replay: bool, owner: str = "r") -> None:
+        """Match ``key`` and lock the device hit for request ``owner``."""
         k = tuple(key)
         m = self.cache.match(k, mode, history_replay=replay and mode == MatchMode.PREFIX_REUSE.value)
         assert m.device_units <= m.host_units <= m.history_units <= len(k), "match bounds"
@@ -200,7 +239,7 @@ class CoreMachine(KitMachine):
                 raise InvariantViolation("exact_continuation_state", f"node {t.node_id} ({t.state})",
                                          f"a {mode} hit of {m.host_units} units ends where no checkpoint is held")
         if m.device_node is not self.cache.root and m.device_node.state in DEVICE_READABLE:
-            self.locks.append(self.cache.lock(m.device_node, "r"))
+            self.locks.append(self._lock(m.device_node, owner))
 
     @precondition(lambda self: bool(self.locks))
     @rule(i=st.integers(0, 100), again=st.booleans())
@@ -209,7 +248,7 @@ class CoreMachine(KitMachine):
         if not self.locks:
             return
         r = self.locks.pop(i % len(self.locks))
-        self.cache.unlock(r)
+        self._unlock(r)
         if again:  # a receipt is released exactly once
             try:
                 self.cache.unlock(r)
@@ -432,6 +471,18 @@ class CoreMachine(KitMachine):
     def check_loaded_equals_written(self) -> None:
         if hasattr(self, "cache"):
             check_tree_bytes(self.cache, self.dev_bytes, self.host_bytes)
+
+    def check_queue_model(self) -> None:
+        """Model: nothing leaves the writeback queue without a reason (:func:`check_queue_exits`)."""
+        if not hasattr(self, "cache"):
+            return
+        c = self.cache
+        after = views.writeback_queue(c)
+        for cmd in views.outbox(c):  # issued, not yet polled
+            self.submitted.update(cmd.node_ids)
+        check_queue_exits(self.queued, after, views.nodes(c), self.submitted,
+                          lambda nid: views.writeback_refused(c, nid))
+        self.queued, self.submitted = after, set()
 
 
 register_machine("core", CoreMachine)

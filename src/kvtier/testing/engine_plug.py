@@ -9,11 +9,19 @@ time and at completion.
   operation settles successfully, every destination page of every rank must hold the
   pattern of what the model says its source held (invariant 12 on the engine's copies).
 - Issue-time failures: before a command is flushed on a rank, a deterministic draw (from
-  the setup's ``issue_seed``, the op id and the rank, at half the example's fault rate)
-  may make the flush raise at one of its chunks, after the earlier chunks were issued: a
+  the setup's ``issue_seed``, the op id and the rank, at the example's fault rate)
+  may make the flush raise at one of its chunks, after the earlier chunks were issued,
+  before that chunk's copies are queued or after (a launch failing part-way): a
   half-issued operation, whose failure may be acknowledged only once those copies finish.
 - Completion failures: delivering a completion with ``ok=False`` makes the next pending
   copy of that op on that rank fail (its destination stays poisoned).
+- The engine's contract, checked on every operation no failure was injected into on a
+  rank: a layer completion ``Completion(layer=L)`` comes only once every layer up to
+  ``L`` of the destination pages holds its source's bytes (nothing pending writes them);
+  after ``wait_layer(op, L)`` returns without :class:`NotReadyError`, layer ``L`` is
+  readable and holds its bytes (what a forward pass overlapping the loadback reads); and
+  an acknowledgement, a failed one included, comes only once no copy issued for the op
+  is still pending on that rank (a half-issued operation's barrier).
 
 Deadlines are off on this machine: an operation the core expires while its copy still
 runs would make the engine's hazard checks fire by design (the engine cannot cancel).
@@ -34,12 +42,19 @@ from kvtier.fsm import Completion, Direction
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import TransferCommand
 from kvtier.transfer.engine import TransferEngine
-from kvtier.transfer.errors import HazardError, PoisonedReadError
+from kvtier.transfer.errors import HazardError, NotReadyError, PoisonedReadError
 from kvtier.transfer.fake_async import FakeAsyncBackend, PendingCopy
 from kvtier.transfer.plan import ChunkPlan, FlushPlan
 from kvtier.transfer.pools import DevicePool, HostPool
 
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from kvtier.fsm.node import HOST_VISIBLE
+
 from ..tiered import TieredCache
+from . import _views as views
+from .base import recorded
 from .facade_machine import FacadeMachine
 from .models import ModelViolation
 from .plugs import TransferBackend
@@ -52,21 +67,28 @@ _LOG = logging.getLogger("kvtier.transfer")
 
 class FaultyBackend(FakeAsyncBackend):
     """The fake-asynchronous backend with two test controls: :meth:`fail_at` makes the
-    ``k``-th chunk issued from now raise (earlier chunks stay issued), and
-    :meth:`fail_job` makes one pending copy fail when it completes."""
+    ``k``-th chunk issued from now raise (earlier chunks stay issued), before anything
+    of it is queued or, with ``after``, once its copies are queued (a launch that fails
+    part-way: those copies still run), and :meth:`fail_job` makes one pending copy fail
+    when it completes."""
 
     def __init__(self) -> None:
         super().__init__(on_wait="raise")
         self._fail_in: int | None = None
+        self._fail_after = False
 
-    def fail_at(self, k: int) -> None:
+    def fail_at(self, k: int, after: bool = False) -> None:
         self._fail_in = k
+        self._fail_after = after
 
     def run_chunk(self, direction: Direction, plan: FlushPlan, chunk: ChunkPlan,
                   op_ids: tuple[int, ...]) -> Any:
         if self._fail_in is not None:
             if self._fail_in == 0:
                 self._fail_in = None
+                if self._fail_after:
+                    super().run_chunk(direction, plan, chunk, op_ids)  # queued, then the launch fails
+                    raise RuntimeError("injected failure part-way through issuing a chunk")
                 self.raise_on_issue()
             else:
                 self._fail_in -= 1
@@ -134,6 +156,7 @@ class EngineTransfer(TransferBackend):
         self.dev = _Store(self, "device")
         self.host = _Store(self, "host")
         self.issue_failures = 0
+        self.injected: set[tuple[int, int]] = set()  # (op, rank) a failure was injected into
 
     # -- real bytes ------------------------------------------------------------------
     def write(self, side: str, group: str, page: int, value: Any) -> None:
@@ -178,8 +201,10 @@ class EngineTransfer(TransferBackend):
             eng.submit(cmd)
             draw = self._draw(cmd.op_id, rank)
             if draw % 1000 < int(round(self.issue_rate * 1000)):
-                self.backends[rank].fail_at((draw >> 10) % 3)  # at its 1st, 2nd or 3rd chunk
+                # at its 1st, 2nd or 3rd chunk, before or after that chunk's copies are queued
+                self.backends[rank].fail_at((draw >> 10) % 3, after=bool((draw >> 12) & 1))
                 self.issue_failures += 1
+                self.injected.add((cmd.op_id, rank))
             quiet = _LOG.level
             _LOG.setLevel(logging.CRITICAL)  # injected issue failures are logged as exceptions
             try:
@@ -218,6 +243,7 @@ class EngineTransfer(TransferBackend):
                                      "nothing pending or buffered: the engine lost its completion")
             if first and not ok:
                 backend.fail_job(mine[0].job)
+                self.injected.add((op, rank))
             first = False
             backend.complete(op, mine[0].chunk)
             self._collect(rank)
@@ -225,7 +251,59 @@ class EngineTransfer(TransferBackend):
         c = q.popleft()
         if not q:
             del self.buffered[(op, rank)]
+        if c.layer is None and any(op in p.op_ids for p in self._pending(rank)):
+            raise ModelViolation("model_transfer_hazard", f"op {op} on rank {rank}",
+                                 f"acknowledged ({'ok' if c.ok else 'failed'}) while a copy issued for it is "
+                                 f"still pending: its pages may be reused under that copy")
+        if c.ok and c.layer is not None:  # (a failed or never issued chunk is never reported)
+            self.check_layers(op, rank, range(c.layer + 1), "reported loaded")
         return c
+
+    def check_layers(self, op: int, rank: int, layers: Any, what: str) -> None:
+        """Every layer of ``layers`` of loadback ``op``'s destination pages on ``rank`` is
+        readable and holds its source's bytes."""
+        cmd = self.commands.get(op)
+        if cmd is None or cmd.direction is not Direction.LOADBACK:
+            return
+        eng = self.engines[rank]
+        wanted = set(layers)
+        for t in cmd.transfers:
+            spec = self.specs[t.group]
+            for layer in spec.layers:
+                if layer not in wanted:
+                    continue
+                for s, d in zip(t.src_pages, t.dst_pages):
+                    value = self.host.get((t.group, s))
+                    if value is None:
+                        continue
+                    for comp in spec.components:
+                        try:
+                            got = eng.read_pages("device", t.group, comp.name, layer, [d])[0]
+                        except PoisonedReadError as exc:
+                            raise ModelViolation("model_transfer_hazard", f"op {op} on rank {rank}",
+                                                 f"layer {layer} {what}, but a copy still writes device page "
+                                                 f"{d} of {t.group!r}: {exc}") from None
+                        if not torch.equal(got, _pattern(value, comp.page_bytes)):
+                            raise ModelViolation("loaded_equals_written", f"op {op} on rank {rank}",
+                                                 f"layer {layer} {what}, but device page {d} of {t.group!r} "
+                                                 f"({comp.name}) does not hold its source's bytes")
+
+    def check_waits(self) -> None:
+        """For every loadback in flight and rank without an injected failure, and every
+        layer: once ``wait_layer`` returns without :class:`NotReadyError`, that layer of
+        the destination pages holds its bytes (a forward pass overlapping the loadback)."""
+        for op, cmd in sorted(self.commands.items()):
+            if cmd.direction is not Direction.LOADBACK:
+                continue
+            for rank, eng in enumerate(self.engines):
+                if (op, rank) in self.injected:
+                    continue
+                for layer in cmd.layers:
+                    try:
+                        eng.wait_layer(op, layer)
+                    except NotReadyError:
+                        continue
+                    self.check_layers(op, rank, (layer,), "passed wait_layer")
 
     def apply(self, op: int, ok: bool) -> None:
         cmd = self.commands.pop(op, None)
@@ -247,6 +325,21 @@ class EngineFacadeMachine(FacadeMachine):
     ``engine``)."""
 
     kit_deadlines: ClassVar[bool] = False
+    kit_invariants: ClassVar[tuple[str, ...]] = (*FacadeMachine.kit_invariants, "check_engine_waits")
+
+    def check_engine_waits(self) -> None:
+        """Model: ``wait_layer`` and the loaded bytes (:meth:`EngineTransfer.check_waits`)."""
+        if hasattr(self, "xfer") and isinstance(self.xfer, EngineTransfer):
+            self.xfer.check_waits()
+
+    @precondition(lambda self: hasattr(self, "cache")
+                  and any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, 2), i=st.integers(0, 100), chunk=st.integers(1, 3))
+    @recorded
+    def reload(self, req: int, i: int, chunk: int) -> None:
+        """``admit_cached`` after a demotion: a loadback in chunks through the engines
+        (the transfers this machine exists for; the facade rules alone make few)."""
+        FacadeMachine.admit_cached.__wrapped__(self, req=req, i=i, chunk=chunk, tail=True, demote=True)  # type: ignore[attr-defined]
 
     def make_transfer(self, world: int, num_layers: int) -> TransferBackend:
         core = self.cache.core
@@ -254,7 +347,7 @@ class EngineFacadeMachine(FacadeMachine):
         host = {g: a.capacity for g, a in (core.host or {}).items()}
         digest = hashlib.sha256(repr(self.kit_trace[0].args if self.kit_trace else ()).encode()).digest()
         return EngineTransfer(world, self.cache.layout, dev, host, issue_seed=int.from_bytes(digest[:4], "big"),
-                              issue_rate=self.kit_rate / 2)
+                              issue_rate=self.kit_rate)
 
     def kit_canonical(self) -> Hashable:  # pragma: no cover - verify runs the dict backend
         raise NotImplementedError("kvtier verify runs the facade machine on the simulated backend")

@@ -30,6 +30,8 @@ from .canonical import CanonicalState
 from .content import check_tree_bytes, content, node_prefix
 from .models import LayerModel, ModelViolation, liveness_bound
 from .plugs import SchedulerAdapter, TransferBackend
+from .pass_model import PassModel, check_reserve
+from .view_model import check_facade_views
 from .sequence import Step, register_machine
 
 __all__ = ["FacadeMachine"]
@@ -56,8 +58,9 @@ class FacadeMachine(KitMachine):
     :meth:`make_transfer` to test an engine's integration.
     """
 
-    kit_invariants = ("check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
-                      "check_request_records", "check_layer_ready")
+    kit_invariants: ClassVar[tuple[str, ...]] = (
+        "check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
+        "check_request_records", "check_layer_ready", "check_views")
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3
@@ -81,6 +84,7 @@ class FacadeMachine(KitMachine):
         self.layout: CacheLayout = layout_named("kit")
         self.finish_writeback: bool | None = None  # TieredCache(finish_writeback=...): None is its default
         self.layer_model = LayerModel()
+        self.pass_model = PassModel()
         # an aborted request's own writebacks (poisoned): op -> (request, destination host pages, nodes)
         self.poisoned: dict[int, tuple[str, dict[str, set[int]], list[Node]]] = {}
 
@@ -156,6 +160,7 @@ class FacadeMachine(KitMachine):
             self._check_unpublished(op_id)
         for op_id, op in ops.items():
             self.inflight.setdefault(op_id, op)
+        self.pass_model.sync(self.cache)
 
     def _complete(self, ev: Completion) -> None:
         """Deliver one completion, recording it in the layer model."""
@@ -305,6 +310,64 @@ class FacadeMachine(KitMachine):
         self.units[rid] = list(key)
         self._admit(rid, len(key) * align + (1 if tail else 0), chunk * align)
 
+    @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), layers=st.integers(0, 3))
+    @recorded
+    def shared_loadback(self, req: int, i: int, layers: int) -> None:
+        """Two requests with the same cached prompt arrive while it is on the host only:
+        the first one's loadback starts, the first rank delivers ``layers`` layer
+        completions of it (the other ranks none yet), then the second request joins it."""
+        first, second = self._rid(req), self._rid(req + 1)
+        for rid in (first, second):
+            r = views.requests(self.cache).get(rid)
+            if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
+                return
+        self._demote()
+        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state == "host"]
+        if not nodes:
+            return
+        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
+        align = self.cache.layout.alignment
+        self.units[first] = list(key)
+        self._admit(first, len(key) * align + 1, 3 * align)
+        r = views.requests(self.cache).get(first)
+        if r is None or r.state != "loading":
+            return
+        self._poll()
+        ops = views.ops(self.cache.core)
+        for op in sorted(r.ops):
+            if op in ops and ops[op].command.direction is Direction.LOADBACK:
+                for _ in range(layers):
+                    if (op, 0) not in self.xfer.ready():
+                        break
+                    ev = self.xfer.take(op, 0, True)
+                    if ev.layer is None:  # (keep the acknowledgement: the loadback stays in flight)
+                        self._complete(ev)
+                        self._sync()
+                        break
+                    self._complete(ev)
+                    self._sync()
+        self.units[second] = list(key)
+        self._admit(second, len(key) * align + 1, 3 * align)
+
+    @precondition(lambda self: any(n.state == "loading" for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), tail=st.booleans())
+    @recorded
+    def join_loading(self, req: int, i: int, tail: bool = True) -> None:
+        """Admit a prompt ending in a node that is being loaded back: the request joins
+        the loadback in flight (its layer progress so far, per rank, counts)."""
+        rid = self._rid(req)
+        r = views.requests(self.cache).get(rid)
+        if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
+            return
+        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state == "loading"]
+        if not nodes:
+            return
+        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
+        align = self.cache.layout.alignment
+        self.units[rid] = list(key)
+        self._admit(rid, len(key) * align + (1 if tail else 0), 3 * align)
+
     @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), tail=st.booleans(), demote=st.booleans(),
           overlap=st.booleans(), load_ok=st.booleans())
     @recorded
@@ -339,8 +402,7 @@ class FacadeMachine(KitMachine):
         if r is None or r.state != "loading":
             return
         if overlap:
-            self.sched.reserve(rid, align)
-            self._sync()
+            self._reserve(rid, align)
         if not load_ok:
             ops = views.ops(self.cache.core)
             for op in sorted(r.ops):
@@ -404,6 +466,10 @@ class FacadeMachine(KitMachine):
         align = self.cache.layout.alignment
         full = (r.tokens + computed) // align
         new = [self._unit(rid, u) for u in range(len(r.units), full)] if full > len(r.units) else []
+        prefix = tuple(self._unit(rid, k) for k in range(r.tokens // align))
+        ppu = self._ppu()
+        self.pass_model.check_before_result(self.cache, rid, self.xfer.dev,
+                                            lambda g, j: content(prefix, g, j, ppu))
         self._fill_checkpoint(rid, self.sched.step_done(rid, computed, new, checkpoint))
         self._sync()
 
@@ -418,7 +484,14 @@ class FacadeMachine(KitMachine):
         if state not in ("running", "loading"):
             self._expect_refused(rid, lambda: self.sched.reserve(rid, tokens))
             return
-        self.sched.reserve(rid, tokens)
+        self._reserve(rid, tokens)
+
+    def _reserve(self, rid: str, tokens: int) -> None:
+        """``reserve``, checked against :func:`~kvtier.testing.pass_model.check_reserve`."""
+        r = views.requests(self.cache)[rid]
+        before = (r.reserved, r.tokens, r.passes, r.results)
+        got = self.sched.reserve(rid, tokens)
+        check_reserve(self.cache, rid, before, got is not None, tokens)
         self._sync()
 
     def _lifecycle_call(self, rid: str, legal: bool, call: Callable[[], Any]) -> None:
@@ -609,6 +682,11 @@ class FacadeMachine(KitMachine):
                                          f"layer_ready(layer {layer}) is {got}, the per-rank model says {want} "
                                          f"(progress {self.layer_model.progress}, waits "
                                          f"{sorted(self.layer_model.waits.get(rid, ()))})")
+
+    def check_views(self) -> None:
+        """Model: the facade's read-only answers (:mod:`kvtier.testing.view_model`)."""
+        if hasattr(self, "cache"):
+            check_facade_views(self.cache)
 
     def check_cache_invariants(self) -> None:
         if hasattr(self, "cache"):

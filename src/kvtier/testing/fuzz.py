@@ -31,10 +31,12 @@ __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
 #: machine name -> share of the step budget
 DEFAULT_MIX: dict[str, float] = {"core": 0.33, "facade": 0.33, "engine": 0.1, "node": 0.1, "request": 0.09, "l3": 0.05,
-                                 "l3tier": 0.05}
+                                 "l3tier": 0.05, "misuse": 0.05}
 LIFECYCLE_DRIVERS = ("core", "facade", "engine")
 #: The machines that fire events at the spec's lifecycles directly (not the product).
 RAW_MACHINES = ("node", "request", "l3")
+#: The machine that makes hostile calls (refusals, not lifecycle transitions of the product).
+HOSTILE_MACHINES = ("misuse",)
 
 
 @dataclass
@@ -59,7 +61,7 @@ class CampaignResult:
     @property
     def product_sources(self) -> set[str]:
         """The machines of the run that drive the product (every one but the raw lifecycle machines)."""
-        return {m for m, n in self.steps_by_machine.items() if m not in RAW_MACHINES and n}
+        return {m for m, n in self.steps_by_machine.items() if m not in RAW_MACHINES + HOSTILE_MACHINES and n}
 
     @property
     def product_complete(self) -> bool:

@@ -25,6 +25,9 @@ with one job each:
   fake-asynchronous backend, with failures at issue time and at completion;
 - :mod:`kvtier.testing.models`: the reference models (layer readiness per rank, the
   eviction order, liveness, aborted writebacks, whole-prompt reuse);
+- :mod:`kvtier.testing.misuse_machine`: :class:`MisuseMachine`, hostile calls on a live
+  cache (bad arguments, unknown ids, spent receipts, wrong states, malformed layouts and
+  specs), each refused with a KvtierError and changing nothing;
 - :mod:`kvtier.testing.raw_machines`: :class:`NodeLifecycleMachine` and
   :class:`RequestLifecycleMachine` fire legal and illegal events at the raw lifecycle
   machines (where rejections are exercised).
@@ -48,6 +51,7 @@ from .core_machine import CoreMachine
 from .engine_plug import EngineFacadeMachine, EngineTransfer
 from .facade_machine import FacadeMachine
 from .l3_machine import L3TierMachine
+from .misuse_machine import MisuseMachine
 from .plugs import SchedulerAdapter, TransferBackend
 from .raw_machines import L3LifecycleMachine, NodeLifecycleMachine, RequestLifecycleMachine
 
@@ -61,6 +65,7 @@ __all__ = [
     "FacadeMachine",
     "EngineFacadeMachine",
     "EngineTransfer",
+    "MisuseMachine",
     "SchedulerAdapter",
     "TransferBackend",
     "NodeLifecycleMachine",

@@ -17,6 +17,16 @@ reimplementation says it must answer:
 - Liveness (:func:`liveness_bound`): after a bounded number of rounds of "poll, deliver
   everything successfully", nothing is queued, in flight or waiting: every queued
   writeback was issued or dropped with a reason (the host refused it, or its node left).
+- The writeback queue (:func:`check_queue_exits`): a node leaves the queue only when its
+  writeback is submitted, it leaves the tree or the device, the host refused it, or its
+  parent is a device-only node (whose writeback failed or was never asked for), so that
+  nothing queued is silently forgotten (the liveness bound alone cannot see a node that
+  left the queue without a writeback).
+- Use stamps (:func:`snapshot_use` / :func:`check_use`): a lock or an unlock makes its
+  path the most recently used (a stamp newer than every stamp before the call, which the
+  eviction order then follows), and a lock counts a reuse (``hit_count``, ``prev_use``
+  for LRU-2, what ``write_through_selective`` reads) exactly when its owner is not the
+  one that counted the node's last reuse.
 - The facade machine adds that an aborted request's own writeback is never published
   and that admission never reuses the whole prompt (its last token is always computed).
 
@@ -26,17 +36,19 @@ whose name starts with ``model_``), so the fuzz shrinks and saves them like any 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node import Node
 
-__all__ = ["MODELS", "ModelViolation", "LayerModel", "eviction_key", "check_eviction_order", "liveness_bound"]
+__all__ = ["MODELS", "ModelViolation", "LayerModel", "eviction_key", "check_eviction_order", "liveness_bound",
+           "snapshot_use", "check_use", "check_queue_exits"]
 
 #: The names a :class:`ModelViolation` carries (what a failure prints).
 MODELS: tuple[str, ...] = ("model_layer_ready", "model_eviction_order", "model_liveness",
-                           "model_aborted_unpublished", "model_whole_prompt", "model_transfer_hazard")
+                           "model_aborted_unpublished", "model_whole_prompt", "model_transfer_hazard",
+                           "model_use_stamp", "model_views", "model_pass_reads", "model_reserve")
 
 #: The request states in which ``layer_ready`` may answer true (``[request.calls]`` of the
 #: spec, restated here so that the model does not read it from the system under test).
@@ -177,3 +189,73 @@ def liveness_bound(nodes: int) -> int:
     """Rounds of "poll, deliver everything" within which everything queued must be done:
     writebacks are issued parent first, one tree level per round at worst."""
     return nodes + 3
+
+
+# -- use stamps and reuse counts ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Use:
+    node: Node
+    hit_count: int
+    last_owner: str | None
+    last_access: int
+    prev_use: int
+
+
+def snapshot_use(path: Iterable[Node]) -> list[_Use]:
+    """The use records of ``path``'s nodes before a lock or an unlock."""
+    return [_Use(n, n.hit_count, n.last_owner, n.last_access, n.prev_use) for n in path]
+
+
+def check_use(before: list[_Use], newest_before: int, owner: str | None, locked: bool, what: str) -> None:
+    """After a lock (``locked``) or an unlock of the path ``before`` was taken of:
+
+    - every node of the path carries one stamp, newer than ``newest_before`` (the newest
+      stamp of any node before the call): the path is now the most recently used;
+    - a lock by ``owner`` counts a reuse (``hit_count`` + 1, ``last_owner`` = owner,
+      ``prev_use`` = the stamp before, from the second reuse on) exactly when ``owner``
+      is ``None`` or not the node's last counted owner; otherwise those stay as they were;
+      an unlock changes none of them.
+
+    Raises:
+        ModelViolation: ``model_use_stamp``.
+    """
+    stamps = {u.node.last_access for u in before}
+    if len(stamps) > 1 or (stamps and min(stamps) <= newest_before):
+        raise ModelViolation("model_use_stamp", what,
+                             f"path stamps {sorted(stamps)} after the call, newest stamp before it "
+                             f"{newest_before}: the path is not the most recently used")
+    for u in before:
+        n = u.node
+        counts = locked and (owner is None or owner != u.last_owner)
+        want = ((u.hit_count + 1, owner, u.last_access if u.hit_count else u.prev_use) if counts
+                else (u.hit_count, u.last_owner, u.prev_use))
+        got = (n.hit_count, n.last_owner, n.prev_use)
+        if got != want:
+            raise ModelViolation("model_use_stamp", f"node {n.node_id} ({what})",
+                                 f"(hit_count, last_owner, prev_use) is {got}, expected {want} "
+                                 f"(owner {owner!r}, before {(u.hit_count, u.last_owner, u.prev_use)})")
+
+
+# -- the writeback queue -------------------------------------------------------------------
+
+def check_queue_exits(before: Mapping[int, Node], after: Mapping[int, Node], live: Mapping[int, Node],
+                      submitted: set[int], refused: Callable[[int], bool]) -> None:
+    """Every node that left the tree-writeback queue between two checks (``before`` ->
+    ``after``, node id -> node) left it for a reason: its writeback was submitted (its id
+    is in ``submitted``, the node ids of the writeback commands issued meanwhile), it left
+    the tree (``live``) or the device state, the host refused it (``refused``), or its
+    parent is a device-only node that no writeback will give a host copy to.
+
+    Raises:
+        ModelViolation: ``model_liveness``, naming the node and its parent's state.
+    """
+    for nid, n in before.items():
+        if nid in after or nid in submitted or live.get(nid) is not n or n.state != "device" or refused(nid):
+            continue
+        p = n.parent
+        if p is None or p.parent is None or p.state == "device":
+            continue
+        raise ModelViolation("model_liveness", f"node {nid}",
+                             f"left the writeback queue without a writeback, a refusal or leaving the "
+                             f"device, while its parent {p.node_id} is {p.state}: it is never written back")
