@@ -29,3 +29,15 @@ def test_keys_equal_but_not_identical_match_inside_a_node() -> None:
     query = [int(s) for s in ("1000", "1001", "1002")]
     assert all(a is not b for a, b in zip(stored, query))
     assert c.match(query).device_units == 3
+
+
+def test_receipts_count_locks_and_node_receipts() -> None:
+    """``len(core.receipts)`` (the rank digest's count) is locks plus pins and borrows."""
+    c = CacheCore(h1(), 8)
+    res = put(c, list("abc"))
+    node = res.node if hasattr(res, "node") else c.match(list("abc")).device_node
+    assert len(c.receipts) == 0
+    c.receipts.lock(node, "r", 1)
+    c.receipts.take("pin", [node], "r")
+    assert (len(c.receipts.locks()), len(c.receipts.node_receipts())) == (1, 1)
+    assert len(c.receipts) == 2
