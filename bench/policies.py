@@ -87,18 +87,18 @@ def kvtier_rows(trace: Path, limit: int | None, jobs: int) -> list[Result]:
 
 
 def table(results: Sequence[Result], ideal: dict[str, float]) -> str:
-    lines = ["| device / host blocks | policy | eviction | kvtier hit rate | ideal exclusive LRU | "
+    lines = ["| device / host blocks | policy | eviction | kvtier hit rate | refused admissions | ideal exclusive LRU | "
              "ideal inclusive LRU | kvtier - ideal exclusive |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         hb = r.host or 0
         policy = (r.policy + (" + exclusive" if r.exclusive else "")) if r.host else "-"
         exc = ideal[f"exclusive|{hb}"]
         inc = ideal.get(f"inclusive|{hb}")
         lines.append(f"| {DEVICE:,} / {f'{hb:,}' if hb else 'none'} | {policy} | {r.eviction} | "
-                     f"{r.hit_rate:.2%} | {exc:.2%} | {'' if inc is None else f'{inc:.2%}'} | "
+                     f"{r.hit_rate:.2%} | {r.refused} | {exc:.2%} | {'' if inc is None else f'{inc:.2%}'} | "
                      f"{(r.hit_rate - exc) * 100:+.2f} points |")
-    lines.append(f"| unbounded | | | | {ideal['unbounded']:.2%} | | |")
+    lines.append(f"| unbounded | | | | | {ideal['unbounded']:.2%} | | |")
     return "\n".join(lines)
 
 
