@@ -164,7 +164,7 @@ def test_exclusive_must_be_a_bool() -> None:
 
 # ------------------------------------------------------------------ policies by name
 def test_unknown_eviction_policy_is_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match=r"eviction policy must be one of \['lru', 'lru2'\], got 'mru'"):
+    with pytest.raises(ConfigError, match=r"eviction policy must be one of \['lru', 'lru2', 'lru_turns'\], got 'mru'"):
         CacheCore(h1(), 4, eviction="mru")
 
 
