@@ -31,7 +31,7 @@ from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bookkeeping import TRACE, Result, run  # noqa: E402
+from bookkeeping import EVICTIONS, TRACE, Result, run  # noqa: E402
 from harness import provenance, record_section  # noqa: E402
 
 from kvtier.argtypes import positive_int  # noqa: E402
@@ -43,8 +43,8 @@ DEVICE = 4000
 HOSTS: tuple[int | None, ...] = (None, 2 * DEVICE, 8 * DEVICE)
 #: (write policy, eviction policy, exclusive host tier) of every kvtier row with a host tier
 WITH_HOST: tuple[tuple[str, str, bool], ...] = tuple(
-    (p, e, False) for p in ("write_through", "write_back", "write_through_selective") for e in ("lru", "lru2")
-) + (("write_back", "lru", True), ("write_back", "lru2", True))
+    (p, e, False) for p in ("write_through", "write_back", "write_through_selective") for e in EVICTIONS
+) + tuple(("write_back", e, True) for e in EVICTIONS)
 
 
 def oracles(peers: Path) -> tuple[ModuleType, ModuleType]:
@@ -78,7 +78,7 @@ def _one(args: tuple[Path, int | None, int | None, str, str, bool]) -> Result:
 
 def kvtier_rows(trace: Path, limit: int | None, jobs: int) -> list[Result]:
     work: list[tuple[Path, int | None, int | None, str, str, bool]] = [
-        (trace, limit, None, "write_through", e, False) for e in ("lru", "lru2")]
+        (trace, limit, None, "write_through", e, False) for e in EVICTIONS]
     work += [(trace, limit, h, p, e, x) for h in HOSTS if h for p, e, x in WITH_HOST]
     if jobs <= 1:
         return [_one(w) for w in work]
@@ -87,8 +87,8 @@ def kvtier_rows(trace: Path, limit: int | None, jobs: int) -> list[Result]:
 
 
 def table(results: Sequence[Result], ideal: dict[str, float]) -> str:
-    lines = ["| device / host blocks | policy | eviction | kvtier hit rate | refused admissions | ideal exclusive LRU | "
-             "ideal inclusive LRU | kvtier - ideal exclusive |",
+    lines = ["| device / host blocks | policy | eviction | kvtier hit rate | refused admissions | "
+             "ideal exclusive LRU | ideal inclusive LRU | kvtier - ideal exclusive |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         hb = r.host or 0

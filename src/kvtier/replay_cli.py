@@ -130,10 +130,12 @@ def add_parser(sub: Any) -> None:
                         "--exclusive), write_through to keep every node backed (cheap demotions, more copies), "
                         "write_through_selective to back up only what two requests used (fewest copies) "
                         "(default: %(default)s)")
-    p.add_argument("--eviction", default="lru", choices=["lru", "lru2"],
-                   help="eviction policy: lru (default; best on conversation traces, where the next turn reuses "
-                        "the newest tail), lru2 (LRU on the device, LRU-2 on the host: keeps what two requests "
-                        "used over one-off tails; for shared-prefix workloads)")
+    p.add_argument("--eviction", default="lru", choices=["lru", "lru2", "lru_turns"],
+                   help="eviction policy: lru (default; the next turn of a conversation reuses the newest tail), "
+                        "lru_turns (LRU in which conversations that came back over several turns age slower: "
+                        "more hits than lru when the host is tight against a conversation trace's working set), "
+                        "lru2 (LRU on the device, LRU-2 on the host: keeps what two requests used over one-off "
+                        "tails; for shared-prefix workloads; loses on conversation traces)")
     p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
                    help="exclusive host tier: the host keeps what the device does not (loaded-back duplicates "
                         "are dropped first); best with --policy write_back when the host is small "
