@@ -31,6 +31,7 @@ CONFIGS: tuple[tuple[int, int | None, str, str, bool], ...] = (
     (4000, None, "write_through", "lru", False),
     (4000, 8000, "write_back", "lru", False),
     (4000, 8000, "write_back", "lru", True),
+    (4000, 8000, "write_back", "lru_turns", True),
     (4000, 32000, "write_through", "lru", False),
 )
 
