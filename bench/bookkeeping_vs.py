@@ -84,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("trace", nargs="?", default=str(TRACE) if TRACE.exists() else None)
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--reps", type=int, default=3, help="runs of each tree per configuration")
+    ap.add_argument("--configs", type=int, nargs="+", default=None, metavar="I",
+                    help="only these rows of CONFIGS (0-based; default: all)")
     args = ap.parse_args(argv)
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
@@ -95,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "| device / host blocks | policy | eviction | old us / request | new us / request | "
                      "new / old | old hit rate | new hit rate | old ran as |",
                      "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-            for device, host, policy, eviction, exclusive in CONFIGS:
+            chosen = CONFIGS if args.configs is None else [CONFIGS[i] for i in args.configs]
+            for device, host, policy, eviction, exclusive in chosen:
                 job: list[object] = [args.trace, args.limit, device, host, policy, eviction, exclusive]
                 olds, news = [], []
                 for _ in range(args.reps):
