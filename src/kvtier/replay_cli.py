@@ -133,7 +133,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--eviction", default="lru", choices=["lru", "lru2", "lru_turns"],
                    help="eviction policy: lru (default; the next turn of a conversation reuses the newest tail), "
                         "lru_turns (LRU in which conversations that came back over several turns age slower: "
-                        "more hits than lru when the host is tight against a conversation trace's working set), "
+                        "more hits than lru device only or with --policy write_back --exclusive and a host about twice the "
+                        "device; lru stays better with a large host), "
                         "lru2 (LRU on the device, LRU-2 on the host: keeps what two requests used over one-off "
                         "tails; for shared-prefix workloads; loses on conversation traces)")
     p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
