@@ -123,10 +123,13 @@ def test_split_of_queued_writeback_queues_both_fragments():
     c.match("ab")
     p = a.parent
     assert c.queued_writebacks() == sorted([a.node_id, p.node_id])
-    (cmd,) = c.issue_writebacks()  # both fragments in one operation, the new parent first
-    assert cmd.node_ids == (p.node_id, a.node_id) and c.queued_writebacks() == []
-    assert c.issue_writebacks() == []
-    ack(c, cmd)
+    (cmd_p,) = c.issue_writebacks()
+    assert cmd_p.node_ids == (p.node_id,)
+    assert c.issue_writebacks() == []  # the suffix waits for its new parent's ack
+    ack(c, cmd_p)
+    (cmd_a,) = c.issue_writebacks()
+    assert cmd_a.node_ids == (a.node_id,)
+    ack(c, cmd_a)
     c.check_invariants()
     assert state(c) == {p.node_id: "backed", a.node_id: "backed"}
 
