@@ -39,6 +39,7 @@ from harness import provenance, record_section  # noqa: E402
 
 from kvtier.argtypes import positive_int  # noqa: E402
 from kvtier.fsm import KvtierError  # noqa: E402
+from kvtier.fsm.eviction import POLICIES  # noqa: E402
 from kvtier.fsm.presets import preset  # noqa: E402
 from kvtier.replay import trace_requests  # noqa: E402
 from kvtier.scheduler import InstantExecutor  # noqa: E402
@@ -49,6 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
+#: every eviction policy (kvtier.fsm.eviction.POLICIES), the default first
+EVICTIONS = ("lru", *sorted(set(POLICIES) - {"lru"}))
 #: (device blocks, host blocks or None, write policy, eviction policy, exclusive host tier):
 #: the peers' capacities (host 8x), then 4,000 device blocks with host none, 2x and 8x for
 #: every write policy and eviction policy (write_back also with an exclusive host tier).
@@ -56,13 +59,12 @@ CONFIGS: tuple[tuple[int, int | None, str, str, bool], ...] = (
     (1000, None, "write_through", "lru", False),
     (1000, 8000, "write_through", "lru", False),
     (1000, 8000, "write_back", "lru", False),
-    (4000, None, "write_through", "lru", False),
-    (4000, None, "write_through", "lru2", False),
+    *((4000, None, "write_through", eviction, False) for eviction in EVICTIONS),
     *((4000, host, policy, eviction, False)
       for host in (8000, 32000)
       for policy in ("write_through", "write_back", "write_through_selective")
-      for eviction in ("lru", "lru2")),
-    *((4000, host, "write_back", eviction, True) for host in (8000, 32000) for eviction in ("lru", "lru2")),
+      for eviction in EVICTIONS),
+    *((4000, host, "write_back", eviction, True) for host in (8000, 32000) for eviction in EVICTIONS),
 )
 
 #: peers' token-weighted hit rates (anchors.md section 7), keyed like CONFIGS.

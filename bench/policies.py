@@ -31,7 +31,7 @@ from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bookkeeping import TRACE, Result, run  # noqa: E402
+from bookkeeping import EVICTIONS, TRACE, Result, run  # noqa: E402
 from harness import provenance, record_section  # noqa: E402
 
 from kvtier.argtypes import positive_int  # noqa: E402
@@ -43,8 +43,8 @@ DEVICE = 4000
 HOSTS: tuple[int | None, ...] = (None, 2 * DEVICE, 8 * DEVICE)
 #: (write policy, eviction policy, exclusive host tier) of every kvtier row with a host tier
 WITH_HOST: tuple[tuple[str, str, bool], ...] = tuple(
-    (p, e, False) for p in ("write_through", "write_back", "write_through_selective") for e in ("lru", "lru2")
-) + (("write_back", "lru", True), ("write_back", "lru2", True))
+    (p, e, False) for p in ("write_through", "write_back", "write_through_selective") for e in EVICTIONS
+) + tuple(("write_back", e, True) for e in EVICTIONS)
 
 
 def oracles(peers: Path) -> tuple[ModuleType, ModuleType]:
@@ -78,7 +78,7 @@ def _one(args: tuple[Path, int | None, int | None, str, str, bool]) -> Result:
 
 def kvtier_rows(trace: Path, limit: int | None, jobs: int) -> list[Result]:
     work: list[tuple[Path, int | None, int | None, str, str, bool]] = [
-        (trace, limit, None, "write_through", e, False) for e in ("lru", "lru2")]
+        (trace, limit, None, "write_through", e, False) for e in EVICTIONS]
     work += [(trace, limit, h, p, e, x) for h in HOSTS if h for p, e, x in WITH_HOST]
     if jobs <= 1:
         return [_one(w) for w in work]
@@ -87,18 +87,18 @@ def kvtier_rows(trace: Path, limit: int | None, jobs: int) -> list[Result]:
 
 
 def table(results: Sequence[Result], ideal: dict[str, float]) -> str:
-    lines = ["| device / host blocks | policy | eviction | kvtier hit rate | ideal exclusive LRU | "
-             "ideal inclusive LRU | kvtier - ideal exclusive |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| device / host blocks | policy | eviction | kvtier hit rate | refused admissions | "
+             "ideal exclusive LRU | ideal inclusive LRU | kvtier - ideal exclusive |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         hb = r.host or 0
         policy = (r.policy + (" + exclusive" if r.exclusive else "")) if r.host else "-"
         exc = ideal[f"exclusive|{hb}"]
         inc = ideal.get(f"inclusive|{hb}")
         lines.append(f"| {DEVICE:,} / {f'{hb:,}' if hb else 'none'} | {policy} | {r.eviction} | "
-                     f"{r.hit_rate:.2%} | {exc:.2%} | {'' if inc is None else f'{inc:.2%}'} | "
+                     f"{r.hit_rate:.2%} | {r.refused} | {exc:.2%} | {'' if inc is None else f'{inc:.2%}'} | "
                      f"{(r.hit_rate - exc) * 100:+.2f} points |")
-    lines.append(f"| unbounded | | | | {ideal['unbounded']:.2%} | | |")
+    lines.append(f"| unbounded | | | | | {ideal['unbounded']:.2%} | | |")
     return "\n".join(lines)
 
 

@@ -58,7 +58,7 @@ class CacheCore:
         world_size: tensor-parallel ranks that must acknowledge every operation.
         op_deadline_steps: scheduler steps after which an operation fails (``None``: never).
         eviction: eviction policy name (:data:`kvtier.fsm.eviction.POLICIES`: ``lru``,
-            ``lru2``).
+            ``lru_turns``, ``lru2``).
         exclusive: an exclusive host tier: the host keeps what the device does not, so
             host eviction drops duplicate copies first (a loaded-back node gives up its
             host copy when the host needs the room).
@@ -101,8 +101,9 @@ class CacheCore:
         self.host = self.ledger.host
         #: exclusive host tier: host eviction drops loaded-back duplicate copies first
         self.exclusive = as_bool(exclusive, "exclusive", error=ConfigError) and host is not None
+        units = sum(min((c[g] // k for g, k in self.pages_per_unit.items()), default=0) for c in (dev, host) if c)
         self.eviction: EvictionPolicy = make_policy(eviction, lambda: iter(self.tree), lambda: len(self.tree),
-                                                    self.tree.has, exclusive=self.exclusive)
+                                                    self.tree.has, exclusive=self.exclusive, capacity_units=units)
         self.receipts = ReceiptBook(ids, self.eviction.touch)
         self.writebacks = WritebackQueue(self.policy, self.write_threshold, enabled=host is not None)
         self.optable = OperationTable(self.world_size, layout.num_layers, op_deadline_steps)

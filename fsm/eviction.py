@@ -10,6 +10,13 @@ with one lazy heap per tier and a sort key per tier. Policies by name
 (:data:`POLICIES`, :func:`make_policy`):
 
 - ``lru`` (default): least recently used first, ties to the deepest node.
+- ``lru_turns``: LRU in which a conversation that came back often ages slower. A node's
+  key is its last use plus ``window x log2(turns)`` clock ticks (``Node.turns``: the
+  conversation turn of the latest request through it), so a path that many turns
+  extended outlives a one-turn path used a little later. ``window`` is
+  :data:`TURN_WINDOW` clock ticks per unit of total capacity (device + host). On the
+  Mooncake conversation trace the chance that a conversation comes back within the cache's
+  reach grows with its turns (0.23 after one turn, 0.64 after eight: bench/RESULTS.md).
 - ``lru2``: LRU on the device, LRU-2 (O'Neil, O'Neil and Weikum, SIGMOD 1993) on the
   host. Host eviction goes by the time of the second-to-last use by a distinct request,
   so a host copy only one request used goes before any two requests used (ties by the
@@ -34,7 +41,7 @@ from .errors import ConfigError
 from .names import DEVICE_RESIDENT
 from .node import Node
 
-__all__ = ["EvictionPolicy", "HeapIndex", "POLICIES", "make_policy"]
+__all__ = ["EvictionPolicy", "HeapIndex", "POLICIES", "TURN_WINDOW", "make_policy", "turns_bonus"]
 
 Key = tuple[int, ...]
 KeyFn = Callable[[Node], Key]
@@ -68,8 +75,32 @@ def lru2_key(n: Node) -> Key:
     return (n.prev_use, n.last_access, -n.depth, n.node_id)
 
 
-#: eviction policy name -> (device key, host key); smaller goes first.
-POLICIES: dict[str, tuple[KeyFn, KeyFn]] = {"lru": (lru_key, lru_key), "lru2": (lru_key, lru2_key)}
+#: ``lru_turns``: clock ticks of bonus per doubling of a node's turns, per unit of total
+#: capacity (a fraction: numerator, denominator), tuned on the first 4,000 requests of the
+#: conversation trace (bench/RESULTS.md, "Cache policies against the ideal LRU").
+TURN_WINDOW = (1, 4)
+
+
+def turns_bonus(turns: int, window: int) -> int:
+    """``window x log2(turns)`` in integers (linear between powers of two), so every rank
+    computes the same key."""
+    b = turns.bit_length() - 1
+    return window * b + ((window * (turns - (1 << b))) >> b)
+
+
+def _turns_keys(window: int) -> tuple[KeyFn, KeyFn]:
+    def key(n: Node) -> Key:
+        return (n.last_access + turns_bonus(n.turns, window), -n.depth, n.node_id)
+
+    return key, key
+
+
+#: eviction policy name -> window (clock ticks) -> (device key, host key); smaller goes first.
+POLICIES: dict[str, Callable[[int], tuple[KeyFn, KeyFn]]] = {
+    "lru": lambda window: (lru_key, lru_key),
+    "lru2": lambda window: (lru_key, lru2_key),
+    "lru_turns": _turns_keys,
+}
 
 
 def _exclusive(key: KeyFn) -> KeyFn:
@@ -102,12 +133,14 @@ class HeapIndex:
         size: the tree's node count.
         is_live: whether a node is still in the tree.
         exclusive: host eviction takes duplicate copies (nodes also on the device) first.
+        window: ``lru_turns``: clock ticks of bonus per doubling of a node's turns.
     """
 
     def __init__(self, name: str, nodes: Callable[[], Iterator[Node]], size: Callable[[], int],
-                 is_live: Callable[[Node], bool], *, exclusive: bool = False) -> None:
+                 is_live: Callable[[Node], bool], *, exclusive: bool = False, window: int = 0) -> None:
         self.name = name
-        self.dev_key, host_key = POLICIES[name]
+        self.window = window
+        self.dev_key, host_key = POLICIES[name](window)
         self.host_key = _exclusive(host_key) if exclusive else host_key
         self._same = self.host_key is self.dev_key
         self._nodes = nodes
@@ -176,12 +209,14 @@ class HeapIndex:
 
 
 def make_policy(name: str, nodes: Callable[[], Iterator[Node]], size: Callable[[], int],
-                is_live: Callable[[Node], bool], *, exclusive: bool = False) -> HeapIndex:
-    """The eviction index of the policy ``name``.
+                is_live: Callable[[Node], bool], *, exclusive: bool = False, capacity_units: int = 0) -> HeapIndex:
+    """The eviction index of the policy ``name``; ``capacity_units``: device + host capacity
+    in cache units (``lru_turns`` scales its window with it, :data:`TURN_WINDOW`).
 
     Raises:
         ConfigError: unknown policy name.
     """
     if name not in POLICIES:
         raise ConfigError(f"eviction policy must be one of {sorted(POLICIES)}, got {name!r}")
-    return HeapIndex(name, nodes, size, is_live, exclusive=exclusive)
+    window = capacity_units * TURN_WINDOW[0] // TURN_WINDOW[1]
+    return HeapIndex(name, nodes, size, is_live, exclusive=exclusive, window=window)

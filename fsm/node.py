@@ -45,6 +45,10 @@ class Node:
             after each prefill chunk counts once); ``write_through_selective`` and the
             frequency-aware eviction policies read it.
         last_owner: the request that counted the last reuse.
+        turns: the conversation turn of the latest request whose prompt went through the
+            node: a request that publishes below a leaf another request also used extends
+            that conversation (the leaf's turns + 1); one that branches off starts at 1.
+            Only grows; the ``lru_turns`` eviction policy reads it.
         last_access: logical clock stamp of the last use (never wall time).
         prev_use: ``last_access`` when the current reuse began (0 before a second use):
             the second-to-last use, for LRU-2 eviction.
@@ -58,7 +62,7 @@ class Node:
 
     __slots__ = ("node_id", "state", "key", "parent", "children", "depth", "dev", "host", "pending",
                  "dev_ckpt", "host_ckpt", "pending_ckpt", "lock_ref", "borrow_ref", "host_pin",
-                 "hit_count", "last_owner", "last_access", "prev_use", "wb_op", "lb_op", "fetch_op", "_refs",
+                 "hit_count", "last_owner", "turns", "last_access", "prev_use", "wb_op", "lb_op", "fetch_op", "_refs",
                  "chunk_checkpoint", "reloaded")
 
     def __init__(self, node_id: int, key: tuple[Hashable, ...], parent: Node | None) -> None:
@@ -79,6 +83,7 @@ class Node:
         self.host_pin = 0
         self.hit_count = 0
         self.last_owner: str | None = None
+        self.turns = 1
         self.last_access = 0
         self.prev_use = 0
         self.wb_op: int | None = None

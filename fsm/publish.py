@@ -191,7 +191,11 @@ class Publisher:
             done = hi
         units = len(key)
         if not stopped and done < units:
+            turns = self._turns(last)
+            for n in path:  # the conversation's turn on its whole path (keys only grow)
+                n.turns = max(n.turns, turns)
             node = core.tree.new_leaf(last, tuple(key[done:]))
+            node.turns = turns
             for g in hist:
                 mine = own[g][done * ppu[g]:]
                 node.dev[g] = mine
@@ -216,6 +220,16 @@ class Publisher:
                     kept.setdefault(g, []).extend(p)
         full = core.device_pages(last)
         return InsertResult(last, done, {g: full[g] for g in hist}, duplicates, kept, tuple(created))
+
+    @staticmethod
+    def _turns(last: Node) -> int:
+        """The turn of a request publishing new units below ``last``: ``last``'s + 1 when
+        ``last`` is a leaf another request used too (the request extends that conversation),
+        ``last``'s when only one request used it (this request's own earlier chunk), else 1
+        (a branch off a shared prefix, or the root)."""
+        if last.parent is None or last.children:
+            return 1
+        return last.turns + 1 if last.hit_count >= 2 else last.turns
 
     def _adopt_checkpoint(self, node: Node, ckpt: PageMap, duplicates: PageMap, chunk: bool) -> None:
         core = self.core

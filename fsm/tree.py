@@ -17,8 +17,8 @@ from .node import Node, PageMap
 __all__ = ["RadixTree"]
 
 #: Per-node attributes a split copies to the new prefix fragment unchanged.
-_SHARED = ("lock_ref", "borrow_ref", "host_pin", "hit_count", "last_owner", "last_access", "prev_use", "wb_op",
-           "lb_op", "fetch_op", "reloaded")
+_SHARED = ("lock_ref", "borrow_ref", "host_pin", "hit_count", "last_owner", "turns", "last_access", "prev_use",
+           "wb_op", "lb_op", "fetch_op", "reloaded")
 
 
 class RadixTree:

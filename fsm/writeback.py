@@ -121,17 +121,25 @@ class WritebackQueue:
         self._queue.clear()
 
     def ready(self) -> list[Node]:
-        """Queued nodes whose parent is the root or on the host, shallowest first. Nodes
-        whose parent is only on the device and not queued leave the queue (their parent
-        will not be written: invariant 1); others stay."""
+        """Queued nodes whose parent is the root or on the host, shallowest first; under
+        ``write_back`` also those whose parent is ready itself (a chain that an eviction
+        queued goes in one operation, parent first, so its pages come free after one round
+        instead of one round per level; invariant 1 holds within the operation). Nodes whose
+        parent is only on the device and not queued leave the queue (their parent will not
+        be written: invariant 1); others stay."""
         out: list[Node] = []
+        taken: set[int] = set()
+        chains = self.policy is WritePolicy.WRITE_BACK
         # (every queued node is a device node of the tree: submitting a writeback and
-        # removing a node both take it out of the queue)
+        # removing a node both take it out of the queue; a parent is shallower, so it is
+        # decided before its children)
         for n in sorted(self._queue.values(), key=lambda x: (x.depth, x.node_id)):
             p = n.parent
             assert p is not None
-            if p.parent is None or p.state in HOST_VISIBLE:
+            if p.parent is None or p.state in HOST_VISIBLE or p.node_id in taken:
                 out.append(n)
+                if chains:
+                    taken.add(n.node_id)
             elif p.state == NODE_STATE.device and p.node_id not in self._queue:
                 self._queue.pop(n.node_id, None)
         return out

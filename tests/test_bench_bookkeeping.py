@@ -12,7 +12,7 @@ import bookkeeping  # noqa: E402
 
 def test_every_configuration_runs_and_the_host_tier_adds_hits() -> None:
     by = {(d, h, p, e, x): bookkeeping.run(None, 300, d, h, p, e, x) for d, h, p, e, x in bookkeeping.CONFIGS}
-    assert len(by) == 21  # the peers' six capacities, then every write and eviction policy at none, 2x, 8x
+    assert len(by) == 30  # the peers' capacities, then every write and eviction policy (3) at none, 2x, 8x
     for r in by.values():
         assert (r.requests, r.refused) == (300, 0)
         assert 0.0 < r.hit_rate < 1.0 and r.us_per_request > 0
@@ -30,5 +30,5 @@ def test_record_writes_the_table_into_its_section(tmp_path: Path) -> None:
     assert "<!-- other:begin -->\nkept\n<!-- other:end -->" in text
     section = text.split("<!-- bookkeeping:begin -->")[1].split("<!-- bookkeeping:end -->")[0]
     assert "## Bookkeeping per request, peers' method" in section
-    assert section.count("| 4,000 / 32,000 |") == 8 and "SGLang HiCache 33.60 %" in section
+    assert section.count("| 4,000 / 32,000 |") == 12 and "SGLang HiCache 33.60 %" in section
     assert "| 4,000 / 8,000 | write_back + exclusive | lru |" in section

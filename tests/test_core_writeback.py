@@ -111,6 +111,27 @@ def test_selective_queues_parent_and_child_parent_first():
     c.check_invariants()
 
 
+def test_write_back_eviction_of_a_deep_leaf_frees_after_one_writeback_round():
+    # regression (issue 15): eviction picks a leaf under a chain of device-only nodes and
+    # queues the chain; the chain used to go one node per round (a parent's ack before its
+    # child was submitted), so an admission retried after one round was still short and
+    # bench/bookkeeping.py refused it. The chain now goes in one operation.
+    c = CacheCore(h1(), 6, 8, policy="write_back")
+    a = put(c, "ab")
+    b = put(c, "abcd", a.pages)
+    d = put(c, "abcdef", b.pages)
+    with pytest.raises(CapacityError):
+        c.alloc_device({"kv": 2})
+    assert c.queued_writebacks() == sorted(n.node.node_id for n in (a, b, d))
+    (cmd,) = c.issue_writebacks()
+    assert cmd.node_ids == (a.node.node_id, b.node.node_id, d.node.node_id)
+    assert pairs(cmd) == [("kv", (0, 1, 2, 3, 4, 5), (0, 1, 2, 3, 4, 5))]
+    ack(c, cmd)
+    assert c.alloc_device({"kv": 2}) == {"kv": [5, 4]}  # the deepest leaf is demoted (freed last page first)
+    assert (d.node.state, c.stats.demotions, free(c, "host")) == ("host", 1, {"kv": 2})
+    c.check_invariants()
+
+
 def test_write_back_eviction_queues_and_frees_nothing_now():
     c = CacheCore(h1(), 4, 8, policy="write_back")
     a = put(c, "ab").node

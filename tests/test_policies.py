@@ -164,7 +164,7 @@ def test_exclusive_must_be_a_bool() -> None:
 
 # ------------------------------------------------------------------ policies by name
 def test_unknown_eviction_policy_is_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match=r"eviction policy must be one of \['lru', 'lru2'\], got 'mru'"):
+    with pytest.raises(ConfigError, match=r"eviction policy must be one of \['lru', 'lru2', 'lru_turns'\], got 'mru'"):
         CacheCore(h1(), 4, eviction="mru")
 
 
@@ -238,3 +238,62 @@ def test_every_policy_decides_the_same_for_the_same_calls(policy: str, exclusive
         return events
 
     assert drive() == drive()
+
+
+# ------------------------------------------------------------------ lru_turns
+def _turn(c: CacheCore, prev, key: tuple[str, ...], rid: str):
+    """A request ``rid`` that matched ``prev`` (locked it) publishes ``key`` below it and
+    locks its new terminal, as the request lifecycle does."""
+    if prev is not None:
+        c.unlock(c.lock(prev, rid))
+    res = put(c, key, c.device_pages(prev) if prev is not None else None)
+    c.unlock(c.lock(res.node, rid))
+    return res.node
+
+
+def test_turns_grow_along_a_conversation_not_along_one_requests_chunks_nor_on_a_branch() -> None:
+    c = CacheCore(h1(), 64, eviction="lru_turns")
+    a = _turn(c, None, keys("a", 2), "r1")
+    assert a.turns == 1
+    b = _turn(c, a, keys("a", 2) + keys("b", 2), "r2")  # the next turn extends a's leaf
+    assert (a.turns, b.turns) == (2, 2)
+    d = _turn(c, b, keys("a", 2) + keys("b", 2) + keys("d", 2), "r3")
+    assert (a.turns, b.turns, d.turns) == (3, 3, 3)
+    # one request's second chunk below its own first one (only it used that node): same turn
+    y1 = _turn(c, None, keys("y", 2), "r4")
+    y2 = put(c, keys("y", 2) + keys("z", 2), c.device_pages(y1)).node
+    assert (y1.hit_count, y1.turns, y2.turns) == (1, 1, 1)
+    # a branch off a node that already has a child starts a conversation of its own
+    e = _turn(c, a, keys("a", 2) + keys("e", 2), "r5")
+    assert (e.turns, a.turns) == (1, 3)  # a's turns only grow
+    c.check_invariants()
+
+
+def test_a_split_keeps_the_turns_on_both_fragments() -> None:
+    c = CacheCore(h1(), 64, eviction="lru_turns")
+    a = _turn(c, None, keys("a", 4), "r1")
+    b = _turn(c, a, keys("a", 4) + keys("b", 2), "r2")
+    c.match(keys("a", 2))  # splits a
+    assert a.parent is not None and a.parent.turns == a.turns == b.turns == 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru_turns"])
+def test_lru_turns_keeps_a_returning_conversation_over_a_slightly_newer_one_turn_leaf(policy: str) -> None:
+    c = CacheCore(h1(), 64, eviction=policy)
+    assert getattr(c.eviction, "window") == 16  # 64 units / 4 (read by lru_turns only)
+    a = _turn(c, None, keys("a", 4), "r1")
+    conv = _turn(c, a, keys("a", 4) + keys("b", 4), "r2")  # two turns: bonus 16 ticks
+    once = _turn(c, None, keys("x", 4), "r3")  # newer, by 3 ticks, but one turn
+    assert conv.last_access < once.last_access < conv.last_access + 16
+    c.evict_device({"kv": 4})
+    assert (conv.state, once.state) == (("device", "removed") if policy == "lru_turns" else ("removed", "device"))
+    # beyond the window recency wins again: the conversation is older by more than its bonus
+    c2 = CacheCore(h1(), 64, eviction=policy)
+    a = _turn(c2, None, keys("a", 4), "r1")
+    conv = _turn(c2, a, keys("a", 4) + keys("b", 4), "r2")
+    c2.tick(), [c2.tick() for _ in range(16)]
+    once = _turn(c2, None, keys("x", 4), "r3")
+    assert once.last_access > conv.last_access + 16
+    c2.evict_device({"kv": 4})
+    assert (conv.state, once.state) == ("removed", "device")
+    c.check_invariants()

@@ -37,7 +37,7 @@ class ReplaySetup:
         device_units: device capacity of the bounded configurations.
         host_units: host capacity of the device-plus-host configuration.
         policy: write policy.
-        eviction: eviction policy (``lru`` or ``lru2``).
+        eviction: eviction policy (``lru``, ``lru_turns`` or ``lru2``).
         exclusive: an exclusive host tier (host eviction drops duplicates first).
         backend: ``none`` (metadata only), ``cpu``, ``torch`` or ``numba``.
         byte_scale: bytes per page are divided by this for real copies (at least 64 B kept).

@@ -132,10 +132,13 @@ def add_parser(sub: Any) -> None:
                         "write_through_selective to back up only what two requests used (fewest copies) "
                         "(default: write_back; with --instances: write_through, so every prefix reaches the "
                         "host and the L3 write policy sees it)")
-    p.add_argument("--eviction", default="lru", choices=["lru", "lru2"],
-                   help="eviction policy: lru (default; best on conversation traces, where the next turn reuses "
-                        "the newest tail), lru2 (LRU on the device, LRU-2 on the host: keeps what two requests "
-                        "used over one-off tails; for shared-prefix workloads)")
+    p.add_argument("--eviction", default="lru", choices=["lru", "lru2", "lru_turns"],
+                   help="eviction policy: lru (default; the next turn of a conversation reuses the newest tail), "
+                        "lru_turns (LRU in which conversations that came back over several turns age slower: "
+                        "more hits than lru device only or with --policy write_back --exclusive and a host about twice the "
+                        "device; lru stays better with a large host), "
+                        "lru2 (LRU on the device, LRU-2 on the host: keeps what two requests used over one-off "
+                        "tails; for shared-prefix workloads; loses on conversation traces)")
     p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None,
                    help="exclusive host tier: the host keeps what the device does not (loaded-back duplicates "
                         "are dropped first); best with --policy write_back when the host is small "

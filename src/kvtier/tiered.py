@@ -81,7 +81,7 @@ class TieredCache(RequestViews):
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (core ``match``).
-        eviction, exclusive: eviction policy (``lru``, ``lru2``); an exclusive host tier.
+        eviction, exclusive: eviction policy (``lru``, ``lru_turns``, ``lru2``); an exclusive host tier.
         l3: :class:`kvtier.fsm.l3.L3Options` turns on the L3 tier ``cache.l3`` (README "A third tier").
         ended_history: how many ended requests :meth:`state` and :meth:`request` still
             answer for after :meth:`poll` reported their end (oldest dropped first).

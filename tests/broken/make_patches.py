@@ -29,8 +29,10 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "01-root-closed-host": ("root_closed_host", [
         ("fsm/guards.py", '"parent_on_host": lambda n: bool(n.parent_on_host),',
          '"parent_on_host": lambda n: True,  # BROKEN'),
-        ("fsm/writeback.py", "            if p.parent is None or p.state in HOST_VISIBLE:\n                out.append(n)",
-         "            if p.parent is None or p.state in HOST_VISIBLE or p.state == NODE_STATE.writing:  # BROKEN\n"
+        ("fsm/writeback.py", "            if p.parent is None or p.state in HOST_VISIBLE or p.node_id in taken:\n"
+         "                out.append(n)",
+         "            if (p.parent is None or p.state in HOST_VISIBLE or p.node_id in taken\n"
+         "                    or p.state == NODE_STATE.writing):  # BROKEN\n"
          "                out.append(n)  # a child is written back before its parent's copy is acknowledged"),
     ]),
     "02-host-means-acked": ("host_means_acked", [

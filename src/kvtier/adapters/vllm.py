@@ -184,7 +184,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             least-recently-offered table of ``max_tracker_size`` keys.
         max_tracker_size: keys the offer counter tracks (with ``store_threshold >= 2``).
         eviction: the core's host eviction policy (:data:`kvtier.fsm.eviction.POLICIES`:
-            ``"lru"``, ``"lru2"``).
+            ``"lru"``, ``"lru_turns"``, ``"lru2"``).
         chain: hang a store's run of chunks under its stored parent chunk (one radix
             tree per conversation: a head is never evicted before its tails). ``False``:
             every run is a tree of its own under the root (eviction goes by recency alone

@@ -115,6 +115,11 @@ def host_victim(core: CacheCore, node: Node) -> bool:
     return core.evictable_on_host(node)
 
 
+def eviction_window(core: CacheCore) -> int:
+    """The ``lru_turns`` window of the core's eviction index (clock ticks per doubling of turns)."""
+    return int(getattr(core.eviction, "window", 0))
+
+
 # -- the facade (TieredCache) --------------------------------------------------------------
 
 def requests(cache: TieredCache) -> dict[str, Request]:

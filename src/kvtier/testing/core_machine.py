@@ -41,7 +41,7 @@ class CoreMachine(KitMachine):
     its prefix (located through the page mapping). A reference set of inserted keys
     checks that nothing is matched beyond an inserted prefix. The setup draws the layout
     (the kit's, with or without state groups, or a preset's: :data:`~kvtier.testing.base.LAYOUTS`),
-    the eviction policy (``lru``, ``lru2``, exclusive host tier) and the example's fault
+    the eviction policy (``lru``, ``lru2``, ``lru_turns``, exclusive host tier) and the example's fault
     level; inserts make final and chunk checkpoints. Reference models
     (:mod:`kvtier.testing.models`): every eviction takes victims in the policy's order,
     and ``quiesce`` checks that everything queued is issued within a bound.
@@ -72,7 +72,7 @@ class CoreMachine(KitMachine):
         ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 8),
         host_units=st.integers(2, 10), deadline=st.sampled_from([None, 3]),
         seed_keys=st.lists(_KEYS, max_size=3), layout=st.sampled_from(LAYOUTS),
-        eviction=st.sampled_from(["lru", "lru2"]), exclusive=st.booleans(), faults=FAULT_LEVEL)
+        eviction=st.sampled_from(["lru", "lru2", "lru_turns"]), exclusive=st.booleans(), faults=FAULT_LEVEL)
     @recorded
     def setup(self, with_state: bool, world: int, policy: str, dev_units: int, host_units: int,
               deadline: int | None, seed_keys: list[list[str]], layout: str | None = None,
@@ -425,7 +425,7 @@ class CoreMachine(KitMachine):
         before = pool[g].free
         victim = views.device_victim if tier == "device" else views.host_victim
         cands = snapshot_candidates([x for x in c.nodes() if victim(c, x)], self.eviction, tier,
-                                    self.exclusive and c.has_host)
+                                    self.exclusive and c.has_host, views.eviction_window(c))
         queued_before = set(views.writeback_queue(c))
         freed = c.evict_device({g: n}) if tier == "device" else c.evict_host({g: n})
         check_eviction_order(cands, tier, set(views.nodes(c)), set(views.writeback_queue(c)), queued_before)

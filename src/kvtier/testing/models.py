@@ -120,12 +120,17 @@ class LayerModel:
 
 # -- eviction order ----------------------------------------------------------------------
 
-def eviction_key(n: Node, policy: str, tier: str, exclusive: bool) -> tuple[int, ...]:
+def eviction_key(n: Node, policy: str, tier: str, exclusive: bool, window: int = 0) -> tuple[int, ...]:
     """The documented order of ``fsm/eviction.py``, restated: ``lru`` is oldest use first,
-    then deepest, then node id; ``lru2`` orders the host by the second-to-last use by a
-    distinct request first; an exclusive host tier takes nodes a loadback brought back
-    (still on the device) before all others."""
-    base: tuple[int, ...] = (n.last_access, -n.depth, n.node_id)
+    then deepest, then node id; ``lru_turns`` adds ``window x log2(turns)`` (linear
+    between powers of two) to the last use, on both tiers; ``lru2`` orders the host by the
+    second-to-last use by a distinct request first; an exclusive host tier takes nodes a
+    loadback brought back (still on the device) before all others."""
+    stamp = n.last_access
+    if policy == "lru_turns":
+        low = 1 << (n.turns.bit_length() - 1)  # the power of two at or below turns
+        stamp += window * (low.bit_length() - 1) + window * (n.turns - low) // low
+    base: tuple[int, ...] = (stamp, -n.depth, n.node_id)
     if tier == "host" and policy == "lru2":
         base = (n.prev_use,) + base
     if tier == "host" and exclusive:
@@ -141,12 +146,13 @@ class _Candidate:
     pages: int
 
 
-def snapshot_candidates(nodes: Iterable[Node], policy: str, tier: str, exclusive: bool) -> list[_Candidate]:
+def snapshot_candidates(nodes: Iterable[Node], policy: str, tier: str, exclusive: bool,
+                        window: int = 0) -> list[_Candidate]:
     """The eviction candidates before a call, with their keys, states and page counts."""
     out = []
     for n in nodes:
         pm = (n.dev, n.dev_ckpt) if tier == "device" else (n.host, n.host_ckpt)
-        out.append(_Candidate(n, eviction_key(n, policy, tier, exclusive), n.state,
+        out.append(_Candidate(n, eviction_key(n, policy, tier, exclusive, window), n.state,
                               sum(len(p) for m in pm for p in m.values())))
     return out
 
