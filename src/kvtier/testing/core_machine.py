@@ -108,6 +108,7 @@ class CoreMachine(KitMachine):
         owner changes; the path becomes the most recently used)."""
         before, newest = snapshot_use(node.path()), self._newest_stamp()
         receipt = self.cache.lock(node, owner)
+        self.cache.check_invariants()  # the invariants first: they name what broke more precisely
         check_use(before, newest, owner, True, f"lock by {owner!r}")
         return receipt
 
@@ -116,6 +117,7 @@ class CoreMachine(KitMachine):
         recently used; reuse counts unchanged)."""
         before, newest = snapshot_use(receipt.node.path()), self._newest_stamp()
         self.cache.unlock(receipt)
+        self.cache.check_invariants()
         check_use(before, newest, None, False, "unlock")
 
     def _take_commands(self) -> None:
