@@ -103,7 +103,7 @@ class CacheCore:
         self.host = self.ledger.host
         #: exclusive host tier: host eviction drops loaded-back duplicate copies first
         self.exclusive = as_bool(exclusive, "exclusive", error=ConfigError) and host is not None
-        self.eviction: EvictionPolicy = make_policy(eviction, lambda: iter(self.tree), lambda: len(self.tree),
+        self.eviction: EvictionPolicy = make_policy(eviction, self.tree.__iter__, self.tree.__len__,
                                                     self.tree.has, exclusive=self.exclusive)
         self.receipts = ReceiptBook(ids, self.eviction.touch)
         self.writebacks = WritebackQueue(self.policy, self.write_threshold, enabled=host is not None)
