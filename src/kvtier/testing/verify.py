@@ -14,6 +14,9 @@ shortest violating trace as a kvtier event sequence.
 from __future__ import annotations
 
 import copy
+import copyreg
+import io
+import pickle
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -21,7 +24,7 @@ from typing import Any
 
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from kvtier.fsm.machines import node_lifecycle, request_lifecycle
+from kvtier.fsm.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
 
 from .machines import FacadeMachine, KitMachine
 from .sequence import EventSequence, Step, check_all, classify, machine_name
@@ -38,22 +41,81 @@ class _Bare(RuleBasedStateMachine):
 _HYPO_ATTRS: frozenset[str] | None = None
 
 
-def clone(machine: KitMachine) -> KitMachine:
-    """An independent copy of ``machine`` (Hypothesis' own bookkeeping and the shared
-    lifecycle machines are shared, everything else is deep-copied)."""
+def _hypothesis_attrs() -> frozenset[str]:
     global _HYPO_ATTRS
     if _HYPO_ATTRS is None:
         _HYPO_ATTRS = frozenset(vars(_Bare()))
-    memo: dict[int, Any] = {id(node_lifecycle()): node_lifecycle(), id(request_lifecycle()): request_lifecycle()}
+    return _HYPO_ATTRS
+
+
+def _shared(machine: KitMachine) -> dict[int, Any]:
+    """The objects every copy shares (by id): the lifecycle machines and the layout."""
+    shared = [node_lifecycle(), request_lifecycle()]
     cache = getattr(machine, "cache", None)
     if cache is not None:
-        memo[id(cache.layout)] = cache.layout
+        shared.append(cache.layout)
+    return {id(o): o for o in shared}
+
+
+def clone(machine: KitMachine) -> KitMachine:
+    """An independent copy of ``machine`` (Hypothesis' own bookkeeping and the shared
+    lifecycle machines are shared, everything else is deep-copied)."""
+    hypo = _hypothesis_attrs()
+    memo: dict[int, Any] = dict(_shared(machine))
     new = object.__new__(type(machine))
-    state = {k: v for k, v in vars(machine).items() if k not in _HYPO_ATTRS and k != "kit_trace"}
-    new.__dict__.update({k: v for k, v in vars(machine).items() if k in _HYPO_ATTRS})
+    state = {k: v for k, v in vars(machine).items() if k not in hypo and k != "kit_trace"}
+    new.__dict__.update({k: v for k, v in vars(machine).items() if k in hypo})
     new.__dict__.update(copy.deepcopy(state, memo))
     new.kit_trace = list(machine.kit_trace)
     return new
+
+
+def _reduce_lifecycle(lc: Lifecycle) -> tuple[Callable[[], Lifecycle], tuple[()]]:
+    """Pickle a shared lifecycle machine by reference to its (cached) constructor."""
+    for shared in (node_lifecycle, request_lifecycle, l3_lifecycle):
+        if lc is shared():
+            return shared, ()
+    raise pickle.PicklingError(f"a lifecycle machine that is not shared: {lc!r}")
+
+
+_DISPATCH = {**copyreg.dispatch_table, Lifecycle: _reduce_lifecycle}
+
+
+class _Snapshots:
+    """Frozen machine states for the search: the machine's own attributes pickled (the
+    shared lifecycle machines by reference, Hypothesis' bookkeeping left out and shared),
+    thawed into an independent copy per step. Pickling and unpickling cost about a third
+    of :func:`copy.deepcopy` and a frozen state takes a few kB; a machine whose state does
+    not pickle falls back to :func:`clone` (the frozen state is then a machine)."""
+
+    def __init__(self, root: KitMachine) -> None:
+        self.cls = type(root)
+        hypo = _hypothesis_attrs()
+        self.hypo = {k: v for k, v in vars(root).items() if k in hypo}
+        self.pickles = True
+        try:
+            self.thaw(self.freeze(root))
+        except (pickle.PicklingError, TypeError, AttributeError):
+            self.pickles = False
+
+    def freeze(self, m: KitMachine) -> Any:
+        if not self.pickles:
+            return clone(m)
+        hypo = _hypothesis_attrs()
+        state = {k: v for k, v in vars(m).items() if k not in hypo and k != "kit_trace"}
+        buf = io.BytesIO()
+        pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = _DISPATCH
+        pickler.dump(state)
+        return buf.getvalue()
+
+    def thaw(self, blob: Any) -> KitMachine:
+        if not isinstance(blob, bytes):
+            return clone(blob)
+        new = object.__new__(self.cls)
+        new.__dict__.update(self.hypo)
+        new.__dict__.update(pickle.loads(blob))
+        return new
 
 
 @dataclass
@@ -123,34 +185,39 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
     root.kit_replaying = True
     getattr(root, first.rule)(**first.args)
     check_all(root)
+    snaps = _Snapshots(root)
     seen: set[Hashable] = {root.kit_canonical()}
-    frontier: list[KitMachine] = [root]
+    # the frontier: (frozen state, its trace, its enabled steps) per new state of the level
+    frontier: list[tuple[Any, list[Step], list[Step]]] = [(snaps.freeze(root), list(root.kit_trace),
+                                                            root.kit_actions())]
     res.states = 1
     name = machine_name(machine)
     for level in range(1, depth + 1):
-        nxt: list[KitMachine] = []
+        nxt: list[tuple[Any, list[Step], list[Step]]] = []
         new_here = 0
-        for m in frontier:
-            for step in m.kit_actions():
-                child = clone(m)
+        for blob, trace, actions in frontier:
+            for step in actions:
+                child = snaps.thaw(blob)
+                child.kit_trace = list(trace)
                 res.transitions += 1
                 try:
                     getattr(child, step.rule)(**step.args)
                     check_all(child)  # the kit's invariants and the machine's own
+                    key = child.kit_canonical()  # (which may check what it abstracts away)
                 except Exception as exc:  # noqa: BLE001 - a failure of the system under test
                     res.invariant, res.message = classify(exc)
                     res.violation = EventSequence(
                         name, list(child.kit_trace), "verify-violation",
                         f"shortest violating trace found by kvtier verify (depth {level})",
                         {"outcome": "violation", "invariant": res.invariant})
+                    res.states = len(seen)
                     res.depth = level
                     res.seconds = time.perf_counter() - t0
                     return res
-                key = child.kit_canonical()
                 if key in seen:
                     continue
                 seen.add(key)
-                nxt.append(child)
+                nxt.append((snaps.freeze(child), child.kit_trace, child.kit_actions()))
                 new_here += 1
                 if max_states is not None and len(seen) >= max_states:
                     res.stopped = f"state limit {max_states:,} reached at depth {level}"
