@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.fsm import Direction
+from kvtier.fsm import Direction, WritePolicy
+from kvtier.fsm.machines import request_lifecycle
+from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node import Node
 
 from . import _views as views
@@ -53,9 +55,11 @@ class CanonicalState:
         m = self.m
         core = m.cache.core
         nodes, op_table, wb_queue = views.nodes(core), views.ops(core), views.writeback_queue(core)
-        stamps = sorted({n.last_access for n in nodes.values()})
+        lru2 = core.eviction.name == "lru2"
+        stamps = sorted({n.last_access for n in nodes.values()} | ({n.prev_use for n in nodes.values()} if lru2 else set()))
         ids = sorted(nodes)
         thr = core.write_threshold
+        selective = core.policy is WritePolicy.WRITE_THROUGH_SELECTIVE
         tree: list[Any] = []
 
         def walk(n: Node) -> None:
@@ -65,7 +69,9 @@ class CanonicalState:
                 tree.append((self.nodes[c.node_id], c.state, self.pmap("d", c.dev), self.pmap("h", c.host),
                              self.pmap("h", c.pending), self.pmap("d", c.dev_ckpt), self.pmap("h", c.host_ckpt),
                              self.pmap("h", c.pending_ckpt), c.lock_ref, c.borrow_ref, c.host_pin,
-                             min(c.hit_count, thr), stamps.index(c.last_access), ids.index(c.node_id),
+                             (min(c.hit_count, thr), c.last_owner) if selective else None,
+                             stamps.index(c.last_access), stamps.index(c.prev_use) if lru2 else None,
+                             ids.index(c.node_id),
                              self.op(c.wb_op), self.op(c.lb_op), c.chunk_checkpoint, c.node_id in wb_queue))
                 walk(c)
 
@@ -97,6 +103,17 @@ class CanonicalState:
         queues = tuple(sorted((self.op(op), tuple(tuple((c.rank, c.layer) for c in q) for q in qs))
                               for op, qs in m.xfer.queues.items()))
         expired = tuple(sorted(self.op(op) or 0 for op in m.expired if op in m.xfer.queues))
+        # the kit's own records: an aborted request's writebacks in flight (the model checks
+        # none is published when it settles; op ids are never reused, so a settled one's entry
+        # is never read again) and the per-rank layer model (checked against layer_ready)
+        poisoned = tuple(sorted((self.op(op) or 0, rid, tuple(sorted((g, tuple(sorted(self.page("h", g, p) for p in ps)))
+                                                                      for g, ps in dst.items())),
+                                 tuple(self.node(n) for n in ns)) for op, (rid, dst, ns) in sorted(m.poisoned.items()) if op in op_table))
+        lm = m.layer_model
+        layers = (tuple(sorted((self.op(op) or 0, tuple(sorted(rk.items()))) for op, rk in sorted(lm.progress.items()))),
+                  tuple(sorted(self.op(op) or 0 for op in sorted(lm.failed_ops))),
+                  tuple(sorted((rid, tuple(sorted(self.op(op) or 0 for op in sorted(ops)))) for rid, ops in lm.waits.items())),
+                  tuple(sorted(lm.failed)))
         # the free lists in O(pages ever allocated), never O(capacity). In allocation order a
         # free list is the ids never allocated, then the freed ones; an id seen nowhere else
         # in the state is fresh, so the leading run of fresh ids (every never-allocated one,
@@ -115,15 +132,27 @@ class CanonicalState:
                         rest.append(self.page(pool, g, p))
                 free.append((pool, g, fresh, tuple(rest)))
         store = []
-        # bytes of allocated pages only: a free page's stale content is never read before written
+        # bytes of allocated pages only: a free page's stale content is never read before
+        # written. Of an allocated page, what matters is the content named after its prefix,
+        # or none: every check compares a page with the content it must hold, and a copy moves
+        # what it reads, so a page never written and one a failed copy left garbage in are
+        # the same ("invalid")
         for pool, data in (("d", m.xfer.dev), ("h", m.xfer.host)):
             for (g, p), v in data.items():
                 if (pool, g, p) in self.pages and not allocators[pool][g].is_free(p):
                     garbage = isinstance(v, tuple) and len(v) == 2 and v[0] == "garbage"
-                    store.append((pool, g, self.pages[(pool, g, p)], "garbage" if garbage else repr(v)))
-        # unreported request events: which ones are pending, not how many times (poll reports them)
-        events = tuple(sorted({(e.request_id, e.state, e.reason or "") for e in views.request_events(m.cache)}))
+                    if not garbage:
+                        store.append((pool, g, self.pages[(pool, g, p)], repr(v)))
+        # unreported request events: only whether there are any (it enables poll, which
+        # forgets ended requests). What they say is read by nothing but the check of poll's
+        # answer, made here instead, in every state: each names a state of the spec
+        events = views.request_events(m.cache)
+        names = request_lifecycle().spec.state_names
+        for e in events:
+            if e.state not in names:
+                raise InvariantViolation("state_matches_resources", f"request {e.request_id!r}",
+                                         f"reported in unknown state {e.state!r}")
         fenced = tuple(sorted((rid, self.pmap("d", own)) for rid, own in m.fenced.items()))
         return (tuple(tree), tuple(ops), tuple(reqs), outbox, queues, expired, tuple(free),
-                tuple(sorted(store)), events, fenced)
+                tuple(sorted(store)), bool(events), fenced, poisoned, layers)
 

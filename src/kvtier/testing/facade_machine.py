@@ -489,6 +489,8 @@ class FacadeMachine(KitMachine):
                     for t in op.command.transfers:
                         dst.setdefault(t.group, set()).update(t.dst_pages)
                     self.poisoned[op_id] = (rid, dst, list(op.nodes))
+                    if op_id not in views.ops(self.cache.core):  # the abort settled it: check now
+                        self._check_unpublished(op_id)
             if self._state(rid) == "aborting":
                 self.fenced[rid] = own
 
