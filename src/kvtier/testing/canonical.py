@@ -59,6 +59,10 @@ class CanonicalState:
         stamps = sorted({n.last_access for n in nodes.values()} | ({n.prev_use for n in nodes.values()} if lru2 else set()))
         ids = sorted(nodes)
         thr = core.write_threshold
+        # op ids keep their relative order (some steps take ops in id order), not their values
+        for o in sorted(set(op_table) | set(m.xfer.queues) | set(m.xfer.commands)
+                        | {c.op_id for c in views.outbox(core)}):
+            self.op(o)
         selective = core.policy is WritePolicy.WRITE_THROUGH_SELECTIVE
         tree: list[Any] = []
 
@@ -143,16 +147,16 @@ class CanonicalState:
                     garbage = isinstance(v, tuple) and len(v) == 2 and v[0] == "garbage"
                     if not garbage:
                         store.append((pool, g, self.pages[(pool, g, p)], repr(v)))
-        # unreported request events: only whether there are any (it enables poll, which
-        # forgets ended requests). What they say is read by nothing but the check of poll's
-        # answer, made here instead, in every state: each names a state of the spec
-        events = views.request_events(m.cache)
+        # unreported request events are left out: what they say is read by nothing but the
+        # check of poll's answer, made here instead, in every state (each names a state of
+        # the spec), and whether there are any by nothing (kit_actions polls when a poll does
+        # more than report them)
         names = request_lifecycle().spec.state_names
-        for e in events:
+        for e in views.request_events(m.cache):
             if e.state not in names:
                 raise InvariantViolation("state_matches_resources", f"request {e.request_id!r}",
                                          f"reported in unknown state {e.state!r}")
         fenced = tuple(sorted((rid, self.pmap("d", own)) for rid, own in m.fenced.items()))
         return (tuple(tree), tuple(ops), tuple(reqs), outbox, queues, expired, tuple(free),
-                tuple(sorted(store)), bool(events), fenced, poisoned, layers)
+                tuple(sorted(store)), fenced, poisoned, layers)
 
