@@ -8,9 +8,10 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.fsm import Direction, WritePolicy
-from kvtier.fsm.machines import request_lifecycle
 from kvtier.fsm.errors import InvariantViolation
+from kvtier.fsm.machines import request_lifecycle
 from kvtier.fsm.node import Node
+from kvtier.fsm.request import TERMINAL
 
 from . import _views as views
 from .content import node_prefix
@@ -93,7 +94,9 @@ class CanonicalState:
                         tuple(sorted(op.layers.items())), tuple(sorted(op.seen, key=repr)),
                         None if op.checkpoint is None else self.node(op.checkpoint)))
         reqs = []
-        requests = views.requests(m.cache)
+        # an ended request with nothing owed is as good as forgotten (poll forgets it): its id
+        # may only be admitted again, which makes a new record either way
+        requests = {rid: r for rid, r in views.requests(m.cache).items() if not (r.state in TERMINAL and r.settled)}
         for rid in sorted(requests):
             r = requests[rid]
             reqs.append((rid, r.state, tuple(r.units), r.prompt_tokens, r.tokens, r.reserved,
@@ -116,8 +119,9 @@ class CanonicalState:
         lm = m.layer_model
         layers = (tuple(sorted((self.op(op) or 0, tuple(sorted(rk.items()))) for op, rk in sorted(lm.progress.items()))),
                   tuple(sorted(self.op(op) or 0 for op in sorted(lm.failed_ops))),
-                  tuple(sorted((rid, tuple(sorted(self.op(op) or 0 for op in sorted(ops)))) for rid, ops in lm.waits.items())),
-                  tuple(sorted(lm.failed)))
+                  tuple(sorted((rid, tuple(sorted(self.op(op) or 0 for op in sorted(ops))))
+                               for rid, ops in lm.waits.items() if rid in requests and ops)),
+                  tuple(sorted(rid for rid in lm.failed if rid in requests)))
         # the free lists in O(pages ever allocated), never O(capacity). In allocation order a
         # free list is the ids never allocated, then the freed ones; an id seen nowhere else
         # in the state is fresh, so the leading run of fresh ids (every never-allocated one,
