@@ -77,7 +77,8 @@ class CanonicalState:
                              (min(c.hit_count, thr), c.last_owner) if selective else None,
                              stamps.index(c.last_access), stamps.index(c.prev_use) if lru2 else None,
                              ids.index(c.node_id),
-                             self.op(c.wb_op), self.op(c.lb_op), c.chunk_checkpoint, c.node_id in wb_queue))
+                             self.op(c.wb_op), self.op(c.lb_op), c.chunk_checkpoint, c.node_id in wb_queue,
+                             c.reloaded and core.exclusive))
                 walk(c)
 
         walk(core.root)
@@ -103,9 +104,11 @@ class CanonicalState:
                          self.pmap("d", r.canon), self.pmap("d", r.own), r.published,
                          None if r.lock is None else self.node(r.lock.node),
                          tuple(tuple(self.node(n) for n in p.nodes) for p in r.pins),
-                         tuple(sorted(self.op(o) or 0 for o in r.ops)), r.owed_forward, r.reason,
-                         r.has_loadback, r.has_own_writeback, r.hit_tokens,
-                         tuple(sorted((self.op(o), v) for o, v in r.layers.items())), r.poisoned, r.retract_ckpt))
+                         tuple(sorted(self.op(o) or 0 for o in r.ops)), r.owed_forward,
+                         tuple(sorted((self.op(o), v) for o, v in r.layers.items())), r.poisoned, r.retract_ckpt,
+                         r.layers_failed, r.room, None if r.ckpt_borrow is None else
+                         tuple(self.node(n) for n in r.ckpt_borrow.nodes), self.pmap("d", r.ckpt_pages),
+                         tuple((n - r.results, self.pmap("d", pm)) for n, pm in r.deferred)))
         outbox = tuple(self.op(c.op_id) for c in views.outbox(core))
         queues = tuple(sorted((self.op(op), tuple(tuple((c.rank, c.layer) for c in q) for q in qs))
                               for op, qs in m.xfer.queues.items()))
