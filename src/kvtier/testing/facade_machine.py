@@ -156,6 +156,18 @@ class FacadeMachine(KitMachine):
             self._check_unpublished(op_id)
         for op_id, op in ops.items():
             self.inflight.setdefault(op_id, op)
+        self._scrub_freed()
+
+    def _scrub_freed(self) -> None:
+        """A page back in its pool holds undefined bytes: its content becomes garbage, so a
+        page reused without being written first (a use after free) never shows stale bytes
+        that happen to be right (and ``kvtier verify`` never tells states apart by them)."""
+        core = self.cache.core
+        for store, pools in ((self.xfer.dev, core.device), (self.xfer.host, core.host or {})):
+            stale = [k for k, v in store.items() if k[0] in pools and pools[k[0]].is_free(k[1])
+                     and not (isinstance(v, tuple) and len(v) == 2 and v[0] == "garbage")]
+            for key in stale:
+                store[key] = ("garbage", "freed")
 
     def _complete(self, ev: Completion) -> None:
         """Deliver one completion, recording it in the layer model."""
