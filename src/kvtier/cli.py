@@ -236,8 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=positive_int, default=6, help="bound on steps (default %(default)s)")
     p.add_argument("--world-size", type=int, default=1, choices=[1, 2], help="ranks (default %(default)s)")
     p.add_argument("--requests", type=int, default=2, choices=[1, 2],
-                   help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only, which reaches a "
-                        "fixpoint with --device-units 2 --host-units 2 (depth 37, about 20 s)")
+                   help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only. Fixpoints (every "
+                        "reachable state): --requests 1 --tail --device-units 2 --host-units 2 (316 states); "
+                        "--prompts a,a --tail --device-units 2 --host-units 1 (2 requests, 5,412 states)")
     p.add_argument("--prompts", metavar="P1,P2", help="the requests' prompts as unit letters, comma-separated "
                    "(e.g. 'a,a': two requests sharing the prefix 'a'); overrides --requests")
     p.add_argument("--tail", action="store_true", help="prompts end one token past their last unit (their "

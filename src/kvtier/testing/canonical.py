@@ -1,5 +1,51 @@
 """The canonical abstraction of a facade machine's state, by which ``kvtier verify``
 merges states that behave the same (:meth:`~kvtier.testing.machines.FacadeMachine.kit_canonical`).
+
+Two states with the same canonical value must have the same future: the same steps
+enabled, each leading to states with equal canonical values, and the same outcome of every
+invariant and model check (the checks read only what the value keeps, up to the renamings
+below). Each abstraction and why it keeps that:
+
+- **Nodes by prefix**; node ids only by their order (eviction and the writeback queue
+  break ties by node id).
+- **Page ids renumbered** per pool and group by first appearance. The core never orders
+  pages by id: a page is handed out by its place in the free list, which is kept (as the
+  order of the renumbered ids; the trailing run of ids no one references, all alike, as a
+  count), so a consistent renaming of every page id behaves the same up to that renaming.
+- **Op ids by their order**, not their values: some steps take operations in id order
+  (withdrawals, poll's commands, the delivery order), new ids exceed all live ones and no
+  id is reused.
+- **Clock stamps by their order** (``last_access``; ``prev_use`` too under ``lru2``, the
+  only policy that reads it): eviction compares stamps only with each other and a new
+  stamp exceeds every stamp in the state. Deadlines are kept relative to the current step.
+- **Reuse counts** (``hit_count`` capped at the threshold, with ``last_owner``, which
+  decides whether the next lock counts) only under ``write_through_selective``, the only
+  reader; ``reloaded`` only with an exclusive host tier.
+- **Page content**: only allocated pages', and only content named after a prefix: every
+  check compares a page with the content it must hold and a copy moves what it reads, so a
+  page never written and one holding garbage are alike. A page back in its pool holds
+  garbage in the machine itself (:meth:`FacadeMachine._scrub_freed`), so leaving free
+  pages out drops nothing (stale but correct bytes would hide a use after free).
+- **Unreported request events** are left out. Nothing reads them but the check of poll's
+  answer (every event names a state of the spec), which :meth:`CanonicalState.value`
+  makes in every state instead; ``kit_actions`` polls only when poll hands out commands or
+  issues writebacks, never just to report.
+- **Ended requests with nothing owed count as forgotten** (poll forgets them): their id
+  can only be admitted again, which makes a new record either way, and the layer model
+  resets a request's entries when it is admitted.
+- **Request fields nothing reads later**: ``has_loadback`` and ``has_own_writeback`` are
+  set right before the only reads (the guards of the event fired next); ``hit_tokens``,
+  ``reason``, counters and statistics are only reported.
+- **The kit's records**: an aborted request's writebacks only while in flight (the model
+  checks one when it settles; ids are not reused), the layer model of live requests.
+- The eviction index's heap (stale entries included) is left out: the policy re-files
+  whatever can become a victim (``EvictionPolicy``: a node yielded and not evicted is
+  forgotten until touched), so candidates follow from the nodes; the fuzz's eviction-order
+  model checks that rule.
+
+Not merged: two requests with the same prompt. Swapping them is not a symmetry of the
+facade, which breaks ties by request id (an operation's waiters are woken in id order), so
+a state and its mirror image may have different futures.
 """
 
 from __future__ import annotations
@@ -23,9 +69,10 @@ __all__ = ["CanonicalState"]
 
 
 class CanonicalState:
-    """Canonical abstraction of a facade machine's state: nodes by their prefix, page ids,
-    op ids and receipt ids renumbered by first appearance, clock stamps replaced by
-    their order (LRU order kept), deadlines relative to the current step."""
+    """Canonical abstraction of a facade machine's state (see the module docstring for each
+    abstraction and why it is sound): :meth:`value` is hashable; raises
+    :class:`~kvtier.fsm.errors.InvariantViolation` when an unreported request event names
+    a state the spec does not have."""
 
     def __init__(self, m: FacadeMachine) -> None:
         self.m = m

@@ -4,12 +4,16 @@ Breadth-first over every interleaving of the enabled steps of a kit machine
 (:meth:`KitMachine.kit_actions`: admissions, forward results, reservations, finishes,
 retractions, resumptions, aborts, every deliverable completion succeeding or failing,
 deadlines, polls), from one fixed setup. States are merged through
-:meth:`KitMachine.kit_canonical` (nodes by prefix; page, op and receipt ids renumbered
-canonically; clock stamps replaced by their LRU order), and every invariant (the kit's
-and the machine's own ``@invariant()`` methods) is checked in every state reached. The result is the number of distinct states, the depth
-reached, whether the search reached a fixpoint (every reachable state seen), or the
-shortest violating trace as a kvtier event sequence.
-"""
+:meth:`KitMachine.kit_canonical` (for the facade, :mod:`kvtier.testing.canonical`: nodes
+by prefix, page and op ids renumbered, clock stamps replaced by their order, what no later
+step reads left out; its docstring says why each merge is sound), and every invariant (the
+kit's and the machine's own ``@invariant()`` methods) is checked in every state reached.
+The frontier's states are kept pickled (a few kB each) and thawed once per step. The result
+is the number of distinct states, the depth reached, whether the search reached a fixpoint
+(every reachable state seen), or the shortest violating trace as a kvtier event sequence.
+
+Measured (``bench/RESULTS.md``, verify fixpoint): two requests with the prompt ``a`` plus
+one token, 2 device units and 1 host unit, reach a fixpoint of 5,412 states at depth 35."""
 
 from __future__ import annotations
 
