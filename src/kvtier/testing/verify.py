@@ -136,6 +136,11 @@ class VerifyResult:
         seconds: wall time.
         per_depth: new states per level.
         stopped: why the search stopped early (time or state limit), else ``""``.
+        merges_checked: with ``check_merges``, the merged states whose successors were
+            compared with those of the state they were merged into.
+        merge_mismatch: with ``check_merges``, the traces of two states the canonical
+            form merged although their successors differ (a defect of the abstraction,
+            not of the system under test), else ``None``.
     """
 
     states: int = 0
@@ -148,10 +153,12 @@ class VerifyResult:
     seconds: float = 0.0
     per_depth: list[int] = field(default_factory=list)
     stopped: str = ""
+    merges_checked: int = 0
+    merge_mismatch: tuple[EventSequence, EventSequence] | None = None
 
     @property
     def ok(self) -> bool:
-        return self.violation is None
+        return self.violation is None and self.merge_mismatch is None
 
     def report(self) -> str:
         lines = [f"states explored: {self.states:,} distinct ({self.transitions:,} steps executed) "
@@ -160,6 +167,12 @@ class VerifyResult:
                                                    else f"; new states per level: {self.per_depth}")]
         if self.stopped:
             lines.append(f"stopped early: {self.stopped}")
+        if self.merges_checked:
+            lines.append(f"merges checked: {self.merges_checked:,} merged states had the successors of the "
+                         f"state they were merged into")
+        if self.merge_mismatch is not None:
+            lines.append("MERGE MISMATCH: two states with one canonical value have different successors:")
+            lines.extend(seq.render() for seq in self.merge_mismatch)
         if self.violation is not None:
             lines.append(f"VIOLATION of {self.invariant}: {self.message}")
             lines.append(f"shortest violating trace ({len(self.violation.steps)} steps):")
@@ -171,7 +184,8 @@ class VerifyResult:
 
 def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step | None = None,
            max_states: int | None = None, seconds: float | None = None,
-           progress: Callable[[int, int, int], None] | None = None) -> VerifyResult:
+           progress: Callable[[int, int, int], None] | None = None,
+           check_merges: bool = False) -> VerifyResult:
     """Explore every interleaving up to ``depth`` steps after the setup.
 
     Args:
@@ -181,6 +195,10 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
         max_states: stop early (reported in ``stopped``) past this many states.
         seconds: stop early (reported in ``stopped``) past this many seconds.
         progress: called with (level, frontier size, states so far) after each level.
+        check_merges: cross-check the canonical form, one step deep (about 3x the time):
+            every state merged into one seen before must have the same successors (their
+            canonical values, as a set) and pass the same checks; a difference stops the
+            search (``merge_mismatch``).
     """
     t0 = time.perf_counter()
     res = VerifyResult()
@@ -191,6 +209,23 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
     check_all(root)
     snaps = _Snapshots(root)
     seen: set[Hashable] = {root.kit_canonical()}
+    reps: dict[Hashable, tuple[Any, list[Step]]] = {}  # check_merges: the first state of each value
+    succ: dict[Hashable, frozenset[Hashable]] = {}
+
+    def successors(blob: Any) -> frozenset[Hashable]:
+        out = set()
+        for step in snaps.thaw(blob).kit_actions():
+            m = snaps.thaw(blob)
+            try:
+                getattr(m, step.rule)(**step.args)
+                check_all(m)
+                out.add(m.kit_canonical())
+            except Exception as exc:  # noqa: BLE001 - a check failing counts as an outcome
+                out.add(("failed", classify(exc)[0]))
+        return frozenset(out)
+
+    if check_merges:
+        reps[next(iter(seen))] = (snaps.freeze(root), list(root.kit_trace))
     # the frontier: (frozen state, its trace, its enabled steps) per new state of the level
     frontier: list[tuple[Any, list[Step], list[Step]]] = [(snaps.freeze(root), list(root.kit_trace),
                                                             root.kit_actions())]
@@ -219,10 +254,25 @@ def verify(depth: int, *, machine: type[KitMachine] = FacadeMachine, setup: Step
                     res.seconds = time.perf_counter() - t0
                     return res
                 if key in seen:
-                    continue
-                seen.add(key)
-                nxt.append((snaps.freeze(child), child.kit_trace, child.kit_actions()))
-                new_here += 1
+                    if check_merges:
+                        rep_blob, rep_trace = reps[key]
+                        if key not in succ:
+                            succ[key] = successors(rep_blob)
+                        res.merges_checked += 1
+                        if successors(snaps.freeze(child)) != succ[key]:
+                            res.merge_mismatch = (
+                                EventSequence(name, rep_trace, "verify-merged-first", "the state merged into"),
+                                EventSequence(name, list(child.kit_trace), "verify-merged", "the state merged"))
+                            res.stopped = f"merge mismatch at depth {level}"
+                    if not res.stopped:
+                        continue
+                else:
+                    seen.add(key)
+                    frozen = snaps.freeze(child)
+                    nxt.append((frozen, child.kit_trace, child.kit_actions()))
+                    if check_merges:
+                        reps[key] = (frozen, list(child.kit_trace))
+                    new_here += 1
                 if max_states is not None and len(seen) >= max_states:
                     res.stopped = f"state limit {max_states:,} reached at depth {level}"
                 if seconds is not None and time.perf_counter() - t0 > seconds:
