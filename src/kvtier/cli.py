@@ -134,7 +134,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     cov = LifecycleCoverage()
     with cov.recording():
         res = verify(args.depth, machine=machine, setup=setup, seconds=args.max_seconds, progress=progress,
-                     check_merges=args.check_merges)
+                     check_merges=1 if args.check_merges else 0)
     print(res.report())
     hit = {i.label for i in cov.covered("transition")}
     reach = [name for name, label in (("device", "node: new --create [parent_readable]--> device"),
@@ -254,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-units", type=positive_int, default=4, help="host capacity in units (default %(default)s)")
     p.add_argument("--deadline", type=positive_int, default=None, help="operation deadline in steps (default: none)")
     p.add_argument("--max-seconds", type=positive_float, default=None, help="stop early after this long (exit status 3: the bound was not completed)")
-    p.add_argument("--check-merges", action="store_true", help="cross-check the canonical state, one step "
-                   "deep (about 3x slower): every state merged into another must have its successors")
+    p.add_argument("--check-merges", action="store_true", help="cross-check the canonical state one step "
+                   "ahead (about 3x slower): every state merged into another must have the same successors")
     p.add_argument("--save", default="kvtier-verify-violation.json", metavar="FILE",
                    help="where a violating trace is saved (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no per-level progress")
