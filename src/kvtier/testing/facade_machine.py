@@ -166,8 +166,8 @@ class FacadeMachine(KitMachine):
         for store, pools in ((self.xfer.dev, core.device), (self.xfer.host, core.host or {})):
             stale = [k for k, v in store.items() if k[0] in pools and pools[k[0]].is_free(k[1])
                      and not (isinstance(v, tuple) and len(v) == 2 and v[0] == "garbage")]
-            for key in stale:
-                store[key] = ("garbage", "freed")
+            for key in stale:  # the model only: an engine's real pools keep their bytes
+                dict.__setitem__(store, key, ("garbage", "freed"))
 
     def _complete(self, ev: Completion) -> None:
         """Deliver one completion, recording it in the layer model."""
