@@ -31,8 +31,10 @@ below). Each abstraction and why it keeps that:
   makes in every state instead; ``kit_actions`` polls only when poll hands out commands or
   issues writebacks, never just to report.
 - **Ended requests with nothing owed count as forgotten** (poll forgets them): their id
-  can only be admitted again, which makes a new record either way, and the layer model
-  resets a request's entries when it is admitted.
+  can only be admitted again, which makes a new record either way. The layer model's
+  entries count only for requests that may read without a new admission: a ``waiting``,
+  ``retracted`` or ended request reaches a reading state only by an admission or a
+  resumption, which resets them (found by ``check_merges``).
 - **Request fields nothing reads later**: ``has_loadback`` and ``has_own_writeback`` are
   set right before the only reads (the guards of the event fired next); ``hit_tokens``,
   ``reason``, counters and statistics are only reported.
@@ -166,12 +168,16 @@ class CanonicalState:
         poisoned = tuple(sorted((self.op(op) or 0, rid, tuple(sorted((g, tuple(sorted(self.page("h", g, p) for p in ps)))
                                                                       for g, ps in dst.items())),
                                  tuple(self.node(n) for n in ns)) for op, (rid, dst, ns) in sorted(m.poisoned.items()) if op in op_table))
+        # the layer model's entries of a request that cannot read before it is admitted
+        # again (waiting, retracted, ended: the spec leaves those states for a reading one
+        # only by an admission or a resumption, which resets them) are left out
         lm = m.layer_model
+        reading = {rid for rid, r in requests.items() if r.state not in ("waiting", "retracted", *TERMINAL)}
         layers = (tuple(sorted((self.op(op) or 0, tuple(sorted(rk.items()))) for op, rk in sorted(lm.progress.items()))),
                   tuple(sorted(self.op(op) or 0 for op in sorted(lm.failed_ops))),
                   tuple(sorted((rid, tuple(sorted(self.op(op) or 0 for op in sorted(ops))))
-                               for rid, ops in lm.waits.items() if rid in requests and ops)),
-                  tuple(sorted(rid for rid in lm.failed if rid in requests)))
+                               for rid, ops in lm.waits.items() if rid in reading and ops)),
+                  tuple(sorted(rid for rid in lm.failed if rid in reading)))
         # the free lists in O(pages ever allocated), never O(capacity). In allocation order a
         # free list is the ids never allocated, then the freed ones; an id seen nowhere else
         # in the state is fresh, so the leading run of fresh ids (every never-allocated one,
