@@ -88,9 +88,10 @@ _DISPATCH = {**copyreg.dispatch_table, Lifecycle: _reduce_lifecycle}
 class _Snapshots:
     """Frozen machine states for the search: the machine's own attributes pickled (the
     shared lifecycle machines by reference, Hypothesis' bookkeeping left out and shared),
-    thawed into an independent copy per step. Pickling and unpickling cost about a third
-    of :func:`copy.deepcopy` and a frozen state takes a few kB; a machine whose state does
-    not pickle falls back to :func:`clone` (the frozen state is then a machine)."""
+    thawed into an independent copy per step. A thaw costs about a quarter of a
+    :func:`copy.deepcopy` of the machine (freezing, once per new state, about half) and a
+    frozen state takes a few kB; a machine whose state does not pickle falls back to
+    :func:`clone` (the frozen state is then a machine)."""
 
     def __init__(self, root: KitMachine) -> None:
         self.cls = type(root)
