@@ -102,7 +102,7 @@ class CacheCore:
         #: exclusive host tier: host eviction drops loaded-back duplicate copies first
         self.exclusive = as_bool(exclusive, "exclusive", error=ConfigError) and host is not None
         units = sum(min((c[g] // k for g, k in self.pages_per_unit.items()), default=0) for c in (dev, host) if c)
-        self.eviction: EvictionPolicy = make_policy(eviction, lambda: iter(self.tree), lambda: len(self.tree),
+        self.eviction: EvictionPolicy = make_policy(eviction, self.tree.__iter__, self.tree.__len__,
                                                     self.tree.has, exclusive=self.exclusive, capacity_units=units)
         self.receipts = ReceiptBook(ids, self.eviction.touch)
         self.writebacks = WritebackQueue(self.policy, self.write_threshold, enabled=host is not None)

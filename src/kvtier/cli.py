@@ -133,7 +133,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     cov = LifecycleCoverage()
     with cov.recording():
-        res = verify(args.depth, machine=machine, setup=setup, seconds=args.max_seconds, progress=progress)
+        res = verify(args.depth, machine=machine, setup=setup, seconds=args.max_seconds, progress=progress,
+                     check_merges=1 if args.check_merges else 0)
     print(res.report())
     hit = {i.label for i in cov.covered("transition")}
     reach = [name for name, label in (("device", "node: new --create [parent_readable]--> device"),
@@ -144,6 +145,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if res.violation is not None:
         path = res.violation.save(args.save)
         print(f"saved as {path} (reproduce: kvtier fuzz --replay {path})")
+        return ExitCode.FAILED
+    if res.merge_mismatch is not None:
         return ExitCode.FAILED
     if res.stopped:
         print(f"kvtier verify: the bound was not completed ({res.stopped})", file=sys.stderr)
@@ -236,8 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=positive_int, default=6, help="bound on steps (default %(default)s)")
     p.add_argument("--world-size", type=int, default=1, choices=[1, 2], help="ranks (default %(default)s)")
     p.add_argument("--requests", type=int, default=2, choices=[1, 2],
-                   help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only, which reaches a "
-                        "fixpoint with --device-units 2 --host-units 2 (depth 37, about 20 s)")
+                   help="2: prompts 'ab' and 'ac' (default); 1: prompt 'a' only. Fixpoints (every "
+                        "reachable state): --requests 1 --tail --device-units 2 --host-units 2 (316 states); "
+                        "--prompts a,a --tail --device-units 2 --host-units 1 (2 requests, 5,412 states)")
     p.add_argument("--prompts", metavar="P1,P2", help="the requests' prompts as unit letters, comma-separated "
                    "(e.g. 'a,a': two requests sharing the prefix 'a'); overrides --requests")
     p.add_argument("--tail", action="store_true", help="prompts end one token past their last unit (their "
@@ -250,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-units", type=positive_int, default=4, help="host capacity in units (default %(default)s)")
     p.add_argument("--deadline", type=positive_int, default=None, help="operation deadline in steps (default: none)")
     p.add_argument("--max-seconds", type=positive_float, default=None, help="stop early after this long (exit status 3: the bound was not completed)")
+    p.add_argument("--check-merges", action="store_true", help="cross-check the canonical state one step "
+                   "ahead (about 3x slower): every state merged into another must have the same successors")
     p.add_argument("--save", default="kvtier-verify-violation.json", metavar="FILE",
                    help="where a violating trace is saved (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no per-level progress")

@@ -161,6 +161,18 @@ class FacadeMachine(KitMachine):
         for op_id, op in ops.items():
             self.inflight.setdefault(op_id, op)
         self.pass_model.sync(self.cache)
+        self._scrub_freed()
+
+    def _scrub_freed(self) -> None:
+        """A page back in its pool holds undefined bytes: its content becomes garbage, so a
+        page reused without being written first (a use after free) never shows stale bytes
+        that happen to be right (and ``kvtier verify`` never tells states apart by them)."""
+        core = self.cache.core
+        for store, pools in ((self.xfer.dev, core.device), (self.xfer.host, core.host or {})):
+            stale = [k for k, v in store.items() if k[0] in pools and pools[k[0]].is_free(k[1])
+                     and not (isinstance(v, tuple) and len(v) == 2 and v[0] == "garbage")]
+            for key in stale:  # the model only: an engine's real pools keep their bytes
+                dict.__setitem__(store, key, ("garbage", "freed"))
 
     def _complete(self, ev: Completion) -> None:
         """Deliver one completion, recording it in the layer model."""
@@ -562,6 +574,8 @@ class FacadeMachine(KitMachine):
                     for t in op.command.transfers:
                         dst.setdefault(t.group, set()).update(t.dst_pages)
                     self.poisoned[op_id] = (rid, dst, list(op.nodes))
+                    if op_id not in views.ops(self.cache.core):  # the abort settled it: check now
+                        self._check_unpublished(op_id)
             if self._state(rid) == "aborting":
                 self.fenced[rid] = own
 
@@ -778,7 +792,9 @@ class FacadeMachine(KitMachine):
         if self.deadline is not None and views.ops(self.cache.core):
             out.append(Step.of("advance", dict(steps=1)))
         core = self.cache.core
-        if views.outbox(core) or views.request_events(self.cache) or views.writeback_queue(core):
+        # poll when it does more than report events and forget ended requests (which
+        # kvtier.testing.canonical abstracts away): commands to hand out, writebacks to issue
+        if views.outbox(core) or views.writeback_queue(core):
             out.append(Step.of("poll", {}))
         if any(views.device_victim(core, n) and n.state == "backed" for n in views.nodes(core).values()):
             out.append(Step.of("pressure", dict(tier="device", g="kv", n=64)))  # demote everything evictable
