@@ -239,11 +239,15 @@ class CacheCore:
         diverges mid-node (semantically invisible).
 
         Raises:
-            UsageError: ``key`` not a sequence, unknown mode, or ``history_replay`` with
+            UsageError: ``key`` not a sequence of hashable unit keys, unknown mode, or ``history_replay`` with
                 ``state_recovery``.
         """
         if not isinstance(key, Sequence):
             raise UsageError(f"match: key must be a sequence of unit keys, got {key!r}")
+        try:
+            hash(key if isinstance(key, tuple) else tuple(key))  # one C-level pass
+        except TypeError:
+            raise UsageError(f"match: unit keys must be hashable, got {key!r}") from None
         m = match_mode(mode, history_replay)
         return find_match(self.walk(key), self.root, len(key), m, history_replay=history_replay,
                           has_host=self.host is not None, layout=self.layout)
