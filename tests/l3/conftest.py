@@ -24,7 +24,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class RedisServer:
+class _ChildServer:
+    """A store server run as a child process: ``start`` (by the subclass), ``kill`` (SIGKILL:
+    everything it held in memory is lost) and ``restart``."""
+
+    proc: subprocess.Popen[bytes] | None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+class RedisServer(_ChildServer):
     """A redis-server child process on 127.0.0.1 (no persistence)."""
 
     def __init__(self, binary: str) -> None:
@@ -58,17 +78,6 @@ class RedisServer:
             except Exception:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def kill(self) -> None:
-        """SIGKILL the server (everything it held is lost)."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
 
     def slow(self, seconds: float) -> threading.Thread:
         """Block the server for ``seconds`` (DEBUG SLEEP from a side connection)."""
@@ -105,7 +114,7 @@ def redis_server() -> Iterator[RedisServer]:
         srv.stop()
 
 
-class MooncakeMaster:
+class MooncakeMaster(_ChildServer):
     """A ``mooncake_master`` child process on 127.0.0.1 over TCP (RPC and metrics on free
     ports, the read lease set by ``lease_ms``). The clients (kvtier's backends) mount the
     memory segments that hold the objects."""
@@ -145,17 +154,6 @@ class MooncakeMaster:
                     break
                 time.sleep(0.05)
         raise RuntimeError(f"mooncake_master did not start on port {self.port} (logs in {self.dir})")
-
-    def kill(self) -> None:
-        """SIGKILL the master (all object metadata is lost; the clients' segments stay)."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
 
     def slow(self, seconds: float) -> threading.Thread:
         """Freeze the master for ``seconds`` (SIGSTOP, then SIGCONT)."""
