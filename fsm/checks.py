@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 
 from .errors import ConfigError, KvtierError, UsageError
 
-__all__ = ["as_int", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "ConfigError", "UsageError"]
+__all__ = ["as_int", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "check_hashable", "ConfigError", "UsageError"]
 
 
 def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | None = None,
@@ -82,6 +82,13 @@ def as_keys(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = 
     """``value`` if it is a list or tuple (not a str or bytes) of hashable unit keys."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise error(f"{what} must be a list or tuple of unit keys, got {value!r}")
+    check_hashable(value, what, error=error)
+    return value
+
+
+def check_hashable(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = UsageError) -> None:
+    """Raise ``error`` naming the first unit of ``value`` that cannot be hashed (a radix
+    tree's children are found by hashing unit keys)."""
     try:
         hash(value if isinstance(value, tuple) else tuple(value))  # one C-level pass
     except TypeError:
@@ -91,7 +98,6 @@ def as_keys(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = 
             except TypeError:
                 raise error(f"{what}: unit keys must be hashable, got {u!r}") from None
         raise
-    return value
 
 
 def _bounds(minimum: int | None, maximum: int | None) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-from .checks import as_bool, as_int
+from .checks import as_bool, as_int, check_hashable
 from .errors import CapacityError, ConfigError, KvtierError, UsageError
 from .eviction import EvictionPolicy, make_policy
 from .fetch import FetchTable
@@ -244,10 +244,7 @@ class CacheCore:
         """
         if not isinstance(key, Sequence):
             raise UsageError(f"match: key must be a sequence of unit keys, got {key!r}")
-        try:
-            hash(key if isinstance(key, tuple) else tuple(key))  # one C-level pass
-        except TypeError:
-            raise UsageError(f"match: unit keys must be hashable, got {key!r}") from None
+        check_hashable(key, "match")
         m = match_mode(mode, history_replay)
         return find_match(self.walk(key), self.root, len(key), m, history_replay=history_replay,
                           has_host=self.host is not None, layout=self.layout)

@@ -137,7 +137,7 @@ def test_values_that_are_not_this_trees_nodes_or_receipts_are_refused() -> None:
     refused(c, lambda: c.match(None), UsageError,  # type: ignore[arg-type]
             "match: key must be a sequence of unit keys, got None")
     refused(c, lambda: c.match([["x"]]), UsageError,  # type: ignore[list-item]
-            "match: unit keys must be hashable, got [['x']]")
+            "match: unit keys must be hashable, got ['x']")
     refused(c, lambda: c.insert((), {"kv": []}), UsageError,
             "insert: key must be a non-empty sequence of unit keys, got ()")
     refused(c, lambda: c.insert(("q",), [5]), UsageError,  # type: ignore[arg-type]
