@@ -12,11 +12,12 @@ Inputs (in this folder):
 Kill rate = (killed + timed out) / (tested - excluded); a timeout counts as killed
 (the mutant made the suite hang), as mutmut itself does.
 
-Usage: python bench/mutation/score.py [--markdown]
+Usage: python bench/mutation/score.py [--markdown] [--files fsm/a.py ...] [--min 0.97]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -75,7 +76,17 @@ def summary(mutants: list[dict]) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description="Kill rate of fsm/ from bench/mutation/results/*.xml")
+    p.add_argument("--markdown", action="store_true", help="also list the survivors and the exclusions")
+    p.add_argument("--files", nargs="+", metavar="FSM_FILE", help="only these files (fsm/NAME.py)")
+    p.add_argument("--min", type=float, help="exit 1 when the kill rate (0-1) is below this, or a mutant is not run")
+    args = p.parse_args(argv)
     mutants = load()["mutants"]
+    if args.files:
+        unknown = set(args.files) - {m["file"] for m in mutants}
+        if unknown:
+            raise SystemExit(f"no results for {sorted(unknown)} under {HERE / 'results'}")
+        mutants = [m for m in mutants if m["file"] in args.files]
     files = sorted({m["file"] for m in mutants})
     rows = [("all", summary(mutants))] + [(f, summary([m for m in mutants if m["file"] == f])) for f in files]
     print("| file | mutants | tested | killed | survived | timed out | excluded | not run | kill rate |")
@@ -83,7 +94,7 @@ def main(argv: list[str]) -> int:
     for name, s in rows:
         print(f"| {name} | {s['total']} | {s['tested']} | {s['killed']} | {s['survived']} | {s['timeout']} | "
               f"{s['excluded']} | {s['untested']} | {s['kill_rate']:.2%} |")
-    if "--markdown" in argv:
+    if args.markdown:
         print("\nSurviving mutants:\n")
         for m in mutants:
             if m["status"] == "survived":
@@ -94,6 +105,12 @@ def main(argv: list[str]) -> int:
             print(f"- `{m['where']}` ({m['name']}): `{m['minus']}` → `{m['plus']}` — {m['reason']}")
         if not ex:
             print("- none")
+    if args.min is not None:
+        s = rows[0][1]
+        if s["untested"] or not s["kill_rate"] >= args.min:
+            print(f"kill rate {s['kill_rate']:.2%} with {s['untested']} mutants not run: below the target {args.min:.2%}")
+            return 1
+        print(f"kill rate {s['kill_rate']:.2%} >= {args.min:.2%}")
     return 0
 
 
