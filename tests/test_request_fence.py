@@ -71,3 +71,18 @@ def test_calls_and_terminal_states_come_from_the_spec() -> None:
     c.step_done("a", 5)
     c.finish("a")
     assert [c.allows("a", k) for k in ("admit", "reserve", "step_done", "layer_ready")] == [True, False, False, False]
+
+
+def test_every_invariant_check_and_failure_is_counted() -> None:
+    """``check_all`` counts each call in ``invariant_checks`` and each raising call in
+    ``invariant_failures`` (what the metrics export as kvtier:invariant_checks_total)."""
+    c = overlapped()  # overlapped() already made one check
+    assert (c.stats()["facade"]["invariant_checks"], c.stats()["facade"]["invariant_failures"]) == (1, 0)
+    c.check_invariants()
+    c.check_invariants()
+    assert (c.stats()["facade"]["invariant_checks"], c.stats()["facade"]["invariant_failures"]) == (3, 0)
+    c.core.free_device({"kv": [5]})  # a deferred page of b freed behind its back
+    for _ in range(2):
+        with pytest.raises(InvariantViolation):
+            c.check_invariants()
+    assert (c.stats()["facade"]["invariant_checks"], c.stats()["facade"]["invariant_failures"]) == (5, 2)
