@@ -160,7 +160,9 @@ def _writeback_in_flight(c: TieredCache) -> int:
 def _loadback_in_flight(c: TieredCache) -> int:
     core = c.core
     _host_chain(c)
-    return core.load(core.match(list("abcd")), "first").command.op_id
+    cmd = core.load(core.match(list("abcd")), "first").command
+    assert cmd is not None
+    return cmd.op_id
 
 
 def _partial_stage(c: TieredCache, wrong: str) -> Callable[[], object]:
@@ -252,13 +254,18 @@ def _spec_edit(old: str, new: str) -> Callable[[MisuseMachine], object]:
     return call
 
 
-def _as_command(m: MisuseMachine) -> object:
-    """The engine hands back the command (an engine-built copy, validated) instead of
-    its completion."""
-    cmd = TransferCommand(7, Direction.WRITEBACK, (GroupTransfer(m.cache.core.history_groups[0], (0,), (1,)),),
-                          (0,), request_id="r0", node_ids=(1,), deadline_step=m.cache.core.step + 4)
-    m.cache.complete(cmd)  # type: ignore[arg-type]
-    return None
+def _as_command(deadline: bool) -> Callable[[MisuseMachine], object]:
+    """The engine hands back the command (an engine-built copy, validated, with or
+    without a deadline) instead of its completion."""
+
+    def call(m: MisuseMachine) -> object:
+        core = m.cache.core
+        cmd = TransferCommand(7, Direction.WRITEBACK, (GroupTransfer(core.history_groups[0], (0,), (1,)),), (0,),
+                              request_id="r0", node_ids=(1,), deadline_step=core.step + 4 if deadline else None)
+        m.cache.complete(cmd)  # type: ignore[arg-type]
+        return None
+
+    return call
 
 
 _KV = ComponentSpec("k", 64)
@@ -293,11 +300,15 @@ VARIANTS: dict[str, list[Variant]] = {
             _loadback_in_flight(c)), kit_layout), UsageError, "outside 0.."),
     ],
     "completion with a numpy bool": [
-        Variant(lambda m: m.cache.complete(Completion(10**9, 0, np.bool_(True))), UnknownOperation,
-                "completion for op 1000000000: never issued"),
-        Variant(lambda m: Completion(1, 0, np.bool_(False), -2), ConfigError, "layer must be an int >= 0, got -2"),
+        Variant(lambda m: m.cache.complete(Completion(10**9, 0, np.bool_(True))),  # type: ignore[arg-type]
+                UnknownOperation, "completion for op 1000000000: never issued"),
+        Variant(lambda m: Completion(1, 0, np.bool_(False), -2),  # type: ignore[arg-type]
+                ConfigError, "layer must be an int >= 0, got -2"),
     ],
-    "complete given a command": [Variant(_as_command, UsageError, "complete() takes a Completion, got TransferCommand(")],
+    "complete given a command": [
+        Variant(_as_command(False), UsageError, "complete() takes a Completion, got TransferCommand(op_id=7"),
+        Variant(_as_command(True), UsageError, "complete() takes a Completion, got TransferCommand(op_id=7"),
+    ],
     "borrow or pin not a list": [
         Variant(lambda m: m.cache.core.borrow(m.cache.core.root), KvtierError,  # type: ignore[arg-type]
                 "borrow takes a list of nodes, got <node 0 root"),
