@@ -141,8 +141,9 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/request_table.py", "RequestTable.get"): _BAD,
     ("fsm/request_table.py", "RequestTable.check"): (MISUSE, "unreachable with the shipped spec (174->176): every "
                                                              "guarded request event has complementary rows, so a "
-                                                             "refusal always shares the false guard 'settled' and is "
-                                                             "renamed (174->175); the plain re-raise serves other specs"),
+                                                             "refusal always shares the false guard 'settled' and "
+                                                             "is renamed (174->175); the plain re-raise serves "
+                                                             "other specs"),
     ("fsm/request_table.py", "*"): (REACH, "loadback and abort paths the facade machine reaches rarely "
                                            "(see fsm/completions.py)"),
     ("src/kvtier/tiered.py", "TieredCache.__init__"): (OPTION, "finish_writeback given explicitly: the kit keeps "

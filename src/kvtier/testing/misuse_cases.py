@@ -312,16 +312,25 @@ VARIANTS: dict[str, list[Variant]] = {
     "borrow or pin not a list": [
         Variant(lambda m: m.cache.core.borrow(m.cache.core.root), KvtierError,  # type: ignore[arg-type]
                 "borrow takes a list of nodes, got <node 0 root"),
-        Variant(lambda m: m.cache.core.pin(5), KvtierError, "pin takes a list of nodes, got 5"),  # type: ignore[arg-type]
+        Variant(lambda m: m.cache.core.pin(5),  # type: ignore[arg-type]
+                KvtierError, "pin takes a list of nodes, got 5"),
         Variant(lambda m: m.cache.core.borrow([]), KvtierError, "borrow: no nodes given"),
         Variant(lambda m: m.cache.core.pin(()), KvtierError, "pin: no nodes given"),
     ],
-    "borrow a node only on the host": [Variant(_staged(_host_node), KvtierError, "borrow: nodes [2] have no device pages")],
+    "borrow a node only on the host": [
+        Variant(_staged(_host_node), KvtierError, "borrow: nodes [2] have no device pages")],
     "admit with too few unit keys": [Variant(_too_few_units, UsageError, "prompt tokens need 3 unit keys, got 1")],
     "a request that ended and was reported": [
         Variant(_staged(_ended), UsageError, "request 'r' has ended (finished) and poll() reported it")],
     "finish with a forward result owed": [
         Variant(_staged(_forward_owed), GuardRejected, "event 'finish' refused in state 'running': guard 'settled'")],
+    "match or insert a str key": [
+        Variant(lambda m: m.cache.core.match("ab"), UsageError,
+                "match: key must be a sequence of unit keys (not a str or bytes), got 'ab'"),
+        Variant(lambda m: m.cache.core.match(b"ab"), UsageError, "got b'ab'"),
+        Variant(lambda m: m.cache.core.insert("ab", {}), UsageError,
+                "insert: key must be a non-empty sequence of unit keys (not a str or bytes), got 'ab'"),
+    ],
     "free pages of an unknown group": [
         Variant(lambda m: m.cache.core.free_device({"nogroup": [1]}), UsageError,
                 "free_device: unknown cache group 'nogroup'")],
@@ -346,17 +355,23 @@ VARIANTS: dict[str, list[Variant]] = {
         Variant(lambda m: as_int(1.5, "hostile: tokens", minimum=None), UsageError,
                 "hostile: tokens must be an int, got 1.5"),
     ],
-    "a layout whose state pages do not divide the alignment": [
+    "a bad layout or group": [
         Variant(lambda m: CacheLayout("l", (CacheGroupSpec("h", Family.HISTORY, 4, 1, (0,), (_KV,)),
                                             CacheGroupSpec("s", Family.STATE, 3, 1, (0,), (_KV,), window=6)), 1),
                 ConfigError, "state group 's' has 3 tokens per page, which does not divide the alignment 4"),
         Variant(lambda m: CacheGroupSpec("h", Family.HISTORY, 2, 1, (0,), (_KV,), window=8), ConfigError,
                 "window is only for state groups, got 8"),
+        Variant(lambda m: CacheLayout("", m.cache.layout.groups, 3), ConfigError,
+                "layout name must be a non-empty str, got ''"),
+        Variant(lambda m: CacheLayout("l", tuple(g.name for g in m.cache.layout.groups), 3),  # type: ignore[arg-type]
+                ConfigError, "layout 'l': groups must be a tuple of CacheGroupSpec, got ('kv', 'c4'"),
     ],
     "a spec with a duplicate transition or an unused guard": [
-        Variant(_spec_edit('event = "writeback_fail"\nsource = ["writing"]', 'event = "writeback_ack"\nsource = ["writing"]'),
+        Variant(_spec_edit('event = "writeback_fail"\nsource = ["writing"]',
+                           'event = "writeback_ack"\nsource = ["writing"]'),
                 ConfigError, "duplicate transition 'writeback_ack' from 'writing'"),
-        Variant(_spec_edit("[node.guards.unlocked]", '[node.guards.never_used]\ndoc = "hostile"\n\n[node.guards.unlocked]'),
+        Variant(_spec_edit("[node.guards.unlocked]",
+                           '[node.guards.never_used]\ndoc = "hostile"\n\n[node.guards.unlocked]'),
                 ConfigError, "guards declared but never used: ['never_used']"),
     ],
     "a dunder probe, then a misspelt spec name": [Variant(_dunder_then_misspelt, SpecNameError, "'evict'")],
