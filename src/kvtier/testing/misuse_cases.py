@@ -363,7 +363,7 @@ VARIANTS: dict[str, list[Variant]] = {
                 "window is only for state groups, got 8"),
         Variant(lambda m: CacheLayout("", m.cache.layout.groups, 3), ConfigError,
                 "layout name must be a non-empty str, got ''"),
-        Variant(lambda m: CacheLayout("l", tuple(g.name for g in m.cache.layout.groups), 3),  # type: ignore[arg-type]
+        Variant(lambda m: CacheLayout("l", tuple(g.name for g in m.cache.layout.groups), 3),  # type: ignore[misc]
                 ConfigError, "layout 'l': groups must be a tuple of CacheGroupSpec, got ('kv', 'c4'"),
     ],
     "a spec with a duplicate transition or an unused guard": [
