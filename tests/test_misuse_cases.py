@@ -39,7 +39,7 @@ def test_each_variant_is_refused_naming_the_value_and_changes_nothing(name: str,
     with pytest.raises(KvtierError) as info:
         variant.call(m)
     assert isinstance(info.value, variant.error), repr(info.value)
-    assert variant.says in str(info.value), str(info.value)
+    assert variant.expected(m) in str(info.value), str(info.value)
     assert fingerprint(m.cache) == before
     m.cache.check_invariants()
 

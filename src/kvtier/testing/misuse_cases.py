@@ -48,26 +48,31 @@ __all__ = ["Variant", "VARIANTS", "MORE_CASES", "run_variant"]
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One hostile call: ``call`` on the machine must raise ``error`` (or a subclass) with
-    ``says`` in its message."""
+    ``says`` in its message (a function of the machine where the value depends on it)."""
 
     call: Callable[[MisuseMachine], object]
     error: type[KvtierError]
-    says: str
+    says: str | Callable[[MisuseMachine], str]
+
+    def expected(self, m: MisuseMachine) -> str:
+        """The fragment the message must contain, for machine ``m``."""
+        return self.says if isinstance(self.says, str) else self.says(m)
 
 
 def run_variant(m: MisuseMachine, variant: Variant) -> None:
     """Make the call; raises what it raised when that is ``variant``'s refusal, and
     AssertionError when it was accepted or refused otherwise."""
+    says = variant.expected(m)
     try:
         variant.call(m)
     except variant.error as exc:
-        if variant.says not in str(exc):
-            raise AssertionError(f"refused with {exc!r}, which does not say {variant.says!r}") from exc
+        if says not in str(exc):
+            raise AssertionError(f"refused with {exc!r}, which does not say {says!r}") from exc
         raise
     except KvtierError as exc:
         raise AssertionError(f"refused with {type(exc).__name__} ({exc}), expected "
-                             f"{variant.error.__name__} saying {variant.says!r}") from exc
-    raise AssertionError(f"accepted; expected {variant.error.__name__} saying {variant.says!r}")
+                             f"{variant.error.__name__} saying {says!r}") from exc
+    raise AssertionError(f"accepted; expected {variant.error.__name__} saying {says!r}")
 
 
 # -- private caches, prepared by legal calls ------------------------------------------------
@@ -293,11 +298,13 @@ VARIANTS: dict[str, list[Variant]] = {
     ],
     "completion of an operation in flight, out of range": [
         Variant(_staged(lambda c: (lambda op: lambda: c.complete(Completion(op, c.core.world_size)))(
-            _writeback_in_flight(c))), UsageError, "outside world size"),
+            _writeback_in_flight(c))), UsageError,
+            lambda m: f"completion for op 1: rank {m.cache.core.world_size} outside world size "
+                      f"{m.cache.core.world_size}"),
         Variant(_staged(lambda c: (lambda op: lambda: c.complete(Completion(op, 0, True, 0)))(
-            _writeback_in_flight(c))), UsageError, "is a writeback: layer completions are for loadbacks"),
+            _writeback_in_flight(c))), UsageError, "op 1 is a writeback: layer completions are for loadbacks"),
         Variant(_staged(lambda c: (lambda op: lambda: c.complete(Completion(op, 0, True, c.layout.num_layers)))(
-            _loadback_in_flight(c)), kit_layout), UsageError, "outside 0.."),
+            _loadback_in_flight(c)), kit_layout), UsageError, "op 3: layer 3 outside 0..2"),
     ],
     "completion with a numpy bool": [
         Variant(lambda m: m.cache.complete(Completion(10**9, 0, np.bool_(True))),  # type: ignore[arg-type]
@@ -342,7 +349,8 @@ VARIANTS: dict[str, list[Variant]] = {
         Variant(lambda m: m.cache.core.device[_g(m)].alloc("2"),  # type: ignore[arg-type]
                 ConfigError, "page count must be an int >= 0, got '2'"),
         Variant(lambda m: m.cache.core.device[_g(m)].alloc(m.cache.core.device[_g(m)].free + 1), CapacityError,
-                "device pool"),
+                lambda m: f"device pool of cache group 'kv': need {m.cache.core.device[_g(m)].free + 1} pages, "
+                          f"{m.cache.core.device[_g(m)].free} free"),
         Variant(lambda m: m.cache.core.device[_g(m)].release([10**6]), InvariantViolation,
                 "release of pages that are not allocated (or twice): [1000000]"),
         Variant(lambda m: PageAllocator("device", "g", -1), ConfigError, "capacity must be an int >= 0, got -1"),
@@ -374,7 +382,8 @@ VARIANTS: dict[str, list[Variant]] = {
                            '[node.guards.never_used]\ndoc = "hostile"\n\n[node.guards.unlocked]'),
                 ConfigError, "guards declared but never used: ['never_used']"),
     ],
-    "a dunder probe, then a misspelt spec name": [Variant(_dunder_then_misspelt, SpecNameError, "'evict'")],
+    "a dunder probe, then a misspelt spec name": [
+        Variant(_dunder_then_misspelt, SpecNameError, "the spec declares no node event 'evict'; declared: [")],
 }
 
 
