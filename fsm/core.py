@@ -239,11 +239,11 @@ class CacheCore:
         diverges mid-node (semantically invisible).
 
         Raises:
-            UsageError: ``key`` not a sequence of hashable unit keys, unknown mode, or ``history_replay`` with
-                ``state_recovery``.
+            UsageError: ``key`` not a sequence of hashable unit keys (a str or bytes is refused: its
+                characters are not units), unknown mode, or ``history_replay`` with ``state_recovery``.
         """
-        if not isinstance(key, Sequence):
-            raise UsageError(f"match: key must be a sequence of unit keys, got {key!r}")
+        if isinstance(key, (str, bytes)) or not isinstance(key, Sequence):
+            raise UsageError(f"match: key must be a sequence of unit keys (not a str or bytes), got {key!r}")
         check_hashable(key, "match")
         m = match_mode(mode, history_replay)
         return find_match(self.walk(key), self.root, len(key), m, history_replay=history_replay,
@@ -314,8 +314,8 @@ class CacheCore:
         ``anchor``: a locked node on the key's path to start the walk from).
 
         Raises:
-            UsageError: wrong page counts, unknown groups, or pages that are neither the
-                caller's nor the canonical ones for their range (nothing changes).
+            UsageError: a bad key (a str or bytes is refused), wrong page counts, unknown groups, or
+                pages that are neither the caller's nor the canonical ones for their range (nothing changes).
         """
         return self._publisher.insert(key, pages, checkpoint, chunk_checkpoint=chunk_checkpoint, anchor=anchor)
 

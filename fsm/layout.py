@@ -47,8 +47,9 @@ class CacheLayout:
         source: where the geometry comes from (shown in reports).
 
     Raises:
-        ConfigError: duplicate group names, no history group, a layer out of range, or a
-            state group whose tokens per page does not divide the alignment.
+        ConfigError: an empty name or one not a str, groups not CacheGroupSpec records,
+            duplicate group names, no history group, a layer out of range, or a state
+            group whose tokens per page does not divide the alignment.
     """
 
     name: str
@@ -57,6 +58,11 @@ class CacheLayout:
     source: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"layout name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.groups, (tuple, list)) or not all(isinstance(g, CacheGroupSpec) for g in self.groups):
+            raise ConfigError(f"layout {self.name!r}: groups must be a tuple of CacheGroupSpec, got {self.groups!r}")
+        object.__setattr__(self, "groups", tuple(self.groups))
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
             raise ConfigError(f"layout {self.name!r}: duplicate cache group names {names}")

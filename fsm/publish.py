@@ -95,8 +95,8 @@ class Publisher:
     def _check_arguments(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
                          checkpoint: Mapping[str, Sequence[int]] | None) -> tuple[PageMap, PageMap]:
         core = self.core
-        if not isinstance(key, Sequence) or not key:
-            raise UsageError(f"insert: key must be a non-empty sequence of unit keys, got {key!r}")
+        if isinstance(key, (str, bytes)) or not isinstance(key, Sequence) or not key:
+            raise UsageError(f"insert: key must be a non-empty sequence of unit keys (not a str or bytes), got {key!r}")
         if not isinstance(pages, Mapping):
             raise UsageError(f"insert: pages must be a mapping group -> page ids, got {pages!r}")
         units = len(key)

@@ -22,7 +22,7 @@ def loading(c: CacheCore):
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
-    lr = c.load(c.match("ab"), "r1")
+    lr = c.load(c.match(list("ab")), "r1")
     c.check_invariants()
     return a, lr
 
@@ -172,7 +172,7 @@ def test_deadline_fails_loadback():
     c.advance_step(3)
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
-    lr = c.load(c.match("ab"), "r1")
+    lr = c.load(c.match(list("ab")), "r1")
     assert lr.command.deadline_step == 4
     assert c.advance_step() == []
     (s,) = c.advance_step()

@@ -197,7 +197,7 @@ def test_host_eviction_only_from_host_leaves():
     assert c.evict_host({"kv": 1}) == {"kv": 1}  # the last unit of the leaf b, split off
     c.check_invariants()
     assert state(c) == {a.node_id: "host", b.parent.node_id: "host"}
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     assert (m.host_nodes, m.host_units) == ((a, b.parent), 3)
 
 
@@ -209,7 +209,7 @@ def test_backed_node_sheds_host_copy_and_stays_on_device():
     assert c.evict_host({"kv": 8}) == {"kv": 2}
     c.check_invariants()
     assert (ra.node.state, ra.node.dev, ra.node.host) == ("device", {"kv": [0, 1]}, {})
-    assert c.stats.host_drops == 1 and c.match("abcd").device_units == 4
+    assert c.stats.host_drops == 1 and c.match(list("abcd")).device_units == 4
     assert rb.node.state == "device"
 
 
@@ -257,7 +257,7 @@ def test_host_eviction_skips_a_locked_host_node():
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
-    lr = c.load(c.match("ab"), "r1")
+    lr = c.load(c.match(list("ab")), "r1")
     ack(c, lr.command, ok=False)
     c.release(lr.pin)
     assert (a.state, a.host_pin, a.lock_ref) == ("host", 0, 1)
@@ -379,7 +379,7 @@ def test_a_demoted_chunk_checkpoint_comes_back_as_a_final_one():
     ack(c, c.writeback(a))
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
     assert (a.state, a.dev_ckpt, a.chunk_checkpoint) == ("host", {}, False)
-    lr = c.load(c.match("a"), "r1")
+    lr = c.load(c.match(list("a")), "r1")
     ack(c, lr.command)
     c.release(lr.pin)
     c.unlock(lr.lock)

@@ -180,7 +180,7 @@ def loading_a():
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
-    lr = c.load(c.match("ab"), "r1")
+    lr = c.load(c.match(list("ab")), "r1")
     assert (lr.command.op_id, a.state, a.dev) == (2, "loading", {"kv": [1, 0]})
     c.check_invariants()
     return c, {"a": a, "op": lr.command.op_id}
@@ -399,7 +399,7 @@ def test_loadback_corruptions_detected():
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
-    lr = c.load(c.match("ab"), "r1")
+    lr = c.load(c.match(list("ab")), "r1")
     c.check_invariants()
     op_id = lr.command.op_id
     a.lb_op = None  # the node forgot its loadback

@@ -33,7 +33,7 @@ def demoted(units: int = 4, host_units: int = 8, key: str = "abcd"):
 
 def test_loadback_pins_until_ack_and_returns_device_pages():
     c, a = demoted()
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     lr = c.load(m, "r1")
     c.check_invariants()
     cmd = lr.command
@@ -58,7 +58,7 @@ def test_loadback_pins_until_ack_and_returns_device_pages():
     c.unlock(lr.lock)
     c.check_invariants()
     assert (a.host_pin, a.lock_ref) == (0, 0)
-    assert c.match("abcd").device_units == 4
+    assert c.match(list("abcd")).device_units == 4
     assert (c.stats.loadbacks, c.stats.pages_loaded) == (1, 4)
 
 
@@ -69,7 +69,7 @@ def test_loadback_under_a_device_prefix():
     ack(c, c.writeback(rb.node))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
     assert state(c) == {ra.node.node_id: "backed", rb.node.node_id: "host"}
-    m = c.match("abcdef")
+    m = c.match(list("abcdef"))
     lr = c.load(m, "r1")
     c.check_invariants()
     assert pairs(lr.command) == [("kv", (2, 3), (3, 2))] and lr.device_pages == {"kv": [0, 1, 3, 2]}
@@ -87,7 +87,7 @@ def test_load_is_all_or_nothing_on_device_pages():
     ack(c, c.writeback(r.node))
     assert c.evict_device({"a": 4}) == {"a": 4, "b": 2}
     blocker = c.alloc_device({"b": 1})
-    m = c.match("xy")
+    m = c.match(list("xy"))
     before = snapshot(c)
     with pytest.raises(CapacityError) as exc:
         c.load(m, "r1")
@@ -108,7 +108,7 @@ def test_load_evicts_other_nodes_but_never_the_hit():
     ack(c, c.writeback(rb.node))
     assert c.evict_device({"kv": 2}) == {"kv": 2}  # B demoted
     other = put(c, "z")  # device only, fills the device but 1 page
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     assert (m.device_node, m.host_nodes) == (ra.node, (rb.node,))
     with pytest.raises(CapacityError):
         c.load(m, "r1", evict=False)
@@ -121,8 +121,8 @@ def test_load_evicts_other_nodes_but_never_the_hit():
 
 def test_second_request_joins_the_loadback_in_flight():
     c, a = demoted()
-    lr1 = c.load(c.match("abcd"), "r1")
-    m2 = c.match("abcd")
+    lr1 = c.load(c.match(list("abcd")), "r1")
+    m2 = c.match(list("abcd"))
     assert (m2.device_node, m2.host_nodes, m2.joined_nodes, m2.terminal, m2.host_units) == (c.root, (), (a,), a, 4)
     lr2 = c.load(m2, "r2")
     c.check_invariants()
@@ -148,9 +148,9 @@ def test_a_host_hit_joins_a_loadback_in_flight_and_stops_after_it():
     b = put(c, "abcd", a.pages)
     ack(c, c.writeback(b.node))
     assert c.evict_device({"kv": 4}) == {"kv": 4}
-    lr1 = c.load(c.match("ab"), "r1")
+    lr1 = c.load(c.match(list("ab")), "r1")
     assert (a.node.state, b.node.state) == ("loading", "host")
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     assert (m.device_node, m.joined_nodes, m.host_nodes, m.terminal, m.host_units) == (
         c.root, (a.node,), (), a.node, 2)
     ack(c, lr1.command)
@@ -166,9 +166,9 @@ def test_a_joined_loadback_of_several_nodes_is_joined_whole():
     cc = put(c, "abc", b.pages)
     ack(c, c.writeback(cc.node))
     assert c.evict_device({"kv": 3}) == {"kv": 3}
-    lr1 = c.load(c.match("ab"), "r1")
+    lr1 = c.load(c.match(list("ab")), "r1")
     assert (a.node.lb_op, b.node.lb_op, cc.node.state) == (lr1.command.op_id, lr1.command.op_id, "host")
-    m = c.match("abc")
+    m = c.match(list("abc"))
     assert (m.joined_nodes, m.host_nodes, m.host_units) == ((a.node, b.node), (), 2)
     ack(c, lr1.command)
     c.check_invariants()
@@ -183,8 +183,8 @@ def test_a_loadback_in_flight_under_a_device_prefix_is_joined():
     ack(c, c.writeback(b.node))
     c.lock(a.node, "keep-a")  # A stays on the device while B is demoted
     assert c.evict_device({"kv": 1}) == {"kv": 1} and b.node.state == "host"
-    lr1 = c.load(c.match("ab"), "r1")
-    m = c.match("ab")
+    lr1 = c.load(c.match(list("ab")), "r1")
+    m = c.match(list("ab"))
     assert (m.device_node, m.device_units, m.joined_nodes, m.host_nodes, m.host_units) == (a.node, 1, (b.node,), (), 2)
     ack(c, lr1.command)
     c.check_invariants()
@@ -192,9 +192,9 @@ def test_a_loadback_in_flight_under_a_device_prefix_is_joined():
 
 def test_join_then_split_keeps_every_pin():
     c, a = demoted()
-    lr1 = c.load(c.match("abcd"), "r1")
-    lr2 = c.load(c.match("abcd"), "r2")
-    c.match("abx")  # splits the loading node
+    lr1 = c.load(c.match(list("abcd")), "r1")
+    lr2 = c.load(c.match(list("abcd")), "r2")
+    c.match(list("abx"))  # splits the loading node
     c.check_invariants()
     p = a.parent
     assert (p.state, p.lb_op, p.host_pin, a.host_pin) == ("loading", lr1.command.op_id, 3, 3)
@@ -216,7 +216,7 @@ def test_failed_loadback_frees_destination_unpins_and_shortens_match():
     ack(c, c.writeback(rb.node))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
     dev_free = free(c)
-    lr = c.load(c.match("abcd"), "r1")
+    lr = c.load(c.match(list("abcd")), "r1")
     assert free(c) == {"kv": dev_free["kv"] - 2}
     (s,) = ack(c, lr.command, ok=False)
     assert (s.ok, s.expired, s.node_ids) == (False, False, (rb.node.node_id,))
@@ -225,7 +225,7 @@ def test_failed_loadback_frees_destination_unpins_and_shortens_match():
     assert free(c) == dev_free and c.stats.loadback_failures == 1
     c.check_invariants()
     # invariant 10: the request recomputes from the last valid prefix (the device part)
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     assert (m.device_node, m.device_units) == (ra.node, 2)
     c.release(lr.pin)
     c.unlock(lr.lock)
@@ -235,7 +235,7 @@ def test_failed_loadback_frees_destination_unpins_and_shortens_match():
 
 def test_layer_progress_then_ack():
     c, a = demoted()
-    lr = c.load(c.match("abcd"), "r1")
+    lr = c.load(c.match(list("abcd")), "r1")
     op = lr.command.op_id
     assert c.complete(Completion(op, layer=0)) == [LayerProgress(op, 0)]
     c.check_invariants()
@@ -253,27 +253,27 @@ def test_loadback_with_checkpoint_loads_history_and_state():
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
     assert free(c) == {"fh": 2, "swa": 8}
     host_free = free(c, "host")
-    m = c.match("a", "state_recovery")
+    m = c.match(list("a"), "state_recovery")
     lr = c.load(m, "r1")
     c.check_invariants()
     assert pairs(lr.command) == [("fh", (0,), (0,)), ("swa", (0, 1, 2, 3), (3, 2, 1, 0))]
     assert lr.device_pages == {"fh": [0], "swa": [3, 2, 1, 0]}
     assert free(c, "host") == host_free and free(c) == {"fh": 1, "swa": 4}
     # the loading terminal's checkpoint counts for a joining state_recovery hit
-    m2 = c.match("a", "state_recovery")
+    m2 = c.match(list("a"), "state_recovery")
     assert (m2.joined_nodes, m2.host_units) == ((r.node,), 1)
     ack(c, lr.command, ok=False)
     assert (r.node.dev, r.node.dev_ckpt, free(c)) == ({}, {}, {"fh": 2, "swa": 8})
     c.release(lr.pin)
     c.unlock(lr.lock)
     c.check_invariants()
-    lr = c.load(c.match("a", "state_recovery"), "r2")
+    lr = c.load(c.match(list("a"), "state_recovery"), "r2")
     ack(c, lr.command)
     c.release(lr.pin)
     c.unlock(lr.lock)
     c.check_invariants()
     assert (r.node.state, r.node.dev_ckpt) == ("backed", {"swa": [0, 1, 2, 3]})
-    assert c.match("a", "state_recovery").device_units == 1
+    assert c.match(list("a"), "state_recovery").device_units == 1
 
 
 def test_a_loading_node_without_a_checkpoint_is_no_hit_end():
@@ -284,11 +284,11 @@ def test_a_loading_node_without_a_checkpoint_is_no_hit_end():
     rb = put(c, "ab", ra.pages, ckpt=True)
     ack(c, c.writeback(rb.node))
     assert c.evict_device({"fh": 2}) == {"fh": 2, "swa": 4}
-    lr = c.load(c.match("ab"), "r1")
+    lr = c.load(c.match(list("ab")), "r1")
     assert (ra.node.state, rb.node.state, ra.node.dev_ckpt) == ("loading", "loading", {})
-    m = c.match("a")
+    m = c.match(list("a"))
     assert (m.hit_tokens, m.host_units, m.joined_nodes, m.needs_loadback) == (0, 0, (), False)
-    m = c.match("ab")  # the loading terminal's (host) checkpoint does end a hit
+    m = c.match(list("ab"))  # the loading terminal's (host) checkpoint does end a hit
     assert (m.hit_tokens, m.host_units, m.joined_nodes) == (8, 2, (ra.node, rb.node))
     ack(c, lr.command)
     c.check_invariants()
@@ -301,7 +301,7 @@ def test_history_only_loaded_prefix_extends_on_device():
     r = put(c, "a")
     ack(c, c.writeback(r.node))
     assert c.evict_device({"fh": 1}) == {"fh": 1}
-    m = c.match("ab")
+    m = c.match(list("ab"))
     assert (m.host_units, m.hit_tokens) == (1, 4)
     lr = c.load(m, "r1")
     ack(c, lr.command)
@@ -309,7 +309,7 @@ def test_history_only_loaded_prefix_extends_on_device():
     c.release(lr.pin)
     c.unlock(lr.lock)
     c.check_invariants()
-    m = c.match("ab")
+    m = c.match(list("ab"))
     assert (m.device_units, m.device_tokens, c.device_pages(m.device_node)) == (2, 8, {"fh": [0, 1]})
     assert res.pages == {"fh": [0, 1]}
 
@@ -318,22 +318,22 @@ def test_load_refuses_no_host_hit():
     c = CacheCore(h1(), 4, 4)
     put(c, "ab")
     with pytest.raises(KvtierError):
-        c.load(c.match("ab"))
+        c.load(c.match(list("ab")))
     with pytest.raises(KvtierError):
-        c.load(c.match("zz"))
+        c.load(c.match(list("zz")))
 
 
 def test_load_refuses_a_match_made_stale_by_a_split():
     c, a = demoted()
-    m = c.match("abcd")
-    c.match("abx")  # another request's match splits the host node
+    m = c.match(list("abcd"))
+    c.match(list("abx"))  # another request's match splits the host node
     c.check_invariants()
     before = snapshot(c)
     with pytest.raises(KvtierError, match="stale"):
         c.load(m, "r1")
     assert snapshot(c) == before
     c.check_invariants()
-    lr = c.load(c.match("abcd"), "r1")
+    lr = c.load(c.match(list("abcd")), "r1")
     assert lr.command.node_ids == (a.parent.node_id, a.node_id)
     c.check_invariants()
 
@@ -344,7 +344,7 @@ def test_load_refuses_a_match_made_stale_by_a_demotion():
     rb = put(c, "abcd", ra.pages)
     ack(c, c.writeback(rb.node))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     assert m.device_node is ra.node
     assert c.evict_device({"kv": 2}) == {"kv": 2}  # the device part is demoted too
     before = snapshot(c)
@@ -356,7 +356,7 @@ def test_load_refuses_a_match_made_stale_by_a_demotion():
 
 def test_load_refuses_a_match_whose_nodes_changed_state():
     c, a = demoted()
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     lr = c.load(m, "r1")
     with pytest.raises(KvtierError, match="stale"):
         c.load(m, "r2")  # A is loading now: the match must be redone (and would join)
@@ -378,7 +378,7 @@ def _host_checkpoint(dev: dict[str, int]) -> tuple[CacheCore, Node]:
 def test_load_reserves_exactly_history_checkpoint_and_extra_pages():
     c, a = _host_checkpoint({"fh": 4, "swa": 8})
     x = put(c, "x", ckpt=True).node  # fh 1, swa 4: free fh 3, swa 4
-    lr = c.load(c.match("a"), "r1", extra={"fh": 2, "swa": 0})
+    lr = c.load(c.match(list("a")), "r1", extra={"fh": 2, "swa": 0})
     # 1 fh page + 4 swa pages for A and 2 fh pages of its own: everything fits, nothing evicted
     assert (len(lr.device_pages["fh"]), {g: len(p) for g, p in lr.extra.items()}) == (1, {"fh": 2})
     assert x.state == "device" and c.stats.device_evictions == 0 and free(c) == {"fh": 0, "swa": 0}
@@ -390,7 +390,7 @@ def test_load_evicts_exactly_the_checkpoint_shortfall():
     c, a = _host_checkpoint({"fh": 4, "swa": 10})
     x = put(c, "x", ckpt=True).node
     z = put(c, "z", ckpt=True).node  # free: fh 2, swa 2
-    lr = c.load(c.match("a"), "r1")  # swa short by 2: x (least recently used) goes, z stays
+    lr = c.load(c.match(list("a")), "r1")  # swa short by 2: x (least recently used) goes, z stays
     assert x.node_id not in state(c) and z.state == "device" and c.stats.device_evictions == 1
     ack(c, lr.command)
     c.check_invariants()
@@ -402,7 +402,7 @@ def test_load_refusal_names_the_short_group():
     put(c, "y", ckpt=True)  # free: fh 2, swa 0
     before = snapshot(c)
     with pytest.raises(CapacityError) as exc:
-        c.load(c.match("a"), "r1", evict=False, extra={"fh": 1})  # fh exactly fits, swa is short
+        c.load(c.match(list("a")), "r1", evict=False, extra={"fh": 1})  # fh exactly fits, swa is short
     assert str(exc.value) == "device pool of cache group 'swa': need 4 pages, 0 free"
     assert snapshot(c) == before
 
@@ -410,7 +410,7 @@ def test_load_refusal_names_the_short_group():
 def test_load_evicts_for_its_extra_pages():
     c, a = _host_checkpoint({"fh": 3, "swa": 12})
     x = put(c, "x").node  # fh 1: free fh 2, swa 8
-    lr = c.load(c.match("a"), "r1", extra={"fh": 2})  # 1 fh page for A + 2 of its own: x goes
+    lr = c.load(c.match(list("a")), "r1", extra={"fh": 2})  # 1 fh page for A + 2 of its own: x goes
     assert x.node_id not in state(c) and {g: len(p) for g, p in lr.extra.items()} == {"fh": 2}
     ack(c, lr.command)
     c.check_invariants()
@@ -427,7 +427,7 @@ def test_load_of_several_nodes_reserves_all_their_pages():
     x = put(c, "x").node  # free: 4
     y = put(c, "y").node  # free: 3
     c.unlock(c.lock(y))  # y more recently used than x
-    lr = c.load(c.match("abcd"), "r1")
+    lr = c.load(c.match(list("abcd")), "r1")
     assert len(lr.device_pages["kv"]) == 4 and x.node_id not in state(c) and y.state == "device"
     ack(c, lr.command)
     c.check_invariants()

@@ -34,13 +34,13 @@ def test_device_hit_then_host_hit_stops_at_first_gap():
     c.check_invariants()
     assert state(c) == {a.node_id: "backed", b.node_id: "host"}
     assert free(c) == {"kv": 6}
-    m = c.match("abcdef")
+    m = c.match(list("abcdef"))
     c.check_invariants()
     assert (m.key_units, m.device_node, m.device_units, m.terminal) == (6, a, 2, b)
     assert (m.host_nodes, m.joined_nodes, m.host_units, m.history_units, m.recompute_tokens) == ((b,), (), 4, 4, 0)
     assert (m.device_tokens, m.hit_tokens, m.needs_loadback, m.alignment) == (4, 8, True, 2)
     # a key diverging inside B splits it and stops at the divergence
-    m2 = c.match("abcx")
+    m2 = c.match(list("abcx"))
     c.check_invariants()
     p = b.parent
     assert p is not a and p.parent is a and (p.key, p.state, b.key) == (("c",), "host", ("d",))
@@ -52,9 +52,9 @@ def test_host_hit_only_and_miss():
     assert c.evict_device({"kv": 4}) == {"kv": 4}
     c.check_invariants()
     assert state(c) == {a.node_id: "host", b.node_id: "host"}
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     assert (m.device_node, m.device_units, m.host_nodes, m.terminal, m.host_units) == (c.root, 0, (a, b), b, 4)
-    miss = c.match("xyz")
+    miss = c.match(list("xyz"))
     assert (miss.device_node, miss.terminal, miss.host_units, miss.history_units, miss.needs_loadback) == (
         c.root, c.root, 0, 0, False)
     c.check_invariants()
@@ -65,10 +65,10 @@ def test_match_splits_mid_node_and_exact_boundaries_do_not():
     assert c.evict_device({"kv": 4}) == {"kv": 4}
     splits = c.stats.splits
     for key in ("ab", "abcd", "abcdef", "z", ""):
-        c.match(key)
+        c.match(list(key))
         c.check_invariants()
     assert c.stats.splits == splits and len(c.nodes()) == 2
-    m = c.match("abc")  # ends inside B: B splits at 1 unit
+    m = c.match(list("abc"))  # ends inside B: B splits at 1 unit
     c.check_invariants()
     assert c.stats.splits == splits + 1 and len(c.nodes()) == 3
     (p,) = [n for n in c.nodes() if n not in (a, b)]
@@ -89,7 +89,7 @@ def test_pending_writeback_invisible_to_host_matching_but_device_matchable():
     assert (a.state, a.pending, a.pending_ckpt, a.host, a.host_ckpt) == (
         "writing", {"fh": [0]}, {"swa": [0, 1, 2, 3]}, {}, {})
     assert free(c, "host") == {"fh": 3, "swa": 4}
-    m = c.match("a")
+    m = c.match(list("a"))
     assert (m.device_node, m.device_units, m.host_nodes, m.needs_loadback) == (a, 1, (), False)
     # the writing node can neither be demoted nor dropped, and the reservation is not host-evictable
     assert c.evict_device({"fh": 1}) == {"fh": 0, "swa": 0}
@@ -100,7 +100,7 @@ def test_pending_writeback_invisible_to_host_matching_but_device_matchable():
         "backed", {"fh": [0]}, {"swa": [0, 1, 2, 3]}, {}, {})
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
     c.check_invariants()
-    m = c.match("a", "state_recovery")
+    m = c.match(list("a"), "state_recovery")
     assert (m.device_units, m.host_nodes, m.host_units, m.hit_tokens) == (0, (a,), 1, 4)
 
 
@@ -116,7 +116,7 @@ def test_no_host_tier_is_a_plain_device_cache():
         assert c.writeback(r.node) is None
         assert c.queued_writebacks() == [] and c.issue_writebacks() == [] and c.poll_commands() == []
         assert c.evict_host({"kv": 1}) == {}
-        m = c.match("abc")
+        m = c.match(list("abc"))
         assert (m.device_units, m.host_units, m.needs_loadback) == (2, 2, False)
         with pytest.raises(KvtierError):
             c.load(m)
@@ -133,9 +133,9 @@ def test_no_host_tier_is_a_plain_device_cache():
 def test_match_mode_validation():
     c = CacheCore(src(), 4, 4)
     with pytest.raises(UsageError, match=r"^match mode must be one of \['prefix_reuse', 'state_recovery'\], got 'sideways'$"):
-        c.match("a", "sideways")
+        c.match(list("a"), "sideways")
     with pytest.raises(UsageError, match="^history_replay applies to prefix_reuse matches only$"):
-        c.match("a", MatchMode.STATE_RECOVERY, history_replay=True)
+        c.match(list("a"), MatchMode.STATE_RECOVERY, history_replay=True)
 
 
 # ---------------------------------------------------------------------- continuation state
@@ -145,26 +145,26 @@ def test_prefix_reuse_ends_only_at_exact_checkpoints():
     rb = put(c, "abc", ra.pages)  # history only past unit 1
     a, b = ra.node, rb.node
     assert (a.dev_ckpt, b.dev_ckpt) == ({"swa": [0, 1, 2, 3]}, {})
-    m = c.match("abc")
+    m = c.match(list("abc"))
     assert (m.device_node, m.device_units, m.terminal, m.host_units, m.history_units) == (a, 1, a, 1, 3)
     assert m.hit_tokens == 4
     # StateRecoveryDoesNotUseEarlierContinuationCheckpoint: miss, not the checkpoint at unit 1
-    m = c.match("abc", "state_recovery")
+    m = c.match(list("abc"), "state_recovery")
     assert (m.device_node, m.device_units, m.terminal, m.host_units, m.history_units) == (c.root, 0, c.root, 0, 3)
-    m = c.match("a", "state_recovery")
+    m = c.match(list("a"), "state_recovery")
     assert (m.device_node, m.device_units) == (a, 1)
     # a key ending beyond the tree: state_recovery misses, prefix_reuse keeps the checkpoint
-    assert c.match("abcd", "state_recovery").device_units == 0
-    assert c.match("abcd").device_units == 1
+    assert c.match(list("abcd"), "state_recovery").device_units == 0
+    assert c.match(list("abcd")).device_units == 1
     c.check_invariants()
     # the request's terminal checkpoint arrives: both modes hit the whole key
     got = c.alloc_device({"swa": 4})
     r = c.insert(tuple("abc"), {"fh": [0, 1, 2]}, got)
     c.check_invariants()
     assert (r.node, r.duplicates, r.kept, b.dev_ckpt) == (b, {}, {}, {"swa": [4, 5, 6, 7]})
-    assert c.match("abc", "state_recovery").device_units == 3
-    assert c.match("abc").device_units == 3
-    assert c.match("ab").device_units == 1  # splits B; the new fragment has no checkpoint
+    assert c.match(list("abc"), "state_recovery").device_units == 3
+    assert c.match(list("abc")).device_units == 3
+    assert c.match(list("ab")).device_units == 1  # splits B; the new fragment has no checkpoint
     c.check_invariants()
 
 
@@ -172,14 +172,14 @@ def test_prefix_reuse_misses_when_continuation_state_missing():
     # source test 14: history pages without the swa checkpoint -> miss on device and on host
     c = CacheCore(src(), {"fh": 4, "swa": 8}, {"fh": 4, "swa": 8})
     a = put(c, "a").node
-    m = c.match("a")
+    m = c.match(list("a"))
     assert (m.device_node, m.device_units, m.host_units, m.history_units) == (c.root, 0, 0, 1)
     ack(c, c.writeback(a))
     assert free(c, "host") == {"fh": 3, "swa": 8}  # nothing to write for swa
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 0}
     c.check_invariants()
     for mode in ("prefix_reuse", "state_recovery"):  # source test 13 for state_recovery
-        m = c.match("a", mode)
+        m = c.match(list("a"), mode)
         assert (m.device_node, m.terminal, m.host_nodes, m.host_units, m.history_units) == (
             c.root, c.root, (), 0, 1)
 
@@ -193,11 +193,11 @@ def test_host_state_recovery_with_exact_terminal_checkpoint():
     ack(c, c.writeback(b))  # writes A and B in one op
     assert c.evict_device({"fh": 2}) == {"fh": 2, "swa": 8}
     c.check_invariants()
-    m = c.match("ab", "state_recovery")
+    m = c.match(list("ab"), "state_recovery")
     assert (m.device_node, m.host_nodes, m.terminal, m.host_units) == (c.root, (a, b), b, 2)
-    m = c.match("a", "state_recovery")
+    m = c.match(list("a"), "state_recovery")
     assert (m.host_nodes, m.terminal, m.host_units) == ((a,), a, 1)
-    m = c.match("abz")
+    m = c.match(list("abz"))
     assert (m.host_nodes, m.terminal, m.host_units, m.history_units) == ((a, b), b, 2, 2)
 
 
@@ -206,19 +206,19 @@ def test_history_replay_returns_deeper_history_hit():
     assert c.layout.replay_span_tokens() == 16  # window 8 on each of 2 layers
     ra = put(c, "a", ckpt=True)
     r = put(c, "abcdefg", ra.pages)
-    m = c.match("abcdefg")
+    m = c.match(list("abcdefg"))
     assert (m.device_units, m.history_units, m.recompute_tokens, m.hit_tokens) == (1, 7, 0, 4)
-    m = c.match("abcdefg", history_replay=True)
+    m = c.match(list("abcdefg"), history_replay=True)
     # 7 units = 28 tokens; recompute 16 to rebuild the state: 12 > 4 tokens from the checkpoint
     assert (m.device_node, m.device_units, m.terminal, m.host_units, m.history_units) == (r.node, 7, r.node, 7, 7)
     assert (m.recompute_tokens, m.hit_tokens) == (16, 12)
     # not worth it: 3 units = 12 tokens - 16 < 4 tokens from the checkpoint
-    m = c.match("abc", history_replay=True)
+    m = c.match(list("abc"), history_replay=True)
     assert (m.device_units, m.recompute_tokens, m.hit_tokens) == (1, 0, 4)
     # 5 units = 20 tokens - 16 = 4 tokens: not deeper than the checkpoint's 4
-    m = c.match("abcde", history_replay=True)
+    m = c.match(list("abcde"), history_replay=True)
     assert (m.device_units, m.recompute_tokens, m.hit_tokens) == (1, 0, 4)
-    m = c.match("abcdef", history_replay=True)
+    m = c.match(list("abcdef"), history_replay=True)
     assert (m.device_units, m.recompute_tokens, m.hit_tokens) == (6, 16, 8)
     c.check_invariants()
 
@@ -228,8 +228,8 @@ def test_history_replay_without_any_checkpoint():
     r = put(c, "abcde")
     ack(c, c.writeback(r.node))
     assert c.evict_device({"fh": 5}) == {"fh": 5, "swa": 0}
-    assert c.match("abcde").host_units == 0
-    m = c.match("abcde", history_replay=True)
+    assert c.match(list("abcde")).host_units == 0
+    m = c.match(list("abcde"), history_replay=True)
     assert (m.device_units, m.host_nodes, m.host_units, m.recompute_tokens, m.hit_tokens) == (
         0, (r.node,), 5, 16, 4)
 
@@ -243,9 +243,9 @@ def test_history_replay_pays_off_from_one_token():
     c = CacheCore(CacheLayout("w7", (fh, swa), 1), {"fh": 8, "swa": 8}, None)
     assert c.layout.replay_span_tokens() == 7
     put(c, "ab")
-    m = c.match("ab", history_replay=True)
+    m = c.match(list("ab"), history_replay=True)
     assert (m.device_units, m.recompute_tokens, m.hit_tokens) == (2, 7, 1)
-    m = c.match("a", history_replay=True)
+    m = c.match(list("a"), history_replay=True)
     assert (m.device_units, m.recompute_tokens, m.hit_tokens) == (0, 0, 0)
 
 
@@ -298,7 +298,7 @@ def test_insert_republishes_host_node_as_backed():
     assert (a.dev, p.dev, b.dev) == ({"kv": [1, 0]}, {"kv": [3]}, {})
     assert (a.host, p.host, b.host) == ({"kv": [0, 1]}, {"kv": [2]}, {"kv": [3]})
     assert r.duplicates == {} and r.pages == {"kv": [1, 0, 3]} and c.external_pages("kv") == frozenset()
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     assert (m.device_node, m.device_units, m.host_nodes, m.host_units) == (p, 3, (b,), 4)
 
 
@@ -310,7 +310,7 @@ def test_insert_republish_keeps_unrepublished_suffix_on_host():
     c.check_invariants()
     assert (r.node, r.created, r.duplicates, a.state, b.state) == (a, (), {}, "backed", "host")
     assert a.dev == own and a.host == {"kv": [0, 1]}
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     assert (m.device_node, m.host_nodes, m.host_units) == (a, (b,), 4)
 
 
@@ -391,7 +391,7 @@ def test_chunk_checkpoint_dropped_by_deeper_one():
     assert free(c) == {"fh": 6, "swa": 12}
     c.unlock(lk)
     c.check_invariants()
-    assert c.match("a").device_units == 0 and c.match("ab").device_units == 2
+    assert c.match(list("a")).device_units == 0 and c.match(list("ab")).device_units == 2
     # a final (non-chunk) checkpoint is kept
     rx = put(c, "x", ckpt=True)
     put(c, "xy", rx.pages, ckpt=True)
@@ -447,7 +447,7 @@ def test_a_stopped_insert_keeps_its_checkpoint_even_under_a_device_prefix():
     ack(c, c.writeback(rb.node))
     keep = c.lock(ra.node, "keep-a")
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4} and rb.node.state == "host"
-    lr = c.load(c.match("ab"), "r1")
+    lr = c.load(c.match(list("ab")), "r1")
     got = c.alloc_device({"swa": 4})
     res = c.insert(("a", "b"), {"fh": ra.pages["fh"] + lr.device_pages["fh"][1:]}, got)
     assert (res.node, res.published_units, ra.node.dev_ckpt, res.kept) == (ra.node, 1, {}, got)
@@ -465,7 +465,7 @@ def test_insert_publishes_nothing_beyond_a_loading_node():
     b = put(c, "abcd", a.pages)
     ack(c, c.writeback(b.node))
     assert c.evict_device({"kv": 4}) == {"kv": 4}
-    lr = c.load(c.match("ab"), "r1")
+    lr = c.load(c.match(list("ab")), "r1")
     own = c.alloc_device({"kv": 2})["kv"]
     res = c.insert(tuple("abcd"), {"kv": lr.device_pages["kv"] + own})
     assert (a.node.state, b.node.state, b.node.dev) == ("loading", "host", {})
@@ -499,7 +499,7 @@ def test_insert_refuses_a_checkpoint_missing_a_state_group():
 def test_insert_stops_at_loading_node_and_keeps_caller_pages():
     c, a, b = backed_chain()
     assert c.evict_device({"kv": 2}) == {"kv": 2}
-    m = c.match("abcd")
+    m = c.match(list("abcd"))
     lr = c.load(m, "r1")
     c.check_invariants()
     assert b.state == "loading" and lr.device_pages == {"kv": [0, 1, 3, 2]}
@@ -518,7 +518,7 @@ def test_insert_stops_at_loading_node_and_keeps_caller_pages():
     r = put(c2, "a", ckpt=True)
     ack(c2, c2.writeback(r.node))
     assert c2.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
-    lr2 = c2.load(c2.match("a"), "r1")
+    lr2 = c2.load(c2.match(list("a")), "r1")
     got = c2.alloc_device({"fh": 1, "swa": 4})
     res = c2.insert(("a", "b"), {"fh": lr2.device_pages["fh"] + got["fh"]}, {"swa": got["swa"]})
     c2.check_invariants()

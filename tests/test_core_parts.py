@@ -58,7 +58,7 @@ def test_load_holds_the_device_hit_without_using_an_id_or_a_stamp() -> None:
     ack(c, c.writeback(b))
     assert c.evict_device({"kv": 2}) == {"kv": 2} and (a.state, b.state) == ("backed", "host")
     clock, hits = c.clock, a.hit_count
-    lr = c.load(c.match("abcd"), "r1")
+    lr = c.load(c.match(list("abcd")), "r1")
     # ids: nodes 1, 2; then the load's pin 3 and lock 4 (the operation's own pin is -op_id)
     assert (lr.pin.receipt_id, lr.lock.receipt_id) == (3, 4)
     assert sorted(r.receipt_id for r in c.receipts.node_receipts()) == [-lr.command.op_id, 3]
@@ -74,10 +74,10 @@ def test_a_loadbacks_own_pin_is_split_with_its_operation() -> None:
     a = put(c, "abcd").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 4}) == {"kv": 4}
-    lr = c.load(c.match("abcd"), "r1")
+    lr = c.load(c.match(list("abcd")), "r1")
     op_id = lr.command.op_id
     assert c.receipts.get(-op_id).nodes == [a] and a.host_pin == 2  # the op's pin and r1's
-    c.match("abxy")  # splits the loading node after two units
+    c.match(list("abxy"))  # splits the loading node after two units
     c.check_invariants()
     p = a.parent
     assert p is not None and p is not c.root and p.key == ("a", "b") and a.key == ("c", "d")
@@ -184,7 +184,7 @@ def test_huge_pools_work_end_to_end() -> None:
     ack(c, cmd)
     assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"
     assert free(c) == {"kv": HUGE} and free(c, "host") == {"kv": HUGE - 2}
-    lr = c.load(c.match("ab"), "r")
+    lr = c.load(c.match(list("ab")), "r")
     ack(c, lr.command)
     c.release(lr.pin)
     c.unlock(lr.lock)

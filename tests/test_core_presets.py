@@ -235,6 +235,12 @@ def test_layout_validation():
         (lambda: CacheLayout("x", (CacheGroupSpec("h", Family.HISTORY, 4, 1, (0, 1, 2), (ComponentSpec("kv", 1),)),), 2),
          "layout 'x': group 'h' uses layer 2 but the model has 2 layers"),
         (lambda: CacheLayout("x", (s3,), 1), "layout 'x': needs at least one history group"),
+        (lambda: CacheLayout("", (h,), 1), "layout name must be a non-empty str, got ''"),
+        (lambda: CacheLayout(5, (h,), 1), "layout name must be a non-empty str, got 5"),  # type: ignore[arg-type]
+        (lambda: CacheLayout("x", ("h",), 1),  # type: ignore[arg-type]
+         "layout 'x': groups must be a tuple of CacheGroupSpec, got ('h',)"),
+        (lambda: CacheLayout("x", None, 1),  # type: ignore[arg-type]
+         "layout 'x': groups must be a tuple of CacheGroupSpec, got None"),
         (lambda: CacheLayout("x", (h,), 1).group("nope"), "layout 'x' has no cache group 'nope'; groups: ['h']"),
         (lambda: CacheLayout("x", (h,), 1).chunk_rows(-1, 2),
          "chunk_rows: token counts must be >= 0, got cached=-1, chunk=2"),

@@ -35,9 +35,9 @@ def refused(c: CacheCore, call: Callable[[], Any], error: type[Exception], messa
 def test_match_lock_borrow_pin_refusals() -> None:
     c = CacheCore(h1(), 8, 8)
     a = put(c, "ab").node
-    refused(c, lambda: c.match("ab", "nope"), UsageError,
+    refused(c, lambda: c.match(list("ab"), "nope"), UsageError,
             "match mode must be one of ['prefix_reuse', 'state_recovery'], got 'nope'")
-    refused(c, lambda: c.match("ab", "state_recovery", history_replay=True), UsageError,
+    refused(c, lambda: c.match(list("ab"), "state_recovery", history_replay=True), UsageError,
             "history_replay applies to prefix_reuse matches only")
     lock = c.lock(a)
     c.unlock(lock)
@@ -83,7 +83,7 @@ def test_checkpoint_refusals() -> None:
 def test_completion_and_loadback_refusals() -> None:
     c = CacheCore(h1(), 8, 8, world_size=2)
     a = put(c, "ab").node
-    refused(c, lambda: c.load(c.match("ab"), "r"), KvtierError, "load: the match has no host hit to load back")
+    refused(c, lambda: c.load(c.match(list("ab")), "r"), KvtierError, "load: the match has no host hit to load back")
     cmd = c.writeback(a)
     assert cmd is not None and cmd.op_id == 1
     refused(c, lambda: c.complete(Completion(99, 0, True)), UnknownOperation, "completion for op 99: never issued")
@@ -103,7 +103,7 @@ def test_completion_and_loadback_refusals() -> None:
     refused(c, lambda: c.complete(1), UsageError, "complete() takes a Completion, got 1")  # type: ignore[arg-type]
     assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"
     refused(c, lambda: c.borrow([a], "r"), KvtierError, "borrow: nodes [1] have no device pages")
-    m = c.match("ab")
+    m = c.match(list("ab"))
     lr = c.load(m, "r")
     assert lr.command.op_id == 2
     refused(c, lambda: c.complete(Completion(2, 0, True, layer=5)), UsageError, "op 2: layer 5 outside 0..1")
@@ -135,11 +135,18 @@ def test_values_that_are_not_this_trees_nodes_or_receipts_are_refused() -> None:
     ]:
         refused(c, call, KvtierError, message)
     refused(c, lambda: c.match(None), UsageError,  # type: ignore[arg-type]
-            "match: key must be a sequence of unit keys, got None")
+            "match: key must be a sequence of unit keys (not a str or bytes), got None")
+    # a str or bytes is a sequence of characters, not of unit keys: an engine passing one has a bug
+    refused(c, lambda: c.match("ab"), UsageError,
+            "match: key must be a sequence of unit keys (not a str or bytes), got 'ab'")
+    refused(c, lambda: c.match(b"ab"), UsageError,
+            "match: key must be a sequence of unit keys (not a str or bytes), got b'ab'")
+    refused(c, lambda: c.insert("q", {"kv": [5]}), UsageError,
+            "insert: key must be a non-empty sequence of unit keys (not a str or bytes), got 'q'")
     refused(c, lambda: c.match([["x"]]), UsageError,  # type: ignore[list-item]
             "match: unit keys must be hashable, got ['x']")
     refused(c, lambda: c.insert((), {"kv": []}), UsageError,
-            "insert: key must be a non-empty sequence of unit keys, got ()")
+            "insert: key must be a non-empty sequence of unit keys (not a str or bytes), got ()")
     refused(c, lambda: c.insert(("q",), [5]), UsageError,  # type: ignore[arg-type]
             "insert: pages must be a mapping group -> page ids, got [5]")
 
@@ -164,7 +171,7 @@ def test_a_loading_node_may_be_borrowed() -> None:
     a = put(c, "ab").node
     ack_all(c)
     assert c.evict_device({"kv": 2}) == {"kv": 2}
-    lr = c.load(c.match("ab"), "r1")
+    lr = c.load(c.match(list("ab")), "r1")
     assert a.state == "loading"
     receipt = c.borrow([a], "r1")
     assert a.borrow_ref == 1

@@ -35,7 +35,7 @@ def test_split_keeps_borrow_and_pending_writeback():
     a = r.node
     rcpt = c.borrow([a], "r1")
     cmd = c.writeback(a)
-    c.match("ab")  # split at 2 units
+    c.match(list("ab"))  # split at 2 units
     c.check_invariants()
     p = a.parent
     assert (p.state, p.wb_op, a.state, a.wb_op) == ("writing", cmd.op_id, "writing", cmd.op_id)
@@ -55,7 +55,7 @@ def test_split_keeps_borrow_and_pending_writeback():
     c.check_invariants()
     assert c.evict_device({"fh": 4}) == {"fh": 4, "swa": 4}
     assert state(c) == {p.node_id: "host", a.node_id: "host"}
-    m = c.match("abcd", "state_recovery")
+    m = c.match(list("abcd"), "state_recovery")
     assert (m.host_nodes, m.host_units) == ((p, a), 4)
 
 
@@ -64,7 +64,7 @@ def test_split_then_writeback_failure_rolls_back_both_fragments():
     a = put(c, "abcd").node
     cmd = c.writeback(a)
     assert free(c, "host") == {"kv": 4}
-    c.match("abc")
+    c.match(list("abc"))
     p = a.parent
     (s,) = ack(c, cmd, ok=False)
     assert (s.ok, s.node_ids) == (False, (p.node_id, a.node_id))
@@ -80,7 +80,7 @@ def test_host_node_split_stays_on_suffix():
     ack(c, c.writeback(a))
     assert c.evict_device({"fh": 4}) == {"fh": 4, "swa": 4}
     pin = c.pin([a], "r1")
-    c.match("abz")
+    c.match(list("abz"))
     c.check_invariants()
     p = a.parent
     assert (p.state, p.host, p.host_ckpt, p.host_pin) == ("host", {"fh": [0, 1]}, {}, 1)
@@ -98,8 +98,8 @@ def test_split_of_loading_node_ack_and_failure_apply_to_every_fragment():
         a = put(c, "abcd").node
         ack(c, c.writeback(a))
         assert c.evict_device({"kv": 4}) == {"kv": 4}
-        lr = c.load(c.match("abcd"), "r1")
-        c.match("a")  # split at 1 unit
+        lr = c.load(c.match(list("abcd")), "r1")
+        c.match(list("a"))  # split at 1 unit
         c.check_invariants()
         p = a.parent
         assert (p.state, p.lb_op, p.host_pin, p.lock_ref) == ("loading", lr.command.op_id, 2, 1)
@@ -120,7 +120,7 @@ def test_split_of_queued_writeback_queues_both_fragments():
     c = CacheCore(h1(), 8, 8, policy="write_through")
     a = put(c, "abcd").node
     assert c.queued_writebacks() == [a.node_id]
-    c.match("ab")
+    c.match(list("ab"))
     p = a.parent
     assert c.queued_writebacks() == sorted([a.node_id, p.node_id])
     (cmd_p,) = c.issue_writebacks()
@@ -142,7 +142,7 @@ def test_split_at_zero_or_full_length_is_a_no_op():
     lk = c.lock(rb.node)
     ids = sorted(n.node_id for n in c.nodes())
     for key in ("ab", "abcd", "abcdef", "abx", "x", ""):
-        c.match(key)
+        c.match(list(key))
         c.check_invariants()
     for key in ("ab", "abcd"):
         put(c, key, {"kv": [0, 1, 2, 3][: len(key)]})

@@ -34,14 +34,14 @@ def test_every_counter_counts_each_event_once() -> None:
     # (c) has no host copy and is dropped; x, (b), (a) are demoted: 13-16
     assert c.evict_device({"kv": 8}) == {"kv": 4}
     assert sorted(state(c).values()) == ["host"] * 3
-    first = c.load(c.match("ab"), "r1")  # 17, 18: (a) and (b) start loading
-    joined = c.load(c.match("ab"), "r2")  # joins the loadback in flight
+    first = c.load(c.match(list("ab")), "r1")  # 17, 18: (a) and (b) start loading
+    joined = c.load(c.match(list("ab")), "r2")  # joins the loadback in flight
     ack(c, first.command)  # 19, 20
     for r in (first, joined):
         c.release(r.pin)
         c.unlock(r.lock)
     assert c.evict_device({"kv": 8}) == {"kv": 2}  # 21, 22: demote (a), (b) again
-    failed = c.load(c.match("x"), "r3")  # 23
+    failed = c.load(c.match(list("x")), "r3")  # 23
     ack(c, failed.command, ok=False)  # 24
     c.release(failed.pin)
     c.unlock(failed.lock)
@@ -76,8 +76,8 @@ def test_joined_loadbacks_are_counted_each_time() -> None:
     a = put(c, "ab").node
     ack(c, c.writeback(a))
     assert c.evict_device({"kv": 2}) == {"kv": 2}
-    first = c.load(c.match("ab"), "r1")
-    joins = [c.load(c.match("ab"), r) for r in ("r2", "r3")]
+    first = c.load(c.match(list("ab")), "r1")
+    joins = [c.load(c.match(list("ab")), r) for r in ("r2", "r3")]
     assert (c.stats.loadbacks, c.stats.joined_loadbacks) == (1, 2)
     assert all(j.command is None and j.op_ids == (first.command.op_id,) for j in joins)
 
@@ -90,7 +90,7 @@ def test_failures_settle_with_ok_false_and_are_counted_each_time() -> None:
     assert c.evict_device({"kv": 2}) == {"kv": 2}
     for _ in range(2):  # the failed loadback leaves A on the host: load it again
         assert a.state == "host"
-        lr = c.load(c.match("ab"), "r1")
+        lr = c.load(c.match(list("ab")), "r1")
         op = lr.command.op_id
         c.complete(Completion(op, 0, False, 0))  # a failed layer fails the whole loadback
         c.complete(Completion(op, 1, True))

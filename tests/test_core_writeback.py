@@ -221,12 +221,12 @@ def test_failed_writeback_frees_reservation_publishes_nothing_keeps_device():
     assert free(c, "host") == {"fh": 4, "swa": 8} and free(c) == dev_before
     assert c.operations() == {}
     # a same-prefix request gets a device hit and no loadback
-    m = c.match("a")
+    m = c.match(list("a"))
     assert (m.device_units, m.needs_loadback) == (1, False)
     # the host has nothing: dropping the device copy leaves nothing to match
     assert c.evict_device({"fh": 1}) == {"fh": 1, "swa": 4}
     c.check_invariants()
-    assert c.match("a").host_units == 0 and c.nodes() == []
+    assert c.match(list("a")).host_units == 0 and c.nodes() == []
 
 
 def test_writeback_with_host_full_changes_nothing():

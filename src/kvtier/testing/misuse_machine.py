@@ -482,6 +482,9 @@ CASES: list[tuple[str, Callable[[MisuseMachine, int], Any]]] = [
     ("bad spec", lambda m, v: _bad_spec(v)),
     ("bad names", lambda m, v: _bad_names(v)),
 ]
+from .misuse_cases import MORE_CASES  # noqa: E402  (the refusals the cases above do not take)
+
+CASES += MORE_CASES
 
 
 def _load_stale(m: MisuseMachine, v: int) -> None:
