@@ -15,9 +15,11 @@ from kvtier.testing import _views as views
 from kvtier.testing.base import kit_layout
 from kvtier.testing.corruptions import (
     CORRUPTIONS,
+    GROWN_LEVELS,
     Corruption,
     NotApplicable,
     check_corruptions,
+    grown,
     spoiled_copy,
     try_corruption,
 )
@@ -78,6 +80,9 @@ def _states() -> dict[str, TieredCache]:
     c.poll()  # the loadback and the writeback are handed out, not completed
     _serve(c, "r7", "pq", deliver=False)
     out["busy"] = c
+    small = TieredCache(kit_layout(True), 4, 2, world_size=2)  # the misuse machine's smallest
+    for level in range(GROWN_LEVELS):
+        out[f"grown{level}"] = grown(small, level)
     return out
 
 
@@ -97,6 +102,29 @@ def test_the_prepared_states_are_what_the_corruptions_need() -> None:
     assert host == {"abc": "host", "de": "host", "xy": "backed", "zw": "device"}
     for c in STATES.values():
         c.check_invariants()
+
+
+@pytest.mark.parametrize("state", [False, True])
+@pytest.mark.parametrize("world", [1, 2])
+def test_grown_copies_hold_a_chain_written_back_evicted_and_loading(state: bool, world: int) -> None:
+    c = TieredCache(kit_layout(state), 4, 2, world_size=world)
+    levels = [{"".join(map(str, n.key)): n.state for n in views.nodes(grown(c, level).core).values()}
+              for level in range(GROWN_LEVELS)]
+    assert levels == [{}, {"~p": "writing", "~q": "writing"}, {"~p": "backed", "~q": "backed"},
+                      {"~p": "host", "~q": "host"}, {"~p": "loading", "~q": "host"}]
+    loading = grown(c, 4)
+    assert [op.direction.value for op in views.ops(loading.core).values()] == ["loadback"]
+    assert {rid: r.state for rid, r in views.requests(loading).items()} == {"~3": "loading"}
+    assert views.nodes(c.core) == {} and not views.requests(c)  # the cache itself: untouched
+
+
+def test_growth_stops_where_the_copy_is_full() -> None:
+    c = TieredCache(kit_layout(False), 4, 2, world_size=1)
+    align = c.layout.alignment
+    assert c.admit("big", list("abc"), prompt_tokens=3 * align + 1, chunk_tokens=3 * align + 1) is not None
+    g = grown(c, 4)  # no room for ~p: it waits, holding nothing
+    assert views.nodes(g.core) == {}
+    assert {rid: r.state for rid, r in views.requests(g).items()} == {"big": "running", "~1": "waiting"}
 
 
 def test_every_corruption_names_an_invariant_of_the_spec_once() -> None:

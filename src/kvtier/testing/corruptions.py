@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.fsm import Completion
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.machines import l3_lifecycle, node_lifecycle, request_lifecycle
 from kvtier.fsm.node import Node
@@ -37,7 +38,8 @@ from kvtier.fsm.spec import load_spec
 from ..tiered import TieredCache
 from . import _views as views
 
-__all__ = ["Corruption", "CORRUPTIONS", "NotApplicable", "spoiled_copy", "try_corruption", "check_corruptions"]
+__all__ = ["Corruption", "CORRUPTIONS", "NotApplicable", "spoiled_copy", "grown", "GROWN_LEVELS", "try_corruption",
+           "check_corruptions"]
 
 #: page and node ids no cache of the kit reaches
 _FAR = 10**6
@@ -95,8 +97,9 @@ def try_corruption(cache: TieredCache, corruption: Corruption, v: int) -> Invari
 
 
 def check_corruptions(cache: TieredCache, v: int, corruptions: list[Corruption] | None = None) -> int:
-    """Every corruption of ``corruptions`` (default :data:`CORRUPTIONS`) on its own copy of
-    ``cache``, variant ``v``; each that applies must raise its own invariant.
+    """Every corruption of ``corruptions`` (default :data:`CORRUPTIONS`), each on its own
+    copy of ``cache`` grown to level ``v % GROWN_LEVELS`` (:func:`grown`), variant ``v``;
+    each that applies must raise its own invariant.
 
     Returns:
         how many applied.
@@ -105,10 +108,12 @@ def check_corruptions(cache: TieredCache, v: int, corruptions: list[Corruption] 
         AssertionError: one went unnoticed, or was caught as another invariant than the
             one it names (a check failed to see it and a later one did, or the corruption
             is not the bug it claims to be).
+        InvariantViolation: the grown copy itself broke an invariant (legal calls did).
     """
+    base = grown(cache, v % GROWN_LEVELS)
     applied = 0
     for c in CORRUPTIONS if corruptions is None else corruptions:
-        exc = try_corruption(cache, c, v)
+        exc = try_corruption(base, c, v)
         if exc is None:
             continue
         if exc.invariant != c.invariant:
@@ -116,6 +121,54 @@ def check_corruptions(cache: TieredCache, v: int, corruptions: list[Corruption] 
                                  f"but check_invariants() raised: {exc}")
         applied += 1
     return applied
+
+
+#: levels of :func:`grown`
+GROWN_LEVELS = 5
+
+
+def grown(cache: TieredCache, level: int) -> TieredCache:
+    """A copy of ``cache`` grown by legal calls, so that it holds what the corruptions
+    need however rare the fuzz makes it (the misuse machine's caches are small and
+    their tree often empty). Two requests of fresh units publish a chain ``~p`` <- ``~q``
+    (level 1: as the misuse machine found it plus the chain being written back; 2:
+    written back, both backed; 3: evicted from the device, both host only; 4: a request
+    for ``~p`` loading it back under ``~q`` on the host). Level 0 is a plain copy. A call
+    the copy is too full for ends the growth there; the copy passes
+    ``check_invariants()`` at every level.
+    """
+    c = spoiled_copy(cache)
+    if level > 0:
+        _grow(c, level)
+        c.check_invariants()
+    return c
+
+
+def _grow(c: TieredCache, level: int) -> None:
+    core = c.core
+    align = c.layout.alignment
+    ckpt = bool(views.checkpoint_groups(core))
+    for rid, units in (("~1", ["~p"]), ("~2", ["~p", "~q"])):
+        if rid in views.requests(c) or c.admit(rid, units, prompt_tokens=len(units) * align + 1,
+                                                chunk_tokens=align + 1) is None:
+            return
+        c.step_done(rid, align + 1, checkpoint=ckpt)
+        c.finish(rid)
+    leaf = next((n for n in views.nodes(core).values() if n.key == ("~q",) and n.state == "device"), None)
+    cmd = core.writeback(leaf) if leaf is not None else None
+    if cmd is None:
+        return
+    c.poll()  # hands the writeback out (with whatever else the copy had to hand out)
+    if level == 1:
+        return
+    for rank in range(core.world_size):
+        c.complete(Completion(cmd.op_id, rank, True))
+    if level == 2:
+        return
+    core.evict_device({g: core.device[g].capacity for g in views.history_groups(core)})
+    if level == 3 or "~3" in views.requests(c):
+        return
+    c.admit("~3", ["~p"], prompt_tokens=align + 1, chunk_tokens=1)
 
 
 # -- what the corruptions pick -------------------------------------------------------------
