@@ -23,9 +23,9 @@ copy is dropped. The cache itself is never touched: every corruption works on a 
 from __future__ import annotations
 
 import copy as _copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.fsm import Completion
 from kvtier.fsm.errors import InvariantViolation
@@ -40,6 +40,8 @@ from . import _views as views
 
 __all__ = ["Corruption", "CORRUPTIONS", "NotApplicable", "spoiled_copy", "grown", "GROWN_LEVELS", "try_corruption",
            "check_corruptions"]
+
+T = TypeVar("T")
 
 #: page and node ids no cache of the kit reaches
 _FAR = 10**6
@@ -179,7 +181,7 @@ def _nodes(c: TieredCache, states: tuple[str, ...] | None = None,
             if (states is None or n.state in states) and (test is None or test(n))]
 
 
-def _pick(items: list[Any], v: int) -> Any:
+def _pick(items: Sequence[T], v: int) -> T:
     if not items:
         raise NotApplicable()
     return items[v % len(items)]
