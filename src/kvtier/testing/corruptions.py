@@ -343,7 +343,8 @@ def _host_under_device_parent(c: TieredCache, v: int) -> None:
     loaded_ckpts = [op.checkpoint for op in _ops(c, Direction.LOADBACK)]
 
     def fits(p: Node) -> bool:
-        return (not p.host_pin and p not in loaded_ckpts and any(ch.state in ("backed", "host", "loading") for ch in p.children.values())
+        return (not p.host_pin and p not in loaded_ckpts
+                and any(ch.state in ("backed", "host", "loading") for ch in p.children.values())
                 and (p.state == "backed" or (p.parent is c.core.root and not p.borrow_ref)))
 
     p = _node(c, v, ("backed", "host"), fits)
@@ -367,7 +368,7 @@ def _device_under_host_parent(c: TieredCache, v: int) -> None:
 
 def _readable_under_loading(c: TieredCache, v: int) -> None:
     """A host child of a loading node reads as backed (device pages of its own)."""
-    child = _pick([ch for p in _nodes(c, ("loading",)) for _, ch in sorted(p.children.items(), key=lambda kv: str(kv[0]))
+    child = _pick([ch for p in _nodes(c, ("loading",)) for ch in sorted(p.children.values(), key=lambda n: n.node_id)
                    if ch.state == "host"], v)
     child.dev, child.state = {g: _far(p) for g, p in child.host.items()}, "backed"
 
