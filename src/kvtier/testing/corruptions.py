@@ -100,8 +100,9 @@ def try_corruption(cache: TieredCache, corruption: Corruption, v: int) -> Invari
 
 def check_corruptions(cache: TieredCache, v: int, corruptions: list[Corruption] | None = None) -> int:
     """Every corruption of ``corruptions`` (default :data:`CORRUPTIONS`), each on its own
-    copy of ``cache`` grown to level ``v % GROWN_LEVELS`` (:func:`grown`), variant ``v``;
-    each that applies must raise its own invariant.
+    copy of ``cache`` grown to level ``1 + v % 4`` (:func:`grown`; each grown copy keeps
+    what the cache holds, the growth adds to it), variant ``v``; each that applies must
+    raise its own invariant.
 
     Returns:
         how many applied.
@@ -112,7 +113,7 @@ def check_corruptions(cache: TieredCache, v: int, corruptions: list[Corruption] 
             is not the bug it claims to be).
         InvariantViolation: the grown copy itself broke an invariant (legal calls did).
     """
-    base = grown(cache, v % GROWN_LEVELS)
+    base = grown(cache, 1 + v % (GROWN_LEVELS - 1))
     applied = 0
     for c in CORRUPTIONS if corruptions is None else corruptions:
         exc = try_corruption(base, c, v)
@@ -133,11 +134,12 @@ def grown(cache: TieredCache, level: int) -> TieredCache:
     """A copy of ``cache`` grown by legal calls, so that it holds what the corruptions
     need however rare the fuzz makes it (the misuse machine's caches are small and
     their tree often empty). Two requests of fresh units publish a chain ``~p`` <- ``~q``
-    (level 1: as the misuse machine found it plus the chain being written back; 2:
-    written back, both backed; 3: evicted from the device, both host only; 4: a request
-    for ``~p`` loading it back under ``~q`` on the host). Level 0 is a plain copy. A call
-    the copy is too full for ends the growth there; the copy passes
-    ``check_invariants()`` at every level.
+    and it is written back: level 1 stops with the writeback in flight; 2 completes it
+    (both backed); 3 then evicts the device (every unlocked device page, the cache's own
+    nodes' too: ``~p`` and ``~q`` host only); 4 then admits a request for ``~p``, which
+    loads it back under ``~q``, still on the host. Level 0 is a plain copy. A call the
+    copy is too full for ends the growth there; the copy must pass
+    ``check_invariants()`` at every level (InvariantViolation otherwise).
     """
     c = spoiled_copy(cache)
     if level > 0:
