@@ -110,11 +110,13 @@ def test_grown_copies_hold_a_chain_written_back_evicted_and_loading(state: bool,
     c = TieredCache(kit_layout(state), 4, 2, world_size=world)
     levels = [{"".join(map(str, n.key)): n.state for n in views.nodes(grown(c, level).core).values()}
               for level in range(GROWN_LEVELS)]
-    assert levels == [{}, {"~p": "writing", "~q": "writing"}, {"~p": "backed", "~q": "backed"},
-                      {"~p": "host", "~q": "host"}, {"~p": "loading", "~q": "host"}]
+    assert levels == [{}, {"~p": "writing", "~q": "writing", "~d": "device"},
+                      {"~p": "backed", "~q": "backed", "~d": "device"}, {"~p": "host", "~q": "host", "~d": "device"},
+                      {"~p": "loading", "~q": "host", "~d": "device"}]
     loading = grown(c, 4)
     assert [op.direction.value for op in views.ops(loading.core).values()] == ["loadback"]
-    assert {rid: r.state for rid, r in views.requests(loading).items()} == {"~3": "loading"}
+    assert {rid: (r.state, r.settled) for rid, r in views.requests(loading).items()} == {
+        "~3": ("loading", False), "~4": ("running", True)}
     assert views.nodes(c.core) == {} and not views.requests(c)  # the cache itself: untouched
 
 

@@ -134,11 +134,12 @@ def grown(cache: TieredCache, level: int) -> TieredCache:
     """A copy of ``cache`` grown by legal calls, so that it holds what the corruptions
     need however rare the fuzz makes it (the misuse machine's caches are small and
     their tree often empty). Two requests of fresh units publish a chain ``~p`` <- ``~q``
-    and it is written back: level 1 stops with the writeback in flight; 2 completes it
-    (both backed); 3 then evicts the device (every unlocked device page, the cache's own
-    nodes' too: ``~p`` and ``~q`` host only); 4 then admits a request for ``~p``, which
-    loads it back under ``~q``, still on the host. Level 0 is a plain copy. A call the
-    copy is too full for ends the growth there; the copy must pass
+    and it is written back: level 1 leaves the writeback in flight; 2 completes it (both
+    backed); 3 then evicts the device (every unlocked device page, the cache's own nodes'
+    too: ``~p`` and ``~q`` host only). At every level a request ``~4`` then computes
+    ``~d`` and stays running (a locked device node, its own pages); at level 4 a request
+    for ``~p`` loads it back under ``~q``, still on the host. Level 0 is a plain copy. A
+    call the copy is too full for ends the growth there; the copy must pass
     ``check_invariants()`` at every level (InvariantViolation otherwise).
     """
     c = spoiled_copy(cache)
@@ -148,31 +149,44 @@ def grown(cache: TieredCache, level: int) -> TieredCache:
     return c
 
 
+_GROWN_UNITS = ("~p", "~q", "~d")
+
+
 def _grow(c: TieredCache, level: int) -> None:
     core = c.core
-    align = c.layout.alignment
-    ckpt = bool(views.checkpoint_groups(core))
+    if any(n.key[0] in _GROWN_UNITS for n in views.nodes(core).values()) or any(
+            rid.startswith("~") for rid in views.requests(c)):
+        return  # grown before
     for rid, units in (("~1", ["~p"]), ("~2", ["~p", "~q"])):
-        if rid in views.requests(c) or c.admit(rid, units, prompt_tokens=len(units) * align + 1,
-                                                chunk_tokens=align + 1) is None:
+        if not _compute(c, rid, units):
             return
-        c.step_done(rid, align + 1, checkpoint=ckpt)
         c.finish(rid)
     leaf = next((n for n in views.nodes(core).values() if n.key == ("~q",) and n.state == "device"), None)
     cmd = core.writeback(leaf) if leaf is not None else None
     if cmd is None:
         return
     c.poll()  # hands the writeback out (with whatever else the copy had to hand out)
-    if level == 1:
-        return
-    for rank in range(core.world_size):
-        c.complete(Completion(cmd.op_id, rank, True))
-    if level == 2:
-        return
-    core.evict_device({g: core.device[g].capacity for g in views.history_groups(core)})
-    if level == 3 or "~3" in views.requests(c):
-        return
-    c.admit("~3", ["~p"], prompt_tokens=align + 1, chunk_tokens=1)
+    if level >= 2:
+        for rank in range(core.world_size):
+            c.complete(Completion(cmd.op_id, rank, True))
+    if level >= 3:
+        core.evict_device({g: core.device[g].capacity for g in views.history_groups(core)})
+    _compute(c, "~4", ["~d"])  # stays running: a device node under its lock, its own pages
+    if level >= 4:
+        align = c.layout.alignment
+        c.admit("~3", ["~p"], prompt_tokens=align + 1, chunk_tokens=1)
+
+
+def _compute(c: TieredCache, rid: str, units: list[str]) -> bool:
+    """Admit ``rid`` and compute its prompt in one pass (publishing its units); False
+    when it could not (no room, or the pass does not reach its end)."""
+    align = c.layout.alignment
+    tokens = len(units) * align + 1
+    a = c.admit(rid, units, prompt_tokens=tokens, chunk_tokens=tokens)
+    if a is None or a.loadback_op is not None or a.start_token + a.chunk_tokens != tokens:
+        return False
+    c.step_done(rid, a.chunk_tokens, checkpoint=bool(views.checkpoint_groups(c.core)))
+    return True
 
 
 # -- what the corruptions pick -------------------------------------------------------------
