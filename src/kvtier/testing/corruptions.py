@@ -15,9 +15,15 @@ terminal state owns nothing, so ``forward_fence`` is raised one check earlier).
 
 A corruption applies to the state it finds (a writing node, a request holding pages,
 ...); where the state has nothing it needs it raises :class:`NotApplicable` and the
-copy is dropped. The cache itself is never touched: every corruption works on a copy
+copy is dropped. The misuse machine's caches are small and rarely hold loadbacks in
+flight or host chains, so :func:`check_corruptions` first grows a copy by legal calls
+(:func:`grown`: a chain written back, evicted, loaded back) and spoils copies of that.
+The cache itself is never touched: every corruption works on a copy
 (:func:`spoiled_copy`) that shares only what the process shares (the lifecycle spec, the
-``transitions`` machines, the layout), about 10x cheaper than a plain ``deepcopy``.
+``transitions`` machines, the layout): 1.2 ms instead of 10-13 ms for a plain
+``deepcopy`` of a small kit cache (measured on the development machine). Events the
+growth fires go through the shared machines, so an observer (the fuzz's lifecycle
+coverage) counts them for the running machine.
 """
 
 from __future__ import annotations
