@@ -166,6 +166,14 @@ def test_check_corruptions_counts_those_that_apply() -> None:
     assert expected >= len(CORRUPTIONS) - 3  # all but the host chain, no host tier, owed-by-nothing ones
 
 
+def test_a_layout_without_state_groups_gets_its_checkpoint_checks_on_a_companion() -> None:
+    wrong_size = next(c for c in CORRUPTIONS if c.name == "a checkpoint of the wrong size")
+    plain = TieredCache(kit_layout(False), 4, 2, world_size=2)
+    assert try_corruption(grown(plain, 1), wrong_size, 0) is None  # no state group: nothing to spoil
+    assert check_corruptions(plain, 0, [wrong_size]) == 1  # the companion's
+    assert check_corruptions(STATES["busy"], 0, [wrong_size]) == 1  # its own only
+
+
 def test_a_corruption_caught_as_another_invariant_fails_the_rule() -> None:
     first = CORRUPTIONS[0]
     wrong = Corruption(first.name, "conservation", first.says, first.spoil)

@@ -43,6 +43,7 @@ from kvtier.fsm.spec import load_spec
 
 from ..tiered import TieredCache
 from . import _views as views
+from .base import kit_layout
 
 __all__ = ["Corruption", "CORRUPTIONS", "NotApplicable", "spoiled_copy", "grown", "GROWN_LEVELS", "try_corruption",
            "check_corruptions"]
@@ -108,7 +109,10 @@ def check_corruptions(cache: TieredCache, v: int, corruptions: list[Corruption] 
     """Every corruption of ``corruptions`` (default :data:`CORRUPTIONS`), each on its own
     copy of ``cache`` grown to level ``1 + v % 4`` (:func:`grown`; each grown copy keeps
     what the cache holds, the growth adds to it), variant ``v``; each that applies must
-    raise its own invariant.
+    raise its own invariant. When the cache's layout has no state group, they run on a
+    grown cache of the kit's state layout too (8 device and 8 host units, the cache's
+    world size): the checkpoint checks need state groups, and the fuzz's misuse machine
+    mostly draws the layout without them.
 
     Returns:
         how many applied.
@@ -119,16 +123,20 @@ def check_corruptions(cache: TieredCache, v: int, corruptions: list[Corruption] 
             is not the bug it claims to be).
         InvariantViolation: the grown copy itself broke an invariant (legal calls did).
     """
-    base = grown(cache, 1 + v % (GROWN_LEVELS - 1))
+    level = 1 + v % (GROWN_LEVELS - 1)
+    bases = [grown(cache, level)]
+    if not views.checkpoint_groups(cache.core):  # the checkpoint checks need state groups
+        bases.append(grown(TieredCache(kit_layout(True), 8, 8, world_size=cache.core.world_size), level))
     applied = 0
-    for c in CORRUPTIONS if corruptions is None else corruptions:
-        exc = try_corruption(base, c, v)
-        if exc is None:
-            continue
-        if exc.invariant != c.invariant:
-            raise AssertionError(f"corruption {c.name!r} (variant {v}) must violate {c.invariant!r}, "
-                                 f"but check_invariants() raised: {exc}")
-        applied += 1
+    for base in bases:
+        for c in CORRUPTIONS if corruptions is None else corruptions:
+            exc = try_corruption(base, c, v)
+            if exc is None:
+                continue
+            if exc.invariant != c.invariant:
+                raise AssertionError(f"corruption {c.name!r} (variant {v}) must violate {c.invariant!r}, "
+                                     f"but check_invariants() raised: {exc}")
+            applied += 1
     return applied
 
 
