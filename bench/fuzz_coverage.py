@@ -48,7 +48,9 @@ REACH = "reach"  #: a correct run could take it; the fuzz does not (yet)
 _NEVER_IN_A_CORRECT_RUN = (INVARIANT, MISUSE)
 _CHECKED = " (not raising)"
 
-_INV = (INVARIANT, "raises InvariantViolation; taken by the broken variants (tests/broken/) only")
+_INV = (INVARIANT, "raises InvariantViolation: only a broken core takes it; the misuse machine's corrupt rule "
+                   "(kvtier.testing.corruptions, one corruption per raise site) takes it unless no corruption "
+                   "applied in this run")
 _BAD = (MISUSE, "refuses bad input or a call in the wrong state; the machines make legal calls only "
                 "(tests/test_bad_input.py, test_hostile_inputs.py and the refusal tests take these)")
 _NO_HOST = (OPTION, "no host tier (host_pages=None): every kit machine builds a host tier")
@@ -59,6 +61,9 @@ _NO_HOST = (OPTION, "no host tier (host_pages=None): every kit machine builds a 
 REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/invariants.py", "*"): _INV,
     ("fsm/fence.py", "*"): _INV,
+    ("fsm/fence.py", "_check_fenced"): (INVARIANT, "the terminal-state check (74->75) is unreachable through "
+                                                   "check_requests: every terminal state owns nothing, so "
+                                                   "forward_fence is raised one check earlier (60->61)"),
     ("fsm/checks.py", "*"): _BAD,
     ("fsm/checks.py", "check_hashable"): (MISUSE, "unreachable defensive re-raise: the tuple of units did not hash "
                                                   "but every unit hashed alone, which needs a unit whose hash() "

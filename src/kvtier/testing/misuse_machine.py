@@ -17,7 +17,6 @@ and the requests' invariants are checked after every step as in every machine.
 
 from __future__ import annotations
 
-import copy as _copy
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -36,6 +35,7 @@ from kvtier.fsm.spec import load_spec, parse_spec, spec_text
 from ..tiered import TieredCache
 from . import _views as views
 from .base import KitMachine, kit_layout, recorded
+from .corruptions import check_corruptions
 from .sequence import register_machine
 
 __all__ = ["MisuseMachine", "CASES"]
@@ -206,20 +206,11 @@ class MisuseMachine(KitMachine):
     @rule(v=st.sampled_from(range(16)))
     @recorded
     def corrupt(self, v: int) -> None:
-        """The invariant checks see what they claim to: for every corruption of
-        :data:`CORRUPTIONS` (on an object chosen by ``v``), a copy of the cache with it
-        must fail ``check_invariants()``; the cache itself is untouched."""
-        for name, spoil in CORRUPTIONS:
-            copy = _copy.deepcopy(self.cache)
-            try:
-                spoil(copy, v)
-            except _Skip:
-                continue
-            try:
-                copy.check_invariants()
-            except InvariantViolation:
-                continue
-            raise AssertionError(f"corruption {name!r} (variant {v}) went unnoticed by check_invariants()")
+        """The invariant checks see what they claim to: every corruption of
+        :data:`~kvtier.testing.corruptions.CORRUPTIONS` that applies here (on an object
+        chosen by ``v``), each on its own copy of the cache, must make
+        ``check_invariants()`` raise the invariant it names; the cache itself is untouched."""
+        check_corruptions(self.cache, v)
 
     def check_cache_invariants(self) -> None:
         if hasattr(self, "cache"):
@@ -490,92 +481,6 @@ CASES += MORE_CASES
 def _load_stale(m: MisuseMachine, v: int) -> None:
     core = m.cache.core
     core.load(core.match(["zz", "zz"]), "hostile")  # no host hit to load back
-
-
-def _node(c: TieredCache, v: int, states: tuple[str, ...], need: str | None = None) -> Any:
-    nodes = [n for _, n in sorted(views.nodes(c.core).items())
-             if n.state in states and (need is None or getattr(n, need))]
-    if not nodes:
-        raise _Skip()
-    return nodes[v % len(nodes)]
-
-
-def _req(c: TieredCache, v: int, test: Callable[[Any], bool]) -> Any:
-    reqs = [r for _, r in sorted(views.requests(c).items()) if test(r)]
-    if not reqs:
-        raise _Skip()
-    return reqs[v % len(reqs)]
-
-
-def _g(c: TieredCache) -> str:
-    return views.history_groups(c.core)[0]
-
-
-def _set(obj: Any, attr: str, value: Any) -> None:
-    setattr(obj, attr, value)
-
-
-def _two_device_nodes(c: TieredCache, v: int) -> None:
-    nodes = [n for _, n in sorted(views.nodes(c.core).items()) if n.state in ("device", "backed") and n.dev]
-    if len(nodes) < 2:
-        raise _Skip()
-    g = _g(c)
-    a, b = nodes[v % len(nodes)], nodes[(v + 1) % len(nodes)]
-    b.dev[g] = [a.dev[g][0]] + b.dev[g][1:]
-
-
-def _ckpt_groups(c: TieredCache) -> list[str]:
-    groups = list(c.core.ckpt_groups)
-    if not groups:
-        raise _Skip()
-    return groups
-
-
-#: (name, corruption of a copy of the cache) -> check_invariants() must raise
-CORRUPTIONS: list[tuple[str, Callable[[TieredCache, int], None]]] = [
-    ("a lock count without a receipt", lambda c, v: _set(n := _node(c, v, ("device", "backed", "writing")),
-                                                         "lock_ref", n.lock_ref + 1)),
-    ("a negative pin count", lambda c, v: _set(_node(c, v, ("host", "backed")), "host_pin", -1)),
-    ("a borrow count without a receipt", lambda c, v: _set(n := _node(c, v, ("device", "backed")),
-                                                           "borrow_ref", n.borrow_ref + 1)),
-    ("a page missing from a node", lambda c, v: (n := _node(c, v, ("device", "backed"), "dev"))
-        .dev.__setitem__(_g(c), n.dev[_g(c)][:-1])),
-    ("an owned page freed", lambda c, v: c.core.device[_g(c)].release(
-        [_node(c, v, ("device", "backed"), "dev").dev[_g(c)][0]])),
-    ("a page owned twice", _two_device_nodes),
-    ("a page allocated to nobody", lambda c, v: _alloc_unowned(c, "device")),
-    ("a host page allocated to nobody", lambda c, v: _alloc_unowned(c, "host")),
-    ("a device checkpoint on a host node", lambda c, v: _set(
-        _node(c, v, ("host",)), "dev_ckpt", {g: [0] for g in _ckpt_groups(c)})),
-    ("a host checkpoint on a device node", lambda c, v: _set(
-        _node(c, v, ("device",)), "host_ckpt", {g: [0] for g in _ckpt_groups(c)})),
-    ("a pending checkpoint outside a writeback", lambda c, v: _set(
-        _node(c, v, ("device",)), "pending_ckpt", {g: [0] for g in _ckpt_groups(c)})),
-    ("a checkpoint of the wrong size", lambda c, v: _set(
-        n := _node(c, v, ("device", "backed"), "dev_ckpt"), "dev_ckpt", {g: p[:-1] for g, p in n.dev_ckpt.items()})),
-    ("a writeback op not in flight", lambda c, v: _set(_node(c, v, ("device", "backed")), "wb_op", 10**6)),
-    ("a state without its resources", lambda c, v: _set(_node(c, v, ("device",)), "state", "host")),
-    ("a host state without host pages", lambda c, v: _set(_node(c, v, ("backed",)), "state", "host")),
-    ("a request page nobody allocated", lambda c, v: _req(c, v, lambda r: bool(r.own.get(_g(c))))
-        .own[_g(c)].append(10**6)),
-    ("an ended request still holding pages", lambda c, v: _set(
-        _req(c, v, lambda r: r.state == "running" and r.settled and bool(r.own.get(_g(c)))), "state", "finished")),
-    ("a fenced request whose layers read as ready", lambda c, v: _set(
-        _req(c, v, lambda r: not r.settled and r.state == "running"), "state", "fenced")),
-    ("canonical pages read without a lock", lambda c, v: _set(
-        _req(c, v, lambda r: not r.settled and r.lock is not None and any(r.canon.values())), "lock", None)),
-]
-
-
-def _skip() -> None:
-    raise _Skip()
-
-
-def _alloc_unowned(c: TieredCache, tier: str) -> None:
-    pools = c.core.device if tier == "device" else c.core.host
-    if not pools or not pools[_g(c)].free:
-        raise _Skip()
-    pools[_g(c)].alloc(1)
 
 
 register_machine("misuse", MisuseMachine)
