@@ -21,6 +21,7 @@ anything.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +101,10 @@ BAD_OPTIONS: tuple[dict[str, Any], ...] = (
 )
 
 
+def _tier_with(core: CacheCore, options: dict[str, Any]) -> L3Tier:
+    return L3Tier(core, L3Options(**options))
+
+
 def _bad_tier(m: L3TierMachine, i: int, v: int) -> None:
     """Every refused construction (the variant picks which comes last): each must raise a
     ConfigError, a bad option's naming the option; the last one's error propagates."""
@@ -110,7 +115,7 @@ def _bad_tier(m: L3TierMachine, i: int, v: int) -> None:
         ("continuation-state", lambda: L3Tier(CacheCore(kit_layout(True), 4, 4), L3Options())),
     ]
     for bad in BAD_OPTIONS:
-        variants.append((next(iter(bad)), lambda bad=bad: L3Tier(core, L3Options(**bad))))
+        variants.append((next(iter(bad)), functools.partial(_tier_with, core, bad)))
     k = v % len(variants)
     last: ConfigError | None = None
     for named, call in variants[k + 1:] + variants[:k + 1]:
@@ -155,7 +160,8 @@ def _bad_prefetch(m: L3TierMachine, i: int, v: int) -> None:
 
 
 def _bad_offer(m: L3TierMachine, i: int, v: int) -> None:
-    _every("offer", [lambda bad=bad: m.tiers[i].offer(bad, m.now) for bad in (5, None, 2.5)], v)
+    bad_units: tuple[Any, ...] = (5, None, 2.5)
+    _every("offer", [functools.partial(m.tiers[i].offer, bad, m.now) for bad in bad_units], v)
 
 
 def _bad_remove(m: L3TierMachine, i: int, v: int) -> None:
@@ -177,7 +183,8 @@ def _bad_complete(m: L3TierMachine, i: int, v: int) -> None:
 
 
 def _host_parent(core: CacheCore, v: int) -> Node:
-    return _some([n for _, n in sorted(views.nodes(core).items()) if n.state in HOST_VISIBLE], v)
+    node: Node = _some([n for _, n in sorted(views.nodes(core).items()) if n.state in HOST_VISIBLE], v)
+    return node
 
 
 def _bad_reserve(m: L3TierMachine, i: int, v: int) -> None:

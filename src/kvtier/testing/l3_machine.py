@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import copy as _copy
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hypothesis import strategies as st
@@ -123,20 +123,21 @@ class L3TierMachine(KitMachine):
                 lease=st.sampled_from([0.0, 2.0, 5.0]), deadline=st.sampled_from([1.0, 3.0]),
                 prefetch_units=st.integers(1, 4), write_policy=st.sampled_from(WRITE_POLICIES),
                 hint=st.sampled_from([1, 16]), faults=FAULT_LEVEL, max_put=st.sampled_from([1, 2, 1024]),
-                min_prefetch=st.integers(1, 2), lookahead=st.sampled_from([1, 4]))
+                min_prefetch=st.integers(1, 2), lookahead=st.sampled_from([1, 4]),
+                policy2=st.sampled_from(WRITE_POLICIES))
     @recorded
     def setup(self, layout: str, dev_units: int, host_units: int, lease: float, deadline: float,
               prefetch_units: int, write_policy: str, hint: int, faults: int | None = None,
-              max_put: int = 1024, min_prefetch: int = 1, lookahead: int = 4) -> None:
+              max_put: int = 1024, min_prefetch: int = 1, lookahead: int = 4, policy2: str | None = None) -> None:
         self.kit_fault_level(faults)
         lay = layout_named(layout)
         opts = L3Options(model="kit", lease_s=lease, deadline_s=deadline, prefetch_units=prefetch_units,
                          min_prefetch_units=min(min_prefetch, prefetch_units), write_policy=write_policy,
                          write_threshold=2, hint_size=hint, eviction_lookahead=lookahead, max_put_units=max_put)
-        for _ in range(2):
+        for n in range(2):  # the second instance may put under another write policy
             core = CacheCore(lay, dev_units, host_units, policy="write_through")
             self.cores.append(core)
-            self.tiers.append(L3Tier(core, opts))
+            self.tiers.append(L3Tier(core, replace(opts, write_policy=policy2) if n and policy2 else opts))
             self.dev.append({})
             self.host.append({})
             self.model.append(_Model())
@@ -313,19 +314,18 @@ class L3TierMachine(KitMachine):
             self._sweep(i, pick)
         self._advance(self.tiers[i].options.lease_s + 0.5)  # the read leases pass
 
-    @precondition(lambda self: bool(self.store))
     @rule(i=st.integers(0, 1), pick=st.integers(0, 100), torn=st.booleans())
     @recorded
     def drop_between(self, i: int, pick: int, torn: bool = False) -> None:
         """A prefetch on instance ``i`` of a prefix the store holds; the store answers the
-        exists, then drops the first object before the get (with ``torn``: another writer
-        tears it): the get misses (or finds it corrupt), the hit shortens, nothing is read.
-        A corrupt object is removed from the store as soon as no lease holds it (the
-        liveness model of deferred removes follows it)."""
-        keys = sorted(self.store)
-        key = self.prefix_of.get(keys[pick % len(keys)])
-        if key is None:
-            return
+        exists, then drops the first object before the get (with ``torn``, after instance
+        ``i`` evicted what it may: another writer tears it): the get misses (or finds it
+        corrupt), the hit shortens, nothing is read. A corrupt object is removed from the
+        store as soon as no lease holds it (the liveness model of deferred removes follows
+        it)."""
+        key = self._stored_prefix(pick)
+        if torn:
+            self._evict_all(i)  # what it holds locally it would not get
         owner = self._prefetch(i, key)
         self._answer_exists(i, owner)
         mine = [j for j, p in enumerate(self.pending) if p.owner == owner and p.cmd.kind is StoreOp.GET]
@@ -448,7 +448,8 @@ class L3TierMachine(KitMachine):
     @recorded
     def remove_busy(self, i: int, pick: int, extra: bool) -> None:
         """Remove an object instance ``i`` is busy with or holds a read lease on (and, with
-        ``extra``, the next busy one and a free one): the busy ones wait."""
+        ``extra``, the next busy one and a free one): the busy ones wait, and an expiry that
+        comes at once (nothing is free yet) must leave them waiting."""
         keys = sorted(self.tiers[i].objects)
         if not keys:
             return
@@ -456,10 +457,21 @@ class L3TierMachine(KitMachine):
         if extra:
             chosen += [keys[(pick + 1) % len(keys)], *self.tiers[i].keys_for(("b", "b", "a"))[-1:]]
         self._remove(i, chosen)
+        self._advance(0.0)
 
-    def _stored_prefix(self, pick: int) -> tuple[Hashable, ...] | None:
-        keys = sorted(k for k in self.store if k in self.prefix_of)
-        return self.prefix_of[keys[pick % len(keys)]] if keys else None
+    def _stored_prefix(self, pick: int, min_units: int = 1) -> tuple[Hashable, ...]:
+        """A prefix of at least ``min_units`` units the store holds (by ``pick``). When it
+        holds none, a third engine sharing the store puts one first: ``min_units`` to 4
+        units over "ab" (by ``pick``), with the content every instance computes for it."""
+        keys = sorted(k for k in self.store if k in self.prefix_of and len(self.prefix_of[k]) >= min_units)
+        if keys:
+            return self.prefix_of[keys[pick % len(keys)]]
+        n = max(min_units, 1 + pick % 4)
+        key = tuple("ab"[(pick >> j) & 1] for j in range(n))
+        self._remember_keys(0, key)
+        for k in self.tiers[0].keys_for(key):
+            self.store[k] = self._expected(k)
+        return key
 
     def _answer_exists(self, i: int, owner: str) -> None:
         """The store answers ``owner``'s exists on instance ``i`` now, without a fault."""
@@ -468,7 +480,6 @@ class L3TierMachine(KitMachine):
         if mine:
             self._answer_one(mine[0], 999, "error")  # roll 999: never a fault
 
-    @precondition(lambda self: bool(self.store))
     @rule(i=st.integers(0, 1), pick=st.integers(0, 100), evict=st.booleans(), again=st.booleans(),
           sweep=st.booleans())
     @recorded
@@ -480,8 +491,6 @@ class L3TierMachine(KitMachine):
         the first is getting. With ``sweep``, the hostile calls, inert calls and
         corruptions of :meth:`sweep` (variant ``pick``) follow while the get is in flight."""
         key = self._stored_prefix(pick)
-        if key is None:
-            return
         if evict:
             self._evict_all(i)
         owner = self._prefetch(i, key)
@@ -498,7 +507,6 @@ class L3TierMachine(KitMachine):
         if sweep:
             self._sweep(i, pick)
 
-    @precondition(lambda self: bool(self.store))
     @rule(i=st.integers(0, 1), pick=st.integers(0, 100), publish=st.booleans())
     @recorded
     def prefix_changes(self, i: int, pick: int, publish: bool) -> None:
@@ -508,9 +516,7 @@ class L3TierMachine(KitMachine):
         may (or, with ``publish``, computes the whole prefix itself). The answer must start
         no get from the stale start (the reservation refuses a parent without a visible
         host copy, and a publish made the chunk local); the prefetch ends without a get."""
-        key = self._stored_prefix(pick)
-        if key is None:
-            return
+        key = self._stored_prefix(pick, 1 if publish else 2)
         self._evict_all(i)
         if len(key) > 1:
             self._publish(i, key[:-1])
@@ -530,7 +536,6 @@ class L3TierMachine(KitMachine):
             raise InvariantViolation("l3_get_invisible", f"prefetch {owner} on instance {i}",
                                      "a get started from a local prefix that changed after its exists")
 
-    @precondition(lambda self: bool(self.store))
     @rule(i=st.integers(0, 1), pick=st.integers(0, 100))
     @recorded
     def fetch_no_room(self, i: int, pick: int) -> None:
@@ -538,8 +543,6 @@ class L3TierMachine(KitMachine):
         comes back: the get finds no room, is not sent, and every key the store answered
         counts as ``get_no_room``. Then the pins go."""
         key = self._stored_prefix(pick)
-        if key is None:
-            return
         core, tier = self.cores[i], self.tiers[i]
         self._evict_all(i)
         other = "b" if key[0] == "a" else "a"
@@ -571,6 +574,23 @@ class L3TierMachine(KitMachine):
                                          f"and send no get")
         finally:
             core.release(pin)
+
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100))
+    @recorded
+    def lease_then_remove(self, i: int, pick: int) -> None:
+        """Instance ``i`` fetches a stored prefix (everything it may evicted first; the
+        store answers at once, without faults), so the store leases the objects it read
+        (when its lease is not 0); then it removes them: the leased ones wait (counted as
+        deferred by lease) and go out at the first expiry after the lease ends."""
+        key = self._stored_prefix(pick)
+        self._evict_all(i)
+        owner = self._prefetch(i, key)
+        self._answer_exists(i, owner)
+        mine = [j for j, p in enumerate(self.pending) if p.owner == owner and p.cmd.kind is StoreOp.GET]
+        if mine:
+            self._answer_one(mine[0], 999, "error")  # roll 999: never a fault
+        self._remove(i, self.tiers[i].keys_for(key))
+        self._advance(self.tiers[i].options.lease_s + 0.5)
 
     @rule(i=st.integers(0, 1), case=st.integers(0, 10_000), v=st.integers(0, 100))
     @recorded
@@ -670,10 +690,15 @@ class L3TierMachine(KitMachine):
         rate it misbehaves as ``how`` says."""
         self._answer_one(pick, roll, how)
 
-    def _answer_one(self, pick: int, roll: int, how: str) -> None:
+    def _answer_one(self, pick: int, roll: int, how: str, error: str | None = None) -> None:
+        """Answer ``pending[pick]`` (misbehaving as ``how`` when ``roll`` draws a fault),
+        or fail it as a whole with an ``error`` of that kind."""
         p = self.pending.pop(pick % len(self.pending))
-        fault = self.kit_fail(roll)
-        res = self._answer(p, how if fault else None, _ERROR_KINDS[roll % len(_ERROR_KINDS)])
+        if error is not None:
+            res = self._answer(p, "error", error)
+        else:
+            fault = self.kit_fail(roll)
+            res = self._answer(p, how if fault else None, _ERROR_KINDS[roll % len(_ERROR_KINDS)])
         tier, model = self.tiers[p.inst], self.model[p.inst]
         late = tier.stats.absorbed_late_results
         tier.complete(res, self.now)
@@ -763,6 +788,19 @@ class L3TierMachine(KitMachine):
             store.pop(k, None)
             oks.append(True)
         return StoreResult(cmd.op_id, ok=tuple(oks))
+
+    @precondition(lambda self: len(self.pending) > 1)
+    @rule(pick=st.integers(0, 100))
+    @recorded
+    def slow_store(self, pick: int) -> None:
+        """The store times out: it fails one operation with its own ``deadline`` error, and
+        the others of that instance stay unanswered past their deadline (they expire). The
+        error counters keep the store's deadline error and not the expiries."""
+        p = self.pending[pick % len(self.pending)]
+        self._answer_one(pick, 0, "error", error="deadline")
+        deadlines = [q.cmd.deadline for q in self.pending if q.inst == p.inst and not q.cancelled]
+        if deadlines:
+            self._advance(max(0.0, max(deadlines) - self.now) + 0.5)
 
     @precondition(lambda self: bool(self.store))
     @rule(pick=st.integers(0, 100))
