@@ -20,7 +20,7 @@ anything.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import ConfigError, KvtierError
 from kvtier.fsm.l3 import L3Options, L3Tier, StoreOp, StoreResult
+from kvtier.fsm.machines import l3_lifecycle, node_lifecycle
 from kvtier.fsm.names import HOST_VISIBLE, L3_STATE, NODE_STATE
 from kvtier.fsm.node import Node
+from kvtier.fsm.spec import load_spec
 
 from . import _views as views
 from .base import kit_layout
@@ -37,7 +39,7 @@ from .base import kit_layout
 if TYPE_CHECKING:
     from .l3_machine import L3TierMachine
 
-__all__ = ["Skip", "fingerprint", "HOSTILE", "INERT", "CORRUPTIONS"]
+__all__ = ["Skip", "fingerprint", "copy_instance", "HOSTILE", "INERT", "CORRUPTIONS"]
 
 
 class Skip(Exception):
@@ -65,8 +67,7 @@ def _tier_print(tier: L3Tier) -> Hashable:
     ops = tuple((i, op.kind, tuple(o.key for o in op.objects), op.deadline, op.owner,
                  op.receipt.receipt_id if op.receipt is not None else None)
                 for i, op in sorted(tier.operations.items()))
-    stats = dataclasses.astuple(tier.stats)
-    return (objects, ops, repr(stats), views.l3_internals(tier))
+    return (objects, ops, repr(tier.stats), views.l3_internals(tier))
 
 
 def fingerprint(m: L3TierMachine) -> Hashable:
@@ -259,6 +260,13 @@ INERT: tuple[tuple[str, Callable[[L3TierMachine, int, int], object]], ...] = (
 
 
 # -- corruptions -----------------------------------------------------------------------------
+
+def copy_instance(tier: L3Tier) -> L3Tier:
+    """A deep copy of ``tier`` and its core to corrupt. The lifecycles (built once per
+    process from the spec, stateless), the spec and the layout are shared, not copied."""
+    shared: list[object] = [node_lifecycle(), l3_lifecycle(), load_spec(), tier.core.layout]
+    return copy.deepcopy(tier, {id(o): o for o in shared})
+
 
 def _busy_object_wrong_state(t: L3Tier, v: int) -> None:
     op = t.operations[_some([i for i, op in t.operations.items() if op.kind is not StoreOp.EXISTS], v)]

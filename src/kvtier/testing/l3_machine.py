@@ -36,7 +36,6 @@ so a failed get made visible would be caught.
 
 from __future__ import annotations
 
-import copy as _copy
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -50,7 +49,7 @@ from kvtier.fsm.l3 import WRITE_POLICIES, L3Options, L3Tier, StoreCommand, Store
 from kvtier.fsm.records import TransferCommand
 
 from . import _views as views
-from .l3_cases import CORRUPTIONS, HOSTILE, INERT, Skip, fingerprint
+from .l3_cases import CORRUPTIONS, HOSTILE, INERT, Skip, copy_instance, fingerprint
 from .models import ModelViolation
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, KitMachine, layout_named, recorded
 from .content import check_tree_bytes, content, node_prefix
@@ -134,10 +133,12 @@ class L3TierMachine(KitMachine):
         opts = L3Options(model="kit", lease_s=lease, deadline_s=deadline, prefetch_units=prefetch_units,
                          min_prefetch_units=min(min_prefetch, prefetch_units), write_policy=write_policy,
                          write_threshold=2, hint_size=hint, eviction_lookahead=lookahead, max_put_units=max_put)
-        for n in range(2):  # the second instance may put under another write policy
+        # the second instance may put under another write policy, at most 2 objects a put
+        second = replace(opts, write_policy=policy2 or write_policy, max_put_units=min(2, max_put))
+        for n in range(2):
             core = CacheCore(lay, dev_units, host_units, policy="write_through")
             self.cores.append(core)
-            self.tiers.append(L3Tier(core, replace(opts, write_policy=policy2) if n and policy2 else opts))
+            self.tiers.append(L3Tier(core, second if n else opts))
             self.dev.append({})
             self.host.append({})
             self.model.append(_Model())
@@ -296,7 +297,7 @@ class L3TierMachine(KitMachine):
         """The other instance's prefix, put (answered at once), then served on instance
         ``i`` twice with everything evictable evicted in between: the second request
         fetches again what the first fetched (under a read lease, when the store grants
-        one); with ``sweep`` the calls and corruptions of :meth:`sweep` (variant ``pick``)
+        one); with ``sweep`` the calls and corruptions of :meth:`_sweep` (variant ``pick``)
         follow, under those leases; then the leases pass."""
         key = self._known(1 - i, pick)
         if key is None:
@@ -489,7 +490,7 @@ class L3TierMachine(KitMachine):
         flight, its nodes fetching. With ``again`` a second request prefetches the same
         prefix meanwhile: its walk stops at the fetching nodes, and it may fetch nothing
         the first is getting. With ``sweep``, the hostile calls, inert calls and
-        corruptions of :meth:`sweep` (variant ``pick``) follow while the get is in flight."""
+        corruptions of :meth:`_sweep` (variant ``pick``) follow while the get is in flight."""
         key = self._stored_prefix(pick)
         if evict:
             self._evict_all(i)
@@ -650,7 +651,7 @@ class L3TierMachine(KitMachine):
         copy: L3Tier | None = None
         for k in range(len(CORRUPTIONS)):
             name, spoil, check, inv = CORRUPTIONS[(v + k) % len(CORRUPTIONS)]
-            copy = copy or _copy.deepcopy(self.tiers[i])
+            copy = copy or copy_instance(self.tiers[i])
             try:
                 spoil(copy, v)
             except Skip:
@@ -667,14 +668,9 @@ class L3TierMachine(KitMachine):
                 return
             copy = None
 
-    @rule(i=st.integers(0, 1), v=st.integers(0, 100))
-    @recorded
-    def sweep(self, i: int, v: int) -> None:
+    def _sweep(self, i: int, v: int) -> None:
         """Every hostile call, every inert call and every corruption, variant ``v``, on
         instance ``i`` as it is now."""
-        self._sweep(i, v)
-
-    def _sweep(self, i: int, v: int) -> None:
         for case in range(len(HOSTILE)):
             self._hostile(i, case, v)
         for case in range(len(INERT)):
