@@ -8,7 +8,9 @@ under pressure, remove objects; the store answers the operations in any order, a
 the example's fault rate it fails an operation as a whole, drops an object between the
 exists and the get, hands back a torn object, refuses a put or a remove, or answers after
 the deadline (the late answer must be absorbed, and a cancelled get writes nothing). The
-store may also drop any object at any time.
+store may also drop any object at any time. Scenario rules that need a stored prefix find
+one, or have a third engine sharing the store put one first (with the content every
+instance computes for it), so that every example reaches the get path.
 
 Between the ordinary steps it makes hostile calls (:mod:`kvtier.testing.l3_cases`: bad
 arguments, op ids never issued, bad options, refused fetch reservations), each of which
@@ -49,21 +51,13 @@ from kvtier.fsm.l3 import WRITE_POLICIES, L3Options, L3Tier, StoreCommand, Store
 from kvtier.fsm.records import TransferCommand
 
 from . import _views as views
-from .l3_cases import CORRUPTIONS, HOSTILE, INERT, Skip, copy_instance, fingerprint
-from .models import ModelViolation
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, KitMachine, layout_named, recorded
 from .content import check_tree_bytes, content, node_prefix
+from .l3_cases import CORRUPTIONS, HOSTILE, INERT, Skip, copy_instance, fingerprint
+from .models import ModelViolation
 from .sequence import register_machine
 
 __all__ = ["L3TierMachine"]
-
-
-def _words(n: int) -> list[tuple[str, ...]]:
-    """Every word of ``n`` letters over "ab", in order."""
-    out: list[tuple[str, ...]] = [()]
-    for _ in range(n):
-        out = [w + (c,) for w in out for c in "ab"]
-    return out
 
 _KEYS = st.lists(st.sampled_from("ab"), min_size=1, max_size=4)  # few keys: instances share prefixes
 #: The kit's layouts without continuation-state groups (the L3 tier refuses those).
@@ -76,6 +70,14 @@ _FAULTS = ("error", "drop", "torn", "partial")
 #: failure, a saturated driver queue, and a backend's own timeout named ``deadline`` (the
 #: tier's expiries use that kind too, and must not count the backend's).
 _ERROR_KINDS = ("StoreError", "queue", "deadline")
+
+
+def _words(n: int) -> list[tuple[str, ...]]:
+    """Every word of ``n`` letters over "ab", in order."""
+    out: list[tuple[str, ...]] = [()]
+    for _ in range(n):
+        out = [w + (c,) for w in out for c in "ab"]
+    return out
 
 
 @dataclass
