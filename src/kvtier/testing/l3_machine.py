@@ -677,7 +677,7 @@ class L3TierMachine(KitMachine):
             self._hostile(i, case, v)
         for case in range(len(INERT)):
             self._inert(i, case, v)
-        self._corrupt(i, v)
+        self._corrupt(i, v, every=False)
 
     # -- rules: the store --------------------------------------------------------------
     @precondition(lambda self: bool(self.pending))
