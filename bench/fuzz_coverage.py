@@ -48,6 +48,8 @@ _CHECKED = " (not raising)"
 _INV = (INVARIANT, "raises InvariantViolation; taken by the broken variants (tests/broken/) only")
 _BAD = (MISUSE, "refuses bad input or a call in the wrong state; the machines make legal calls only "
                 "(tests/test_bad_input.py, test_hostile_inputs.py and the refusal tests take these)")
+_L3_BAD = (MISUSE, "refuses a bad L3 call or option; the l3tier machine's hostile calls take these (each "
+                   "variant in turn, a sweep per get in flight, testing/l3_cases.py), a few examples per run")
 _NO_HOST = (OPTION, "no host tier (host_pages=None): every kit machine builds a host tier")
 
 #: (file relative to the repository, function qualname, or "*" for the whole file) ->
@@ -145,6 +147,17 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
                                                   "forgotten (as for the exists)"),
     ("fsm/l3.py", "L3Tier._on_put"): (UNREACHABLE, "a put without a pin receipt: every put pins the host copies "
                                                   "it reads (L3Tier._put_units)"),
+    ("fsm/l3checks.py", "*"): (INVARIANT, "raises InvariantViolation; the l3tier machine's corruptions of a copy of "
+                                          "an instance take these (one a corrupt step or sweep)"),
+    ("fsm/fetch.py", "FetchTable.check"): (INVARIANT, "raises InvariantViolation; taken by the l3tier machine's "
+                                                      "corruptions (see fsm/l3checks.py)"),
+    ("fsm/fetch.py", "FetchTable.reserve"): _L3_BAD,
+    ("fsm/fetch.py", "FetchTable.settle"): _L3_BAD,
+    ("fsm/l3options.py", "L3Options.check"): _L3_BAD,
+    ("fsm/l3.py", "L3Tier.__init__"): _L3_BAD,
+    ("fsm/l3.py", "L3Tier.offer"): _L3_BAD,
+    ("fsm/l3.py", "L3Tier.remove"): _L3_BAD,
+    ("fsm/l3.py", "L3Tier.complete"): _L3_BAD,
     ("fsm/l3.py", "*"): (REACH, "rare L3 interleavings: the l3tier machine runs about 15 examples in 30,000 "
                                 "steps, and some paths need options drawn per example (a put limit met while "
                                 "putting host-eviction victims)"),
