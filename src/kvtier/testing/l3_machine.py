@@ -491,8 +491,8 @@ class L3TierMachine(KitMachine):
         may go, with ``evict``): the store answers the exists at once and the get stays in
         flight, its nodes fetching. With ``again`` a second request prefetches the same
         prefix meanwhile: its walk stops at the fetching nodes, and it may fetch nothing
-        the first is getting. With ``sweep``, the hostile calls, inert calls and
-        corruptions of :meth:`_sweep` (variant ``pick``) follow while the get is in flight."""
+        the first is getting. With ``sweep``, the hostile calls, inert calls and every
+        corruption of :meth:`_sweep` (variant ``pick``) follow while the get is in flight."""
         key = self._stored_prefix(pick)
         if evict:
             self._evict_all(i)
@@ -508,7 +508,7 @@ class L3TierMachine(KitMachine):
                     raise InvariantViolation("l3_get_invisible", f"get {q.cmd.op_id}",
                                              "fetches an object another get is fetching")
         if sweep:
-            self._sweep(i, pick)
+            self._sweep(i, pick, every=True)  # most corruptions apply here
 
     @rule(i=st.integers(0, 1), pick=st.integers(0, 100), publish=st.booleans())
     @recorded
@@ -670,14 +670,15 @@ class L3TierMachine(KitMachine):
                 return
             copy = None
 
-    def _sweep(self, i: int, v: int) -> None:
-        """Every hostile call, every inert call and every corruption, variant ``v``, on
-        instance ``i`` as it is now."""
+    def _sweep(self, i: int, v: int, every: bool = False) -> None:
+        """Every hostile call and every inert call, variant ``v``, on instance ``i`` as it
+        is now, then the first corruption that applies from the ``v``-th on (every one
+        that applies, with ``every``)."""
         for case in range(len(HOSTILE)):
             self._hostile(i, case, v)
         for case in range(len(INERT)):
             self._inert(i, case, v)
-        self._corrupt(i, v, every=False)
+        self._corrupt(i, v, every)
 
     # -- rules: the store --------------------------------------------------------------
     @precondition(lambda self: bool(self.pending))
