@@ -393,10 +393,10 @@ class L3Tier:
         """
         if isinstance(keys, str) or not isinstance(keys, Sequence):
             raise UsageError(f"l3 remove: keys must be a sequence of key strings, got {keys!r}")
+        for bad in (k for k in keys if not isinstance(k, str)):  # every key checked before anything changes
+            raise UsageError(f"l3 remove: key must be a string, got {bad!r}")
         objs: list[L3Object] = []
         for k in keys:
-            if not isinstance(k, str):
-                raise UsageError(f"l3 remove: key must be a string, got {k!r}")
             o = self._obj(k)
             if o.state != LS.unknown or any(x.key == k for x in objs):
                 if o.state == LS.leased:

@@ -191,6 +191,26 @@ def test_lease_blocks_remove_until_it_ends() -> None:
     assert key not in store.data and tb.objects == {}
 
 
+def test_a_refused_remove_defers_nothing() -> None:
+    """A remove with a bad key among busy ones is refused before it defers any (it once
+    queued the busy keys it had seen: a later expiry would have removed them)."""
+    store = FakeStore()
+    b, tb = make(lease=10.0)
+    a, ta = make()
+    backed(a, KEY)
+    ta.offer(KEY, 0.0)
+    pump(ta, store)
+    tb.prefetch("r", KEY, 0.0)
+    pump(tb, store)
+    leased = tb.keys_for(KEY)[:2]
+    assert [tb.objects[k].state for k in leased] == ["leased", "leased"]
+    with pytest.raises(UsageError, match="key must be a string, got 5"):
+        tb.remove([*leased, 5], 1.0)  # type: ignore[list-item]
+    assert tb.stats.removes_deferred_by_lease == 0
+    tb.expire(10.0)  # the leases end: nothing was waiting to be removed
+    assert tb.poll_commands() == [] and tb.objects == {} and all(k in store.data for k in leased)
+
+
 def test_a_failed_get_is_leased_too_and_a_corrupt_objects_remove_waits_for_the_lease() -> None:
     """Mooncake leases an object when it is asked for it, before any byte moves: a get that
     failed (here: a corrupt object) leaves the object leased, and its remove goes out only

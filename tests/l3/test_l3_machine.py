@@ -1,16 +1,25 @@
 """The fuzz drives the L3 tier as a product (kvtier.testing.l3_machine): every [l3]
 transition and every node fetch transition but the unreachable split is driven by the
-product machine, and a core that shows a failed get's pages is caught by the content check."""
+product machine, a core that shows a failed get's pages is caught by the content check, a
+refused call that changes state and a blind l3 check are caught by the hostile calls and
+the corruptions (kvtier.testing.l3_cases)."""
 
 from __future__ import annotations
 
 import io
+import itertools
+from collections.abc import Sequence
 
 import pytest
 
+from kvtier.fsm import l3checks
+from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.fetch import FetchTable
+from kvtier.fsm.l3 import L3Tier
 from kvtier.testing.coverage import UNREACHABLE_BY_PRODUCT
 from kvtier.testing.fuzz import DEFAULT_MIX, campaign
+from kvtier.testing.l3_cases import HOSTILE
+from kvtier.testing.l3_machine import L3TierMachine
 
 
 def test_product_machine_drives_every_l3_transition() -> None:
@@ -28,10 +37,52 @@ def test_a_failed_get_made_visible_is_caught(monkeypatch: pytest.MonkeyPatch, tm
     orig = FetchTable.settle
 
     def settle_all(self: FetchTable, op_id: int, acked: int) -> list[object]:
-        return orig(self, op_id, len(self.nodes(op_id)))  # the bug: every reserved node acked
+        n = len(self.nodes(op_id))
+        valid = isinstance(acked, int) and not isinstance(acked, bool) and 0 <= acked <= n
+        return orig(self, op_id, n if valid else acked)  # the bug: every reserved node acked
 
     monkeypatch.setattr(FetchTable, "settle", settle_all)
     res = campaign(steps=3000, seed_value=1, mix={"l3tier": 1.0}, progress=False, stream=io.StringIO(),
                    save=f"{tmp_path}/failure.json")
     assert not res.ok and res.failure_result is not None
     assert res.failure_result.invariant == "loaded_equals_written"
+
+
+def _machine_with_a_get_in_flight() -> L3TierMachine:
+    m = L3TierMachine()
+    m.setup(layout="kit", dev_units=6, host_units=8, lease=5.0, deadline=3.0, prefetch_units=4,
+            write_policy="host_write", hint=16, faults=0)
+    m.fetch_pending(i=0, pick=2, evict=True, again=False)  # a third engine's prefix ("ab"), fetched
+    assert len(m.cores[0].fetches) == 1 and m.tiers[0].objects
+    return m
+
+
+def test_the_machine_refuses_hostile_calls_and_sees_every_corruption() -> None:
+    m = _machine_with_a_get_in_flight()
+    m.fetch_pending(i=0, pick=2, evict=False, again=True, sweep=True)  # every case, a get in flight
+    assert m.refused >= len(HOSTILE)
+    m.check_cores()
+    m.check_tiers()
+    m.check_loaded_equals_written()
+
+
+def test_a_refused_call_that_changes_state_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    orig = L3Tier.remove
+
+    def remove_then_check(self: L3Tier, keys: Sequence[str], now: float) -> int:
+        if not isinstance(keys, str) and isinstance(keys, Sequence):  # the bug: defers busy keys, then refuses
+            orig(self, [k for k in itertools.takewhile(lambda k: isinstance(k, str), keys) if k in self.objects],
+                 now)
+        return orig(self, keys, now)
+
+    monkeypatch.setattr(L3Tier, "remove", remove_then_check)
+    m = _machine_with_a_get_in_flight()
+    with pytest.raises(InvariantViolation, match="hostile L3 call 'remove arguments'.*changed an instance"):
+        m.hostile(i=0, case=[name for name, _ in HOSTILE].index("remove arguments"), v=2)
+
+
+def test_a_blind_l3_check_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(l3checks, "check_l3", lambda tier: None)
+    m = _machine_with_a_get_in_flight()
+    with pytest.raises(AssertionError, match="went unnoticed by the l3 checks"):
+        m.corrupt(i=0, v=0)

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 from kvtier.fsm import CacheCore
 from kvtier.fsm.node import LockReceipt, Node, NodeReceipt
 from kvtier.fsm.ops import Operation
-from kvtier.fsm.records import TransferCommand
+from kvtier.fsm.records import StoreCommand, TransferCommand
 
 if TYPE_CHECKING:
     from kvtier.fsm.request import Request, RequestEvent
+
+    from kvtier.fsm.l3 import L3Tier
 
     from ..tiered import TieredCache
 
@@ -39,6 +41,7 @@ __all__ = [
     "host_victim",
     "requests",
     "request_events",
+    "l3_internals",
 ]
 
 
@@ -118,6 +121,19 @@ def host_victim(core: CacheCore, node: Node) -> bool:
 def eviction_window(core: CacheCore) -> int:
     """The ``lru_turns`` window of the core's eviction index (clock ticks per doubling of turns)."""
     return int(getattr(core.eviction, "window", 0))
+
+
+# -- the L3 tier (L3Tier) ----------------------------------------------------------------
+
+def l3_internals(tier: L3Tier) -> tuple[int, tuple[str, ...], tuple[str, ...], tuple[object, ...],
+                                         tuple[StoreCommand, ...]]:
+    """What an :class:`~kvtier.fsm.l3.L3Tier` keeps beyond its public views, as a
+    comparable snapshot: op ids issued, the put hint (oldest first), removes waiting, the
+    prefetch records (owner, units, start, keys, op id, fetched, done) and the commands
+    not yet polled."""
+    prefetch = tuple((o, p.units, p.start, tuple(p.keys), p.op_id, p.fetched, p.done)
+                     for o, p in sorted(tier._prefetch.items()))
+    return (tier._issued, tuple(tier._hint), tuple(tier._pending_removes), prefetch, tuple(tier._outbox))
 
 
 # -- the facade (TieredCache) --------------------------------------------------------------

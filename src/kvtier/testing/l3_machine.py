@@ -8,7 +8,24 @@ under pressure, remove objects; the store answers the operations in any order, a
 the example's fault rate it fails an operation as a whole, drops an object between the
 exists and the get, hands back a torn object, refuses a put or a remove, or answers after
 the deadline (the late answer must be absorbed, and a cancelled get writes nothing). The
-store may also drop any object at any time.
+store may also drop any object at any time. Scenario rules that need a stored prefix find
+one, or have a third engine sharing the store put one first (with the content every
+instance computes for it), so that every example reaches the get path.
+
+Between the ordinary steps it makes hostile calls (:mod:`kvtier.testing.l3_cases`: bad
+arguments, op ids never issued, bad options, refused fetch reservations), each of which
+must raise and leave both instances exactly as they were, and inert calls that must do
+nothing; and it corrupts copies of an instance to see the ``l3_*`` checks fire. Every
+example draws its own L3 options (lease, deadline, prefetch bounds, put batch size, write
+policy, hint size, host-eviction lookahead), and the fake store reports failures with
+several error kinds (a backend's own ``deadline`` included).
+
+Models beside the invariants: every command respects the options' bounds (a put carries at
+most ``max_put_units`` objects, an exists asks ``min_prefetch_units`` to
+``prefetch_units``), the error counters equal the failures the store reported, a
+finished prefetch reports the units its get delivered (``fetched_units``), and a remove
+deferred by a lease or an operation in flight goes out at the first expiry after the
+object is free (liveness).
 
 Checks after every step: both cores' invariants, both tiers' ``l3_*`` invariants, and the
 byte-content model (invariant 12, :mod:`kvtier.testing.content`) on both trees: every
@@ -22,20 +39,22 @@ so a failed get made visible would be caught.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from kvtier.fsm import CacheCore, CapacityError, Completion, Direction
-from kvtier.fsm.errors import InvariantViolation
+from kvtier.fsm.errors import InvariantViolation, KvtierError
 from kvtier.fsm.l3 import WRITE_POLICIES, L3Options, L3Tier, StoreCommand, StoreOp, StoreResult
 from kvtier.fsm.records import TransferCommand
 
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, KitMachine, layout_named, recorded
 from .content import check_tree_bytes, content, node_prefix
+from .l3_cases import CORRUPTIONS, HOSTILE, INERT, Skip, copy_instance, fingerprint
+from .models import ModelViolation
 from .sequence import register_machine
 
 __all__ = ["L3TierMachine"]
@@ -47,6 +66,18 @@ L3_LAYOUTS: tuple[str, ...] = tuple(n for n in LAYOUTS if not layout_named(n).st
 #: first key first (a get then misses; the store dropped it after its exists), tear the
 #: first key (a get finds a corrupt object), or answer only a prefix of the keys.
 _FAULTS = ("error", "drop", "torn", "partial")
+#: The kinds of error the fake store reports (the text before the first colon): a backend
+#: failure, a saturated driver queue, and a backend's own timeout named ``deadline`` (the
+#: tier's expiries use that kind too, and must not count the backend's).
+_ERROR_KINDS = ("StoreError", "queue", "deadline")
+
+
+def _words(n: int) -> list[tuple[str, ...]]:
+    """Every word of ``n`` letters over "ab", in order."""
+    out: list[tuple[str, ...]] = [()]
+    for _ in range(n):
+        out = [w + (c,) for w in out for c in "ab"]
+    return out
 
 
 @dataclass
@@ -57,6 +88,17 @@ class _Pending:
     inst: int
     cmd: StoreCommand
     cancelled: bool = False
+    owner: str | None = None
+
+
+@dataclass
+class _Model:
+    """Per instance: the backend errors the store reported, by kind; the units each
+    finished prefetch's get delivered, by owner; keys whose remove was deferred."""
+
+    errors: dict[str, int] = field(default_factory=dict)
+    fetched: dict[str, int] = field(default_factory=dict)
+    deferred: set[str] = field(default_factory=set)
 
 
 class L3TierMachine(KitMachine):
@@ -75,24 +117,33 @@ class L3TierMachine(KitMachine):
         self.prefix_of: dict[str, tuple[Hashable, ...]] = {}
         self.now = 0.0
         self.owners = 0
+        self.model: list[_Model] = []
+        self.refused = 0
 
     @initialize(layout=st.sampled_from(L3_LAYOUTS), dev_units=st.integers(3, 8), host_units=st.integers(3, 10),
                 lease=st.sampled_from([0.0, 2.0, 5.0]), deadline=st.sampled_from([1.0, 3.0]),
                 prefetch_units=st.integers(1, 4), write_policy=st.sampled_from(WRITE_POLICIES),
-                hint=st.sampled_from([1, 16]), faults=FAULT_LEVEL)
+                hint=st.sampled_from([1, 16]), faults=FAULT_LEVEL, max_put=st.sampled_from([1, 2, 1024]),
+                min_prefetch=st.integers(1, 2), lookahead=st.sampled_from([1, 4]),
+                policy2=st.sampled_from(WRITE_POLICIES))
     @recorded
     def setup(self, layout: str, dev_units: int, host_units: int, lease: float, deadline: float,
-              prefetch_units: int, write_policy: str, hint: int, faults: int | None = None) -> None:
+              prefetch_units: int, write_policy: str, hint: int, faults: int | None = None,
+              max_put: int = 1024, min_prefetch: int = 1, lookahead: int = 4, policy2: str | None = None) -> None:
         self.kit_fault_level(faults)
         lay = layout_named(layout)
         opts = L3Options(model="kit", lease_s=lease, deadline_s=deadline, prefetch_units=prefetch_units,
-                         write_policy=write_policy, write_threshold=2, hint_size=hint, eviction_lookahead=4)
-        for _ in range(2):
+                         min_prefetch_units=min(min_prefetch, prefetch_units), write_policy=write_policy,
+                         write_threshold=2, hint_size=hint, eviction_lookahead=lookahead, max_put_units=max_put)
+        # the second instance may put under another write policy, at most 2 objects a put
+        second = replace(opts, write_policy=policy2 or write_policy, max_put_units=min(2, max_put))
+        for n in range(2):
             core = CacheCore(lay, dev_units, host_units, policy="write_through")
             self.cores.append(core)
-            self.tiers.append(L3Tier(core, opts))
+            self.tiers.append(L3Tier(core, second if n else opts))
             self.dev.append({})
             self.host.append({})
+            self.model.append(_Model())
 
     # -- helpers -----------------------------------------------------------------
     def _apply(self, i: int, cmd: TransferCommand, ok: bool) -> None:
@@ -114,11 +165,22 @@ class L3TierMachine(KitMachine):
                 ok = not self.kit_fail((cmd.op_id * 7919) % 1000)
                 core.complete(Completion(cmd.op_id, 0, ok, None))
                 self._apply(i, cmd, ok)
-        raise InvariantViolation("model_liveness", f"instance {i}", "transfers kept coming after 64 rounds")
+        raise ModelViolation("model_liveness", f"instance {i}", "transfers kept coming after 64 rounds")
 
     def _take_store_commands(self, i: int) -> None:
+        opts = self.tiers[i].options
         for cmd in self.tiers[i].poll_commands():
-            self.pending.append(_Pending(i, cmd))
+            if cmd.kind is StoreOp.PUT and not 1 <= len(cmd.keys) <= opts.max_put_units:
+                raise ModelViolation("model_l3_options", f"put {cmd.op_id}",
+                                         f"{len(cmd.keys)} objects; max_put_units is {opts.max_put_units}")
+            if cmd.kind is StoreOp.EXISTS and not opts.min_prefetch_units <= len(cmd.keys) <= opts.prefetch_units:
+                raise ModelViolation("model_l3_options", f"exists {cmd.op_id}",
+                                         f"asks {len(cmd.keys)} keys; the options allow "
+                                         f"{opts.min_prefetch_units}..{opts.prefetch_units}")
+            if cmd.kind is StoreOp.REMOVE:
+                self.model[i].deferred.difference_update(cmd.keys)
+            op = self.tiers[i].operations.get(cmd.op_id)
+            self.pending.append(_Pending(i, cmd, owner=op.owner if op is not None else None))
             if cmd.kind is StoreOp.GET:  # reserved pages hold garbage until the get writes them
                 for pages in cmd.pages:
                     for g, ps in pages.items():
@@ -192,11 +254,13 @@ class L3TierMachine(KitMachine):
         """A request waits: ask the store for what lies beyond its local hit."""
         self._prefetch(i, tuple(key))
 
-    def _prefetch(self, i: int, key: tuple[Hashable, ...]) -> None:
+    def _prefetch(self, i: int, key: tuple[Hashable, ...]) -> str:
         self._remember_keys(i, key)
         self.owners += 1
-        self.tiers[i].prefetch(f"q{self.owners}", key, self.now)
+        owner = f"q{self.owners}"
+        self.tiers[i].prefetch(owner, key, self.now)
         self._take_store_commands(i)
+        return owner
 
     def _known(self, i: int, pick: int) -> tuple[Hashable, ...] | None:
         """The prefix of a node of instance ``i``'s tree (by node id, modulo the count)."""
@@ -229,13 +293,14 @@ class L3TierMachine(KitMachine):
         self._serve(i, tuple(key), roll)
 
     @precondition(lambda self: any(views.nodes(c) for c in self.cores))
-    @rule(i=st.integers(0, 1), pick=st.integers(0, 100), roll=ROLL)
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100), roll=ROLL, sweep=st.booleans())
     @recorded
-    def serve_twice(self, i: int, pick: int, roll: int) -> None:
+    def serve_twice(self, i: int, pick: int, roll: int, sweep: bool = False) -> None:
         """The other instance's prefix, put (answered at once), then served on instance
         ``i`` twice with everything evictable evicted in between: the second request
         fetches again what the first fetched (under a read lease, when the store grants
-        one); then the leases pass."""
+        one); with ``sweep`` the calls and corruptions of :meth:`_sweep` (variant ``pick``)
+        follow, under those leases; then the leases pass."""
         key = self._known(1 - i, pick)
         if key is None:
             return
@@ -248,33 +313,45 @@ class L3TierMachine(KitMachine):
         self._serve(i, key, roll)
         self._evict_all(i)
         self._serve(i, key, (roll * 31 + 7) % 1000)
+        if sweep:
+            self._sweep(i, pick)
         self._advance(self.tiers[i].options.lease_s + 0.5)  # the read leases pass
 
-    @precondition(lambda self: bool(self.store))
-    @rule(i=st.integers(0, 1), pick=st.integers(0, 100))
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100), torn=st.booleans())
     @recorded
-    def drop_between(self, i: int, pick: int) -> None:
+    def drop_between(self, i: int, pick: int, torn: bool = False) -> None:
         """A prefetch on instance ``i`` of a prefix the store holds; the store answers the
-        exists, then drops the first object before the get: the get misses, the hit
-        shortens, nothing is read."""
-        keys = sorted(self.store)
-        key = self.prefix_of.get(keys[pick % len(keys)])
-        if key is None:
-            return
-        self._prefetch(i, key)
-        mine = [j for j, p in enumerate(self.pending) if p.inst == i and p.cmd.kind is StoreOp.EXISTS]
+        exists, then drops the first object before the get (with ``torn``, after instance
+        ``i`` evicted what it may: another writer tears it): the get misses (or finds it
+        corrupt), the hit shortens, nothing is read. A corrupt object is removed from the
+        store as soon as no lease holds it (the liveness model of deferred removes follows
+        it)."""
+        key = self._stored_prefix(pick)
+        if torn:
+            self._evict_all(i)  # what it holds locally it would not get
+        owner = self._prefetch(i, key)
+        self._answer_exists(i, owner)
+        mine = [j for j, p in enumerate(self.pending) if p.owner == owner and p.cmd.kind is StoreOp.GET]
         if not mine:
             return
-        self._answer_one(mine[-1], 999, "error")  # roll 999: never a fault
-        for p in self.pending:
-            if p.inst == i and p.cmd.kind is StoreOp.GET and p.cmd.keys:
-                self.store.pop(p.cmd.keys[0], None)
-        mine = [j for j, p in enumerate(self.pending) if p.inst == i and p.cmd.kind is StoreOp.GET]
-        if mine:
-            self._answer_one(mine[-1], 999, "error")
+        first = self.pending[mine[0]].cmd.keys[0]
+        if torn and first in self.store:
+            self.store[first] = {"torn": [self.pending[mine[0]].cmd.op_id]}
+        else:
+            torn = False
+            self.store.pop(first, None)
+        tier = self.tiers[i]
+        corrupt = tier.stats.get_corrupt
+        self._answer_one(mine[0], 999, "error")  # roll 999: never a fault
+        if torn:
+            waiting = views.l3_internals(tier)[2]
+            if tier.stats.get_corrupt != corrupt + 1 or first not in waiting:
+                raise InvariantViolation("l3_lease_blocks_remove", f"object {first[:12]} on instance {i}",
+                                         "a corrupt object was not counted, or is not waiting for its remove")
+            self.model[i].deferred.add(first)
 
     def _serve(self, i: int, k: tuple[Hashable, ...], roll: int) -> None:
-        self._prefetch(i, k)
+        owner = self._prefetch(i, k)
         for n in range(8):  # exists, then get: both of instance i, answered in order
             mine = [j for j, p in enumerate(self.pending) if p.inst == i and p.cmd.kind in (StoreOp.EXISTS,
                                                                                               StoreOp.GET)]
@@ -283,8 +360,23 @@ class L3TierMachine(KitMachine):
             r = (roll + 7919 * n) % 1000
             self._answer_one(mine[0], r, _FAULTS[r % len(_FAULTS)])
         self._load(i, k)
+        self._forget(i, owner)
         self._publish(i, k)
         self._offer(i, k)
+
+    def _forget(self, i: int, owner: str) -> None:
+        """The request was admitted: the engine drops its prefetch record. A finished one
+        reports what its get delivered (the model's count), then nothing."""
+        tier = self.tiers[i]
+        busy = tier.prefetching(owner)
+        if not busy and tier.fetched_units(owner) != self.model[i].fetched.get(owner, 0):
+            raise ModelViolation("model_l3_fetched", f"prefetch {owner} on instance {i}",
+                                     f"fetched_units {tier.fetched_units(owner)}, but its get delivered "
+                                     f"{self.model[i].fetched.get(owner, 0)}")
+        tier.forget(owner)
+        if tier.prefetching(owner) != busy or (not busy and tier.fetched_units(owner) != 0):
+            raise ModelViolation("model_l3_fetched", f"prefetch {owner} on instance {i}",
+                                     "forget dropped a prefetch in flight or kept a finished one")
 
     @rule(i=st.integers(0, 1), key=_KEYS)
     @recorded
@@ -335,8 +427,258 @@ class L3TierMachine(KitMachine):
     def remove(self, i: int, key: list[str], last: bool) -> None:
         """Remove ``key``'s objects (or only its last one) from the store."""
         keys = self.tiers[i].keys_for(tuple(key))
-        self.tiers[i].remove(keys[-1:] if last else keys, self.now)
+        self._remove(i, keys[-1:] if last else keys)
+
+    def _remove(self, i: int, keys: list[str]) -> None:
+        """Remove ``keys``: those busy (an operation in flight, or a lease) must wait, and go
+        out at the first expiry after they are free (:meth:`_advance` checks)."""
+        tier = self.tiers[i]
+        busy = {k for k in keys if k in tier.objects}
+        leased = sum(1 for k in keys if k in tier.objects and tier.objects[k].state == "leased")
+        deferred = tier.stats.removes_deferred_by_lease
+        tier.remove(keys, self.now)
+        issued = {k for c in views.l3_internals(tier)[4] if c.kind is StoreOp.REMOVE for k in c.keys}
+        if issued & busy or tier.stats.removes_deferred_by_lease != deferred + leased:
+            raise InvariantViolation("l3_lease_blocks_remove", f"remove on instance {i}",
+                                     f"removed busy objects {sorted(k[:12] for k in issued & busy)} at once, or "
+                                     f"counted {tier.stats.removes_deferred_by_lease - deferred} deferrals by "
+                                     f"lease for {leased} leased objects")
         self._take_store_commands(i)
+        self.model[i].deferred |= busy
+
+    @precondition(lambda self: any(t.objects for t in self.tiers))
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100), extra=st.booleans())
+    @recorded
+    def remove_busy(self, i: int, pick: int, extra: bool) -> None:
+        """Remove an object instance ``i`` is busy with or holds a read lease on (and, with
+        ``extra``, the next busy one and a free one): the busy ones wait, and an expiry that
+        comes at once (nothing is free yet) must leave them waiting."""
+        keys = sorted(self.tiers[i].objects)
+        if not keys:
+            return
+        chosen = [keys[pick % len(keys)]]
+        if extra:
+            chosen += [keys[(pick + 1) % len(keys)], *self.tiers[i].keys_for(("b", "b", "a"))[-1:]]
+        self._remove(i, chosen)
+        self._advance(0.0)
+
+    def _stored_prefix(self, pick: int, min_units: int = 1) -> tuple[Hashable, ...]:
+        """A prefix of at least ``min_units`` units the store holds (by ``pick``). When it
+        holds none, a third engine sharing the store puts one first: ``min_units`` to 4
+        units over "ab" (by ``pick``), with the content every instance computes for it."""
+        keys = sorted(k for k in self.store if k in self.prefix_of and len(self.prefix_of[k]) >= min_units)
+        if keys:
+            return self.prefix_of[keys[pick % len(keys)]]
+        n = max(min_units, 1 + pick % 4)
+        key = tuple("ab"[(pick >> j) & 1] for j in range(n))
+        self._remember_keys(0, key)
+        for k in self.tiers[0].keys_for(key):
+            self.store[k] = self._expected(k)
+        return key
+
+    def _answer_exists(self, i: int, owner: str) -> None:
+        """The store answers ``owner``'s exists on instance ``i`` now, without a fault."""
+        mine = [j for j, p in enumerate(self.pending)
+                if p.inst == i and p.owner == owner and p.cmd.kind is StoreOp.EXISTS]
+        if mine:
+            self._answer_one(mine[0], 999, "error")  # roll 999: never a fault
+
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100), evict=st.booleans(), again=st.booleans(),
+          sweep=st.booleans())
+    @recorded
+    def fetch_pending(self, i: int, pick: int, evict: bool, again: bool, sweep: bool = False) -> None:
+        """A prefetch on instance ``i`` of a prefix the store holds (after evicting what
+        may go, with ``evict``): the store answers the exists at once and the get stays in
+        flight, its nodes fetching. With ``again`` a second request prefetches the same
+        prefix meanwhile: its walk stops at the fetching nodes, and it may fetch nothing
+        the first is getting. With ``sweep``, the hostile calls, inert calls and every
+        corruption of :meth:`_sweep` (variant ``pick``) follow while the get is in flight."""
+        key = self._stored_prefix(pick)
+        if evict:
+            self._evict_all(i)
+        owner = self._prefetch(i, key)
+        self._answer_exists(i, owner)
+        if again:
+            other = self._prefetch(i, key + ("a",))
+            self._answer_exists(i, other)
+            getting = {k for op in self.tiers[i].operations.values() if op.kind is StoreOp.GET and op.owner == owner
+                       for k in (o.key for o in op.objects)}
+            for q in self.pending:
+                if q.inst == i and q.owner == other and q.cmd.kind is StoreOp.GET and set(q.cmd.keys) & getting:
+                    raise InvariantViolation("l3_get_invisible", f"get {q.cmd.op_id}",
+                                             "fetches an object another get is fetching")
+        if sweep:
+            self._sweep(i, pick, every=True)  # most corruptions apply here
+
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100), publish=st.booleans())
+    @recorded
+    def prefix_changes(self, i: int, pick: int, publish: bool) -> None:
+        """The local prefix a prefetch started from changes before the store answers its
+        exists. Instance ``i`` first holds all but the last unit of a stored prefix (it
+        evicts, then computes that much), prefetches the prefix, then evicts everything it
+        may (or, with ``publish``, computes the whole prefix itself). The answer must start
+        no get from the stale start (the reservation refuses a parent without a visible
+        host copy, and a publish made the chunk local); the prefetch ends without a get."""
+        key = self._stored_prefix(pick, 1 if publish else 2)
+        self._evict_all(i)
+        if len(key) > 1:
+            self._publish(i, key[:-1])
+        owner = self._prefetch(i, key)
+        tier = self.tiers[i]
+        if not tier.prefetching(owner):
+            return
+        start = self.cores[i].match(key).host_units
+        if publish:
+            self._publish(i, key)
+        else:
+            self._evict_all(i)
+        changed = self.cores[i].match(key).host_units != start
+        gets = tier.stats.get_ops
+        self._answer_exists(i, owner)
+        if changed and (tier.stats.get_ops != gets or tier.prefetching(owner)):
+            raise InvariantViolation("l3_get_invisible", f"prefetch {owner} on instance {i}",
+                                     "a get started from a local prefix that changed after its exists")
+
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100))
+    @recorded
+    def fetch_no_room(self, i: int, pick: int) -> None:
+        """Instance ``i``'s host is full of copies its requests pin when a prefetch's exists
+        comes back: the get finds no room, is not sent, and every key the store answered
+        counts as ``get_no_room``. Then the pins go."""
+        key = self._stored_prefix(pick)
+        core, tier = self.cores[i], self.tiers[i]
+        self._evict_all(i)
+        other = "b" if key[0] == "a" else "a"
+        fillers = [(other, *rest) for n in range(4) for rest in _words(n)]
+        g = views.history_groups(core)[0]
+        host = core.host or {}
+        for f in fillers:
+            if host[g].free < views.pages_per_unit(core)[g]:
+                break
+            self._publish(i, f)
+        visible = [n for _, n in sorted(views.nodes(core).items()) if n.state in ("host", "backed")]
+        if not visible:
+            return
+        pin = core.pin(visible, "filler")
+        try:
+            owner = self._prefetch(i, key)
+            asked = [p.cmd.keys for p in self.pending if p.owner == owner]
+            present = 0
+            for k in asked[0] if asked else ():
+                if k not in self.store:
+                    break
+                present += 1
+            before = (tier.stats.get_ops, tier.stats.get_no_room)
+            full = all(a.free < views.pages_per_unit(core)[h] for h, a in host.items())
+            self._answer_exists(i, owner)
+            if asked and full and (tier.stats.get_ops, tier.stats.get_no_room) != (before[0], before[1] + present):
+                raise InvariantViolation("l3_get_invisible", f"prefetch {owner} on instance {i}",
+                                         f"a full, pinned host: {present} keys present should count as no room "
+                                         f"and send no get")
+        finally:
+            core.release(pin)
+
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100))
+    @recorded
+    def lease_then_remove(self, i: int, pick: int) -> None:
+        """Instance ``i`` fetches a stored prefix (everything it may evicted first; the
+        store answers at once, without faults), so the store leases the objects it read
+        (when its lease is not 0); then it removes them: the leased ones wait (counted as
+        deferred by lease) and go out at the first expiry after the lease ends."""
+        key = self._stored_prefix(pick)
+        self._evict_all(i)
+        owner = self._prefetch(i, key)
+        self._answer_exists(i, owner)
+        mine = [j for j, p in enumerate(self.pending) if p.owner == owner and p.cmd.kind is StoreOp.GET]
+        if mine:
+            self._answer_one(mine[0], 999, "error")  # roll 999: never a fault
+        self._remove(i, self.tiers[i].keys_for(key))
+        self._advance(self.tiers[i].options.lease_s + 0.5)
+
+    @rule(i=st.integers(0, 1), case=st.integers(0, 10_000), v=st.integers(0, 100))
+    @recorded
+    def hostile(self, i: int, case: int, v: int) -> None:
+        """One hostile call (:data:`~kvtier.testing.l3_cases.HOSTILE` [``case`` mod its
+        length], variant ``v``) on instance ``i``: it must raise a KvtierError and change
+        nothing on either instance."""
+        self._hostile(i, case % len(HOSTILE), v)
+
+    def _hostile(self, i: int, case: int, v: int) -> None:
+        name, call = HOSTILE[case]
+        before = fingerprint(self)
+        try:
+            call(self, i, v)
+        except KvtierError:
+            self.refused += 1
+        except Skip:
+            return
+        else:
+            raise AssertionError(f"hostile L3 call {name!r} (variant {v}) was accepted")
+        if fingerprint(self) != before:
+            raise InvariantViolation("state_matches_resources", f"hostile L3 call {name!r} (variant {v})",
+                                     "was refused but changed an instance")
+
+    @rule(i=st.integers(0, 1), case=st.integers(0, 10_000), v=st.integers(0, 100))
+    @recorded
+    def inert(self, i: int, case: int, v: int) -> None:
+        """One call of :data:`~kvtier.testing.l3_cases.INERT` on instance ``i``: legal
+        here, it returns its "nothing" value and changes nothing."""
+        self._inert(i, case % len(INERT), v)
+
+    def _inert(self, i: int, case: int, v: int) -> None:
+        name, call = INERT[case]
+        before = fingerprint(self)
+        try:
+            answered = call(self, i, v)
+        except Skip:
+            return
+        if answered is not True or fingerprint(self) != before:
+            raise InvariantViolation("state_matches_resources", f"L3 call {name!r} (variant {v})",
+                                     "should have done nothing" + ("" if answered is True else
+                                                                   ", and returned something else"))
+
+    @rule(i=st.integers(0, 1), v=st.integers(0, 100))
+    @recorded
+    def corrupt(self, i: int, v: int) -> None:
+        """The ``l3_*`` checks see what they claim to: the first corruption of
+        :data:`~kvtier.testing.l3_cases.CORRUPTIONS`, from the ``v``-th on, that applies
+        now, done to a deep copy of instance ``i``'s tier and core, must make its check
+        raise, naming its invariant."""
+        self._corrupt(i, v, every=False)
+
+    def _corrupt(self, i: int, v: int, every: bool = True) -> None:
+        """Corruptions from the ``v``-th (mod their count) on, each on a deep copy of
+        instance ``i`` (a case that does not apply changes nothing: its copy serves the
+        next); all of them with ``every``, else only the first that applies."""
+        copy: L3Tier | None = None
+        for k in range(len(CORRUPTIONS)):
+            name, spoil, check, inv = CORRUPTIONS[(v + k) % len(CORRUPTIONS)]
+            copy = copy or copy_instance(self.tiers[i])
+            try:
+                spoil(copy, v)
+            except Skip:
+                continue
+            try:
+                check(copy)
+            except InvariantViolation as exc:
+                if exc.invariant != inv:
+                    raise AssertionError(f"corruption {name!r} (variant {v}) was reported as {exc.invariant}, "
+                                         f"not {inv}") from exc
+            else:
+                raise AssertionError(f"corruption {name!r} (variant {v}) went unnoticed by the l3 checks")
+            if not every:
+                return
+            copy = None
+
+    def _sweep(self, i: int, v: int, every: bool = False) -> None:
+        """Every hostile call and every inert call, variant ``v``, on instance ``i`` as it
+        is now, then the first corruption that applies from the ``v``-th on (every one
+        that applies, with ``every``)."""
+        for case in range(len(HOSTILE)):
+            self._hostile(i, case, v)
+        for case in range(len(INERT)):
+            self._inert(i, case, v)
+        self._corrupt(i, v, every)
 
     # -- rules: the store --------------------------------------------------------------
     @precondition(lambda self: bool(self.pending))
@@ -347,17 +689,38 @@ class L3TierMachine(KitMachine):
         rate it misbehaves as ``how`` says."""
         self._answer_one(pick, roll, how)
 
-    def _answer_one(self, pick: int, roll: int, how: str) -> None:
+    def _answer_one(self, pick: int, roll: int, how: str, error: str | None = None) -> None:
+        """Answer ``pending[pick]`` (misbehaving as ``how`` when ``roll`` draws a fault),
+        or fail it as a whole with an ``error`` of that kind."""
         p = self.pending.pop(pick % len(self.pending))
-        fault = self.kit_fail(roll)
-        res = self._answer(p, how if fault else None)
-        tier = self.tiers[p.inst]
+        if error is not None:
+            res = self._answer(p, "error", error)
+        else:
+            fault = self.kit_fail(roll)
+            res = self._answer(p, how if fault else None, _ERROR_KINDS[roll % len(_ERROR_KINDS)])
+        tier, model = self.tiers[p.inst], self.model[p.inst]
         late = tier.stats.absorbed_late_results
         tier.complete(res, self.now)
         if p.cancelled and tier.stats.absorbed_late_results != late + 1:
             raise InvariantViolation("l3_ends_by_deadline", f"op {p.cmd.op_id}",
                                      "a late answer after the deadline was not absorbed")
+        if not p.cancelled:
+            if res.error is not None:
+                kind = res.error.split(":", 1)[0]
+                model.errors[kind] = model.errors.get(kind, 0) + 1
+            if p.cmd.kind is StoreOp.GET and p.owner is not None:
+                acked = 0
+                while res.error is None and acked < len(res.ok) and res.ok[acked]:
+                    acked += 1
+                model.fetched[p.owner] = acked
+        self._check_errors(p.inst)
         self._take_store_commands(p.inst)
+
+    def _check_errors(self, i: int) -> None:
+        if self.tiers[i].stats.errors != self.model[i].errors:
+            raise ModelViolation("model_l3_counters", f"instance {i}",
+                                     f"error counters {self.tiers[i].stats.errors}, but the store reported "
+                                     f"{self.model[i].errors} (expiries are not the store's errors)")
 
     @precondition(lambda self: bool(self.pending))
     @rule(roll=ROLL)
@@ -372,10 +735,10 @@ class L3TierMachine(KitMachine):
             r = (roll + 7919 * k) % 1000
             self._answer_one(0, r, _FAULTS[r % len(_FAULTS)])
 
-    def _answer(self, p: _Pending, fault: str | None) -> StoreResult:
+    def _answer(self, p: _Pending, fault: str | None, kind: str = _ERROR_KINDS[0]) -> StoreResult:
         cmd, store = p.cmd, self.store
         if fault == "error":
-            return StoreResult(cmd.op_id, error="StoreError: the fake store failed the operation")
+            return StoreResult(cmd.op_id, error=f"{kind}: the fake store failed the operation")
         if cmd.kind is StoreOp.EXISTS:
             n = 0
             for k in cmd.keys:
@@ -425,6 +788,19 @@ class L3TierMachine(KitMachine):
             oks.append(True)
         return StoreResult(cmd.op_id, ok=tuple(oks))
 
+    @precondition(lambda self: len(self.pending) > 1)
+    @rule(pick=st.integers(0, 100))
+    @recorded
+    def slow_store(self, pick: int) -> None:
+        """The store times out: it fails one operation with its own ``deadline`` error, and
+        the others of that instance stay unanswered past their deadline (they expire). The
+        error counters keep the store's deadline error and not the expiries."""
+        p = self.pending[pick % len(self.pending)]
+        self._answer_one(pick, 0, "error", error="deadline")
+        deadlines = [q.cmd.deadline for q in self.pending if q.inst == p.inst and not q.cancelled]
+        if deadlines:
+            self._advance(max(0.0, max(deadlines) - self.now) + 0.5)
+
     @precondition(lambda self: bool(self.store))
     @rule(pick=st.integers(0, 100))
     @recorded
@@ -433,22 +809,37 @@ class L3TierMachine(KitMachine):
         keys = sorted(self.store)
         del self.store[keys[pick % len(keys)]]
 
-    @rule(dt=st.sampled_from([0.5, 1.5, 3.5, 6.0]))
+    @rule(dt=st.sampled_from([0.5, 1.5, 3.5, 6.0]), tell=st.booleans())
     @recorded
-    def advance(self, dt: float) -> None:
-        """Time passes: operations past their deadline fail (the driver is told to cancel
-        them: their answers come late), leases end, deferred removes go out."""
-        self._advance(dt)
+    def advance(self, dt: float, tell: bool = True) -> None:
+        """Time passes: operations past their deadline fail (with ``tell`` the driver is
+        told to cancel each through the callback, otherwise from the ids returned: their
+        answers come late), leases end, deferred removes go out."""
+        self._advance(dt, tell)
 
-    def _advance(self, dt: float) -> None:
+    def _advance(self, dt: float, tell: bool = True) -> None:
         self.now += dt
         for i, tier in enumerate(self.tiers):
-            cancelled: list[int] = []
-            tier.expire(self.now, cancelled.append)
+            told: list[int] = []
+            owners = {p.cmd.op_id: p.owner for p in self.pending if p.inst == i and p.cmd.kind is StoreOp.GET}
+            expired = tier.expire(self.now, told.append) if tell else tier.expire(self.now)
+            if tell and told != expired:
+                raise InvariantViolation("l3_ends_by_deadline", f"instance {i}",
+                                         f"expire cancelled {told} but reports {expired}")
             for p in self.pending:
-                if p.inst == i and p.cmd.op_id in cancelled:
+                if p.inst == i and p.cmd.op_id in expired:
                     p.cancelled = True
+            for op_id in expired:
+                owner = owners.get(op_id)
+                if owner is not None:
+                    self.model[i].fetched[owner] = 0  # an expired get delivered nothing
+            self._check_errors(i)
             self._take_store_commands(i)
+            stuck = {k for k in self.model[i].deferred if k not in tier.objects}
+            if stuck or not self.model[i].deferred <= set(views.l3_internals(tier)[2]):
+                raise ModelViolation("model_liveness", f"instance {i}",
+                                         f"deferred removes of free objects {sorted(k[:12] for k in stuck)} "
+                                         f"did not go out at expiry, or left the waiting list")
 
     # -- invariants ----------------------------------------------------------------------
     def check_cores(self) -> None:

@@ -48,7 +48,8 @@ __all__ = ["MODELS", "ModelViolation", "LayerModel", "eviction_key", "check_evic
 #: The names a :class:`ModelViolation` carries (what a failure prints).
 MODELS: tuple[str, ...] = ("model_layer_ready", "model_eviction_order", "model_liveness",
                            "model_aborted_unpublished", "model_whole_prompt", "model_transfer_hazard",
-                           "model_use_stamp", "model_views", "model_pass_reads", "model_reserve")
+                           "model_use_stamp", "model_views", "model_pass_reads", "model_reserve",
+                           "model_l3_options", "model_l3_counters", "model_l3_fetched")
 
 #: The request states in which ``layer_ready`` may answer true (``[request.calls]`` of the
 #: spec, restated here so that the model does not read it from the system under test).
