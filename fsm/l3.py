@@ -32,6 +32,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .checks import plain_int
 from .errors import ConfigError, UsageError
 from .l3options import WRITE_POLICIES, L3Object, L3Options, L3Stats, Prefetch, chain_keys, namespace
 from .machines import l3_lifecycle
@@ -188,8 +189,8 @@ class L3Tier:
         """
         if not isinstance(owner, str):
             raise UsageError(f"l3 prefetch: owner must be a request id string, got {owner!r}")
-        if not isinstance(units, Sequence):
-            raise UsageError(f"l3 prefetch: units must be a sequence of unit keys, got {units!r}")
+        if isinstance(units, (str, bytes)) or not isinstance(units, Sequence):
+            raise UsageError(f"l3 prefetch: units must be a sequence of unit keys (not a str or bytes), got {units!r}")
         if self.prefetching(owner):
             return False
         self._prefetch.pop(owner, None)
@@ -324,8 +325,8 @@ class L3Tier:
         Returns:
             Objects submitted.
         """
-        if not isinstance(units, Sequence):
-            raise UsageError(f"l3 offer: units must be a sequence of unit keys, got {units!r}")
+        if isinstance(units, (str, bytes)) or not isinstance(units, Sequence):
+            raise UsageError(f"l3 offer: units must be a sequence of unit keys (not a str or bytes), got {units!r}")
         if self.options.write_policy == "host_eviction":
             return self._put_victims(now)
         items: list[tuple[Node, int, str]] = []
@@ -425,10 +426,12 @@ class L3Tier:
         A result for an operation that already ended (after its deadline) is absorbed.
 
         Raises:
-            UsageError: not a StoreResult, or an op id never issued (nothing changes).
+            UsageError: not a StoreResult, an op id not an int, or one never issued (nothing changes).
         """
         if not isinstance(result, StoreResult):
             raise UsageError(f"l3 complete: expected a StoreResult, got {result!r}")
+        if plain_int(result.op_id) is None:  # a bool would complete op 1 (True == 1)
+            raise UsageError(f"l3 complete: op_id must be an int, got {result.op_id!r}")
         op = self._ops.pop(result.op_id, None)
         if op is None:
             if 1 <= result.op_id <= self._issued:

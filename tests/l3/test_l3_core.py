@@ -304,3 +304,18 @@ def test_no_room_fetches_less_and_never_overwrites() -> None:
     pump(tb, store)
     assert b.match(KEY).host_units == 2 and tb.stats.get_no_room == 2
     b.check_invariants()
+
+
+def test_l3_refuses_a_bool_op_id_and_str_units() -> None:
+    """A bool op id would complete op 1 (True == 1) and a str is a sequence of characters,
+    not of unit keys: both are refused and nothing changes."""
+    _, tier = make()
+    with pytest.raises(UsageError, match="op_id must be an int, got True"):
+        tier.complete(StoreResult(True), 0.0)
+    with pytest.raises(UsageError, match="op_id must be an int, got 'x'"):
+        tier.complete(StoreResult("x"), 0.0)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="not a str or bytes"):
+        tier.prefetch("r", "abcd", 0.0)
+    with pytest.raises(UsageError, match="not a str or bytes"):
+        tier.offer(b"abcd", 0.0)
+    assert tier.poll_commands() == [] and tier.stats.op_errors == 0
