@@ -330,6 +330,7 @@ def test_joined_request_aborted_other_proceeds() -> None:
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     d = c.admit("d", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     assert b is not None and d is not None and b.loadback_op is not None and d.loadback_op is None
+    c.poll()  # its loadback command is handed out (complete() refuses one poll() has not)
     c.abort("d")
     assert c.state("d") == "aborting"
     c.step_done("d", 0)
@@ -388,6 +389,7 @@ def test_loadback_failure_with_no_pass_out_goes_back_to_waiting_at_once() -> Non
     node = only_node(c)
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     assert b is not None and b.loadback_op is not None
+    c.poll()  # its loadback command is handed out (complete() refuses one poll() has not)
     c.step_done("b", 1)  # the pass returned before the loadback ended
     ack(c, b.loadback_op, ok=False)
     v = c.request("b")
@@ -419,6 +421,7 @@ def test_abort_of_a_fenced_request_waits_for_its_pass() -> None:
     c = seeded()
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     assert b is not None and b.loadback_op is not None
+    assert [e.state for e in c.poll().events] == ["loading"]  # its loadback command is handed out (complete() refuses one poll() has not)
     ack(c, b.loadback_op, ok=False)
     assert c.state("b") == "fenced"
     c.abort("b", "gone")
@@ -426,7 +429,7 @@ def test_abort_of_a_fenced_request_waits_for_its_pass() -> None:
     c.check_invariants()
     c.step_done("b", 0)
     assert c.state("b") == "aborted" and held(c) == {"kv": 0}
-    assert [e.state for e in c.poll().events] == ["loading", "fenced", "aborting", "aborted"]
+    assert [e.state for e in c.poll().events] == ["fenced", "aborting", "aborted"]
 
 
 # ---------------------------------------------------------------------------- admission
@@ -814,3 +817,19 @@ def test_loadback_deadline_while_aborting_keeps_only_what_the_lock_holds() -> No
     c.step_done("b", 0)
     assert c.state("b") == "aborted" and held(c) == {"kv": 0}
     c.check_invariants()
+
+
+def test_a_completion_before_poll_hands_out_its_command_is_refused() -> None:
+    """poll() is the one place commands come from: a completion for a loadback whose
+    command is still waiting to be handed out is refused and nothing changes (it used to
+    run the request on pages no byte was loaded into, and poll() then handed out a
+    command for a settled operation)."""
+    c = seeded()
+    b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    assert b is not None and b.loadback_op is not None and c.state("b") == "loading"
+    with pytest.raises(UsageError, match=f"op {b.loadback_op}: its command has not been handed out by poll"):
+        c.complete(Completion(b.loadback_op))
+    assert c.state("b") == "loading" and not c.layer_ready("b", 0)
+    assert [cmd.op_id for cmd in c.poll().commands] == [b.loadback_op]
+    ack(c, b.loadback_op)
+    assert c.state("b") == "running" and c.layer_ready("b", 0)

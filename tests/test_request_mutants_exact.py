@@ -307,11 +307,13 @@ def test_a_failed_loadback_keeps_only_the_device_prefix_its_lock_holds(warm: tup
     for rid in warm:
         adm = c.admit(rid, list(rid), prompt_tokens=2 * len(rid) + 1, chunk_tokens=2 * len(rid) + 1)
         assert adm is not None and adm.loadback_op is not None
+        c.poll()  # its loadback command is handed out (complete() refuses one poll() has not)
         ack(c, adm.loadback_op)
         c.step_done(rid, adm.chunk_tokens)
         c.finish(rid)
     z = c.admit("z", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     assert z is not None and z.loadback_op is not None
+    c.poll()  # its loadback command is handed out (complete() refuses one poll() has not)
     r = c.table.get("z")
     assert len(r.canon["kv"]) == 4
     ack(c, z.loadback_op, ok=False)
@@ -337,6 +339,7 @@ def test_a_loadback_ack_publishes_no_second_checkpoint() -> None:
     assert c.core.evict_device({"fh": 100, "swa": 100}) == {"fh": 2, "swa": 4}
     b = c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     assert b is not None and b.loadback_op is not None and b.checkpoint_pages == {"swa": [7, 6, 5, 4]}
+    c.poll()  # its loadback command is handed out (complete() refuses one poll() has not)
     free = {g: a.free for g, a in c.core.device.items()}
     ack(c, b.loadback_op)
     v = c.request("b")

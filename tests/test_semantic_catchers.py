@@ -183,6 +183,7 @@ def test_layer_ready_is_exact() -> None:
     adm = cache.admit("r", ["a", "b"], prompt_tokens=5, chunk_tokens=2)
     assert adm is not None and adm.loadback_op is not None and cache.state("r") == "loading"
     op = adm.loadback_op
+    cache.poll()  # its loadback command is handed out (complete() refuses one poll() has not)
     assert not cache.layer_ready("r", 0)
     cache.complete(Completion(op, 0, True, 0))
     assert cache.layer_ready("r", 0) and not cache.layer_ready("r", 1)
@@ -197,6 +198,7 @@ def test_joined_loadback_layers_from_the_slowest_rank() -> None:
     adm = cache.admit("r0", ["a", "b"], prompt_tokens=5, chunk_tokens=2)
     assert adm is not None and adm.loadback_op is not None
     op = adm.loadback_op
+    cache.poll()  # its loadback command is handed out (complete() refuses one poll() has not)
     cache.complete(Completion(op, 0, True, 1))  # rank 0 has every layer, rank 1 none
     joined = cache.admit("r1", ["a", "b"], prompt_tokens=5, chunk_tokens=2)
     assert joined is not None and op in joined.wait_ops and cache.state("r1") == "loading"

@@ -247,7 +247,10 @@ class TieredCache(RequestViews):
     # ------------------------------------------------------------------ completions
     def complete(self, completion: Completion) -> None:
         """A transfer completion from any rank, per layer or final, in any order
-        (UnknownOperation, DuplicateCompletion, ConfigError from the core: nothing changes)."""
+        (UnknownOperation, DuplicateCompletion, ConfigError from the core; UsageError for an
+        op whose command :meth:`poll` has not handed out yet: nothing changes)."""
+        if isinstance(completion, Completion) and any(c.op_id == completion.op_id for c in self.core.pending_commands()):
+            raise UsageError(f"completion for op {completion.op_id}: its command has not been handed out by poll() yet")
         for out in self.core.complete(completion):
             self._router.on_core_event(out)
 
