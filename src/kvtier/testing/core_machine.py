@@ -14,6 +14,7 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from kvtier.fsm import CapacityError, Completion, Direction
 from kvtier.fsm import MatchMode, CacheCore
+from kvtier.fsm.ledger import units_to_pages
 from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, KvtierError, UnknownOperation
 from kvtier.fsm.node import DEVICE_READABLE, Node
 from kvtier.fsm.ops import Settled
@@ -31,6 +32,9 @@ __all__ = ["CoreMachine"]
 
 _ALPHABET = "abc"
 _KEYS = st.lists(st.sampled_from(_ALPHABET), min_size=1, max_size=5)
+#: pool configurations the setup draws: capacities in units (most), a mapping per group,
+#: no host tier
+_POOLS = st.sampled_from(["units", "units", "units", "units", "mapping", "no_host"])
 
 
 class CoreMachine(KitMachine):
@@ -72,23 +76,40 @@ class CoreMachine(KitMachine):
         ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 8),
         host_units=st.integers(2, 10), deadline=st.sampled_from([None, 3]),
         seed_keys=st.lists(_KEYS, max_size=3), layout=st.sampled_from(LAYOUTS),
-        eviction=st.sampled_from(["lru", "lru2", "lru_turns"]), exclusive=st.booleans(), faults=FAULT_LEVEL)
+        eviction=st.sampled_from(["lru", "lru2", "lru_turns"]), exclusive=st.booleans(), faults=FAULT_LEVEL,
+        pools=_POOLS)
     @recorded
     def setup(self, with_state: bool, world: int, policy: str, dev_units: int, host_units: int,
               deadline: int | None, seed_keys: list[list[str]], layout: str | None = None,
-              eviction: str = "lru", exclusive: bool = False, faults: int | None = None) -> None:
+              eviction: str = "lru", exclusive: bool = False, faults: int | None = None,
+              pools: str = "units") -> None:
+        """Build the core. ``pools``: capacities in ``units``, as a ``mapping`` group ->
+        pages (one page more in the first group's device pool), or ``no_host`` (a core
+        without a host tier: every host-side call must do nothing)."""
         if self.world_size is not None and not self.kit_replaying:
             world = self.world_size
         self.kit_set_args(with_state=with_state, world=world, policy=policy, dev_units=dev_units,
                           host_units=host_units, deadline=deadline, seed_keys=seed_keys, layout=layout,
-                          eviction=eviction, exclusive=exclusive, faults=faults)
+                          eviction=eviction, exclusive=exclusive, faults=faults, pools=pools)
         self.kit_fault_level(faults)
         self.world = world
         self.eviction, self.exclusive = eviction, exclusive
         lay = kit_layout(with_state) if layout is None else layout_named(layout)
         self.layers = probe_layers(lay)
-        self.cache = CacheCore(lay, dev_units, host_units, policy=policy, world_size=world,
+        dev: int | dict[str, int] = dev_units
+        host: int | dict[str, int] | None = None if pools == "no_host" else host_units
+        if pools == "mapping":
+            dev = units_to_pages(lay, dev_units)
+            dev[lay.groups[0].name] += 1
+            host = units_to_pages(lay, host_units)
+        self.cache = CacheCore(lay, dev, host, policy=policy, world_size=world,
                                op_deadline_steps=deadline, eviction=eviction, exclusive=exclusive)
+        want = {"device": dev if isinstance(dev, dict) else units_to_pages(lay, dev),
+                "host": None if host is None else host if isinstance(host, dict) else units_to_pages(lay, host)}
+        got = {"device": {g: a.capacity for g, a in self.cache.device.items()},
+               "host": None if self.cache.host is None else {g: a.capacity for g, a in self.cache.host.items()}}
+        if got != want:
+            raise InvariantViolation("conservation", "the core's pools", f"capacities {got}, configured {want}")
         attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
         for key in seed_keys:
             self._insert(tuple(key), True)
@@ -266,6 +287,10 @@ class CoreMachine(KitMachine):
     def _load_key(self, key: tuple[Hashable, ...]) -> None:
         c = self.cache
         m = c.match(key)
+        if c.host is None and (m.host_units != m.device_units or m.needs_loadback):
+            raise InvariantViolation("host_evict_leaves", f"match of {key!r}",
+                                     f"a core without a host tier matched {m.host_units} units beyond its "
+                                     f"device hit of {m.device_units}")
         if not m.needs_loadback:
             return
         try:
@@ -349,13 +374,21 @@ class CoreMachine(KitMachine):
     def request_writeback(self, i: int) -> None:
         n = self._node_at(i)
         if n is not None:
-            self.cache.writeback(n, "r")
+            cmd = self.cache.writeback(n, "r")
+            if self.cache.host is None and (cmd is not None or views.outbox(self.cache)):
+                raise InvariantViolation("root_closed_host", f"node {n.node_id}",
+                                         "a core without a host tier issued a writeback")
             self._take_commands()
 
-    @rule(limit=st.sampled_from([None, 1, 2]))
+    @rule(limit=st.sampled_from([None, 1, 2, 0]))
     @recorded
     def tree_writebacks(self, limit: int | None) -> None:
-        self.cache.issue_writebacks(limit)
+        out = self.cache.issue_writebacks(limit)
+        if (self.cache.host is None or limit == 0) and out:
+            raise InvariantViolation("root_closed_host", "issue_writebacks",
+                                     f"issued {len(out)} writebacks with limit {limit} (host tier: {self.cache.has_host})")
+        if limit is not None and len(out) > limit:
+            raise ModelViolation("model_liveness", "issue_writebacks", f"issued {len(out)} operations, limit {limit}")
         self._take_commands()
 
     @precondition(lambda self: any(any(q) for qs in self.events.values() for q in qs))
@@ -423,7 +456,12 @@ class CoreMachine(KitMachine):
         history = views.history_groups(c)
         g = g if isinstance(g, str) else history[g % len(history)]
         pool = c.device if tier == "device" else c.host
-        assert pool is not None
+        if pool is None:  # no host tier: host eviction frees nothing and changes nothing
+            before_nodes = {nid: n.state for nid, n in views.nodes(c).items()}
+            if c.evict_host({g: n}) or {nid: x.state for nid, x in views.nodes(c).items()} != before_nodes:
+                raise InvariantViolation("host_evict_leaves", "host eviction",
+                                         "a core without a host tier evicted from the host")
+            return
         before = pool[g].free
         victim = views.device_victim if tier == "device" else views.host_victim
         cands = snapshot_candidates([x for x in c.nodes() if victim(c, x)], self.eviction, tier,
