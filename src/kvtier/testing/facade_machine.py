@@ -87,8 +87,8 @@ class FacadeMachine(KitMachine):
         self.finish_writeback: bool | None = None  # TieredCache(finish_writeback=...): None is its default
         self.ended_history: int | None = None  # TieredCache(ended_history=...): None is its default
         self.history_replay = False  # TieredCache(history_replay=...)
-        self.forgotten: list[str] = []  # ended requests the facade forgot, oldest first (one entry per id)
-        self.ended_views: dict[str, str] = {}  # forgotten request -> the state it ended in
+        self.forgotten: set[str] = set()  # request ids the facade forgot once ended
+        self.remembered: list[str] = []  # those it must still answer for, oldest first
         self.layer_model = LayerModel()
         self.pass_model = PassModel()
         # an aborted request's own writebacks (poisoned): op -> (request, destination host pages, nodes)
@@ -718,11 +718,14 @@ class FacadeMachine(KitMachine):
 
     def _poll(self) -> None:
         before = set(views.requests(self.cache))
+        keep = views.ended_history(self.cache)
+        self.remembered = [rid for rid in self.remembered if rid not in before]  # admitted again: live
         out = self.sched.poll()
         for rid in sorted(before - set(views.requests(self.cache))):  # forgotten by this poll, in id order
-            if rid in self.forgotten:
-                self.forgotten.remove(rid)
-            self.forgotten.append(rid)
+            self.forgotten.add(rid)
+            self.remembered.append(rid)
+            if len(self.remembered) > keep:
+                del self.remembered[0]
         for cmd in out.commands:
             self.xfer.submit(cmd)
         lc = request_lifecycle()
@@ -788,24 +791,22 @@ class FacadeMachine(KitMachine):
 
     def check_ended_views(self) -> None:
         """Model: the facade forgets an ended request once a poll reported it (``_poll``
-        records which, in order); ``request(rid)`` then still answers (with its terminal state) for the last ``ended_history`` requests
-        it forgot, most recent ends first, and raises UsageError for older ones."""
+        records which, in order); ``request(rid)`` then still answers, with its terminal
+        state, for the last ``ended_history`` requests forgotten (an id admitted again is
+        live, and no longer counts among them), and raises UsageError for the others."""
         if not hasattr(self, "cache"):
             return
         now = views.requests(self.cache)
-        keep = views.ended_history(self.cache)
-        remembered = self.forgotten[len(self.forgotten) - keep:] if keep else []
-        for rid in self.forgotten:
-            if rid in now:
-                continue
+        for rid in sorted(self.forgotten - set(now)):  # (an id admitted again is live)
             try:
                 state = self.cache.request(rid).state
             except UsageError:
                 state = None
-            if (state is not None) != (rid in remembered) or (state is not None and state not in TERMINAL):
+            if (state is not None) != (rid in self.remembered) or (state is not None and state not in TERMINAL):
                 raise ModelViolation("model_views", f"request({rid!r})",
-                                     f"answers {state!r} for a forgotten request; the last {keep} forgotten, "
-                                     f"oldest first: {remembered} (all: {self.forgotten})")
+                                     f"answers {state!r} for a forgotten request; it must answer for "
+                                     f"{self.remembered} (the last {views.ended_history(self.cache)} forgotten and "
+                                     f"not admitted since, oldest first)")
 
     def check_views(self) -> None:
         """Model: the facade's read-only answers (:mod:`kvtier.testing.view_model`)."""
