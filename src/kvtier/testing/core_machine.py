@@ -71,6 +71,7 @@ class CoreMachine(KitMachine):
         self.exclusive = False
         self.queued: dict[int, Node] = {}  # the writeback queue at the last check
         self.submitted: set[int] = set()  # nodes of writeback commands taken since the last check
+        self.churned = False  # the churn burst ran (once per example)
 
     @initialize(with_state=st.booleans(), world=st.sampled_from([1, 2]), policy=st.sampled_from(
         ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 8),
@@ -264,6 +265,32 @@ class CoreMachine(KitMachine):
         if m.device_node is not self.cache.root and m.device_node.state in DEVICE_READABLE:
             self.locks.append(self._lock(m.device_node, owner))
 
+    @precondition(lambda self: bool(views.checkpoint_groups(self.cache)))
+    @rule(key=st.lists(st.sampled_from(_ALPHABET), min_size=4, max_size=7), publish=st.booleans())
+    @recorded
+    def replay_match(self, key: list[str], publish: bool) -> None:
+        """A long prompt (published first without a checkpoint when ``publish``) matched with
+        ``history_replay``. Model (``CacheLayout.replay_span_tokens``): when the history hit
+        ends more than the replay span beyond the exact-state hit of a plain match, the
+        match returns the history hit with ``recompute_tokens`` = the span; otherwise it is
+        the plain match."""
+        k = tuple(key)
+        c = self.cache
+        if publish:
+            self._insert(k, False)
+        plain = c.match(k)
+        m = c.match(k, MatchMode.PREFIX_REUSE.value, history_replay=True)
+        align, span = c.layout.alignment, c.layout.replay_span_tokens()
+        deeper = m.history_units * align - span > plain.host_units * align
+        got = (m.recompute_tokens, m.host_units, m.history_units)
+        want = (span, m.history_units, plain.history_units) if deeper else (0, plain.host_units, plain.history_units)
+        if got != want or (m.device_units < plain.device_units if deeper else m.device_units != plain.device_units):
+            raise InvariantViolation("exact_continuation_state", f"match of {''.join(k)!r}",
+                                     f"history_replay (span {span} tokens): (recompute, host units, history units) "
+                                     f"{got}, expected {want}; device units {m.device_units} (plain match: "
+                                     f"{plain.device_units} on the device, {plain.host_units} in all, history "
+                                     f"{plain.history_units})")
+
     @precondition(lambda self: bool(self.locks))
     @rule(i=st.integers(0, 100), again=st.booleans())
     @recorded
@@ -452,6 +479,26 @@ class CoreMachine(KitMachine):
     def pressure(self, g: int | str, n: int, tier: str) -> None:
         """Evict ``n`` pages of a history group (by index; a name in older sequences),
         checking the pages freed and the victims' order against the policy's shadow."""
+        self._pressure(g, n, tier)
+
+    @precondition(lambda self: not self.churned)
+    @rule(go=st.integers(0, 19), count=st.sampled_from([300, 400]))
+    @recorded
+    def churn(self, go: int, count: int = 300) -> None:
+        """Once per example (when ``go`` is 0): a burst of ``count`` short prompts, each a
+        fresh one-unit key published under device pressure (a long-running server's
+        traffic: far more nodes created and evicted than live at once, so the eviction
+        index's lazy heaps fill with stale entries and are rebuilt); then evictions on both
+        tiers, whose victims are checked against the policy's shadow order."""
+        if go:
+            return
+        self.churned = True
+        for i in range(count):
+            self._insert(("churn", str(i)), False)
+        self._pressure(0, 4, "device")
+        self._pressure(0, 4, "host")
+
+    def _pressure(self, g: int | str, n: int, tier: str) -> None:
         c = self.cache
         history = views.history_groups(c)
         g = g if isinstance(g, str) else history[g % len(history)]
