@@ -23,6 +23,7 @@ from kvtier.fsm.records import TransferCommand
 from ..eventlog import attach_active
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, KitMachine, kit_layout, layout_named, probe_layers, recorded
+from .logged import LogCheck
 from .content import check_tree_bytes, content, node_prefix
 from .models import (ModelViolation, check_eviction_order, check_queue_exits, check_use, liveness_bound,
                      snapshot_candidates, snapshot_use)
@@ -35,6 +36,8 @@ _KEYS = st.lists(st.sampled_from(_ALPHABET), min_size=1, max_size=5)
 #: pool configurations the setup draws: capacities in units (most), a mapping per group,
 #: no host tier
 _POOLS = st.sampled_from(["units", "units", "units", "units", "mapping", "no_host"])
+#: one example in ten records its event log and checks it (kvtier.testing.logged)
+_LOGGED = st.integers(0, 9).map(lambda x: x == 9)
 
 
 class CoreMachine(KitMachine):
@@ -55,6 +58,7 @@ class CoreMachine(KitMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.log: LogCheck | None = None  # the example's recorded event log (setup's logged)
         self.cache: CacheCore
         self.dev_bytes: dict[tuple[str, int], Any] = {}
         self.host_bytes: dict[tuple[str, int], Any] = {}
@@ -78,20 +82,22 @@ class CoreMachine(KitMachine):
         host_units=st.integers(2, 10), deadline=st.sampled_from([None, 3]),
         seed_keys=st.lists(_KEYS, max_size=3), layout=st.sampled_from(LAYOUTS),
         eviction=st.sampled_from(["lru", "lru2", "lru_turns"]), exclusive=st.booleans(), faults=FAULT_LEVEL,
-        pools=_POOLS)
+        pools=_POOLS, logged=_LOGGED)
     @recorded
     def setup(self, with_state: bool, world: int, policy: str, dev_units: int, host_units: int,
               deadline: int | None, seed_keys: list[list[str]], layout: str | None = None,
               eviction: str = "lru", exclusive: bool = False, faults: int | None = None,
-              pools: str = "units") -> None:
+              pools: str = "units", logged: bool = False) -> None:
         """Build the core. ``pools``: capacities in ``units``, as a ``mapping`` group ->
         pages (one page more in the first group's device pool), or ``no_host`` (a core
-        without a host tier: every host-side call must do nothing)."""
+        without a host tier: every host-side call must do nothing). ``logged``: record the
+        example's event log and check it at the end (:mod:`kvtier.testing.logged`)."""
         if self.world_size is not None and not self.kit_replaying:
             world = self.world_size
         self.kit_set_args(with_state=with_state, world=world, policy=policy, dev_units=dev_units,
                           host_units=host_units, deadline=deadline, seed_keys=seed_keys, layout=layout,
-                          eviction=eviction, exclusive=exclusive, faults=faults, pools=pools)
+                          eviction=eviction, exclusive=exclusive, faults=faults, pools=pools,
+                          logged=logged)
         self.kit_fault_level(faults)
         self.world = world
         self.eviction, self.exclusive = eviction, exclusive
@@ -112,6 +118,7 @@ class CoreMachine(KitMachine):
         if got != want:
             raise InvariantViolation("conservation", "the core's pools", f"capacities {got}, configured {want}")
         attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
+        self.log = LogCheck.start(self.cache, logged)
         for key in seed_keys:
             self._insert(tuple(key), True)
 
@@ -485,16 +492,16 @@ class CoreMachine(KitMachine):
     @rule(go=st.integers(0, 19), count=st.sampled_from([300, 400]))
     @recorded
     def churn(self, go: int, count: int = 300) -> None:
-        """Once per example (when ``go`` is 0): a burst of ``count`` short prompts, each a
+        """At most once per example (when ``go`` is 0): a burst of ``count`` short prompts, each a
         fresh one-unit key published under device pressure (a long-running server's
         traffic: far more nodes created and evicted than live at once, so the eviction
         index's lazy heaps fill with stale entries and are rebuilt); then evictions on both
         tiers, whose victims are checked against the policy's shadow order."""
+        self.churned = True  # (drawn once per example: a burst in one example in twenty)
         if go:
             return
-        self.churned = True
         for i in range(count):
-            self._insert(("churn", str(i)), False)
+            self._insert((f"churn{i}",), False)
         self._pressure(0, 4, "device")
         self._pressure(0, 4, "host")
 
@@ -549,6 +556,12 @@ class CoreMachine(KitMachine):
         if left or views.ops(c) or self.events:
             raise ModelViolation("model_liveness", "the core",
                                  f"after {bound} rounds: queued {sorted(left)}, in flight {sorted(views.ops(c))}")
+
+    def teardown(self) -> None:
+        """The example's event log, when it recorded one, must pass ``kvtier check``."""
+        log, self.log = self.log, None
+        if log is not None:
+            log.finish()
 
     # -- invariants ------------------------------------------------------------------
     def check_cache_invariants(self) -> None:

@@ -29,6 +29,7 @@ from ..tiered import TieredCache
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, TERMINAL, KitMachine, layout_named, recorded
 from .canonical import CanonicalState
+from .logged import LogCheck
 from .content import check_tree_bytes, content, node_prefix
 from .models import LayerModel, ModelViolation, liveness_bound
 from .plugs import SchedulerAdapter, TransferBackend
@@ -74,6 +75,7 @@ class FacadeMachine(KitMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.log: LogCheck | None = None  # the example's recorded event log (setup's logged)
         self.cache: TieredCache
         self.sched: SchedulerAdapter
         self.xfer: TransferBackend
@@ -117,23 +119,25 @@ class FacadeMachine(KitMachine):
         host_units=st.integers(2, 10), deadline=st.sampled_from([None, 4]), wb_limit=st.sampled_from([1, 2]),
         layout=st.sampled_from(("kit+state", *LAYOUTS)), faults=FAULT_LEVEL,
         finish_wb=st.sampled_from([None, True, False]), ended=st.sampled_from([None, None, 0, 1, 2]),
-        replay=st.sampled_from([False, False, True]), single=st.sampled_from([False, False, True]))
+        replay=st.sampled_from([False, False, True]), single=st.sampled_from([False, False, True]),
+        logged=st.integers(0, 9).map(lambda x: x == 9))
     @recorded
     def setup(self, world: int, policy: str, dev_units: int, host_units: int, deadline: int | None,
               wb_limit: int, layout: str | None = None, faults: int | None = None,
               finish_wb: bool | None = None, ended: int | None = None, replay: bool = False,
-              single: bool = False) -> None:
+              single: bool = False, logged: bool = False) -> None:
         """Build the cache. ``ended``: how many forgotten ended requests ``request()`` still
         answers for (``None``: the default); ``replay``: ``history_replay`` admissions;
         ``single``: the scheduler adapter reserves and reports results through the
-        single-request calls instead of one-item batches."""
+        single-request calls instead of one-item batches; ``logged``: record the example's
+        event log and check it at the end (:mod:`kvtier.testing.logged`)."""
         if self.world_size is not None and not self.kit_replaying:
             world = self.world_size
         if not self.kit_deadlines:
             deadline = None
         self.kit_set_args(world=world, policy=policy, dev_units=dev_units, host_units=host_units,
                           deadline=deadline, wb_limit=wb_limit, layout=layout, faults=faults, finish_wb=finish_wb,
-                          ended=ended, replay=replay, single=single)
+                          ended=ended, replay=replay, single=single, logged=logged)
         self.finish_writeback = finish_wb
         self.ended_history, self.history_replay = ended, replay
         self.kit_fault_level(faults)
@@ -142,6 +146,7 @@ class FacadeMachine(KitMachine):
         self.deadline = deadline
         self.cache = self.make_cache(world, policy, dev_units, host_units, deadline, wb_limit)
         attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
+        self.log = LogCheck.start(self.cache, logged)
         self.sched = self.make_scheduler(self.cache)
         if single:
             self.sched.batched = False
@@ -585,6 +590,13 @@ class FacadeMachine(KitMachine):
         rid = self._rid(req)
         state = self._state(rid)
         if state is not None and (go == 0 or state in _ABORT_ALWAYS):
+            self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        """``abort(rid)``, legal or refused as its state says, with the bookkeeping of the
+        models (its own writebacks poisoned, the pages it must keep while aborting)."""
+        state = self._state(rid)
+        if state is not None:
             r = views.requests(self.cache)[rid]
             own = {g: list(p) for g, p in r.own.items() if p}
             ops = views.ops(self.cache.core)
@@ -600,6 +612,52 @@ class FacadeMachine(KitMachine):
                         self._check_unpublished(op_id)
             if self._state(rid) == "aborting":
                 self.fenced[rid] = own
+
+    @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), ok=st.booleans(), overlap=st.booleans(),
+          layers=st.integers(0, 3), results_first=st.booleans())
+    @recorded
+    def abort_loading(self, req: int, i: int, ok: bool, overlap: bool, layers: int = 0,
+                      results_first: bool = False) -> None:
+        """A client aborts a request while its loadback is in flight: a cached prompt is
+        admitted after device pressure (a host hit: ``loading``), with ``overlap`` a second
+        pass is reserved, the first rank delivers ``layers`` layer completions, the request
+        is aborted (``aborting``: the loadback is owed), then the loadback completes on
+        every rank (``ok``) or fails; the passes out return after that (before it, so the
+        loadback is the last thing owed, with ``results_first``)."""
+        rid = self._rid(req)
+        r = views.requests(self.cache).get(rid)
+        if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
+            return
+        self._demote()
+        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state == "host"]
+        if not nodes:
+            return
+        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
+        align = self.cache.layout.alignment
+        self.units[rid] = list(key)
+        self._admit(rid, len(key) * align + 1, 3 * align)
+        r = views.requests(self.cache).get(rid)
+        if r is None or r.state != "loading":
+            return
+        if overlap:
+            self._reserve(rid, 1)
+        self._poll()
+        loads = [op for op in sorted(r.ops) if op in views.ops(self.cache.core)
+                 and views.ops(self.cache.core)[op].command.direction is Direction.LOADBACK]
+        for op in loads[:1]:
+            for _ in range(layers):
+                if (op, 0) not in self.xfer.ready() or self.xfer.queues[op][0][0].layer is None:
+                    break
+                self._complete(self.xfer.take(op, 0, True))
+                self._sync()
+        self._abort(rid)
+        if results_first:
+            r = views.requests(self.cache).get(rid)
+            while r is not None and r.owed_forward > 0:
+                self._forward(rid, False, False)
+        for op in loads:
+            self._finish_op(op, ok)
 
     @rule(mask=st.integers(0, 2 ** _REQS - 1), settle=st.booleans())
     @recorded
@@ -772,6 +830,12 @@ class FacadeMachine(KitMachine):
             raise ModelViolation("model_liveness", "the facade",
                                  f"after {bound} rounds: writebacks queued {sorted(left)}, operations in "
                                  f"flight {sorted(views.ops(core))}, requests waiting {stuck}")
+
+    def teardown(self) -> None:
+        """The example's event log, when it recorded one, must pass ``kvtier check``."""
+        log, self.log = self.log, None
+        if log is not None:
+            log.finish()
 
     # -- invariants --------------------------------------------------------------------
     def check_layer_ready(self) -> None:
