@@ -213,6 +213,12 @@ class CoreMachine(KitMachine):
         result = c.insert(key, pages, ckpt or None, chunk_checkpoint=chunk and bool(ckpt))
         if hold is not None:
             self._unlock(hold)
+        if ckpt and result.published_units < len(key):  # stopped at a loading node: the state stays the caller's
+            for g, ps in ckpt.items():
+                if not set(ps) <= set(result.kept.get(g, ())):
+                    raise InvariantViolation("exact_continuation_state", f"insert of {''.join(map(str, key))!r}",
+                                             f"published {result.published_units} of {len(key)} units, but the "
+                                             f"checkpoint pages of {g!r} were not handed back")
         self.inserted.add(key)
         for g, ps in result.duplicates.items():
             c.free_device({g: ps})
@@ -345,13 +351,18 @@ class CoreMachine(KitMachine):
         self._take_commands()
 
     @precondition(lambda self: bool(views.nodes(self.cache)))
-    @rule(i=st.integers(0, 100))
+    @rule(i=st.integers(0, 100), extend=st.booleans())
     @recorded
-    def load_node(self, i: int) -> None:
-        """Load back the prefix of an existing node (host hits are likely)."""
+    def load_node(self, i: int, extend: bool = False) -> None:
+        """Load back the prefix of an existing node (host hits are likely); with ``extend``,
+        then publish that prefix plus one unit with a checkpoint while the loadback is in
+        flight (the publish stops at the loading node and hands the rest back)."""
         n = self._node_at(i)
         if n is not None:
-            self._load_key(node_prefix(n))
+            key = node_prefix(n)
+            self._load_key(key)
+            if extend:
+                self._insert(tuple(str(u) for u in key) + ("z",), True)
 
     @precondition(lambda self: bool(views.nodes(self.cache)))
     @rule(i=st.integers(0, 100), checkpoint=st.booleans(), chunk=st.booleans())

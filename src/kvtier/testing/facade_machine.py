@@ -647,10 +647,13 @@ class FacadeMachine(KitMachine):
                  and views.ops(self.cache.core)[op].command.direction is Direction.LOADBACK]
         for op in loads[:1]:
             for _ in range(layers):
-                if (op, 0) not in self.xfer.ready() or self.xfer.queues[op][0][0].layer is None:
+                if (op, 0) not in self.xfer.ready():
                     break
-                self._complete(self.xfer.take(op, 0, True))
+                ev = self.xfer.take(op, 0, True)
+                self._complete(ev)
                 self._sync()
+                if ev.layer is None:
+                    break
         self._abort(rid)
         if results_first:
             r = views.requests(self.cache).get(rid)
