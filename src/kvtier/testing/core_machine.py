@@ -355,8 +355,10 @@ class CoreMachine(KitMachine):
     @recorded
     def load_node(self, i: int, extend: bool = False) -> None:
         """Load back the prefix of an existing node (host hits are likely); with ``extend``,
-        then publish that prefix plus one unit with a checkpoint while the loadback is in
+        after device pressure, then publish that prefix plus one unit with a checkpoint while the loadback is in
         flight (the publish stops at the loading node and hands the rest back)."""
+        if extend:  # device pressure first (checked against the shadow order): host-only nodes to load
+            self._pressure(0, 64, "device")
         n = self._node_at(i)
         if n is not None:
             key = node_prefix(n)
