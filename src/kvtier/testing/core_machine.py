@@ -106,9 +106,9 @@ class CoreMachine(KitMachine):
         dev: int | dict[str, int] = dev_units
         host: int | dict[str, int] | None = None if pools == "no_host" else host_units
         if pools == "mapping":
-            dev = units_to_pages(lay, dev_units)
-            dev[lay.groups[0].name] += 1
-            host = units_to_pages(lay, host_units)
+            dev_map = units_to_pages(lay, dev_units)
+            dev_map[lay.groups[0].name] += 1
+            dev, host = dev_map, units_to_pages(lay, host_units)
         self.cache = CacheCore(lay, dev, host, policy=policy, world_size=world,
                                op_deadline_steps=deadline, eviction=eviction, exclusive=exclusive)
         want = {"device": dev if isinstance(dev, dict) else units_to_pages(lay, dev),
