@@ -662,6 +662,37 @@ class FacadeMachine(KitMachine):
         for op in loads:
             self._finish_op(op, ok)
 
+    @precondition(lambda self: self.world > 1 and any(
+        op.command.direction is Direction.LOADBACK for op in views.ops(self.cache.core).values()))
+    @rule(i=st.integers(0, 100))
+    @recorded
+    def late_rank_fails(self, i: int) -> None:
+        """Two ranks load back: the last rank delivers its layer completions, then the first
+        rank delivers all of its own and its acknowledgement fails, while the last rank's is
+        still out. The loadback is in flight with every layer reported on every rank, but
+        failed: ``layer_ready`` must be false for its waiters (the per-rank layer model)."""
+        self._poll()
+        loads = sorted(op for op, o in views.ops(self.cache.core).items()
+                       if o.command.direction is Direction.LOADBACK)
+        if not loads:
+            return
+        op = loads[i % len(loads)]
+        last = self.world - 1
+        for _ in range(len(self.xfer.layers)):
+            if (op, last) not in self.xfer.ready():
+                break
+            ev = self.xfer.take(op, last, True)
+            self._complete(ev)
+            self._sync()
+            if ev.layer is None:
+                return
+        while (op, 0) in self.xfer.ready():
+            ev = self.xfer.take(op, 0, True)
+            self._complete(Completion(ev.op_id, ev.rank, ev.layer is not None, ev.layer))
+            self._sync()
+            if ev.layer is None:
+                return
+
     @rule(mask=st.integers(0, 2 ** _REQS - 1), settle=st.booleans())
     @recorded
     def abort_victim(self, mask: int, settle: bool) -> None:
