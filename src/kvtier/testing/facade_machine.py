@@ -453,13 +453,15 @@ class FacadeMachine(KitMachine):
             self._complete(self.xfer.take(op, ready[0][1], ok))
             self._sync()
 
-    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), wb_ok=st.booleans())
+    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), wb_ok=st.booleans(), abort_first=_RARE)
     @recorded
-    def preempt(self, req: int, chunk: int, wb_ok: bool = True) -> None:
+    def preempt(self, req: int, chunk: int, wb_ok: bool = True, abort_first: int = 1) -> None:
         """Preemption under memory pressure: a running request with no forward result
         owed is retracted, its own writeback completes (without ``wb_ok`` every rank
         reports it failed: the request is aborted), device pressure demotes what it can,
-        and the request resumes (from the host: a loadback)."""
+        and the request resumes (from the host: a loadback). One draw in five
+        (``abort_first`` 0) the client aborts it while its own writeback is in flight
+        (``retracting``: the writeback is owed, so it waits in ``aborting``)."""
         rid = self._rid(req)
         r = views.requests(self.cache).get(rid)
         if r is not None and r.state == "running" and r.owed_forward > 0:
@@ -468,6 +470,8 @@ class FacadeMachine(KitMachine):
             return
         self._fill_checkpoint(rid, self.sched.retract(rid))
         self._sync()
+        if abort_first == 0 and self._state(rid) == "retracting":
+            self._abort(rid)
         if not wb_ok:
             for op in sorted(views.requests(self.cache)[rid].ops):
                 self._finish_op(op, False)
