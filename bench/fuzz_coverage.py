@@ -45,7 +45,8 @@ INVARIANT = "invariant check"  #: raises InvariantViolation: only a broken core 
 MISUSE = "misuse refused"  #: raises on a bad argument or an illegal call: the kit calls legally
 OPTION = "option unused"  #: a configuration the kit's machines never build
 REACH = "reach"  #: a correct run could take it; the fuzz does not (yet)
-_NEVER_IN_A_CORRECT_RUN = (INVARIANT, MISUSE)
+DEAD = "unreachable"  #: no correct run takes it (argued in the reason): dead code or a defensive branch
+_NEVER_IN_A_CORRECT_RUN = (INVARIANT, MISUSE, DEAD)
 _CHECKED = " (not raising)"
 
 _INV = (INVARIANT, "raises InvariantViolation; taken by the broken variants (tests/broken/) only")
@@ -89,7 +90,7 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
                                                     "went and then removed by host eviction, hundreds in one example "
                                                     "(the core machine's churn burst rebuilds the host heap only)"),
     ("fsm/match.py", "match_mode"): _BAD,
-    ("fsm/match.py", "find_match"): (REACH, "a match that joins a loadback in flight stops after that operation's "
+    ("fsm/match.py", "find_match"): (DEAD, "a match that joins a loadback in flight stops after that operation's "
                                             "nodes; a second loading run behind it (another operation) cannot "
                                             "exist: a loading node's parent is device-resident or loading by the "
                                             "same operation, and a node with a device-resident child is never "
@@ -98,12 +99,12 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
                                        "before kvtier is imported) and a custom describe() label: no Lifecycle in "
                                        "kvtier is built with one"),
     ("fsm/names.py", "*"): _BAD,
-    ("fsm/node.py", "Node.discard_ref"): (REACH, "not reachable by a correct run (dead-code candidate): a receipt is "
+    ("fsm/node.py", "Node.discard_ref"): (DEAD, "not reachable by a correct run (dead-code candidate): a receipt is "
                                                  "listed on every node it holds (splits copy it), so a release never "
                                                  "discards from a node without receipts"),
     ("fsm/reclaim.py", "Reclaimer.evict_host"): _NO_HOST,
-    ("fsm/reclaim.py", "Reclaimer._tail"): (REACH, "a state group's need in exact eviction: the facade layout "
-                                                   "has no state groups"),
+    ("fsm/reclaim.py", "Reclaimer._tail"): (REACH, "rare: exact eviction for several groups at once (an allocation "
+                                                   "short in a state group, or one group already satisfied)"),
     ("fsm/transfers.py", "Mover._check"): _BAD,
     ("fsm/transfers.py", "Mover.issue_writebacks"): (REACH, "the one-by-one fallback when the host cannot take the "
                                                             "batch, with a limit: a rare host-pressure case"),
@@ -111,13 +112,14 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/transfers.py", "Mover.settle"): (REACH, "failed loadbacks of checkpointed nodes"),
     ("fsm/publish.py", "Publisher._check_arguments"): _BAD,
     ("fsm/publish.py", "Publisher._check_pages"): _BAD,
-    ("fsm/publish.py", "Publisher._commit"): (REACH, "publishing up to a loading node, checkpoints through the "
-                                                     "facade: the facade layout has no state groups"),
-    ("fsm/publish.py", "Publisher._adopt_checkpoint"): (REACH, "dead code (a node's checkpoint equal to the one "
+    ("fsm/publish.py", "Publisher._commit"): (REACH, "rare: a checkpoint published over a path that stops at a "
+                                                     "loading node (the core machine's load_node with extend, on a "
+                                                     "layout with state groups, after a host hit)"),
+    ("fsm/publish.py", "Publisher._adopt_checkpoint"): (DEAD, "dead code (a node's checkpoint equal to the one "
                                                                "given): the caller's checkpoint pages are its own "
                                                                "(checked) and a node's are the tree's, never the same "
                                                                "non-empty lists"),
-    ("fsm/publish.py", "Publisher._anchored"): (REACH, "not reachable through the facade: an anchor the walk may not "
+    ("fsm/publish.py", "Publisher._anchored"): (DEAD, "not reachable through the facade: an anchor the walk may not "
                                                        "start from (its path not readable, its pages or keys not the "
                                                        "caller's); the facade passes its locked terminal, whose path "
                                                        "holds exactly its canonical pages and keys and which a lock "
@@ -125,12 +127,12 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/presets.py", "deepseek_v4"): (MISUSE, "rejects ratios of the wrong count or value (ConfigError); the kit "
                                                "draws valid parameters, explicit ratios included (PRESET_VARIANTS)"),
     ("fsm/presets.py", "_positive"): _BAD,
-    ("fsm/batch.py", "Batcher.step"): (REACH, "dead while a request's room is exact (set_room after every change "
+    ("fsm/batch.py", "Batcher.step"): (DEAD, "dead while a request's room is exact (set_room after every change "
                                               "of its table): a reservation covered() refuses always needs pages, so "
                                               "reserve_one never returns an empty map here"),
     ("fsm/batch.py", "Batcher._ids"): _BAD,
     ("fsm/batch.py", "Batcher.reserve_one"): _BAD,
-    ("fsm/node.py", "Node.parent_on_host"): (REACH, "the guard's false value for a parent that is neither on the "
+    ("fsm/node.py", "Node.parent_on_host"): (DEAD, "the guard's false value for a parent that is neither on the "
                                                     "host nor in the same operation: a correct core only submits a "
                                                     "writeback when it holds (the node machine drives bare subjects, "
                                                     "not Node)"),
@@ -139,17 +141,18 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/admission.py", "Admitter.admit"): _BAD,
     ("fsm/admission.py", "Admitter._admit"): (REACH, "state_recovery without an exact terminal and checkpoint "
                                                      "borrows need state groups in the facade layout"),
-    ("fsm/admission.py", "Admitter.reserve"): (REACH, "dead while a request's room is exact: past covered(), the "
+    ("fsm/admission.py", "Admitter.reserve"): (DEAD, "dead while a request's room is exact: past covered(), the "
                                                       "table never covers the reservation, so pages are always "
                                                       "needed"),
-    ("fsm/completions.py", "*"): (REACH, "not reachable by a correct run: a request waits on one loadback at a time "
+    ("fsm/completions.py", "*"): (DEAD, "not reachable by a correct run: a request waits on one loadback at a time "
                                          "(a match either loads its host nodes or joins one loadback in flight, "
                                          "never both: host nodes never sit above a loading node), leaves "
                                          "loading/finishing/retracting only when what it waits on settles, and holds "
                                          "its lock until then; after a failed loadback its locked path always "
                                          "contains the failed nodes"),
-    ("fsm/forward.py", "*"): (REACH, "history-replay spans (history_replay is never set) and a checkpoint "
-                                     "publish on the batched fast path"),
+    ("fsm/forward.py", "*"): (REACH, "rare: a pass inside a history-replay span (the facade machine draws "
+                                     "history_replay; a history-only hit deeper than the span needs a long "
+                                     "prompt); step_done's more-than-reserved refusal is a misuse"),
     ("fsm/request.py", "*"): (REACH, "checkpoint borrows and deferred frees of several groups"),
     ("fsm/request_ends.py", "Ender.abort"): (REACH, "aborting a request with its own writeback in flight"),
     ("fsm/request_ends.py", "Ender.abort_victim"): (REACH, "the facade machine's abort_victim rule takes both "
@@ -157,7 +160,7 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/request_ends.py", "Ender.finish"): (REACH, "finish without a lock (nothing published)"),
     ("fsm/request_table.py", "RequestTable.get"): _BAD,
     ("fsm/request_table.py", "RequestTable.check"): _BAD,
-    ("fsm/request_table.py", "*"): (REACH, "not reachable by a correct run (see fsm/completions.py): one loadback "
+    ("fsm/request_table.py", "*"): (DEAD, "not reachable by a correct run (see fsm/completions.py): one loadback "
                                            "waited on at a time, so none is left when a request stops waiting; a "
                                            "request is released and forgotten only once settled, with no pass out "
                                            "(deferred frees retire at each forward result)"),

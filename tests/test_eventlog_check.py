@@ -295,6 +295,6 @@ def test_an_ended_id_admitted_again_without_pages_is_a_new_waiting_request() -> 
     assert any(r.get("k") == "return" and r.get("id") == "r0" and r.get("state") == "waiting" for r in recs)
     res = check_records(enumerate(recs, 1))
     assert res.ok, res.report()
-    bad = [dict(r, state="running") if r.get("k") == "return" and r.get("id") == "r0" and r.get("state") == "waiting"
-           else r for r in recs]
+    bad = [dict(r, state="running") if r.get("k") == "return" and r.get("id") == "r0"
+           and r.get("state") == "waiting" else r for r in recs]
     assert check_records(enumerate(bad, 1)).violation is not None

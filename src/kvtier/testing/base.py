@@ -29,7 +29,8 @@ from kvtier.fsm.spec import load_spec
 from .sequence import EventSequence, Step, machine_name
 
 __all__ = ["KitMachine", "RunStats", "STATS", "recorded", "kit_layout", "INVARIANTS", "ROLL", "TERMINAL",
-           "FAULT_MIX", "FAULT_LEVEL", "LAYOUTS", "STATE_LAYOUTS", "PRESET_PARAMS", "PRESET_VARIANTS", "layout_named", "probe_layers"]
+           "FAULT_MIX", "FAULT_LEVEL", "LAYOUTS", "STATE_LAYOUTS", "PRESET_PARAMS", "PRESET_VARIANTS", "layout_named",
+           "probe_layers"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -433,7 +433,8 @@ class CoreMachine(KitMachine):
         out = self.cache.issue_writebacks(limit)
         if (self.cache.host is None or limit == 0) and out:
             raise InvariantViolation("root_closed_host", "issue_writebacks",
-                                     f"issued {len(out)} writebacks with limit {limit} (host tier: {self.cache.has_host})")
+                                     f"issued {len(out)} writebacks with limit {limit} "
+                                     f"(host tier: {self.cache.has_host})")
         if limit is not None and len(out) > limit:
             raise ModelViolation("model_liveness", "issue_writebacks", f"issued {len(out)} operations, limit {limit}")
         self._take_commands()
