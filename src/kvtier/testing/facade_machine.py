@@ -403,16 +403,17 @@ class FacadeMachine(KitMachine):
         self._admit(rid, len(key) * align + (1 if tail else 0), 3 * align)
 
     @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), tail=st.booleans(), demote=st.booleans(),
-          overlap=st.booleans(), load_ok=st.booleans())
+          overlap=st.booleans(), load_ok=st.booleans(), wb_fail=_RARE)
     @recorded
     def next_turn(self, req: int, chunk: int, tail: bool, demote: bool = True, overlap: bool = False,
-                  load_ok: bool = True) -> None:
+                  load_ok: bool = True, wb_fail: int = 1) -> None:
         """A conversation's next turn: a running request with no forward result owed
         finishes, (with ``demote``) time passes under memory pressure, then the same id
         is admitted with the whole conversation so far as its prompt (a host hit after a
         demotion: a loadback). With ``overlap`` a second forward pass is reserved while
         it loads (overlapped scheduling); without ``load_ok`` every rank then reports its
-        loadback failed (the request is fenced while its passes are out)."""
+        loadback failed (the request is fenced while its passes are out). One draw in five
+        (``wb_fail`` 0) the finish writeback, if any, fails on every rank."""
         rid = self._rid(req)
         r = views.requests(self.cache).get(rid)
         if r is not None and r.state == "running" and r.owed_forward > 0:
@@ -421,6 +422,9 @@ class FacadeMachine(KitMachine):
             return
         self._fill_checkpoint(rid, self.sched.finish(rid))
         self._sync()
+        if wb_fail == 0 and self._state(rid) == "finishing":
+            for op in sorted(views.requests(self.cache)[rid].ops):
+                self._finish_op(op, False)
         if demote:
             self._demote()
         if self._state(rid) not in ("finished", None):
