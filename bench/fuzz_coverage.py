@@ -90,11 +90,8 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
                                                     "went and then removed by host eviction, hundreds in one example "
                                                     "(the core machine's churn burst rebuilds the host heap only)"),
     ("fsm/match.py", "match_mode"): _BAD,
-    ("fsm/match.py", "find_match"): (DEAD, "a match that joins a loadback in flight stops after that operation's "
-                                            "nodes; a second loading run behind it (another operation) cannot "
-                                            "exist: a loading node's parent is device-resident or loading by the "
-                                            "same operation, and a node with a device-resident child is never "
-                                            "demoted"),
+    ("fsm/match.py", "find_match"): (REACH, "rare: a join across several loading nodes of one loadback, a core "
+                                            "without a host tier, a history-replay hit deeper than the span"),
     ("fsm/machines.py", "*"): (OPTION, "import-time logging set-up (the 'transitions' logger already configured "
                                        "before kvtier is imported) and a custom describe() label: no Lifecycle in "
                                        "kvtier is built with one"),
@@ -119,11 +116,10 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
                                                                "given): the caller's checkpoint pages are its own "
                                                                "(checked) and a node's are the tree's, never the same "
                                                                "non-empty lists"),
-    ("fsm/publish.py", "Publisher._anchored"): (DEAD, "not reachable through the facade: an anchor the walk may not "
-                                                       "start from (its path not readable, its pages or keys not the "
-                                                       "caller's); the facade passes its locked terminal, whose path "
-                                                       "holds exactly its canonical pages and keys and which a lock "
-                                                       "keeps readable (publish runs only once running)"),
+    ("fsm/publish.py", "Publisher._anchored"): (DEAD, "an anchor whose pages are the caller's but whose keys are "
+                                                      "not: device pages identify their node, so equal pages mean "
+                                                      "the same path (a defensive check); the core machine passes "
+                                                      "anchors that qualify or not (loading, recomputed)"),
     ("fsm/presets.py", "deepseek_v4"): (MISUSE, "rejects ratios of the wrong count or value (ConfigError); the kit "
                                                "draws valid parameters, explicit ratios included (PRESET_VARIANTS)"),
     ("fsm/presets.py", "_positive"): _BAD,

@@ -183,12 +183,21 @@ class CoreMachine(KitMachine):
             for s, d in zip(t.src_pages, t.dst_pages):
                 dst[(t.group, d)] = src.get((t.group, s)) if ok else ("garbage", op_id)
 
-    def _insert(self, key: tuple[str, ...], checkpoint: bool, chunk: bool = False) -> None:
+    def _insert(self, key: tuple[str, ...], checkpoint: bool, chunk: bool = False, anchor: str = "none",
+                at: Node | None = None) -> None:
+        """Publish ``key``, reusing its device hit (locked meanwhile). ``anchor``: ``hit``
+        passes the locked hit as the walk's anchor (the fast path); ``recompute`` computes
+        the whole key into fresh pages (the hit's pages duplicated) with the hit as anchor,
+        which must then be ignored; ``at``: an anchor given by the caller (a locked node on
+        the key's path, e.g. one being loaded). Whatever the anchor, the tree must end the
+        same (the invariants and the byte model check it)."""
         c = self.cache
         ppu, history = views.pages_per_unit(c), views.history_groups(c)
         m = c.match(key)
         base = c.device_pages(m.device_node)
-        rest = len(key) - m.device_units
+        if anchor == "recompute":
+            base = {g: [] for g in history}
+        rest = len(key) - (0 if anchor == "recompute" else m.device_units)
         need = {g: rest * ppu[g] for g in history}
         state_groups = views.checkpoint_groups(c) if checkpoint else []
         for g in state_groups:
@@ -210,7 +219,9 @@ class CoreMachine(KitMachine):
         for g, ps in ckpt.items():
             for j, p in enumerate(ps):
                 self.dev_bytes[(g, p)] = content(key, g, j, ppu)
-        result = c.insert(key, pages, ckpt or None, chunk_checkpoint=chunk and bool(ckpt))
+        if at is None and anchor != "none" and hold is not None:
+            at = hold.node
+        result = c.insert(key, pages, ckpt or None, chunk_checkpoint=chunk and bool(ckpt), anchor=at)
         if hold is not None:
             self._unlock(hold)
         if ckpt and result.published_units < len(key):  # stopped at a loading node: the state stays the caller's
@@ -227,12 +238,13 @@ class CoreMachine(KitMachine):
         self._take_commands()
 
     # -- rules ---------------------------------------------------------------------
-    @rule(key=_KEYS, checkpoint=st.booleans(), chunk=st.booleans())
+    @rule(key=_KEYS, checkpoint=st.booleans(), chunk=st.booleans(),
+          anchor=st.sampled_from(["none", "none", "hit", "recompute"]))
     @recorded
-    def insert(self, key: list[str], checkpoint: bool, chunk: bool = False) -> None:
+    def insert(self, key: list[str], checkpoint: bool, chunk: bool = False, anchor: str = "none") -> None:
         """Publish ``key`` (with a checkpoint at its end; a chunk checkpoint, which a
-        deeper one replaces, when ``chunk``)."""
-        self._insert(tuple(key), checkpoint, chunk)
+        deeper one replaces, when ``chunk``; ``anchor``: see :meth:`_insert`)."""
+        self._insert(tuple(key), checkpoint, chunk, anchor)
 
     @rule(key=_KEYS, chunk=st.booleans())
     @recorded
@@ -324,7 +336,9 @@ class CoreMachine(KitMachine):
     def load(self, key: list[str]) -> None:
         self._load_key(tuple(key))
 
-    def _load_key(self, key: tuple[Hashable, ...]) -> None:
+    def _load_key(self, key: tuple[Hashable, ...]) -> Any:
+        """Load back ``key``'s host hit, if any; returns the lock receipt of the loadback's
+        terminal (``None`` without a loadback)."""
         c = self.cache
         m = c.match(key)
         if c.host is None and (m.host_units != m.device_units or m.needs_loadback):
@@ -332,12 +346,12 @@ class CoreMachine(KitMachine):
                                      f"a core without a host tier matched {m.host_units} units beyond its "
                                      f"device hit of {m.device_units}")
         if not m.needs_loadback:
-            return
+            return None
         try:
             res = c.load(m, "r")
         except CapacityError:
             assert m.host_nodes and all(n.state == "host" for n in m.host_nodes), "load refused a join"
-            return
+            return None
         assert res.op_ids, "a loadback without operations"
         self.receipts.append(res.pin)
         self.locks.append(res.lock)
@@ -349,6 +363,7 @@ class CoreMachine(KitMachine):
                 raise InvariantViolation("atomic_admission", f"loadback op {res.command.op_id}",
                                          f"moves {res.command.pages} pages, the hit has {want}")
         self._take_commands()
+        return res.lock
 
     @precondition(lambda self: bool(views.nodes(self.cache)))
     @rule(i=st.integers(0, 100), extend=st.booleans())
@@ -362,9 +377,9 @@ class CoreMachine(KitMachine):
         n = self._node_at(i)
         if n is not None:
             key = node_prefix(n)
-            self._load_key(key)
-            if extend:
-                self._insert(tuple(str(u) for u in key) + ("z",), True)
+            lock = self._load_key(key)
+            if extend:  # (the loading terminal, locked, as the anchor: not readable yet, so ignored)
+                self._insert(tuple(str(u) for u in key) + ("z",), True, at=lock.node if lock is not None else None)
 
     @precondition(lambda self: bool(views.nodes(self.cache)))
     @rule(i=st.integers(0, 100), checkpoint=st.booleans(), chunk=st.booleans())
