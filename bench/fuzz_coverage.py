@@ -76,6 +76,9 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/core.py", "CacheCore.complete"): _BAD,
     ("fsm/core.py", "CacheCore.borrow"): _BAD,
     ("fsm/core.py", "CacheCore.pin"): _BAD,
+    ("fsm/core.py", "CacheCore.withdraw"): (REACH, "rare: an abort after the request's own writeback was handed out "
+                                                   "(the facade machine aborts finishing and retracting requests at "
+                                                   "random; its preempt rule aborts before the poll)"),
     ("fsm/core.py", "CacheCore.writeback"): _NO_HOST,
     ("fsm/tree.py", "RadixTree.members"): _BAD,
     ("fsm/receipts.py", "ReceiptBook.check_lock"): _BAD,
