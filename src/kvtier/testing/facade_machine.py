@@ -413,7 +413,8 @@ class FacadeMachine(KitMachine):
         demotion: a loadback). With ``overlap`` a second forward pass is reserved while
         it loads (overlapped scheduling); without ``load_ok`` every rank then reports its
         loadback failed (the request is fenced while its passes are out). One draw in five
-        (``wb_fail`` 0) the finish writeback, if any, fails on every rank."""
+        (``wb_fail`` 0) the finish writeback, if any, fails on every rank; one in five
+        (``wb_fail`` 4) the client aborts the request while that writeback is in flight."""
         rid = self._rid(req)
         r = views.requests(self.cache).get(rid)
         if r is not None and r.state == "running" and r.owed_forward > 0:
@@ -425,6 +426,9 @@ class FacadeMachine(KitMachine):
         if wb_fail == 0 and self._state(rid) == "finishing":
             for op in sorted(views.requests(self.cache)[rid].ops):
                 self._finish_op(op, False)
+        elif wb_fail == 4 and self._state(rid) == "finishing":  # the client aborts it meanwhile
+            self._poll()
+            self._abort(rid)
         if demote:
             self._demote()
         if self._state(rid) not in ("finished", None):
@@ -463,9 +467,10 @@ class FacadeMachine(KitMachine):
         """Preemption under memory pressure: a running request with no forward result
         owed is retracted, its own writeback completes (without ``wb_ok`` every rank
         reports it failed: the request is aborted), device pressure demotes what it can,
-        and the request resumes (from the host: a loadback). One draw in five
-        (``abort_first`` 0) the client aborts it while its own writeback is in flight
-        (``retracting``: the writeback is owed, so it waits in ``aborting``)."""
+        and the request resumes (from the host: a loadback). Two draws in five
+        (``abort_first`` 0, or 4 after a poll handed the writeback out) the client aborts
+        it while its own writeback is in flight (``retracting``: the writeback is owed, so
+        it waits in ``aborting``)."""
         rid = self._rid(req)
         r = views.requests(self.cache).get(rid)
         if r is not None and r.state == "running" and r.owed_forward > 0:
@@ -474,7 +479,9 @@ class FacadeMachine(KitMachine):
             return
         self._fill_checkpoint(rid, self.sched.retract(rid))
         self._sync()
-        if abort_first == 0 and self._state(rid) == "retracting":
+        if abort_first in (0, 4) and self._state(rid) == "retracting":
+            if abort_first == 4:  # the writeback already handed out: poisoned, not withdrawn
+                self._poll()
             self._abort(rid)
         if not wb_ok:
             for op in sorted(views.requests(self.cache)[rid].ops):
