@@ -52,7 +52,7 @@ _BAD = (MISUSE, "refuses bad input or a call in the wrong state; the machines ma
                 "(tests/test_bad_input.py, test_hostile_inputs.py and the refusal tests take these)")
 _L3_BAD = (MISUSE, "refuses a bad L3 call or option; the l3tier machine's hostile calls take these (each "
                    "variant in turn, a sweep per get in flight, testing/l3_cases.py), a few examples per run")
-_NO_HOST = (OPTION, "no host tier (host_pages=None): every kit machine builds a host tier")
+_NO_HOST = (OPTION, "no host tier (host_pages=None): the core machine builds one in about one example in six")
 
 #: (file relative to the repository, function qualname, or "*" for the whole file) ->
 #: (kind, why the fuzz alone does not take those branches). Keep it current: a group
@@ -73,9 +73,9 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/pages.py", "*"): _BAD,
     ("fsm/spec.py", "*"): (MISUSE, "rejects a malformed lifecycle spec; the shipped spec is well formed"),
     ("fsm/layout.py", "CacheLayout.__post_init__"): _BAD,
-    ("fsm/layout.py", "CacheLayout.chunk_rows"): (OPTION, "chunk_rows is the executor's view, not used by the kit"),
-    ("fsm/layout.py", "CacheLayout.group"): (OPTION, "lookup by name: the kit never calls it"),
-    ("fsm/ledger.py", "as_capacity"): (OPTION, "capacities as a mapping per group: the kit gives units"),
+    ("fsm/layout.py", "CacheLayout.chunk_rows"): _BAD,
+    ("fsm/layout.py", "CacheLayout.group"): _BAD,
+    ("fsm/ledger.py", "as_capacity"): _BAD,
     ("fsm/ledger.py", "PageLedger.__init__"): _NO_HOST,
     ("fsm/ledger.py", "PageLedger.check_need"): _BAD,
     ("fsm/ledger.py", "PageLedger.free_device"): _BAD,
@@ -84,6 +84,9 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/core.py", "CacheCore.complete"): _BAD,
     ("fsm/core.py", "CacheCore.borrow"): _BAD,
     ("fsm/core.py", "CacheCore.pin"): _BAD,
+    ("fsm/core.py", "CacheCore.withdraw"): (REACH, "rare: an abort after the request's own writeback was handed out "
+                                                   "(the facade machine aborts finishing and retracting requests at "
+                                                   "random; its preempt rule aborts before the poll)"),
     ("fsm/core.py", "CacheCore.writeback"): _NO_HOST,
     ("fsm/tree.py", "RadixTree.members"): _BAD,
     ("fsm/receipts.py", "ReceiptBook.check_lock"): _BAD,
@@ -93,67 +96,90 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/optable.py", "OperationTable.in_flight"): (OPTION, "in_flight() without a direction: the facade always "
                                                             "asks for writebacks, the kit reads ops directly"),
     ("fsm/eviction.py", "make_policy"): _BAD,
-    ("fsm/eviction.py", "HeapIndex.touch"): (REACH, "the heap rebuild (more than 4 x nodes + 256 entries) needs "
-                                                    "longer examples than the kit's 100 steps"),
+    ("fsm/eviction.py", "HeapIndex.touch"): (REACH, "the device heap's rebuild: more than 4 x nodes + 256 stale "
+                                                    "device entries, left by nodes touched after their device copy "
+                                                    "went and then removed by host eviction, hundreds in one example "
+                                                    "(the core machine's churn burst rebuilds the host heap only)"),
     ("fsm/match.py", "match_mode"): _BAD,
-    ("fsm/match.py", "find_match"): (REACH, "state_recovery misses and chained joined loadbacks need state groups "
-                                            "in the facade layout and more concurrent loadbacks"),
-    ("fsm/machines.py", "*"): (OPTION, "logging set-up and diagram descriptions, not lifecycle code"),
+    ("fsm/match.py", "find_match"): (REACH, "rare: a join across several loading nodes of one loadback, a core "
+                                            "without a host tier, a history-replay hit deeper than the span"),
+    ("fsm/machines.py", "*"): (OPTION, "import-time logging set-up (the 'transitions' logger already configured "
+                                       "before kvtier is imported) and a custom describe() label: no Lifecycle in "
+                                       "kvtier is built with one"),
     ("fsm/names.py", "*"): _BAD,
-    ("fsm/node.py", "Node.discard_ref"): (REACH, "releasing a receipt from a node that never had one"),
+    ("fsm/node.py", "Node.discard_ref"): (UNREACHABLE, "not reachable by a correct run (dead-code candidate): a receipt is "
+                                                 "listed on every node it holds (splits copy it), so a release never "
+                                                 "discards from a node without receipts"),
     ("fsm/reclaim.py", "Reclaimer.evict_host"): _NO_HOST,
-    ("fsm/reclaim.py", "Reclaimer._tail"): (REACH, "a state group's need in exact eviction: the facade layout "
-                                                   "has no state groups"),
+    ("fsm/reclaim.py", "Reclaimer._tail"): (REACH, "rare: exact eviction for several groups at once (an allocation "
+                                                   "short in a state group, or one group already satisfied)"),
     ("fsm/transfers.py", "Mover._check"): _BAD,
     ("fsm/transfers.py", "Mover.issue_writebacks"): (REACH, "the one-by-one fallback when the host cannot take the "
                                                             "batch, with a limit: a rare host-pressure case"),
     ("fsm/transfers.py", "Mover.load"): (REACH, "a loadback refused after eviction"),
     ("fsm/transfers.py", "Mover.settle"): (REACH, "failed loadbacks of checkpointed nodes"),
     ("fsm/publish.py", "Publisher._check_arguments"): _BAD,
-    ("fsm/publish.py", "Publisher._check_pages"): (MISUSE, "unreachable defensive test (150->146): "
+    ("fsm/publish.py", "Publisher._check_pages"): (UNREACHABLE, "a defensive test (150->146): "
                                                            "all_held_by_caller() was false, so some page is not "
                                                            "the caller's and the list of bad pages is never empty"),
-    ("fsm/publish.py", "Publisher._commit"): (REACH, "publishing up to a loading node, checkpoints through the "
-                                                     "facade: the facade layout has no state groups"),
-    ("fsm/publish.py", "Publisher._adopt_checkpoint"): (REACH, "an ancestor's chunk checkpoint that stays because a "
-                                                               "lock or borrow holds it while a deeper one lands"),
-    ("fsm/publish.py", "Publisher._anchored"): (REACH, "an anchor the walk may not start from (it left the tree, "
-                                                       "its path is not readable, or its pages differ): the facade "
-                                                       "passes its locked terminal, which always qualifies here"),
-    ("fsm/presets.py", "deepseek_v4"): (OPTION, "preset parameters the kit keeps fixed (PRESET_PARAMS)"),
+    ("fsm/publish.py", "Publisher._commit"): (REACH, "rare: a checkpoint published over a path that stops at a "
+                                                     "loading node (the core machine's load_node with extend, on a "
+                                                     "layout with state groups, after a host hit)"),
+    ("fsm/publish.py", "Publisher._adopt_checkpoint"): (UNREACHABLE, "dead code (a node's checkpoint equal to the one "
+                                                               "given): the caller's checkpoint pages are its own "
+                                                               "(checked) and a node's are the tree's, never the same "
+                                                               "non-empty lists"),
+    ("fsm/publish.py", "Publisher._anchored"): (UNREACHABLE, "an anchor whose pages are the caller's but whose keys are "
+                                                      "not: device pages identify their node, so equal pages mean "
+                                                      "the same path (a defensive check); the core machine passes "
+                                                      "anchors that qualify or not (loading, recomputed)"),
+    ("fsm/presets.py", "deepseek_v4"): (MISUSE, "rejects ratios of the wrong count or value (ConfigError); the kit "
+                                               "draws valid parameters, explicit ratios included (PRESET_VARIANTS)"),
     ("fsm/presets.py", "_positive"): _BAD,
-    ("fsm/batch.py", "Batcher.step"): (REACH, "batch items the kit's one-item batches never mix (a refused item "
-                                              "after an accepted one, pages adopted on the fast path)"),
+    ("fsm/batch.py", "Batcher.step"): (UNREACHABLE, "dead while a request's room is exact (set_room after every change "
+                                              "of its table): a reservation covered() refuses always needs pages, so "
+                                              "reserve_one never returns an empty map here"),
     ("fsm/batch.py", "Batcher._ids"): _BAD,
     ("fsm/batch.py", "Batcher.reserve_one"): _BAD,
-    ("fsm/node.py", "Node.parent_on_host"): (REACH, "the guard asked for a node whose parent is the root or "
-                                                    "writing: a correct core checks before it fires"),
+    ("fsm/node.py", "Node.parent_on_host"): (UNREACHABLE, "the guard's false value for a parent that is neither on the "
+                                                    "host nor in the same operation: a correct core only submits a "
+                                                    "writeback when it holds (the node machine drives bare subjects, "
+                                                    "not Node)"),
     ("fsm/admission.py", "Admitter.covered"): (REACH, "a reservation that ends before the one already made"),
     ("src/kvtier/facade_views.py", "*"): _BAD,
     ("fsm/admission.py", "Admitter.admit"): _BAD,
     ("fsm/admission.py", "Admitter._admit"): (REACH, "state_recovery without an exact terminal and checkpoint "
                                                      "borrows need state groups in the facade layout"),
-    ("fsm/admission.py", "Admitter.reserve"): (REACH, "a reserve refused for lack of pages"),
-    ("fsm/completions.py", "*"): (REACH, "loadbacks that succeed on every layer and rank, and aborts during a "
-                                         "loadback, are rare at a 25 % fault rate per completion"),
-    ("fsm/forward.py", "*"): (REACH, "history-replay spans (history_replay is never set) and a checkpoint "
-                                     "publish on the batched fast path"),
+    ("fsm/admission.py", "Admitter.reserve"): (UNREACHABLE, "dead while a request's room is exact: past covered(), the "
+                                                      "table never covers the reservation, so pages are always "
+                                                      "needed"),
+    ("fsm/completions.py", "*"): (UNREACHABLE, "not reachable by a correct run: a request waits on one loadback at a time "
+                                         "(a match either loads its host nodes or joins one loadback in flight, "
+                                         "never both: host nodes never sit above a loading node), leaves "
+                                         "loading/finishing/retracting only when what it waits on settles, and holds "
+                                         "its lock until then; after a failed loadback its locked path always "
+                                         "contains the failed nodes"),
+    ("fsm/forward.py", "*"): (REACH, "rare: a pass inside a history-replay span (the facade machine draws "
+                                     "history_replay; a history-only hit deeper than the span needs a long "
+                                     "prompt); step_done's more-than-reserved refusal is a misuse"),
     ("fsm/request.py", "*"): (REACH, "checkpoint borrows and deferred frees of several groups"),
     ("fsm/request_ends.py", "Ender.abort"): (REACH, "aborting a request with its own writeback in flight"),
-    ("fsm/request_ends.py", "Ender.abort_victim"): (OPTION, "abort_victim is the scheduler's; the kit never calls it"),
+    ("fsm/request_ends.py", "Ender.abort_victim"): (REACH, "the facade machine's abort_victim rule takes both "
+                                                           "ways (busy, or a victim); rare when missed"),
     ("fsm/request_ends.py", "Ender.finish"): (REACH, "finish without a lock (nothing published)"),
     ("fsm/request_table.py", "RequestTable.get"): _BAD,
-    ("fsm/request_table.py", "RequestTable.check"): (MISUSE, "unreachable with the shipped spec (174->176): every "
+    ("fsm/request_table.py", "RequestTable.check"): (UNREACHABLE, "unreachable with the shipped spec (174->176): every "
                                                              "guarded request event has complementary rows, so a "
                                                              "refusal always shares the false guard 'settled' and "
                                                              "is renamed (174->175); the plain re-raise serves "
                                                              "other specs"),
-    ("fsm/request_table.py", "*"): (REACH, "loadback and abort paths the facade machine reaches rarely "
-                                           "(see fsm/completions.py)"),
+    ("fsm/request_table.py", "*"): (UNREACHABLE, "not reachable by a correct run (see fsm/completions.py): one loadback "
+                                           "waited on at a time, so none is left when a request stops waiting; a "
+                                           "request is released and forgotten only once settled, with no pass out "
+                                           "(deferred frees retire at each forward result)"),
     ("src/kvtier/tiered.py", "TieredCache.__init__"): (OPTION, "finish_writeback given explicitly: the kit keeps "
                                                               "the default"),
-    ("src/kvtier/tiered.py", "TieredCache.abort_victim"): (OPTION, "abort_victim is the scheduler's; the kit never "
-                                                                   "calls it"),
+    ("src/kvtier/tiered.py", "TieredCache.abort_victim"): _BAD,
     ("src/kvtier/tiered.py", "*"): _BAD,
     # the L3 tier (the l3tier machine: two instances over a faulty fake store, 5 % of the steps)
     ("fsm/l3.py", "L3Tier._on_exists"): (UNREACHABLE, "an exists answered after its prefetch record was replaced "

@@ -269,3 +269,32 @@ def test_l3_fetch_log_is_accepted_and_a_fetch_without_its_get_rejected(tmp_path:
     bad["fetch"] = None
     v = check_records(enumerate([json.loads(x) for x in lines[:i]] + [bad], 1)).violation
     assert v is not None and v.rule == "state_matches_resources" and "without an L3 get" in v.message, v
+
+
+def test_an_ended_id_admitted_again_without_pages_is_a_new_waiting_request() -> None:
+    """Found by the facade machine's recorded examples (kvtier.testing.logged): a finished
+    request is forgotten by a poll, then its id is admitted again while device pages are
+    short (after evicting something, so the call is recorded); the facade returns ``None`` with a fresh record still ``waiting`` (no transition
+    fired). The checker rejected that log ("admit returned in state 'waiting', but the log
+    left it 'finished'"); it must accept it, and still reject a state the log cannot explain."""
+    buf = io.StringIO()
+    cache = TieredCache(preset("llama-3-8b", num_layers=2), 2, 2, policy="write_through")
+    with EventRecorder(buf) as rec:
+        rec.attach(cache)
+        assert cache.admit("r0", [1], prompt_tokens=16, chunk_tokens=16) is not None
+        cache.step_done("r0", 16)
+        cache.finish("r0")
+        for _ in range(3):
+            for cmd in cache.poll().commands:
+                cache.complete(Completion(cmd.op_id))
+        assert cache.admit("r1", [2], prompt_tokens=16, chunk_tokens=16) is not None
+        # pages short even after evicting r0's published (backed) node: a transition, then None
+        assert cache.admit("r0", [5, 6, 7], prompt_tokens=48, chunk_tokens=48) is None
+        assert cache.state("r0") == "waiting"
+    recs = [json.loads(line) for line in buf.getvalue().splitlines()]
+    assert any(r.get("k") == "return" and r.get("id") == "r0" and r.get("state") == "waiting" for r in recs)
+    res = check_records(enumerate(recs, 1))
+    assert res.ok, res.report()
+    bad = [dict(r, state="running") if r.get("k") == "return" and r.get("id") == "r0"
+           and r.get("state") == "waiting" else r for r in recs]
+    assert check_records(enumerate(bad, 1)).violation is not None

@@ -42,6 +42,7 @@ __all__ = [
     "requests",
     "request_events",
     "l3_internals",
+    "ended_history",
 ]
 
 
@@ -146,3 +147,8 @@ def requests(cache: TieredCache) -> dict[str, Request]:
 def request_events(cache: TieredCache) -> tuple[RequestEvent, ...]:
     """Request state changes not yet reported by ``poll``."""
     return tuple(cache.table.pending_events())
+
+
+def ended_history(cache: TieredCache) -> int:
+    """How many forgotten ended requests the facade still answers ``request()`` for."""
+    return cache.table.ended_history

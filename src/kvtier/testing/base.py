@@ -29,7 +29,8 @@ from kvtier.fsm.spec import load_spec
 from .sequence import EventSequence, Step, machine_name
 
 __all__ = ["KitMachine", "RunStats", "STATS", "recorded", "kit_layout", "INVARIANTS", "ROLL", "TERMINAL",
-           "FAULT_MIX", "FAULT_LEVEL", "LAYOUTS", "STATE_LAYOUTS", "PRESET_PARAMS", "layout_named", "probe_layers"]
+           "FAULT_MIX", "FAULT_LEVEL", "LAYOUTS", "STATE_LAYOUTS", "PRESET_PARAMS", "PRESET_VARIANTS", "layout_named",
+           "probe_layers"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -87,11 +88,19 @@ PRESET_PARAMS: dict[str, dict[str, Any]] = {
     "llama-3-8b": {"num_layers": 4, "kv_heads": 1, "head_dim": 16},
     "deepseek-v3": {"num_layers": 4, "values_per_token": 32},
 }
+#: Preset variants with parameters of their own (name -> (preset, parameters)): DeepSeek V4
+#: with explicit per-layer compression ratios, one with ratio-4 layers only and one with
+#: ratio-128 layers only (the preset then builds only that compressed branch's groups).
+PRESET_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek-v4/c4": ("deepseek-v4", {**PRESET_PARAMS["deepseek-v4"], "num_layers": 4, "ratios": (1, 4, 1, 4)}),
+    "deepseek-v4/c128": ("deepseek-v4", {**PRESET_PARAMS["deepseek-v4"], "num_layers": 3, "ratios": (1, 128, 128),
+                                         "sliding_window": 64}),
+}
 #: Layout names the machines draw (:func:`layout_named`): the kit's small layouts, then
-#: every preset's (``fsm/presets.py``).
-LAYOUTS: tuple[str, ...] = ("kit", "kit+state", *PRESET_PARAMS)
+#: every preset's (``fsm/presets.py``), then the preset variants.
+LAYOUTS: tuple[str, ...] = ("kit", "kit+state", *PRESET_PARAMS, *PRESET_VARIANTS)
 #: The layouts with continuation-state groups (checkpoints).
-STATE_LAYOUTS: tuple[str, ...] = ("kit+state", "deepseek-v4")
+STATE_LAYOUTS: tuple[str, ...] = ("kit+state", "deepseek-v4", *PRESET_VARIANTS)
 
 
 def layout_named(name: str) -> CacheLayout:
@@ -103,6 +112,9 @@ def layout_named(name: str) -> CacheLayout:
     """
     if name in ("kit", "kit+state"):
         return kit_layout(name == "kit+state")
+    if name in PRESET_VARIANTS:
+        base, params = PRESET_VARIANTS[name]
+        return preset(base, **params)
     if name not in PRESET_PARAMS:
         raise ValueError(f"unknown kit layout {name!r}; expected one of {list(LAYOUTS)}")
     return preset(name, **PRESET_PARAMS[name])

@@ -14,6 +14,7 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from kvtier.fsm import CapacityError, Completion, Direction
 from kvtier.fsm import MatchMode, CacheCore
+from kvtier.fsm.ledger import units_to_pages
 from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, KvtierError, UnknownOperation
 from kvtier.fsm.node import DEVICE_READABLE, Node
 from kvtier.fsm.ops import Settled
@@ -22,6 +23,7 @@ from kvtier.fsm.records import TransferCommand
 from ..eventlog import attach_active
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, KitMachine, kit_layout, layout_named, probe_layers, recorded
+from .logged import LogCheck
 from .content import check_tree_bytes, content, node_prefix
 from .models import (ModelViolation, check_eviction_order, check_queue_exits, check_use, liveness_bound,
                      snapshot_candidates, snapshot_use)
@@ -31,6 +33,11 @@ __all__ = ["CoreMachine"]
 
 _ALPHABET = "abc"
 _KEYS = st.lists(st.sampled_from(_ALPHABET), min_size=1, max_size=5)
+#: pool configurations the setup draws: capacities in units (most), a mapping per group,
+#: no host tier
+_POOLS = st.sampled_from(["units", "units", "units", "units", "mapping", "no_host"])
+#: one example in ten records its event log and checks it (kvtier.testing.logged)
+_LOGGED = st.integers(0, 9).map(lambda x: x == 9)
 
 
 class CoreMachine(KitMachine):
@@ -51,6 +58,7 @@ class CoreMachine(KitMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.log: LogCheck | None = None  # the example's recorded event log (setup's logged)
         self.cache: CacheCore
         self.dev_bytes: dict[tuple[str, int], Any] = {}
         self.host_bytes: dict[tuple[str, int], Any] = {}
@@ -67,29 +75,50 @@ class CoreMachine(KitMachine):
         self.exclusive = False
         self.queued: dict[int, Node] = {}  # the writeback queue at the last check
         self.submitted: set[int] = set()  # nodes of writeback commands taken since the last check
+        self.churned = False  # the churn burst ran (once per example)
 
     @initialize(with_state=st.booleans(), world=st.sampled_from([1, 2]), policy=st.sampled_from(
         ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 8),
         host_units=st.integers(2, 10), deadline=st.sampled_from([None, 3]),
         seed_keys=st.lists(_KEYS, max_size=3), layout=st.sampled_from(LAYOUTS),
-        eviction=st.sampled_from(["lru", "lru2", "lru_turns"]), exclusive=st.booleans(), faults=FAULT_LEVEL)
+        eviction=st.sampled_from(["lru", "lru2", "lru_turns"]), exclusive=st.booleans(), faults=FAULT_LEVEL,
+        pools=_POOLS, logged=_LOGGED)
     @recorded
     def setup(self, with_state: bool, world: int, policy: str, dev_units: int, host_units: int,
               deadline: int | None, seed_keys: list[list[str]], layout: str | None = None,
-              eviction: str = "lru", exclusive: bool = False, faults: int | None = None) -> None:
+              eviction: str = "lru", exclusive: bool = False, faults: int | None = None,
+              pools: str = "units", logged: bool = False) -> None:
+        """Build the core. ``pools``: capacities in ``units``, as a ``mapping`` group ->
+        pages (one page more in the first group's device pool), or ``no_host`` (a core
+        without a host tier: every host-side call must do nothing). ``logged``: record the
+        example's event log and check it at the end (:mod:`kvtier.testing.logged`)."""
         if self.world_size is not None and not self.kit_replaying:
             world = self.world_size
         self.kit_set_args(with_state=with_state, world=world, policy=policy, dev_units=dev_units,
                           host_units=host_units, deadline=deadline, seed_keys=seed_keys, layout=layout,
-                          eviction=eviction, exclusive=exclusive, faults=faults)
+                          eviction=eviction, exclusive=exclusive, faults=faults, pools=pools,
+                          logged=logged)
         self.kit_fault_level(faults)
         self.world = world
         self.eviction, self.exclusive = eviction, exclusive
         lay = kit_layout(with_state) if layout is None else layout_named(layout)
         self.layers = probe_layers(lay)
-        self.cache = CacheCore(lay, dev_units, host_units, policy=policy, world_size=world,
+        dev: int | dict[str, int] = dev_units
+        host: int | dict[str, int] | None = None if pools == "no_host" else host_units
+        if pools == "mapping":
+            dev_map = units_to_pages(lay, dev_units)
+            dev_map[lay.groups[0].name] += 1
+            dev, host = dev_map, units_to_pages(lay, host_units)
+        self.cache = CacheCore(lay, dev, host, policy=policy, world_size=world,
                                op_deadline_steps=deadline, eviction=eviction, exclusive=exclusive)
+        want = {"device": dev if isinstance(dev, dict) else units_to_pages(lay, dev),
+                "host": None if host is None else host if isinstance(host, dict) else units_to_pages(lay, host)}
+        got = {"device": {g: a.capacity for g, a in self.cache.device.items()},
+               "host": None if self.cache.host is None else {g: a.capacity for g, a in self.cache.host.items()}}
+        if got != want:
+            raise InvariantViolation("conservation", "the core's pools", f"capacities {got}, configured {want}")
         attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
+        self.log = LogCheck.start(self.cache, logged)
         for key in seed_keys:
             self._insert(tuple(key), True)
 
@@ -154,12 +183,21 @@ class CoreMachine(KitMachine):
             for s, d in zip(t.src_pages, t.dst_pages):
                 dst[(t.group, d)] = src.get((t.group, s)) if ok else ("garbage", op_id)
 
-    def _insert(self, key: tuple[str, ...], checkpoint: bool, chunk: bool = False) -> None:
+    def _insert(self, key: tuple[str, ...], checkpoint: bool, chunk: bool = False, anchor: str = "none",
+                at: Node | None = None) -> None:
+        """Publish ``key``, reusing its device hit (locked meanwhile). ``anchor``: ``hit``
+        passes the locked hit as the walk's anchor (the fast path); ``recompute`` computes
+        the whole key into fresh pages (the hit's pages duplicated) with the hit as anchor,
+        which must then be ignored; ``at``: an anchor given by the caller (a locked node on
+        the key's path, e.g. one being loaded). Whatever the anchor, the tree must end the
+        same (the invariants and the byte model check it)."""
         c = self.cache
         ppu, history = views.pages_per_unit(c), views.history_groups(c)
         m = c.match(key)
         base = c.device_pages(m.device_node)
-        rest = len(key) - m.device_units
+        if anchor == "recompute":
+            base = {g: [] for g in history}
+        rest = len(key) - (0 if anchor == "recompute" else m.device_units)
         need = {g: rest * ppu[g] for g in history}
         state_groups = views.checkpoint_groups(c) if checkpoint else []
         for g in state_groups:
@@ -181,9 +219,17 @@ class CoreMachine(KitMachine):
         for g, ps in ckpt.items():
             for j, p in enumerate(ps):
                 self.dev_bytes[(g, p)] = content(key, g, j, ppu)
-        result = c.insert(key, pages, ckpt or None, chunk_checkpoint=chunk and bool(ckpt))
+        if at is None and anchor != "none" and hold is not None:
+            at = hold.node
+        result = c.insert(key, pages, ckpt or None, chunk_checkpoint=chunk and bool(ckpt), anchor=at)
         if hold is not None:
             self._unlock(hold)
+        if ckpt and result.published_units < len(key):  # stopped at a loading node: the state stays the caller's
+            for g, ps in ckpt.items():
+                if not set(ps) <= set(result.kept.get(g, ())):
+                    raise InvariantViolation("exact_continuation_state", f"insert of {''.join(map(str, key))!r}",
+                                             f"published {result.published_units} of {len(key)} units, but the "
+                                             f"checkpoint pages of {g!r} were not handed back")
         self.inserted.add(key)
         for g, ps in result.duplicates.items():
             c.free_device({g: ps})
@@ -192,12 +238,13 @@ class CoreMachine(KitMachine):
         self._take_commands()
 
     # -- rules ---------------------------------------------------------------------
-    @rule(key=_KEYS, checkpoint=st.booleans(), chunk=st.booleans())
+    @rule(key=_KEYS, checkpoint=st.booleans(), chunk=st.booleans(),
+          anchor=st.sampled_from(["none", "none", "hit", "recompute"]))
     @recorded
-    def insert(self, key: list[str], checkpoint: bool, chunk: bool = False) -> None:
+    def insert(self, key: list[str], checkpoint: bool, chunk: bool = False, anchor: str = "none") -> None:
         """Publish ``key`` (with a checkpoint at its end; a chunk checkpoint, which a
-        deeper one replaces, when ``chunk``)."""
-        self._insert(tuple(key), checkpoint, chunk)
+        deeper one replaces, when ``chunk``; ``anchor``: see :meth:`_insert`)."""
+        self._insert(tuple(key), checkpoint, chunk, anchor)
 
     @rule(key=_KEYS, chunk=st.booleans())
     @recorded
@@ -243,6 +290,32 @@ class CoreMachine(KitMachine):
         if m.device_node is not self.cache.root and m.device_node.state in DEVICE_READABLE:
             self.locks.append(self._lock(m.device_node, owner))
 
+    @precondition(lambda self: bool(views.checkpoint_groups(self.cache)))
+    @rule(key=st.lists(st.sampled_from(_ALPHABET), min_size=4, max_size=7), publish=st.booleans())
+    @recorded
+    def replay_match(self, key: list[str], publish: bool) -> None:
+        """A long prompt (published first without a checkpoint when ``publish``) matched with
+        ``history_replay``. Model (``CacheLayout.replay_span_tokens``): when the history hit
+        ends more than the replay span beyond the exact-state hit of a plain match, the
+        match returns the history hit with ``recompute_tokens`` = the span; otherwise it is
+        the plain match."""
+        k = tuple(key)
+        c = self.cache
+        if publish:
+            self._insert(k, False)
+        plain = c.match(k)
+        m = c.match(k, MatchMode.PREFIX_REUSE.value, history_replay=True)
+        align, span = c.layout.alignment, c.layout.replay_span_tokens()
+        deeper = m.history_units * align - span > plain.host_units * align
+        got = (m.recompute_tokens, m.host_units, m.history_units)
+        want = (span, m.history_units, plain.history_units) if deeper else (0, plain.host_units, plain.history_units)
+        if got != want or (m.device_units < plain.device_units if deeper else m.device_units != plain.device_units):
+            raise InvariantViolation("exact_continuation_state", f"match of {''.join(k)!r}",
+                                     f"history_replay (span {span} tokens): (recompute, host units, history units) "
+                                     f"{got}, expected {want}; device units {m.device_units} (plain match: "
+                                     f"{plain.device_units} on the device, {plain.host_units} in all, history "
+                                     f"{plain.history_units})")
+
     @precondition(lambda self: bool(self.locks))
     @rule(i=st.integers(0, 100), again=st.booleans())
     @recorded
@@ -263,16 +336,22 @@ class CoreMachine(KitMachine):
     def load(self, key: list[str]) -> None:
         self._load_key(tuple(key))
 
-    def _load_key(self, key: tuple[Hashable, ...]) -> None:
+    def _load_key(self, key: tuple[Hashable, ...]) -> Any:
+        """Load back ``key``'s host hit, if any; returns the lock receipt of the loadback's
+        terminal (``None`` without a loadback)."""
         c = self.cache
         m = c.match(key)
+        if c.host is None and (m.host_units != m.device_units or m.needs_loadback):
+            raise InvariantViolation("host_evict_leaves", f"match of {key!r}",
+                                     f"a core without a host tier matched {m.host_units} units beyond its "
+                                     f"device hit of {m.device_units}")
         if not m.needs_loadback:
-            return
+            return None
         try:
             res = c.load(m, "r")
         except CapacityError:
             assert m.host_nodes and all(n.state == "host" for n in m.host_nodes), "load refused a join"
-            return
+            return None
         assert res.op_ids, "a loadback without operations"
         self.receipts.append(res.pin)
         self.locks.append(res.lock)
@@ -284,15 +363,23 @@ class CoreMachine(KitMachine):
                 raise InvariantViolation("atomic_admission", f"loadback op {res.command.op_id}",
                                          f"moves {res.command.pages} pages, the hit has {want}")
         self._take_commands()
+        return res.lock
 
     @precondition(lambda self: bool(views.nodes(self.cache)))
-    @rule(i=st.integers(0, 100))
+    @rule(i=st.integers(0, 100), extend=st.booleans())
     @recorded
-    def load_node(self, i: int) -> None:
-        """Load back the prefix of an existing node (host hits are likely)."""
+    def load_node(self, i: int, extend: bool = False) -> None:
+        """Load back the prefix of an existing node (host hits are likely); with ``extend``,
+        after device pressure, then publish that prefix plus one unit with a checkpoint while the loadback is in
+        flight (the publish stops at the loading node and hands the rest back)."""
+        if extend:  # device pressure first (checked against the shadow order): host-only nodes to load
+            self._pressure(0, 64, "device")
         n = self._node_at(i)
         if n is not None:
-            self._load_key(node_prefix(n))
+            key = node_prefix(n)
+            lock = self._load_key(key)
+            if extend:  # (the loading terminal, locked, as the anchor: not readable yet, so ignored)
+                self._insert(tuple(str(u) for u in key) + ("z",), True, at=lock.node if lock is not None else None)
 
     @precondition(lambda self: bool(views.nodes(self.cache)))
     @rule(i=st.integers(0, 100), checkpoint=st.booleans(), chunk=st.booleans())
@@ -349,13 +436,22 @@ class CoreMachine(KitMachine):
     def request_writeback(self, i: int) -> None:
         n = self._node_at(i)
         if n is not None:
-            self.cache.writeback(n, "r")
+            cmd = self.cache.writeback(n, "r")
+            if self.cache.host is None and (cmd is not None or views.outbox(self.cache)):
+                raise InvariantViolation("root_closed_host", f"node {n.node_id}",
+                                         "a core without a host tier issued a writeback")
             self._take_commands()
 
-    @rule(limit=st.sampled_from([None, 1, 2]))
+    @rule(limit=st.sampled_from([None, 1, 2, 0]))
     @recorded
     def tree_writebacks(self, limit: int | None) -> None:
-        self.cache.issue_writebacks(limit)
+        out = self.cache.issue_writebacks(limit)
+        if (self.cache.host is None or limit == 0) and out:
+            raise InvariantViolation("root_closed_host", "issue_writebacks",
+                                     f"issued {len(out)} writebacks with limit {limit} "
+                                     f"(host tier: {self.cache.has_host})")
+        if limit is not None and len(out) > limit:
+            raise ModelViolation("model_liveness", "issue_writebacks", f"issued {len(out)} operations, limit {limit}")
         self._take_commands()
 
     @precondition(lambda self: any(any(q) for qs in self.events.values() for q in qs))
@@ -419,11 +515,36 @@ class CoreMachine(KitMachine):
     def pressure(self, g: int | str, n: int, tier: str) -> None:
         """Evict ``n`` pages of a history group (by index; a name in older sequences),
         checking the pages freed and the victims' order against the policy's shadow."""
+        self._pressure(g, n, tier)
+
+    @precondition(lambda self: not self.churned)
+    @rule(go=st.integers(0, 19), count=st.sampled_from([300, 400]))
+    @recorded
+    def churn(self, go: int, count: int = 300) -> None:
+        """At most once per example (when ``go`` is 0): a burst of ``count`` short prompts, each a
+        fresh one-unit key published under device pressure (a long-running server's
+        traffic: far more nodes created and evicted than live at once, so the eviction
+        index's lazy heaps fill with stale entries and are rebuilt); then evictions on both
+        tiers, whose victims are checked against the policy's shadow order."""
+        self.churned = True  # (drawn once per example: a burst in one example in twenty)
+        if go:
+            return
+        for i in range(count):
+            self._insert((f"churn{i}",), False)
+        self._pressure(0, 4, "device")
+        self._pressure(0, 4, "host")
+
+    def _pressure(self, g: int | str, n: int, tier: str) -> None:
         c = self.cache
         history = views.history_groups(c)
         g = g if isinstance(g, str) else history[g % len(history)]
         pool = c.device if tier == "device" else c.host
-        assert pool is not None
+        if pool is None:  # no host tier: host eviction frees nothing and changes nothing
+            before_nodes = {nid: n.state for nid, n in views.nodes(c).items()}
+            if c.evict_host({g: n}) or {nid: x.state for nid, x in views.nodes(c).items()} != before_nodes:
+                raise InvariantViolation("host_evict_leaves", "host eviction",
+                                         "a core without a host tier evicted from the host")
+            return
         before = pool[g].free
         victim = views.device_victim if tier == "device" else views.host_victim
         cands = snapshot_candidates([x for x in c.nodes() if victim(c, x)], self.eviction, tier,
@@ -464,6 +585,12 @@ class CoreMachine(KitMachine):
         if left or views.ops(c) or self.events:
             raise ModelViolation("model_liveness", "the core",
                                  f"after {bound} rounds: queued {sorted(left)}, in flight {sorted(views.ops(c))}")
+
+    def teardown(self) -> None:
+        """The example's event log, when it recorded one, must pass ``kvtier check``."""
+        log, self.log = self.log, None
+        if log is not None:
+            log.finish()
 
     # -- invariants ------------------------------------------------------------------
     def check_cache_invariants(self) -> None:

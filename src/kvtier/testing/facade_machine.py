@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from kvtier.fsm import Completion, Direction
-from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, KvtierError, LifecycleError, UnknownOperation
+from kvtier.fsm.batch import OK, REFUSED, SHORT, SKIPPED, Reservation
+from kvtier.fsm.errors import (DuplicateCompletion, InvariantViolation, KvtierError, LifecycleError, UnknownOperation,
+                               UsageError)
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import request_lifecycle
 from kvtier.fsm.node import HOST_VISIBLE, Node
@@ -27,10 +29,11 @@ from ..tiered import TieredCache
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, TERMINAL, KitMachine, layout_named, recorded
 from .canonical import CanonicalState
+from .logged import LogCheck
 from .content import check_tree_bytes, content, node_prefix
 from .models import LayerModel, ModelViolation, liveness_bound
 from .plugs import SchedulerAdapter, TransferBackend
-from .pass_model import PassModel, check_reserve
+from .pass_model import PassModel, check_chunk_rows, check_reserve
 from .view_model import check_facade_views
 from .sequence import Step, register_machine
 
@@ -60,7 +63,7 @@ class FacadeMachine(KitMachine):
 
     kit_invariants: ClassVar[tuple[str, ...]] = (
         "check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
-        "check_request_records", "check_layer_ready", "check_views")
+        "check_request_records", "check_layer_ready", "check_views", "check_ended_views")
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3
@@ -72,6 +75,7 @@ class FacadeMachine(KitMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.log: LogCheck | None = None  # the example's recorded event log (setup's logged)
         self.cache: TieredCache
         self.sched: SchedulerAdapter
         self.xfer: TransferBackend
@@ -83,6 +87,10 @@ class FacadeMachine(KitMachine):
         self.fenced: dict[str, dict[str, list[int]]] = {}  # aborting request -> own pages it must keep
         self.layout: CacheLayout = layout_named("kit")
         self.finish_writeback: bool | None = None  # TieredCache(finish_writeback=...): None is its default
+        self.ended_history: int | None = None  # TieredCache(ended_history=...): None is its default
+        self.history_replay = False  # TieredCache(history_replay=...)
+        self.forgotten: set[str] = set()  # request ids the facade forgot once ended
+        self.remembered: list[str] = []  # those it must still answer for, oldest first
         self.layer_model = LayerModel()
         self.pass_model = PassModel()
         # an aborted request's own writebacks (poisoned): op -> (request, destination host pages, nodes)
@@ -93,9 +101,10 @@ class FacadeMachine(KitMachine):
                    wb_limit: int) -> TieredCache:
         """The cache under test on ``self.layout`` (the layout the setup drew); override to
         change the options."""
+        extra: dict[str, Any] = {} if self.ended_history is None else {"ended_history": self.ended_history}
         return TieredCache(self.layout, dev_units, host_units, policy=policy, world_size=world,
                            op_deadline_steps=deadline, max_writebacks_in_flight=wb_limit,
-                           finish_writeback=self.finish_writeback)
+                           finish_writeback=self.finish_writeback, history_replay=self.history_replay, **extra)
 
     def make_scheduler(self, cache: TieredCache) -> SchedulerAdapter:
         """The scheduler adapter (override to plug in an engine's scheduler)."""
@@ -109,25 +118,38 @@ class FacadeMachine(KitMachine):
         ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 10),
         host_units=st.integers(2, 10), deadline=st.sampled_from([None, 4]), wb_limit=st.sampled_from([1, 2]),
         layout=st.sampled_from(("kit+state", *LAYOUTS)), faults=FAULT_LEVEL,
-        finish_wb=st.sampled_from([None, True, False]))
+        finish_wb=st.sampled_from([None, True, False]), ended=st.sampled_from([None, None, 0, 1, 2]),
+        replay=st.sampled_from([False, False, True]), single=st.sampled_from([False, False, True]),
+        logged=st.integers(0, 9).map(lambda x: x == 9))
     @recorded
     def setup(self, world: int, policy: str, dev_units: int, host_units: int, deadline: int | None,
               wb_limit: int, layout: str | None = None, faults: int | None = None,
-              finish_wb: bool | None = None) -> None:
+              finish_wb: bool | None = None, ended: int | None = None, replay: bool = False,
+              single: bool = False, logged: bool = False) -> None:
+        """Build the cache. ``ended``: how many forgotten ended requests ``request()`` still
+        answers for (``None``: the default); ``replay``: ``history_replay`` admissions;
+        ``single``: the scheduler adapter reserves and reports results through the
+        single-request calls instead of one-item batches; ``logged``: record the example's
+        event log and check it at the end (:mod:`kvtier.testing.logged`)."""
         if self.world_size is not None and not self.kit_replaying:
             world = self.world_size
         if not self.kit_deadlines:
             deadline = None
         self.kit_set_args(world=world, policy=policy, dev_units=dev_units, host_units=host_units,
-                          deadline=deadline, wb_limit=wb_limit, layout=layout, faults=faults, finish_wb=finish_wb)
+                          deadline=deadline, wb_limit=wb_limit, layout=layout, faults=faults, finish_wb=finish_wb,
+                          ended=ended, replay=replay, single=single, logged=logged)
         self.finish_writeback = finish_wb
+        self.ended_history, self.history_replay = ended, replay
         self.kit_fault_level(faults)
         self.layout = layout_named(layout or "kit")
         self.world = world
         self.deadline = deadline
         self.cache = self.make_cache(world, policy, dev_units, host_units, deadline, wb_limit)
         attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
+        self.log = LogCheck.start(self.cache, logged)
         self.sched = self.make_scheduler(self.cache)
+        if single:
+            self.sched.batched = False
         self.xfer = self.make_transfer(world, self.cache.layout.num_layers)
 
     # -- helpers -----------------------------------------------------------------------
@@ -381,16 +403,18 @@ class FacadeMachine(KitMachine):
         self._admit(rid, len(key) * align + (1 if tail else 0), 3 * align)
 
     @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), tail=st.booleans(), demote=st.booleans(),
-          overlap=st.booleans(), load_ok=st.booleans())
+          overlap=st.booleans(), load_ok=st.booleans(), wb_fail=_RARE)
     @recorded
     def next_turn(self, req: int, chunk: int, tail: bool, demote: bool = True, overlap: bool = False,
-                  load_ok: bool = True) -> None:
+                  load_ok: bool = True, wb_fail: int = 1) -> None:
         """A conversation's next turn: a running request with no forward result owed
         finishes, (with ``demote``) time passes under memory pressure, then the same id
         is admitted with the whole conversation so far as its prompt (a host hit after a
         demotion: a loadback). With ``overlap`` a second forward pass is reserved while
         it loads (overlapped scheduling); without ``load_ok`` every rank then reports its
-        loadback failed (the request is fenced while its passes are out)."""
+        loadback failed (the request is fenced while its passes are out). One draw in five
+        (``wb_fail`` 0) the finish writeback, if any, fails on every rank; one in five
+        (``wb_fail`` 4) the client aborts the request while that writeback is in flight."""
         rid = self._rid(req)
         r = views.requests(self.cache).get(rid)
         if r is not None and r.state == "running" and r.owed_forward > 0:
@@ -399,6 +423,12 @@ class FacadeMachine(KitMachine):
             return
         self._fill_checkpoint(rid, self.sched.finish(rid))
         self._sync()
+        if wb_fail == 0 and self._state(rid) == "finishing":
+            for op in sorted(views.requests(self.cache)[rid].ops):
+                self._finish_op(op, False)
+        elif wb_fail == 4 and self._state(rid) == "finishing":  # the client aborts it meanwhile
+            self._poll()
+            self._abort(rid)
         if demote:
             self._demote()
         if self._state(rid) not in ("finished", None):
@@ -431,13 +461,16 @@ class FacadeMachine(KitMachine):
             self._complete(self.xfer.take(op, ready[0][1], ok))
             self._sync()
 
-    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), wb_ok=st.booleans())
+    @rule(req=st.integers(0, _REQS - 1), chunk=st.integers(1, 3), wb_ok=st.booleans(), abort_first=_RARE)
     @recorded
-    def preempt(self, req: int, chunk: int, wb_ok: bool = True) -> None:
+    def preempt(self, req: int, chunk: int, wb_ok: bool = True, abort_first: int = 1) -> None:
         """Preemption under memory pressure: a running request with no forward result
         owed is retracted, its own writeback completes (without ``wb_ok`` every rank
         reports it failed: the request is aborted), device pressure demotes what it can,
-        and the request resumes (from the host: a loadback)."""
+        and the request resumes (from the host: a loadback). Two draws in five
+        (``abort_first`` 0, or 4 after a poll handed the writeback out) the client aborts
+        it while its own writeback is in flight (``retracting``: the writeback is owed, so
+        it waits in ``aborting``)."""
         rid = self._rid(req)
         r = views.requests(self.cache).get(rid)
         if r is not None and r.state == "running" and r.owed_forward > 0:
@@ -446,6 +479,10 @@ class FacadeMachine(KitMachine):
             return
         self._fill_checkpoint(rid, self.sched.retract(rid))
         self._sync()
+        if abort_first in (0, 4) and self._state(rid) == "retracting":
+            if abort_first == 4:  # the writeback already handed out: poisoned, not withdrawn
+                self._poll()
+            self._abort(rid)
         if not wb_ok:
             for op in sorted(views.requests(self.cache)[rid].ops):
                 self._finish_op(op, False)
@@ -457,12 +494,15 @@ class FacadeMachine(KitMachine):
             self.layer_model.admitted(rid, adm.wait_ops)
         self._sync()
 
-    @rule(req=st.integers(0, _REQS - 1), checkpoint=st.booleans(), discard=st.booleans())
+    @rule(req=st.integers(0, _REQS - 1), checkpoint=st.booleans(), discard=st.booleans(), ahead=st.booleans())
     @recorded
-    def step_done(self, req: int, checkpoint: bool, discard: bool) -> None:
-        self._forward(self._rid(req), checkpoint, discard)
+    def step_done(self, req: int, checkpoint: bool, discard: bool, ahead: bool = False) -> None:
+        """The forward result of ``req``'s oldest pass out; with ``ahead`` it also names the
+        key of the next unit beyond what the pass completes (a decode unit known in
+        advance: it counts once its tokens are computed)."""
+        self._forward(self._rid(req), checkpoint, discard, ahead)
 
-    def _forward(self, rid: str, checkpoint: bool, discard: bool) -> None:
+    def _forward(self, rid: str, checkpoint: bool, discard: bool, ahead: bool = False) -> None:
         r = views.requests(self.cache).get(rid)
         if r is None or r.owed_forward <= 0:
             if r is not None:
@@ -474,9 +514,10 @@ class FacadeMachine(KitMachine):
         if r.state == "running":
             self._check_read(rid, r.tokens)
         if computed:
+            check_chunk_rows(self.cache, rid, r.tokens, computed)
             self._write_own(rid, r.tokens, r.tokens + computed)
         align = self.cache.layout.alignment
-        full = (r.tokens + computed) // align
+        full = (r.tokens + computed) // align + (1 if ahead else 0)
         new = [self._unit(rid, u) for u in range(len(r.units), full)] if full > len(r.units) else []
         prefix = tuple(self._unit(rid, k) for k in range(r.tokens // align))
         ppu = self._ppu()
@@ -485,14 +526,15 @@ class FacadeMachine(KitMachine):
         self._fill_checkpoint(rid, self.sched.step_done(rid, computed, new, checkpoint))
         self._sync()
 
-    @rule(req=st.integers(0, _REQS - 1), units=st.integers(1, 2))
+    @rule(req=st.integers(0, _REQS - 1), units=st.integers(0, 2))
     @recorded
     def reserve(self, req: int, units: int) -> None:
+        """Reserve ``units`` units for the next pass (0: one token, a decode step)."""
         rid = self._rid(req)
         state = self._state(rid)
         if state is None:
             return
-        tokens = units * self.cache.layout.alignment
+        tokens = units * self.cache.layout.alignment or 1
         if state not in ("running", "loading"):
             self._expect_refused(rid, lambda: self.sched.reserve(rid, tokens))
             return
@@ -563,6 +605,13 @@ class FacadeMachine(KitMachine):
         rid = self._rid(req)
         state = self._state(rid)
         if state is not None and (go == 0 or state in _ABORT_ALWAYS):
+            self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        """``abort(rid)``, legal or refused as its state says, with the bookkeeping of the
+        models (its own writebacks poisoned, the pages it must keep while aborting)."""
+        state = self._state(rid)
+        if state is not None:
             r = views.requests(self.cache)[rid]
             own = {g: list(p) for g, p in r.own.items() if p}
             ops = views.ops(self.cache.core)
@@ -578,6 +627,148 @@ class FacadeMachine(KitMachine):
                         self._check_unpublished(op_id)
             if self._state(rid) == "aborting":
                 self.fenced[rid] = own
+
+    @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), ok=st.booleans(), overlap=st.booleans(),
+          layers=st.integers(0, 3), results_first=st.booleans())
+    @recorded
+    def abort_loading(self, req: int, i: int, ok: bool, overlap: bool, layers: int = 0,
+                      results_first: bool = False) -> None:
+        """A client aborts a request while its loadback is in flight: a cached prompt is
+        admitted after device pressure (a host hit: ``loading``), with ``overlap`` a second
+        pass is reserved, the first rank delivers ``layers`` layer completions, the request
+        is aborted (``aborting``: the loadback is owed), then the loadback completes on
+        every rank (``ok``) or fails; the passes out return after that (before it, so the
+        loadback is the last thing owed, with ``results_first``)."""
+        rid = self._rid(req)
+        r = views.requests(self.cache).get(rid)
+        if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
+            return
+        self._demote()
+        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state == "host"]
+        if not nodes:
+            return
+        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
+        align = self.cache.layout.alignment
+        self.units[rid] = list(key)
+        self._admit(rid, len(key) * align + 1, 3 * align)
+        r = views.requests(self.cache).get(rid)
+        if r is None or r.state != "loading":
+            return
+        if overlap:
+            self._reserve(rid, 1)
+        self._poll()
+        loads = [op for op in sorted(r.ops) if op in views.ops(self.cache.core)
+                 and views.ops(self.cache.core)[op].command.direction is Direction.LOADBACK]
+        for op in loads[:1]:
+            for _ in range(layers):
+                if (op, 0) not in self.xfer.ready():
+                    break
+                ev = self.xfer.take(op, 0, True)
+                self._complete(ev)
+                self._sync()
+                if ev.layer is None:
+                    break
+        self._abort(rid)
+        if results_first:
+            r = views.requests(self.cache).get(rid)
+            while r is not None and r.owed_forward > 0:
+                self._forward(rid, False, False)
+        for op in loads:
+            self._finish_op(op, ok)
+
+    @precondition(lambda self: self.world > 1 and any(
+        op.command.direction is Direction.LOADBACK for op in views.ops(self.cache.core).values()))
+    @rule(i=st.integers(0, 100))
+    @recorded
+    def late_rank_fails(self, i: int) -> None:
+        """Two ranks load back: the last rank delivers its layer completions, then the first
+        rank delivers all of its own and its acknowledgement fails, while the last rank's is
+        still out. The loadback is in flight with every layer reported on every rank, but
+        failed: ``layer_ready`` must be false for its waiters (the per-rank layer model)."""
+        self._poll()
+        loads = sorted(op for op, o in views.ops(self.cache.core).items()
+                       if o.command.direction is Direction.LOADBACK)
+        if not loads:
+            return
+        op = loads[i % len(loads)]
+        last = self.world - 1
+        for _ in range(len(self.xfer.layers)):
+            if (op, last) not in self.xfer.ready():
+                break
+            ev = self.xfer.take(op, last, True)
+            self._complete(ev)
+            self._sync()
+            if ev.layer is None:
+                return
+        while (op, 0) in self.xfer.ready():
+            ev = self.xfer.take(op, 0, True)
+            self._complete(Completion(ev.op_id, ev.rank, ev.layer is not None, ev.layer))
+            self._sync()
+            if ev.layer is None:
+                return
+
+    @rule(mask=st.integers(0, 2 ** _REQS - 1), settle=st.booleans())
+    @recorded
+    def abort_victim(self, mask: int, settle: bool) -> None:
+        """The scheduler's way out of a capacity deadlock: ``abort_victim`` among the
+        requests of ``mask`` that may be aborted (with ``settle``, after the forward results
+        owed came back and every transfer completed). Model: it aborts the one with the
+        most tokens (prompt or computed; ties to the smallest id), at once, exactly when
+        nothing is in flight and no forward result is owed, and otherwise changes nothing."""
+        if settle:
+            for rid, r in sorted(views.requests(self.cache).items()):
+                while r.owed_forward > 0:
+                    self._forward(rid, False, False)
+            self._pump()
+        reqs = views.requests(self.cache)
+        blocked = [self._rid(i) for i in range(_REQS) if mask >> i & 1 and self._rid(i) in reqs
+                   and reqs[self._rid(i)].state not in ("aborting", *TERMINAL)]
+        busy = bool(views.ops(self.cache.core)) or any(r.owed_forward > 0 for r in reqs.values())
+        want = None if busy or not blocked else min(
+            blocked, key=lambda rid: (-max(reqs[rid].tokens, reqs[rid].prompt_tokens), rid))
+        before = {rid: r.state for rid, r in reqs.items()}
+        got = self.cache.abort_victim(blocked)
+        after = {rid: r.state for rid, r in views.requests(self.cache).items()}
+        if want is not None:
+            before[want] = "aborted"
+        if got != want or after != before:
+            raise ModelViolation("model_views", f"abort_victim({blocked})",
+                                 f"aborted {got!r} (states {after}); the model: {want!r} (states {before})")
+        self._sync()
+
+    @rule(mask=st.integers(1, 2 ** (_REQS + 1) - 1), units=st.integers(0, 2), stop=st.booleans())
+    @recorded
+    def batch_reserve(self, mask: int, units: int, stop: bool) -> None:
+        """One batched step reserving for several requests at once (bit ``_REQS`` of ``mask``
+        adds an id the cache does not know, refused), ``units`` each (0: one token), with
+        ``stop_on_short`` when ``stop``. Model: each item is all or nothing on its own
+        (:func:`check_reserve` for every request); a refused item raises its own error and
+        changes nothing; after a short item with ``stop`` the rest are skipped."""
+        reqs = views.requests(self.cache)
+        rids = [self._rid(i) for i in range(_REQS) if mask >> i & 1 and self._rid(i) in reqs]
+        if mask >> _REQS & 1:
+            rids.insert(len(rids) // 2 + 1, "unknown")
+        tokens = units * self.cache.layout.alignment or 1
+        before = {rid: (r.reserved, r.tokens, r.passes, r.results) for rid, r in reqs.items()}
+        states = {rid: r.state for rid, r in reqs.items()}
+        out = self.cache.step(reserve=[Reservation(rid, tokens) for rid in rids], stop_on_short=stop)
+        short = False
+        for i, (rid, st_) in enumerate(zip(out.reserve_ids, out.reserve_status)):
+            legal = rid in states and states[rid] in ("running", "loading")
+            expect = ({SKIPPED} if short else {OK, SHORT}) if legal else ({SKIPPED} if short else {REFUSED})
+            if rid != rids[i] or st_ not in expect:
+                raise ModelViolation("model_reserve", f"batch item {i} ({rid!r})",
+                                     f"status {st_!r}, expected one of {sorted(expect)} (items {rids})")
+            if st_ == REFUSED and not isinstance(out.errors.get(("reserve", i)), (UsageError, LifecycleError)):
+                raise ModelViolation("model_reserve", f"batch item {i} ({rid!r})",
+                                     f"refused with {out.errors.get(('reserve', i))!r}")
+            short = short or (st_ == SHORT and stop)
+            if rid in before:
+                check_reserve(self.cache, rid, before[rid], st_ == OK, tokens)
+        for rid in set(before) - set(rids):  # requests not in the batch: untouched
+            check_reserve(self.cache, rid, before[rid], False, tokens)
+        self._sync()
 
     @precondition(lambda self: bool(self.xfer.ready()) or bool(views.outbox(self.cache.core)))
     @rule(i=st.integers(0, 1000), roll=ROLL)
@@ -633,7 +824,15 @@ class FacadeMachine(KitMachine):
         self._poll()
 
     def _poll(self) -> None:
+        before = set(views.requests(self.cache))
+        keep = views.ended_history(self.cache)
+        self.remembered = [rid for rid in self.remembered if rid not in before]  # admitted again: live
         out = self.sched.poll()
+        for rid in sorted(before - set(views.requests(self.cache))):  # forgotten by this poll, in id order
+            self.forgotten.add(rid)
+            self.remembered.append(rid)
+            if len(self.remembered) > keep:
+                del self.remembered[0]
         for cmd in out.commands:
             self.xfer.submit(cmd)
         lc = request_lifecycle()
@@ -681,6 +880,12 @@ class FacadeMachine(KitMachine):
                                  f"after {bound} rounds: writebacks queued {sorted(left)}, operations in "
                                  f"flight {sorted(views.ops(core))}, requests waiting {stuck}")
 
+    def teardown(self) -> None:
+        """The example's event log, when it recorded one, must pass ``kvtier check``."""
+        log, self.log = self.log, None
+        if log is not None:
+            log.finish()
+
     # -- invariants --------------------------------------------------------------------
     def check_layer_ready(self) -> None:
         """Model: ``layer_ready`` of every request and layer agrees with the per-rank model."""
@@ -696,6 +901,25 @@ class FacadeMachine(KitMachine):
                                          f"layer_ready(layer {layer}) is {got}, the per-rank model says {want} "
                                          f"(progress {self.layer_model.progress}, waits "
                                          f"{sorted(self.layer_model.waits.get(rid, ()))})")
+
+    def check_ended_views(self) -> None:
+        """Model: the facade forgets an ended request once a poll reported it (``_poll``
+        records which, in order); ``request(rid)`` then still answers, with its terminal
+        state, for the last ``ended_history`` requests forgotten (an id admitted again is
+        live, and no longer counts among them), and raises UsageError for the others."""
+        if not hasattr(self, "cache"):
+            return
+        now = views.requests(self.cache)
+        for rid in sorted(self.forgotten - set(now)):  # (an id admitted again is live)
+            try:
+                state = self.cache.request(rid).state
+            except UsageError:
+                state = None
+            if (state is not None) != (rid in self.remembered) or (state is not None and state not in TERMINAL):
+                raise ModelViolation("model_views", f"request({rid!r})",
+                                     f"answers {state!r} for a forgotten request; it must answer for "
+                                     f"{self.remembered} (the last {views.ended_history(self.cache)} forgotten and "
+                                     f"not admitted since, oldest first)")
 
     def check_views(self) -> None:
         """Model: the facade's read-only answers (:mod:`kvtier.testing.view_model`)."""

@@ -30,7 +30,7 @@ from .models import ModelViolation
 if TYPE_CHECKING:
     from ..tiered import TieredCache
 
-__all__ = ["PassModel", "check_reserve"]
+__all__ = ["PassModel", "check_reserve", "check_chunk_rows"]
 
 
 @dataclass
@@ -120,3 +120,30 @@ def check_reserve(cache: TieredCache, rid: str, before: tuple[int, int, int, int
                 raise ModelViolation("model_reserve", f"request {rid!r}",
                                      f"{r.reserved} tokens reserved but its table of {g!r} has "
                                      f"{len(table.get(g, ()))} pages, {need} needed")
+
+
+def check_chunk_rows(cache: TieredCache, rid: str, cached: int, computed: int) -> None:
+    """The executor's view of a prefill chunk (``CacheLayout.chunk_rows``) against the
+    request's page table: for each history group (looked up by name), the rows that
+    become complete are ``[cached // stride, (cached + computed) // stride)``, the residue
+    is what does not fill a row, and the request's table holds every such row (its
+    reservation covers what the chunk completes)."""
+    layout = cache.layout
+    table = cache.page_table(rid)
+    rows = layout.chunk_rows(cached, computed)
+    history = tuple(views.history_groups(cache.core))
+    if tuple(cr.group for cr in rows) != history:
+        raise ModelViolation("model_reserve", f"request {rid!r}",
+                             f"chunk_rows covers groups {[cr.group for cr in rows]}, the history groups are {history}")
+    end = cached + computed
+    for cr in rows:
+        g = layout.group(cr.group)
+        want = (end // g.stride - cached // g.stride, cached // g.stride, end % g.stride)
+        if (cr.rows, cr.first_row, cr.residue_tokens) != want:
+            raise ModelViolation("model_reserve", f"request {rid!r}",
+                                 f"chunk_rows({cached}, {computed}) of {cr.group!r}: (rows, first, residue) "
+                                 f"{(cr.rows, cr.first_row, cr.residue_tokens)}, expected {want}")
+        if cr.first_row + cr.rows > len(table.get(cr.group, ())) * g.rows:
+            raise ModelViolation("model_reserve", f"request {rid!r}",
+                                 f"a chunk completes rows up to {cr.first_row + cr.rows} of {cr.group!r}, its "
+                                 f"table of {len(table.get(cr.group, ()))} pages holds {g.rows} rows each")

@@ -80,6 +80,10 @@ class SchedulerAdapter:
     :class:`TieredCache` directly; an engine's adapter calls its own scheduler, which
     must end in the same :class:`TieredCache` (``self.cache``) for the invariants."""
 
+    #: whether ``reserve`` and ``step_done`` go through the batched ``TieredCache.step``
+    #: (one item each) or the single-request calls (``TieredCache.reserve`` / ``step_done``)
+    batched: bool = True
+
     def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
 
@@ -90,6 +94,8 @@ class SchedulerAdapter:
     # reserve and step_done go through the batched step (TieredCache.step), one item each:
     # a refused item re-raises its error, a short reservation is None
     def reserve(self, request_id: str, tokens: int) -> dict[str, list[int]] | None:
+        if not self.batched:
+            return self.cache.reserve(request_id, tokens)
         out = self.cache.step(reserve=[Reservation(request_id, tokens)])
         out.raise_first()
         return None if out.reserve_status[0] == SHORT else out.new_pages.get(0, {})
@@ -97,8 +103,11 @@ class SchedulerAdapter:
     def step_done(self, request_id: str, computed_tokens: int, new_units: Sequence[Hashable],
                   checkpoint: bool) -> dict[str, list[int]] | None:
         """Returns the checkpoint pages the tree adopted (the engine fills them); through
-        the batched step, as an engine's scheduler calls it."""
-        out = self.cache.step(results=[ForwardResult(request_id, computed_tokens, new_units, checkpoint)])
+        the batched step, as an engine's scheduler calls it (or the single call)."""
+        if not self.batched:
+            return self.cache.step_done(request_id, computed_tokens, new_units=tuple(new_units),
+                                        checkpoint=checkpoint)
+        out = self.cache.step(results=[ForwardResult(request_id, computed_tokens, tuple(new_units), checkpoint)])
         out.raise_first()
         return out.adopted.get(0, {})
 
