@@ -1,9 +1,10 @@
 """A fork server for the mutation runner: pytest without its start-up cost per mutant.
 
 Starting pytest costs about 2 s of CPU per mutant (pytest, its plugins, Hypothesis), more
-than most mutants' tests. This process imports those once (never ``kvtier`` or a test
-module, which must be read from disk afresh, mutant applied) and, for each request on its
-Unix socket, forks a child that runs ``pytest.main(args)`` in the repository root, output
+than most mutants' tests. This process imports those once, and torch, which the stateful
+machines' test modules import (about 3 s), but never ``kvtier`` or a test module, which must
+be read from disk afresh, mutant applied. For each request on its Unix
+socket, it forks a child that runs ``pytest.main(args)`` in the repository root, output
 discarded, and answers with the child's exit status. Requests are served one at a time; a
 child running past ``LIMIT_S`` is killed (status 1, a hang counts as killed, as with the
 per-test timeout). run.sh starts it and stops it; runner.sh uses it when its socket exists
@@ -35,6 +36,10 @@ def serve(path: str) -> int:
     import transitions  # noqa: F401
     from _hypothesis_pytestplugin import pytest_configure  # noqa: F401
 
+    try:  # torch is never mutated; the stateful machines' modules import it (about 3 s each time)
+        import torch  # noqa: F401
+    except ImportError:
+        pass
     assert not any(m == "kvtier" or m.startswith("kvtier.") for m in sys.modules), "kvtier imported in the server"
     if os.path.exists(path):
         os.unlink(path)
