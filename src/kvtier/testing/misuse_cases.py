@@ -156,10 +156,12 @@ def _stale_loading(c: TieredCache) -> Callable[[], object]:
     return lambda: core.load(m, "hostile")
 
 
-def _writeback_in_flight(c: TieredCache) -> int:
+def _writeback_in_flight(c: TieredCache, polled: bool = True) -> int:
     core = c.core
     cmd = core.writeback(_put(core, "ab").node)
     assert cmd is not None
+    if polled:  # handed out, as an engine would have it (complete() refuses an op poll() has not)
+        c.poll()
     return cmd.op_id
 
 
@@ -168,6 +170,7 @@ def _loadback_in_flight(c: TieredCache) -> int:
     _host_chain(c)
     cmd = core.load(core.match(list("abcd")), "first").command
     assert cmd is not None
+    c.poll()  # handed out (as above)
     return cmd.op_id
 
 
@@ -296,6 +299,10 @@ VARIANTS: dict[str, list[Variant]] = {
         Variant(_staged(_stale_demoted, kit_layout), KvtierError, "load: match is stale (nodes [1]"),
         Variant(_staged(_stale_split, kit_layout), KvtierError, "load: match is stale (nodes [2]"),
         Variant(_staged(_stale_loading, kit_layout), KvtierError, "load: match is stale (nodes [2]"),
+    ],
+    "completion of an operation poll() has not handed out": [
+        Variant(_staged(lambda c: (lambda op: lambda: c.complete(Completion(op)))(_writeback_in_flight(c, False))),
+                UsageError, "completion for op 1: its command has not been handed out by poll() yet"),
     ],
     "completion of an operation in flight, out of range": [
         Variant(_staged(lambda c: (lambda op: lambda: c.complete(Completion(op, c.core.world_size)))(
