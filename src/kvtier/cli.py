@@ -66,6 +66,15 @@ def _fuzz(args: argparse.Namespace, campaign: Any, replay_file: Any) -> int:
     steps = args.steps
     if steps is None and args.minutes is None:
         steps = 10_000
+    if args.machine:  # unknown or unimportable machines are bad input, before any output
+        from .testing.machines import KitMachine
+        from .testing.sequence import SequenceError, machine_class
+
+        for name in args.machine:
+            cls = machine_class(name)
+            if not (isinstance(cls, type) and issubclass(cls, KitMachine)):
+                raise SequenceError(f"machine {name!r} is not a kvtier.testing state machine (a KitMachine "
+                                    f"subclass): {cls!r}")
     world = f"{args.world_size}" if args.world_size else "1 and 2"
     print(f"kvtier fuzz: seed {args.seed}, faults {args.faults}, world size {world}, "
           + (f"{steps:,} steps" if steps is not None else f"{args.minutes} minutes"))

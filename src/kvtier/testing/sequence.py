@@ -194,7 +194,8 @@ def machine_class(name: str) -> Callable[[], Any]:
             for part in attr.split("."):
                 obj = getattr(obj, part)
         except (ImportError, AttributeError) as exc:
-            raise SequenceError(f"machine {name!r} cannot be imported: {exc}") from exc
+            raise SequenceError(f"machine {name!r} cannot be imported: {exc} (is {mod!r} on the import "
+                                f"path? e.g. run from the folder that holds it with PYTHONPATH=.)") from exc
         return obj  # type: ignore[no-any-return]
     raise SequenceError(f"unknown machine {name!r}; registered: {sorted(_REGISTRY)} (or use 'module:Class')")
 
