@@ -148,3 +148,38 @@ def test_readme_kit_example_runs() -> None:
     case = scope["TestEngineLifecycle"]
     case.settings = settings(max_examples=5, stateful_step_count=30, deadline=None, database=None)  # type: ignore[attr-defined]
     case().runTest()  # type: ignore[operator]
+
+
+def test_cli_fuzz_names_the_default_mix_and_refuses_bad_input_before_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import FUZZ_DEFAULT_MACHINES
+    from kvtier.testing.fuzz import DEFAULT_MIX
+
+    assert FUZZ_DEFAULT_MACHINES == tuple(DEFAULT_MIX)
+    with pytest.raises(SystemExit) as done:
+        main(["fuzz", "--help"])
+    assert done.value.code == 0
+    fuzz_help = " ".join(capsys.readouterr().out.split())
+    assert "(core, facade, engine, node, request, l3, l3tier, misuse)" in fuzz_help
+    # an unknown or unimportable machine: one line on stderr, status 2, and nothing printed before it
+    assert main(["fuzz", "--machine", "core", "--machine", "nope", "--steps", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "unknown machine 'nope'" in err
+    assert main(["fuzz", "--machine", "no_such_module_w17:Engine", "--steps", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "cannot be imported" in err and "PYTHONPATH=." in err
+    assert main(["fuzz", "--machine", "json:JSONDecoder", "--steps", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "not a kvtier.testing state machine" in err
+    # --replay: a missing file and a file of another format name the file and what was expected
+    missing = tmp_path / "missing.json"
+    assert main(["fuzz", "--replay", str(missing)]) == 2
+    assert capsys.readouterr().err == f"kvtier fuzz: cannot read sequence file {missing}: No such file or directory\n"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "x", "version": 1, "machine": "core", "steps": []}))
+    assert main(["fuzz", "--replay", str(other)]) == 2
+    assert capsys.readouterr().err == (f"kvtier fuzz: {other}: not a kvtier event sequence: format 'x', "
+                                       f"expected 'kvtier-sequence'\n")
+    other.write_text("[1, 2]")
+    assert main(["fuzz", "--replay", str(other)]) == 2
+    assert "expected an object with \"format\": 'kvtier-sequence'" in capsys.readouterr().err
