@@ -98,7 +98,8 @@ class CampaignResult:
                          f"transitions and accepting guard values "
                          f"({len(self.coverage.product_exempt())} refusing guard values exempt)")
             if miss and not full_coverage:
-                lines.append(f"  raw machines only (never driven by the product): {len(miss)} (--verbose lists them)")
+                lines.append(f"  raw machines only (never driven by the product): {len(miss)} items "
+                             "(kvtier fuzz --verbose lists them)")
             else:
                 lines.append("  raw machines only (never driven by the product): "
                              + (", ".join(i.label for i in miss) or "none"))
