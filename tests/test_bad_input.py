@@ -34,7 +34,10 @@ def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
     (("replay", "--plot", "out.txt", "--limit", "3"), "expected a .png file name"),
     (("fuzz", "--faults", "2"), "argument --faults: '2' must be between 0 and 1"),
     (("fuzz", "--minutes", "nan"), "must be a finite number > 0"),
-    (("fuzz", "--replay", "/nonexistent/seq.json"), "No such file or directory"),
+    (("fuzz", "--replay", "/nonexistent/seq.json"),
+     "kvtier fuzz: cannot read sequence file /nonexistent/seq.json: No such file or directory"),
+    (("replay", "/nonexistent/trace.jsonl", "--backend", "none"),
+     "kvtier replay: cannot read trace file /nonexistent/trace.jsonl: No such file or directory"),
     (("verify", "--depth", "-3"), "argument --depth: '-3' must be >= 1"),
 ])
 def test_cli_rejects_bad_values_with_a_message(args: tuple[str, ...], message: str) -> None:

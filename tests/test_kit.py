@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -138,13 +140,73 @@ def test_core_machine_subclass_records_a_replayable_run() -> None:
     assert replay(again).outcome == "pass"
 
 
-def test_readme_kit_example_runs() -> None:
+def test_readme_kit_example_runs(tmp_path: Path) -> None:
+    """The README's engine example, saved as the README says (``tests/conftest.py`` and
+    ``tests/test_engine_lifecycle.py`` of a fresh folder) and run by pytest: the test class
+    takes its settings from the profile ``HYPOTHESIS_PROFILE`` names (``kvtier-fuzz``, cut
+    to 3 examples by ``KVTIER_FUZZ_EXAMPLES``; without the conftest it would run
+    Hypothesis' default 100). Then the README's ``kvtier fuzz --machine`` command fuzzes
+    the example's machine, which only ``PYTHONPATH`` makes importable."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
     section = text.split("## Fuzzing and verification", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert blocks, "the README's fuzzing section has no python example"
-    scope: dict[str, object] = {"__name__": "readme_example"}
-    exec(compile(blocks[0], "README.md", "exec"), scope)
-    case = scope["TestEngineLifecycle"]
-    case.settings = settings(max_examples=5, stateful_step_count=30, deadline=None, database=None)  # type: ignore[attr-defined]
-    case().runTest()  # type: ignore[operator]
+    files = {block.splitlines()[0].removeprefix("# "): block for block in blocks}
+    assert set(files) == {"tests/conftest.py", "tests/test_engine_lifecycle.py"}, list(files)
+    assert "max_examples" not in files["tests/test_engine_lifecycle.py"]  # the profile sets it
+    for name, block in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(block, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
+    env.update(HYPOTHESIS_PROFILE="kvtier-fuzz", KVTIER_FUZZ_EXAMPLES="3", KVTIER_FUZZ_DB=str(tmp_path / "db"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--hypothesis-show-statistics", "tests/test_engine_lifecycle.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 passed" in done.stdout and "Stopped because settings.max_examples=3" in done.stdout, done.stdout[-3000:]
+
+    command = next(line for line in section.splitlines() if line.startswith("PYTHONPATH=tests kvtier fuzz --machine"))
+    assignment, program, *args = shlex.split(command.replace("--steps 20000", "--steps 300"))
+    kvtier = Path(sys.executable).parent / program
+    assert assignment == "PYTHONPATH=tests" and kvtier.exists()
+    refused = subprocess.run([str(kvtier), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             check=False, timeout=600)
+    assert refused.returncode == 2 and refused.stdout == "" and "PYTHONPATH=." in refused.stderr, refused.stderr
+    fuzzed = subprocess.run([str(kvtier), *args, "--no-progress"], cwd=tmp_path, env=dict(env, PYTHONPATH="tests"),
+                            capture_output=True, text=True, check=False, timeout=600)
+    assert fuzzed.returncode == 0, fuzzed.stdout[-3000:] + fuzzed.stderr[-3000:]
+    assert "(test_engine_lifecycle:EngineLifecycle 30" in fuzzed.stdout and "result: no violation" in fuzzed.stdout
+
+
+def test_cli_fuzz_names_the_default_mix_and_refuses_bad_input_before_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import FUZZ_DEFAULT_MACHINES
+    from kvtier.testing.fuzz import DEFAULT_MIX
+
+    assert FUZZ_DEFAULT_MACHINES == tuple(DEFAULT_MIX)
+    with pytest.raises(SystemExit) as done:
+        main(["fuzz", "--help"])
+    assert done.value.code == 0
+    fuzz_help = " ".join(capsys.readouterr().out.split())
+    assert "(core, facade, engine, node, request, l3, l3tier, misuse)" in fuzz_help
+    # an unknown or unimportable machine: one line on stderr, status 2, and nothing printed before it
+    assert main(["fuzz", "--machine", "core", "--machine", "nope", "--steps", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "unknown machine 'nope'" in err
+    assert main(["fuzz", "--machine", "no_such_module_w17:Engine", "--steps", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "cannot be imported" in err and "PYTHONPATH=." in err
+    assert main(["fuzz", "--machine", "json:JSONDecoder", "--steps", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "not a kvtier.testing state machine" in err
+    # --replay: a missing file and a file of another format name the file and what was expected
+    missing = tmp_path / "missing.json"
+    assert main(["fuzz", "--replay", str(missing)]) == 2
+    assert capsys.readouterr().err == f"kvtier fuzz: cannot read sequence file {missing}: No such file or directory\n"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "x", "version": 1, "machine": "core", "steps": []}))
+    assert main(["fuzz", "--replay", str(other)]) == 2
+    assert capsys.readouterr().err == (f"kvtier fuzz: {other}: not a kvtier event sequence: format 'x', "
+                                       f"expected 'kvtier-sequence'\n")
+    other.write_text("[1, 2]")
+    assert main(["fuzz", "--replay", str(other)]) == 2
+    assert "expected an object with \"format\": 'kvtier-sequence'" in capsys.readouterr().err

@@ -107,3 +107,25 @@ def test_verify_checks_the_own_invariant_in_every_state() -> None:
     assert not res.ok and res.invariant == "one_request_at_a_time"
     assert res.violation is not None and res.violation.expect["invariant"] == "one_request_at_a_time"
     assert replay(res.violation).invariant == "one_request_at_a_time"
+
+
+def test_cli_fuzzes_an_engines_own_machine_and_prints_the_failure_last(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvtier fuzz --machine module:Class``: the failure (violation, minimal sequence, where
+    it was saved) ends the output, after the never-exercised items, counted on one line
+    (listed with --verbose)."""
+    path = tmp_path / "failure.json"
+    args = ["fuzz", "--machine", f"{__name__}:TwoRequests", "--steps", "5000", "--seed", "1", "--no-progress",
+            "--save", str(path)]
+    assert main(args) == ExitCode.FAILED
+    lines = capsys.readouterr().out.splitlines()
+    never = [i for i, line in enumerate(lines) if line.startswith("never exercised")]
+    assert len(never) == 1 and lines[never[0]].endswith("items (kvtier fuzz --verbose lists them)")
+    assert not any(line.startswith("  - ") for line in lines)
+    violation = next(i for i, line in enumerate(lines) if line.startswith("VIOLATION of one_request_at_a_time"))
+    assert violation > never[0] and lines[violation + 1].startswith("minimal failing sequence (3 steps")
+    assert lines[-1] == f"saved as {path} (reproduce: kvtier fuzz --replay {path})"
+    assert main([*args, "--verbose"]) == ExitCode.FAILED
+    verbose = capsys.readouterr().out.splitlines()
+    listed = [line for line in verbose if line.startswith("  - ")]
+    assert verbose[-1] == lines[-1] and len(listed) == int(lines[never[0]].split()[2])

@@ -66,6 +66,15 @@ def _fuzz(args: argparse.Namespace, campaign: Any, replay_file: Any) -> int:
     steps = args.steps
     if steps is None and args.minutes is None:
         steps = 10_000
+    if args.machine:  # unknown or unimportable machines are bad input, before any output
+        from .testing.machines import KitMachine
+        from .testing.sequence import SequenceError, machine_class
+
+        for name in args.machine:
+            cls = machine_class(name)
+            if not (isinstance(cls, type) and issubclass(cls, KitMachine)):
+                raise SequenceError(f"machine {name!r} is not a kvtier.testing state machine (a KitMachine "
+                                    f"subclass): {cls!r}")
     world = f"{args.world_size}" if args.world_size else "1 and 2"
     print(f"kvtier fuzz: seed {args.seed}, faults {args.faults}, world size {world}, "
           + (f"{steps:,} steps" if steps is not None else f"{args.minutes} minutes"))
@@ -73,15 +82,15 @@ def _fuzz(args: argparse.Namespace, campaign: Any, replay_file: Any) -> int:
                    world_size=args.world_size, save=args.save,
                    progress=not args.no_progress and sys.stderr.isatty(),
                    mix={m: 1.0 for m in args.machine} if args.machine else None)
-    print(res.report())
+    print(res.report(full_coverage=args.verbose or args.require_coverage))
     if res.failure is not None:
         return ExitCode.FAILED
     if args.require_coverage and not res.coverage.complete:
         print("kvtier fuzz: coverage is not complete (--require-coverage)", file=sys.stderr)
         return ExitCode.INCOMPLETE
     if args.require_coverage and not res.product_complete:
-        print("kvtier fuzz: some transitions or accepting guard values were never driven by the core or "
-              "the facade (--require-coverage)", file=sys.stderr)
+        print("kvtier fuzz: some transitions or accepting guard values were never driven by the product "
+              "(--require-coverage)", file=sys.stderr)
         return ExitCode.INCOMPLETE
     return ExitCode.OK
 
@@ -154,6 +163,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+#: The machines of ``kvtier fuzz``'s default mix, for its help text: the keys of
+#: ``kvtier.testing.fuzz.DEFAULT_MIX`` (not imported, so ``kvtier --help`` never imports
+#: hypothesis; ``tests/test_kit.py`` checks that the two agree).
+FUZZ_DEFAULT_MACHINES = ("core", "facade", "engine", "node", "request", "l3", "l3tier", "misuse")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvtier`` command (one subparser per subcommand)."""
     parser = argparse.ArgumentParser(
@@ -184,13 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit non-zero if the committed .dot/.mmd files in DIR differ from the spec")
     p.set_defaults(func=_cmd_diagram)
 
-    p = sub.add_parser("fuzz", help="stateful fuzzing campaign of the core and facade (needs kvtier[testing])",
+    p = sub.add_parser("fuzz", help="stateful fuzzing campaign of the kit's state machines (needs kvtier[testing])",
                        epilog=epilog(), formatter_class=LineFormatter,
-                       description="Run the Hypothesis state machines of the core, the facade and the raw "
-                                   "node and request lifecycles as one campaign with fault injection; print "
-                                   "the steps run, the invariants checked and the lifecycle coverage computed "
-                                   "from the spec. A failure is shrunk, printed as readable steps and saved "
-                                   "as a kvtier event sequence (JSON).")
+                       description="Run the Hypothesis state machines of the default mix ("
+                                   + ", ".join(FUZZ_DEFAULT_MACHINES) + ") or those named by --machine "
+                                   "as one campaign with fault injection; print the steps run, the invariants "
+                                   "checked and the lifecycle coverage computed from the spec. A failure is "
+                                   "shrunk, saved as a kvtier event sequence (JSON) and printed last, as "
+                                   "readable steps.")
     p.add_argument("--steps", type=positive_int, help="stop after this many steps (default 10000 without --minutes)")
     p.add_argument("--minutes", type=positive_float, help="stop after this many minutes")
     p.add_argument("--seed", type=int, default=0, help="campaign seed (default %(default)s)")
@@ -205,12 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "a violation (the bug reproduces), 0 if it passes; the printed verdict "
                    "compares the outcome with the file's expected one")
     p.add_argument("--machine", action="append", metavar="NAME",
-                   help="run only this machine (repeatable): core, facade, node, request, l3, l3tier, or an engine's "
-                        "kit machine as module:Class (default: the four built-in ones)")
+                   help="run only this machine (repeatable): a built-in one, or an engine's kit machine as "
+                        "module:Class, importable from the current environment (e.g. PYTHONPATH=.) "
+                        "(default: the built-in mix: " + ", ".join(FUZZ_DEFAULT_MACHINES) + ")")
     p.add_argument("--require-coverage", action="store_true",
                    help="exit 3 unless every transition, guard value and rejection was exercised, and "
-                        "every transition and accepting guard value was driven by the product (the core "
-                        "or the facade machine, not only the raw lifecycle machines)")
+                        "every transition and accepting guard value was driven by the product (every machine "
+                        "but the raw lifecycle and misuse ones: core, facade, engine, l3tier, an engine's own); "
+                        "meant for the built-in mix: an engine's machine alone cannot reach every transition. "
+                        "Lists everything never exercised")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="list every item never exercised (default: their count only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     p.add_argument("--event-log", metavar="FILE", default=None,
                    help="record every cache the run creates as a lifecycle event log (JSON lines; "

@@ -229,7 +229,10 @@ def run(args: argparse.Namespace) -> int:
         # replay's small indexed copies torch's intra-op threads only spin (on a busy
         # 2-core machine an indexed store took 7x the CPU time with 2 threads than with 1)
         torch.set_num_threads(1)
-    trace = load_trace(args.trace, limit=args.limit)
+    try:
+        trace = load_trace(args.trace, limit=args.limit)
+    except OSError as exc:  # a missing or unreadable file: one line naming it, exit status 2
+        raise ValueError(f"cannot read trace file {args.trace}: {exc.strerror or exc}") from exc
     params: list[tuple[str, int | tuple[int, ...]]] = []
     if args.layers is not None:
         params.append(("num_layers", args.layers))

@@ -1,9 +1,11 @@
 """``kvtier fuzz``: a long stateful fuzzing campaign over the kit's machines.
 
-The campaign runs the core machine, the facade machine and the raw node and request
-lifecycle machines in rounds (chunks of examples, each chunk with a seed derived from
-the campaign seed, so a campaign is reproducible), with fault injection, until the step
-budget or the time budget is spent or an invariant fails. Coverage of the lifecycles
+The campaign runs the machines of :data:`DEFAULT_MIX` (the core, facade, engine and
+``l3tier`` machines, which drive the product; the raw node, request and L3 lifecycle
+machines; the ``misuse`` machine of hostile calls), or those it is given, in rounds
+(chunks of examples, each chunk with a seed derived from the campaign seed, so a campaign
+is reproducible), with fault injection, until the step budget or the time budget is
+spent or an invariant fails. Coverage of the lifecycles
 is recorded from the spec (:mod:`kvtier.testing.coverage`). A failure is shrunk by
 Hypothesis; the minimal failing run is printed as readable steps and saved as a kvtier
 event sequence (:mod:`kvtier.testing.sequence`) that ``kvtier fuzz --replay`` reproduces.
@@ -73,14 +75,20 @@ class CampaignResult:
     def steps_per_second(self) -> float:
         return self.steps / self.seconds if self.seconds > 0 else 0.0
 
-    def report(self) -> str:
+    def report(self, full_coverage: bool = True) -> str:
+        """The run as text: steps, invariants, coverage, and last the failure if any (the
+        violation, the minimal sequence and where it was saved), so that it ends the output.
+
+        Args:
+            full_coverage: list every item never exercised (else only their count).
+        """
         by = ", ".join(f"{k} {v:,}" for k, v in self.steps_by_machine.items())
         lines = [
             f"steps run: {self.steps:,} ({by}) in {self.examples:,} examples, {self.seconds:.1f} s "
             f"({self.steps_per_second:,.0f} steps/s)",
             f"invariants checked: {self.checks:,} checks (after every step), each of the "
             f"{len(INVARIANTS)} named invariants: {', '.join(INVARIANTS)}",
-            self.coverage.report(by_source=tuple(self.steps_by_machine)),
+            self.coverage.report(by_source=tuple(self.steps_by_machine), full=full_coverage),
         ]
         drivers = self.product_sources
         if drivers:
@@ -89,8 +97,12 @@ class CampaignResult:
             lines.append(f"driven by the product ({', '.join(sorted(drivers))}): {len(req) - len(miss)}/{len(req)} "
                          f"transitions and accepting guard values "
                          f"({len(self.coverage.product_exempt())} refusing guard values exempt)")
-            lines.append("  raw machines only (never driven by the product): "
-                         + (", ".join(i.label for i in miss) or "none"))
+            if miss and not full_coverage:
+                lines.append(f"  raw machines only (never driven by the product): {len(miss)} items "
+                             "(kvtier fuzz --verbose lists them)")
+            else:
+                lines.append("  raw machines only (never driven by the product): "
+                             + (", ".join(i.label for i in miss) or "none"))
             lines.append("  exempt, unreachable by a correct product: "
                          + "; ".join(f"{k} ({v})" for k, v in UNREACHABLE_BY_PRODUCT.items()))
         if self.failure is not None:

@@ -141,7 +141,7 @@ class EventSequence:
     @staticmethod
     def from_json(raw: Mapping[str, Any]) -> EventSequence:
         if raw.get("format") != FORMAT:
-            raise SequenceError(f"not a kvtier event sequence (format {raw.get('format')!r})")
+            raise SequenceError(f"not a kvtier event sequence: format {raw.get('format')!r}, expected {FORMAT!r}")
         if raw.get("version") != VERSION:
             raise SequenceError(f"sequence version {raw.get('version')!r} is not supported (this is {VERSION})")
         try:
@@ -155,11 +155,25 @@ class EventSequence:
 
     @staticmethod
     def load(path: str | Path) -> EventSequence:
+        """Read a sequence file.
+
+        Raises:
+            SequenceError: the file cannot be read, is not JSON, or is not a kvtier event
+                sequence of this version (the message names the file).
+        """
         try:
             raw = json.loads(Path(path).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
+        except OSError as exc:
+            raise SequenceError(f"cannot read sequence file {path}: {exc.strerror or exc}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise SequenceError(f"{path}: not JSON: {exc}") from exc
-        return EventSequence.from_json(raw)
+        if not isinstance(raw, dict):
+            raise SequenceError(f"{path}: not a kvtier event sequence: a JSON {type(raw).__name__}, expected an "
+                                f"object with \"format\": {FORMAT!r}")
+        try:
+            return EventSequence.from_json(raw)
+        except SequenceError as exc:
+            raise SequenceError(f"{path}: {exc}") from exc
 
 
 def register_machine(name: str, factory: Callable[[], Any]) -> None:
@@ -180,7 +194,8 @@ def machine_class(name: str) -> Callable[[], Any]:
             for part in attr.split("."):
                 obj = getattr(obj, part)
         except (ImportError, AttributeError) as exc:
-            raise SequenceError(f"machine {name!r} cannot be imported: {exc}") from exc
+            raise SequenceError(f"machine {name!r} cannot be imported: {exc} (is {mod!r} on the import "
+                                f"path? e.g. run from the folder that holds it with PYTHONPATH=.)") from exc
         return obj  # type: ignore[no-any-return]
     raise SequenceError(f"unknown machine {name!r}; registered: {sorted(_REGISTRY)} (or use 'module:Class')")
 
