@@ -1,0 +1,93 @@
+"""Exact values of fsm/ that the mutation run (bench/mutation, issue 12) found unchecked,
+session 5: withdrawals counted one each, device eviction under ``write_back`` summing the
+pages it pledged, and host-only host eviction sparing a ``backed`` node unless the host
+tier is exclusive *and* the node was loaded back."""
+
+from __future__ import annotations
+
+import pytest
+from core_helpers import ack, free, h1, put, state
+
+from kvtier.fsm import CacheCore
+
+
+def keys(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+# ------------------------------------------------------------------ withdraw
+def test_each_withdrawal_counts_once_and_only_unpolled_ops_are_withdrawn() -> None:
+    c = CacheCore(h1(), 8, 8, policy="write_through")
+    a = put(c, keys("a", 2)).node
+    b = put(c, keys("b", 2)).node
+    (cmd,) = c.issue_writebacks()  # both parents are the root: one batched operation
+    assert cmd.node_ids == (a.node_id, b.node_id)
+    c2 = CacheCore(h1(), 8, 8, policy="write_through")
+    x = put(c2, keys("x", 2)).node
+    (cx,) = c2.issue_writebacks()
+    y = put(c2, keys("y", 2)).node
+    (cy,) = c2.issue_writebacks()
+    assert (cx.node_ids, cy.node_ids) == ((x.node_id,), (y.node_id,))
+    assert c2.stats.withdrawn_ops == 0
+    sx = c2.withdraw(cx.op_id)
+    assert sx is not None and (sx.op_id, sx.ok, sx.node_ids) == (cx.op_id, False, (x.node_id,))
+    assert c2.stats.withdrawn_ops == 1
+    sy = c2.withdraw(cy.op_id)
+    assert sy is not None and (sy.op_id, sy.ok, sy.node_ids) == (cy.op_id, False, (y.node_id,))
+    assert c2.stats.withdrawn_ops == 2
+    assert c2.poll_commands() == []  # never handed out
+    assert c2.withdraw(cx.op_id) is None and c2.stats.withdrawn_ops == 2  # settled: not in flight
+    assert (x.state, y.state, free(c2, "host")) == ("device", "device", {"kv": 8})
+    c2.check_invariants()
+    # handed out already: not withdrawn (the caller poisons it instead), nothing counted
+    assert c.poll_commands() == [cmd]
+    assert c.withdraw(cmd.op_id) is None
+    assert c.stats.withdrawn_ops == 0 and c.ops_in_flight() == 1
+    assert c.withdraw(10_000) is None and c.stats.withdrawn_ops == 0  # unknown op id
+    c.check_invariants()
+
+
+# ------------------------------------------------------------------ write_back pledges
+def test_write_back_eviction_sums_the_pages_of_every_queued_leaf() -> None:
+    """Each queued leaf pledges its pages (2 here); the demand (4) is met by two leaves,
+    so the third is not queued."""
+    c = CacheCore(h1(), 6, 8, policy="write_back")
+    a, b, d = (put(c, keys(p, 2)).node for p in "abd")
+    assert c.evict_device({"kv": 4}) == {"kv": 0}  # queued, freed later
+    assert c.queued_writebacks() == [a.node_id, b.node_id]
+    assert state(c) == {a.node_id: "device", b.node_id: "device", d.node_id: "device"}
+    c.check_invariants()
+
+
+# ------------------------------------------------------------------ host_only eviction
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_host_only_eviction_spares_a_backed_node_that_was_never_loaded_back(exclusive: bool) -> None:
+    c = CacheCore(h1(), 8, 8, policy="write_through", exclusive=exclusive)
+    n = put(c, keys("a", 2)).node
+    for cmd in c.issue_writebacks():
+        ack(c, cmd)
+    assert (n.state, n.reloaded, c.exclusive) == ("backed", False, exclusive)
+    assert c.evict_host({"kv": 2}, host_only=True) == {"kv": 0}
+    assert n.state == "backed" and n.host == {"kv": [0, 1]} and c.stats.host_drops == 0
+    assert c.evict_host({"kv": 2}) == {"kv": 2}  # without host_only it is dropped
+    assert n.state == "device" and c.stats.host_drops == 1
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_host_only_eviction_drops_a_reloaded_copy_only_when_exclusive(exclusive: bool) -> None:
+    c = CacheCore(h1(), 4, 4, policy="write_through", exclusive=exclusive)
+    hot = put(c, keys("h", 2)).node
+    for cmd in c.issue_writebacks():
+        ack(c, cmd)
+    assert c.evict_device({"kv": 2}) == {"kv": 2} and hot.state == "host"
+    load = c.load(c.match(keys("h", 2)), "r1")
+    assert load.command is not None
+    ack(c, load.command)
+    c.release(load.pin)
+    c.unlock(load.lock)
+    assert (hot.state, hot.reloaded) == ("backed", True)
+    assert c.evict_host({"kv": 2}, host_only=True) == ({"kv": 2} if exclusive else {"kv": 0})
+    assert hot.state == ("device" if exclusive else "backed")
+    assert c.stats.host_drops == (1 if exclusive else 0)
+    c.check_invariants()
