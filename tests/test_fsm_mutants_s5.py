@@ -1,14 +1,17 @@
 """Exact values of fsm/ that the mutation run (bench/mutation, issue 12) found unchecked,
 session 5: withdrawals counted one each, device eviction under ``write_back`` summing the
 pages it pledged, and host-only host eviction sparing a ``backed`` node unless the host
-tier is exclusive *and* the node was loaded back."""
+tier is exclusive *and* the node was loaded back; admission with history replay reserving
+nothing for a chunk that ends inside the replay span, and a chunk checkpoint skipped, not
+evicted for, when the device pool is full."""
 
 from __future__ import annotations
 
 import pytest
-from core_helpers import ack, free, h1, put, state
+from core_helpers import ack, free, h1, put, src, state
 
 from kvtier.fsm import CacheCore
+from kvtier.tiered import TieredCache
 
 
 def keys(prefix: str, n: int) -> tuple[str, ...]:
@@ -90,4 +93,49 @@ def test_host_only_eviction_drops_a_reloaded_copy_only_when_exclusive(exclusive:
     assert c.evict_host({"kv": 2}, host_only=True) == ({"kv": 2} if exclusive else {"kv": 0})
     assert hot.state == ("device" if exclusive else "backed")
     assert c.stats.host_drops == (1 if exclusive else 0)
+    c.check_invariants()
+
+
+# ------------------------------------------------------------------ request lifecycle
+def _pools(c: TieredCache) -> dict[str, int]:
+    return {g: a.free for g, a in c.core.device.items()}
+
+
+def test_history_replay_chunk_inside_the_span_reserves_no_history_page() -> None:
+    """src(): align 4, span 16. B's history hit is 7 units (28 tokens), it starts at 12
+    (28 - 16) and its chunk of 4 tokens ends at 16, well inside the 7 pages it reads:
+    its need for ``fh`` is 4 - 7 < 0 pages, so it takes none (only its 4 ``swa`` state
+    pages)."""
+    c = TieredCache(src(), 32, None, history_replay=True)
+    a = c.admit("A", list("abcdefgh"), prompt_tokens=33, chunk_tokens=33)
+    assert a is not None
+    c.step_done("A", a.chunk_tokens, checkpoint=True)
+    c.finish("A")
+    assert _pools(c) == {"fh": 24, "swa": 28}
+    b = c.admit("B", list("abcdefgz"), prompt_tokens=33, chunk_tokens=4)
+    assert b is not None
+    assert (b.start_token, b.chunk_tokens, b.recompute_tokens, b.history_hit_tokens) == (12, 4, 16, 28)
+    assert b.page_table == {"fh": [0, 1, 2, 3, 4, 5, 6], "swa": [3, 2, 1, 0]}
+    assert c.request("B").own_pages == {"swa": [3, 2, 1, 0]}
+    assert _pools(c) == {"fh": 24, "swa": 24}
+    c.check_invariants()
+
+
+def test_a_chunk_checkpoint_is_skipped_not_evicted_for_when_the_device_is_full() -> None:
+    """B's pass asks for a checkpoint with every ``swa`` page taken (A's published
+    checkpoint and B's own state pages): publishing skips the checkpoint rather than
+    evict A's unlocked node for it."""
+    c = TieredCache(src(), {"fh": 32, "swa": 8}, None)
+    a = c.admit("A", list("abcd"), prompt_tokens=17, chunk_tokens=17)
+    assert a is not None
+    assert c.step_done("A", 17, checkpoint=True) == {"swa": [4, 5, 6, 7]}
+    c.finish("A")
+    b = c.admit("B", list("wxyz"), prompt_tokens=17, chunk_tokens=17)
+    assert b is not None and b.page_table == {"fh": [4, 5, 6, 7, 8], "swa": [3, 2, 1, 0]}
+    assert _pools(c) == {"fh": 23, "swa": 0}
+    assert c.step_done("B", 17, checkpoint=True) == {}
+    nodes = {n.key: (n.dev, n.dev_ckpt) for n in c.core.nodes()}
+    assert nodes == {tuple("abcd"): ({"fh": [0, 1, 2, 3]}, {"swa": [4, 5, 6, 7]}),
+                     tuple("wxyz"): ({"fh": [4, 5, 6, 7]}, {})}
+    assert _pools(c) == {"fh": 23, "swa": 0}
     c.check_invariants()
