@@ -139,3 +139,34 @@ def test_a_chunk_checkpoint_is_skipped_not_evicted_for_when_the_device_is_full()
                      tuple("wxyz"): ({"fh": [4, 5, 6, 7]}, {})}
     assert _pools(c) == {"fh": 23, "swa": 0}
     c.check_invariants()
+
+
+# ------------------------------------------------------------------ optable
+def test_a_failed_acknowledgement_settles_with_ok_false_exactly() -> None:
+    """A rank's failed acknowledgement makes the operation's ``ok`` the bool False: the
+    Settled record says False (not merely falsy), and a failed loadback leaves its node
+    with ``reloaded`` False."""
+    from kvtier.fsm import Completion, Direction
+
+    c = CacheCore(h1(), 4, 4, policy="write_through", world_size=2)
+    n = put(c, keys("a", 2)).node
+    (cmd,) = c.issue_writebacks()
+    assert c.complete(Completion(cmd.op_id, rank=0, ok=False)) == []
+    assert c.optable.get(cmd.op_id).ok is False
+    (s,) = c.complete(Completion(cmd.op_id, rank=1, ok=True))
+    assert (s.op_id, s.direction, s.ok, s.request_id, s.node_ids, s.expired) == (
+        cmd.op_id, Direction.WRITEBACK, False, None, (n.node_id,), False)
+    assert s.ok is False and n.state == "device"
+    again = c.writeback(n)  # written again, this time on both ranks
+    assert again is not None
+    ack(c, again)
+    assert c.evict_device({"kv": 2}) == {"kv": 2} and n.state == "host"
+    load = c.load(c.match(keys("a", 2)), "r1")
+    assert load.command is not None
+    assert c.complete(Completion(load.command.op_id, rank=1, ok=False)) == []
+    (s,) = c.complete(Completion(load.command.op_id, rank=0, ok=True))
+    assert (s.direction, s.ok) == (Direction.LOADBACK, False) and s.ok is False
+    assert n.reloaded is False and n.state == "host"
+    c.release(load.pin)
+    c.unlock(load.lock)
+    c.check_invariants()
