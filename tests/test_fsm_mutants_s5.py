@@ -170,3 +170,61 @@ def test_a_failed_acknowledgement_settles_with_ok_false_exactly() -> None:
     c.release(load.pin)
     c.unlock(load.lock)
     c.check_invariants()
+
+
+# ------------------------------------------------------------------ publish: the anchor fast path
+def test_an_anchor_whose_pages_are_not_the_callers_is_ignored() -> None:
+    """The caller's pages for the anchor's range are its own copies, not the anchor's
+    canonical pages: the anchor is ignored, the whole key is walked and those copies come
+    back as duplicates."""
+    c = CacheCore(h1(), 16)
+    n = put(c, keys("a", 4)).node
+    lk = c.lock(n, "r")
+    mine = c.alloc_device({"kv": 6}, evict=False)["kv"]
+    res = c.insert(keys("a", 4) + ("x", "y"), {"kv": mine}, anchor=n)
+    assert res.duplicates == {"kv": mine[:4]} and res.kept == {}
+    assert res.pages == {"kv": n.dev["kv"] + mine[4:]} and res.published_units == 6
+    c.unlock(lk)
+    c.check_invariants()
+
+
+def test_an_anchor_off_the_keys_prefix_is_ignored() -> None:
+    """An anchor whose path is not the key's prefix (here: ('x', 'a') against a key that
+    starts ('a', 'x', 'a')) is ignored even when the pages match its path: the full walk
+    then finds the anchor's pages are not the caller's for that range."""
+    import pytest as _pytest
+
+    from kvtier.fsm.errors import UsageError
+
+    c = CacheCore(h1(), 16)
+    n = put(c, ("x", "a")).node
+    lk = c.lock(n, "r")
+    mine = c.alloc_device({"kv": 2}, evict=False)["kv"]
+    before = sorted((x.key, x.state) for x in c.nodes())
+    with _pytest.raises(UsageError, match="not held by the caller"):
+        c.insert(("a", "x", "a", "b"), {"kv": n.dev["kv"] + mine}, anchor=n)
+    assert sorted((x.key, x.state) for x in c.nodes()) == before
+    c.unlock(lk)
+    c.check_invariants()
+
+
+def test_an_anchor_three_nodes_deep_is_checked_unit_by_unit() -> None:
+    """Path ('a',) -> ('b', 'c') -> ('c',): a key ('a', 'b', 'c', 'z', ...) shares the
+    first two nodes but not the third (its unit 3 is 'z'), so the anchor is ignored and
+    the anchor's last page, not the caller's, is refused."""
+    import pytest as _pytest
+
+    from kvtier.fsm.errors import UsageError
+
+    c = CacheCore(h1(), 16)
+    put(c, ("a", "b", "c", "c"))
+    c.walk(("a", "x"))  # a walk splits where the key diverges
+    c.walk(("a", "b", "c", "y"))
+    anchor = c.match(("a", "b", "c", "c")).device_node
+    assert [x.key for x in reversed(anchor.path())] == [("a",), ("b", "c"), ("c",)]
+    lk = c.lock(anchor, "r")
+    mine = c.alloc_device({"kv": 2}, evict=False)["kv"]
+    with _pytest.raises(UsageError, match="not held by the caller"):
+        c.insert(("a", "b", "c", "z", "q", "r"), {"kv": c.device_pages(anchor)["kv"] + mine}, anchor=anchor)
+    c.unlock(lk)
+    c.check_invariants()
