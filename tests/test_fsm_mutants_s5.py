@@ -228,3 +228,26 @@ def test_an_anchor_three_nodes_deep_is_checked_unit_by_unit() -> None:
         c.insert(("a", "b", "c", "z", "q", "r"), {"kv": c.device_pages(anchor)["kv"] + mine}, anchor=anchor)
     c.unlock(lk)
     c.check_invariants()
+
+
+def test_an_anchor_two_nodes_deep_is_checked_at_each_nodes_offset() -> None:
+    """Path ('a', 'a') -> ('b',): the key ('a', 'a', 'c', 'b', 'z') has 'b' only at unit 3,
+    not at unit 2 where the anchor's second node sits, so the anchor is ignored and the
+    anchor's page is refused as not the caller's."""
+    import pytest as _pytest
+
+    from kvtier.fsm.errors import UsageError
+
+    c = CacheCore(h1(), 16)
+    put(c, ("a", "a", "b"))
+    c.walk(("a", "a", "x"))  # a walk splits where the key diverges
+    anchor = c.match(("a", "a", "b")).device_node
+    assert [x.key for x in reversed(anchor.path())] == [("a", "a"), ("b",)]
+    lk = c.lock(anchor, "r")
+    mine = c.alloc_device({"kv": 2}, evict=False)["kv"]
+    before = sorted((x.key, x.state) for x in c.nodes())
+    with _pytest.raises(UsageError, match="not held by the caller"):
+        c.insert(("a", "a", "c", "b", "z"), {"kv": c.device_pages(anchor)["kv"] + mine}, anchor=anchor)
+    assert sorted((x.key, x.state) for x in c.nodes()) == before
+    c.unlock(lk)
+    c.check_invariants()
