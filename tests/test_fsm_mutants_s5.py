@@ -251,3 +251,24 @@ def test_an_anchor_two_nodes_deep_is_checked_at_each_nodes_offset() -> None:
     assert sorted((x.key, x.state) for x in c.nodes()) == before
     c.unlock(lk)
     c.check_invariants()
+
+
+def test_insert_checks_every_history_group_of_a_node_it_walks() -> None:
+    """h2(): one unit is 2 ``a`` pages and 1 ``b`` page. The caller's ``a`` pages for the
+    existing unit are the canonical ones, its ``b`` page is neither the canonical one nor
+    its own: refused, even though ``a`` passed first."""
+    import pytest as _pytest
+
+    from core_helpers import h2, snapshot
+
+    from kvtier.fsm.errors import UsageError
+
+    c = CacheCore(h2(), 8)
+    n = put(c, ("u",)).node
+    mine = c.alloc_device({"a": 2, "b": 1}, evict=False)
+    stray = next(p for p in range(8) if p not in n.dev["b"] and p not in mine["b"])
+    before = snapshot(c)
+    with _pytest.raises(UsageError, match=rf"page {stray} of group 'b' at unit 0 is neither the caller's nor node {n.node_id}'s"):
+        c.insert(("u", "v"), {"a": n.dev["a"] + mine["a"], "b": [stray] + mine["b"]})
+    assert snapshot(c) == before
+    c.check_invariants()
