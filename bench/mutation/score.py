@@ -6,7 +6,7 @@ Inputs (in this folder):
                     (with its diff), an <error> a timeout, a <skipped> a mutant not run
                     yet, anything else a killed mutant.
   exclusions.txt  - one excluded (equivalent) mutant per line:
-                    ``<file>:<line> | <mutant diff's + line, stripped> | <reason>``
+                    ``<file>:<line> | <mutant diff's + line, stripped> | <reason>`` (no `` | `` in a reason)
                     ('#' starts a comment). An exclusion must match a survivor.
 
 Kill rate = (killed + timed out) / (tested - excluded); a timeout counts as killed
@@ -38,7 +38,9 @@ def load(results: Path = HERE / "results", exclusions: Path = HERE / "exclusions
         for raw in exclusions.read_text(encoding="utf-8").splitlines():
             if not raw.strip() or raw.lstrip().startswith("#"):
                 continue
-            where, plus, reason = (p.strip() for p in raw.split("|", 2))
+            where, rest = raw.split("|", 1)  # the mutated line may hold " | " (a union type); a reason may not
+            plus, _, reason = rest.rpartition(" | ")
+            where, plus, reason = where.strip(), plus.strip(), reason.strip()
             if not reason:
                 raise SystemExit(f"exclusion without a reason: {raw}")
             excl[(where, plus)] = reason

@@ -16,8 +16,8 @@ import io
 import json
 from typing import Any
 
-from kvtier.check import check_records
-from kvtier.eventlog import EventRecorder, active_recorder
+from ..check import check_records
+from ..eventlog import EventRecorder, active_recorder
 from kvtier.fsm.errors import InvariantViolation
 
 __all__ = ["LogCheck"]
