@@ -344,6 +344,20 @@ class FacadeMachine(KitMachine):
         self.units[rid] = list(key)
         self._admit(rid, len(key) * align + (1 if tail else 0), chunk * align)
 
+    def _admit_host_hit(self, rid: str, i: int) -> Any:
+        """Demote the device, then admit ``rid`` on the prefix of a host-only node (the
+        ``i``-th): its request record when the admission started a loadback, else None."""
+        self._demote()
+        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state == "host"]
+        if not nodes:
+            return None
+        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
+        align = self.cache.layout.alignment
+        self.units[rid] = list(key)
+        self._admit(rid, len(key) * align + 1, 3 * align)
+        r = views.requests(self.cache).get(rid)
+        return r if r is not None and r.state == "loading" else None
+
     @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
     @rule(req=st.integers(0, _REQS - 1), i=st.integers(0, 100), layers=st.integers(0, 3))
     @recorded
@@ -356,17 +370,10 @@ class FacadeMachine(KitMachine):
             r = views.requests(self.cache).get(rid)
             if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
                 return
-        self._demote()
-        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state == "host"]
-        if not nodes:
+        r = self._admit_host_hit(first, i)
+        if r is None:
             return
-        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
-        align = self.cache.layout.alignment
-        self.units[first] = list(key)
-        self._admit(first, len(key) * align + 1, 3 * align)
-        r = views.requests(self.cache).get(first)
-        if r is None or r.state != "loading":
-            return
+        key, align = self.units[first], self.cache.layout.alignment
         self._poll()
         ops = views.ops(self.cache.core)
         for op in sorted(r.ops):
@@ -644,16 +651,8 @@ class FacadeMachine(KitMachine):
         r = views.requests(self.cache).get(rid)
         if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
             return
-        self._demote()
-        nodes = [n for _, n in sorted(views.nodes(self.cache.core).items()) if n.state == "host"]
-        if not nodes:
-            return
-        key = [str(u) for u in node_prefix(nodes[i % len(nodes)])]
-        align = self.cache.layout.alignment
-        self.units[rid] = list(key)
-        self._admit(rid, len(key) * align + 1, 3 * align)
-        r = views.requests(self.cache).get(rid)
-        if r is None or r.state != "loading":
+        r = self._admit_host_hit(rid, i)
+        if r is None:
             return
         if overlap:
             self._reserve(rid, 1)
