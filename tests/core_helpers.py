@@ -96,3 +96,19 @@ def snapshot(cache: CacheCore) -> tuple:
     return (nodes, ops, dev_free, host_free, external, cache.queued_writebacks(), cache.clock, cache.step,
             sorted(r.receipt_id for r in cache.receipts.locks()),
             sorted(r.receipt_id for r in cache.receipts.node_receipts()))
+
+
+def fake_async_engine(chunk_layers: int):  # type: ignore[no-untyped-def]
+    """A TransferEngine on the fake-asynchronous backend: one history group of 8 layers,
+    16 host and 12 device pages of random bytes (skips the test without torch)."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    from kvtier.transfer import DevicePool, HostPool, TransferEngine
+
+    specs = [CacheGroupSpec("kv", "history", 4, 1, tuple(range(8)), (ComponentSpec("k", 32),))]
+    host, dev = HostPool(specs, 16), DevicePool.allocate(specs, 12, "cpu")
+    for pool in (host, dev):
+        for k in pool.keys():
+            pool.region(*k).copy_(torch.randint(0, 256, tuple(pool.region(*k).shape), dtype=torch.uint8))
+    return TransferEngine(specs, host, dev, "fake-async", chunk_layers=chunk_layers)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from core_helpers import ack, h1, put, src
+from core_helpers import ack, fake_async_engine, h1, put, src
 from kvtier.tiered import TieredCache
 from kvtier.fsm import CacheCore, Completion, Direction
 from kvtier.fsm.ops import LayerProgress
@@ -291,16 +291,7 @@ def test_in_flight_counts_passes_out() -> None:
 # transfer/
 # ------------------------------------------------------------------------------------------
 def _engine(chunk_layers: int) -> Any:
-    torch = pytest.importorskip("torch")
-    from kvtier.fsm import CacheGroupSpec, ComponentSpec
-    from kvtier.transfer import DevicePool, HostPool, TransferEngine
-
-    specs = [CacheGroupSpec("kv", "history", 4, 1, tuple(range(8)), (ComponentSpec("k", 32),))]
-    host, dev = HostPool(specs, 16), DevicePool.allocate(specs, 12, "cpu")
-    for pool in (host, dev):
-        for k in pool.keys():
-            pool.region(*k).copy_(torch.randint(0, 256, tuple(pool.region(*k).shape), dtype=torch.uint8))
-    return TransferEngine(specs, host, dev, "fake-async", chunk_layers=chunk_layers)
+    return fake_async_engine(chunk_layers)
 
 
 def _loadback(op: int) -> Any:

@@ -9,19 +9,13 @@ from typing import Any
 
 import pytest
 
-from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, Direction, GroupTransfer, TransferCommand
+from core_helpers import fake_async_engine
+
+from kvtier.fsm import Completion, Direction, GroupTransfer, TransferCommand
 
 
 def _engine() -> Any:
-    torch = pytest.importorskip("torch")
-    from kvtier.transfer import DevicePool, HostPool, TransferEngine
-
-    specs = [CacheGroupSpec("kv", "history", 4, 1, tuple(range(8)), (ComponentSpec("k", 32),))]
-    host, dev = HostPool(specs, 16), DevicePool.allocate(specs, 12, "cpu")
-    for pool in (host, dev):
-        for k in pool.keys():
-            pool.region(*k).copy_(torch.randint(0, 256, tuple(pool.region(*k).shape), dtype=torch.uint8))
-    return TransferEngine(specs, host, dev, "fake-async", chunk_layers=4)
+    return fake_async_engine(chunk_layers=4)
 
 
 def test_copy_failure_after_an_issue_failure_reports_no_layer() -> None:
