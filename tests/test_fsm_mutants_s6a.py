@@ -16,11 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from core_helpers import h1
+from core_helpers import ack as core_ack
+from core_helpers import h1, put
 
-from kvtier.fsm import Completion, InvariantViolation, SpecNameError
+from kvtier.fsm import CacheCore, Completion, InvariantViolation, SpecNameError
 from kvtier.fsm import machines
 from kvtier.fsm.counters import KNOWN_ABORT_REASONS, FacadeCounters
+from kvtier.fsm.l3 import L3Options, L3Tier, StoreOp, StoreResult
 from kvtier.fsm.names import L3_EVENT, L3_STATE, REQUEST_EVENT
 from kvtier.fsm.spec import load_spec
 from kvtier.tiered import TieredCache
@@ -37,7 +39,7 @@ def ack(c: TieredCache, op: int, ok: bool = True) -> None:
 def one_command(c: TieredCache) -> int:
     """poll() hands out exactly one command: its op id."""
     (cmd,) = c.poll().commands
-    return cmd.op_id
+    return int(cmd.op_id)
 
 
 # ---------------------------------------------------------------------------- facade counters
@@ -128,7 +130,7 @@ def scripted() -> tuple[TieredCache, int]:
     return c, checks
 
 
-EXPECTED_FACADE = {
+EXPECTED_FACADE: dict[str, Any] = {
     "admissions": 9,  # seed, b three times, c, d, e, f, g
     "resumptions": 2,  # b twice
     "prompt_tokens": 9 + 3 * 9 + 9 + 13 + 5 + 4 + 4,  # = 71: seed, b x3, c, d, e, f, g
@@ -234,15 +236,9 @@ def test_facade_counters_record_by_record() -> None:
 
 
 # ---------------------------------------------------------------------------- L3 store records
-def l3_pair() -> tuple[Any, Any, Any, Any]:
+def l3_pair() -> tuple[CacheCore, L3Tier, CacheCore, L3Tier]:
     """Two h1 cores with L3 tiers (deadline 1 s, no lease); the first holds units abcd on
     the host (backed: written back and acknowledged)."""
-    from core_helpers import ack as core_ack
-    from core_helpers import put
-
-    from kvtier.fsm import CacheCore
-    from kvtier.fsm.l3 import L3Options, L3Tier
-
     a, b = CacheCore(h1(), 16, 16), CacheCore(h1(), 16, 16)
     res = put(a, tuple("abcd"))
     cmd = a.writeback(res.node)
@@ -254,8 +250,6 @@ def l3_pair() -> tuple[Any, Any, Any, Any]:
 def test_store_commands_carry_their_kind_by_name() -> None:
     """A backend (or a log) reads a command's kind by its value: exists, put, get, remove;
     an object left in the wrong state names its operation's kind in the invariant."""
-    from kvtier.fsm.l3 import StoreOp, StoreResult
-
     assert [(k.name, k.value) for k in StoreOp] == [("EXISTS", "exists"), ("PUT", "put"), ("GET", "get"),
                                                     ("REMOVE", "remove")]
     assert [StoreOp(v) for v in ("exists", "put", "get", "remove")] == list(StoreOp)
@@ -302,8 +296,6 @@ def test_a_bare_store_result_moved_nothing_and_succeeded_at_nothing() -> None:
     """StoreResult's defaults: no key ok, none present, nothing corrupt, 0 bytes in 0 s, no
     error; so a bare result of an exists finds nothing, of a put stores nothing, and the
     failures the tier makes itself at a deadline add no bytes and no seconds."""
-    from kvtier.fsm.l3 import StoreResult
-
     r = StoreResult(7)
     assert (r.op_id, r.ok, r.present, r.corrupt, r.nbytes, r.seconds, r.error) == (7, (), 0, (), 0, 0.0, None)
     assert type(r.seconds) is float and type(r.nbytes) is int and type(r.present) is int
