@@ -4,7 +4,8 @@ run.sh's mutmut cache is per worktree; once it is gone, mutmut's ids no longer n
 mutants. This needs only the committed raw results: every ``<failure>`` (survivor) and
 ``<skipped>`` (not run) testcase of ``results/<file>.xml`` holds the mutant's unified diff.
 For each, it checks that the diff's old lines are still the file's lines at that place
-(a mutant on a line changed since is reported ``stale`` and left as it is), applies the
+(a mutant on a line changed since is reported ``stale`` and left as it is; an excluded one,
+in exclusions.txt, is skipped), applies the
 diff in place (the original kept as ``fsm/<file>.py.bak``, as mutmut does, so runner.sh
 selects the tests), runs ``runner.sh`` (the same test subset and per-test selection as
 run.sh), and puts the original back. A mutant the tests now kill loses its
@@ -23,6 +24,7 @@ import datetime
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +33,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from score import load_exclusions, mutation_line  # noqa: E402
+
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@")
 
 
@@ -72,6 +77,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("files", nargs="+", metavar="FSM_FILE")
     ap.add_argument("--only-skipped", action="store_true", help="only the mutants not run yet")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # put fsm/ back (finally) when stopped
     if list((ROOT / "fsm").glob("*.py.bak")):
         raise SystemExit("fsm/ holds a .py.bak: a mutation run is in progress here or was interrupted")
     if not (HERE / "covermap.json").exists():
@@ -95,6 +101,7 @@ def main(argv: list[str]) -> int:
 
 
 def rerun(files: list[str], only_skipped: bool, stamp: str, env: dict[str, str]) -> None:
+    skip_excluded = set(load_exclusions())  # equivalent mutants: not re-run
     for f in files:
         path = ROOT / f
         xml = HERE / "results" / f"{path.stem}.xml"
@@ -106,6 +113,8 @@ def rerun(files: list[str], only_skipped: bool, stamp: str, env: dict[str, str])
             if child is None:
                 continue
             diff = child.text or ""
+            if (f"{f}:{tc.get('line')}", mutation_line(diff)[1]) in skip_excluded:
+                continue
             mutated = apply(diff, source)
             if mutated is None:
                 print(f"{tc.get('name')} {f}:{tc.get('line')}: stale (its lines changed since the run)")
