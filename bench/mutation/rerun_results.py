@@ -64,7 +64,7 @@ def run_mutant(path: Path, mutated: list[str], env: dict[str, str]) -> bool:
     bak = path.with_name(path.name + ".bak")
     shutil.copyfile(path, bak)
     try:
-        path.write_text("\n".join(mutated) + "\n", encoding="utf-8")
+        path.write_text("\n".join(mutated), encoding="utf-8")
         rc = subprocess.run(["bash", str(HERE / "runner.sh")], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
     finally:
@@ -106,7 +106,7 @@ def rerun(files: list[str], only_skipped: bool, stamp: str, env: dict[str, str])
         path = ROOT / f
         xml = HERE / "results" / f"{path.stem}.xml"
         tree = ET.parse(xml)
-        source = path.read_text(encoding="utf-8").splitlines()
+        source = path.read_text(encoding="utf-8").split("\n")  # a last "" for the end of the file, as in mutmut's diffs
         for tc in tree.getroot().iter("testcase"):
             fail, skip = tc.find("failure"), tc.find("skipped")
             child = skip if only_skipped else (fail if fail is not None else skip)
