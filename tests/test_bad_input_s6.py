@@ -1,0 +1,77 @@
+"""Bad input found in session 6 (``fsm/``): each call raises kvtier's own error class with
+a message naming the value and what was expected, and changes nothing.
+
+Layout ``h1`` (``tests/core_helpers.py``): alignment 2, one history group ``kv`` of 2
+tokens per page."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import pytest
+from core_helpers import h1, put, snapshot
+
+from kvtier.fsm import UsageError
+from kvtier.tiered import TieredCache
+
+
+def _cache() -> TieredCache:
+    """Requests a and b decoding: prompts of 8 tokens computed and published, 1 more token reserved."""
+    c = TieredCache(h1(), 32, None)
+    for rid, key in (("a", "abcd"), ("b", "efgh")):
+        assert c.admit(rid, list(key), prompt_tokens=8, chunk_tokens=8) is not None
+        assert c.step_done(rid, 8) == {}
+        assert c.reserve(rid, 1) is not None
+    return c
+
+
+def _seen(c: TieredCache) -> tuple[Any, ...]:
+    """What a call may change: the counters, every request's record and the tree."""
+    recs = [(r.request_id, r.state, r.tokens, r.reserved, r.passes, r.results, list(r.units),
+             {g: list(p) for g, p in r.own.items()}) for r in c.table]
+    return c.stats(), recs, snapshot(c.core)
+
+
+# ------------------------------------------------------------------ 1. Batcher._ids
+class _Tuple(tuple):  # type: ignore[type-arg]
+    """A tuple whose items cannot be read (``x[0]`` raises TypeError)."""
+
+    def __getitem__(self, i: Any) -> NoReturn:
+        raise TypeError("no items")
+
+
+class _Seq(Sequence[Any]):
+    """A sequence of one item that cannot be read (iterating it raises TypeError)."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: Any) -> NoReturn:
+        raise TypeError("no items")
+
+    def __repr__(self) -> str:
+        return "_Seq()"
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"reserve": [_Tuple(("a", 1))]},
+     "step: reserve must hold tuples of 2..2 fields (ForwardResult / Reservation), got [('a', 1)]"),
+    ({"results": [_Tuple(("a", 1))]},
+     "step: results must hold tuples of 2..4 fields (ForwardResult / Reservation), got [('a', 1)]"),
+    ({"reserve": _Seq()},
+     "step: reserve must hold tuples of 2..2 fields (ForwardResult / Reservation), got _Seq()"),
+    ({"results": [("a", 1)], "reserve": _Seq()},
+     "step: reserve must hold tuples of 2..2 fields (ForwardResult / Reservation), got _Seq()"),
+])
+def test_step_with_items_that_cannot_be_read_is_refused(kw: dict[str, Any], message: str) -> None:
+    """Was StopIteration (a tuple whose items raise TypeError) or a bare TypeError (a
+    sequence whose items raise TypeError)."""
+    c = _cache()
+    before = _seen(c)
+    with pytest.raises(UsageError) as exc:
+        c.step(**kw)
+    assert type(exc.value) is UsageError
+    assert str(exc.value) == message
+    assert _seen(c) == before
+    c.check_invariants()
