@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import pytest
 from core_helpers import h1, put, snapshot
 
-from kvtier.fsm import UsageError
+from kvtier.fsm import CacheCore, UsageError
 from kvtier.tiered import TieredCache
 
 
@@ -74,4 +74,24 @@ def test_step_with_items_that_cannot_be_read_is_refused(kw: dict[str, Any], mess
     assert type(exc.value) is UsageError
     assert str(exc.value) == message
     assert _seen(c) == before
+    c.check_invariants()
+
+
+# ------------------------------------------------------------------ 2. CacheCore.walk
+@pytest.mark.parametrize("key", ["ab", b"ab", 5, None])
+def test_walk_refuses_a_key_that_is_not_a_sequence_of_unit_keys(key: Any) -> None:
+    """Was: "ab" walked the units 'a', 'b' and split node ('a', 'b', 'c') silently (b"ab"
+    walked ints 97, 98); 5 and None raised a bare TypeError."""
+    c = CacheCore(h1(), 8, 8)
+    put(c, "abc")
+    before = snapshot(c)
+    with pytest.raises(UsageError) as exc:
+        c.walk(key)
+    assert type(exc.value) is UsageError
+    assert str(exc.value) == f"walk: key must be a sequence of unit keys (not a str or bytes), got {key!r}"
+    assert snapshot(c) == before
+    assert [n.key for n in c.nodes()] == [("a", "b", "c")]
+    c.check_invariants()
+    # the same units as a list are walked, splitting the node where the key ends
+    assert [n.key for n in c.walk(list("ab"))] == [("a", "b")]
     c.check_invariants()
