@@ -342,7 +342,11 @@ class CacheCore:
 
         Returns:
             group -> host pages actually freed.
+
+        Raises:
+            UsageError: unknown group or a count that is not an int >= 0 (nothing changes).
         """
+        self.ledger.check_need(need)
         return self._reclaimer.evict_host(need, protect=protect, host_only=host_only)
 
     def drop_device_checkpoint(self, node: Node) -> None:

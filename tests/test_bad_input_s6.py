@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import pytest
-from core_helpers import h1, put, snapshot
+from core_helpers import ack, h1, put, snapshot, state
 
 from kvtier.fsm import CacheCore, UsageError
 from kvtier.tiered import TieredCache
@@ -94,4 +94,38 @@ def test_walk_refuses_a_key_that_is_not_a_sequence_of_unit_keys(key: Any) -> Non
     c.check_invariants()
     # the same units as a list are walked, splitting the node where the key ends
     assert [n.key for n in c.walk(list("ab"))] == [("a", "b")]
+    c.check_invariants()
+
+
+# ------------------------------------------------------------------ 3. CacheCore.evict_host
+@pytest.mark.parametrize("need, message", [
+    ({"zz": 1}, "unknown cache group 'zz'; groups: ['kv']"),
+    ({"kv": 1, "zz": 1}, "unknown cache group 'zz'; groups: ['kv']"),
+    ({"kv": -1}, "page count for group 'kv' must be an int >= 0, got -1"),
+    ({"kv": 1.5}, "page count for group 'kv' must be an int >= 0, got 1.5"),
+    ({"kv": True}, "page count for group 'kv' must be an int >= 0, got True"),
+    ({"kv": "2"}, "page count for group 'kv' must be an int >= 0, got '2'"),
+])
+@pytest.mark.parametrize("host", [8, None])
+def test_evict_host_refuses_unknown_groups_and_bad_counts(need: dict[str, Any], message: str,
+                                                          host: int | None) -> None:
+    """Was: a bare KeyError for an unknown group ({} with no host tier), {'kv': 0} for
+    -1, 1.5 and True, a bare TypeError for '2'. Refused as evict_device refuses them,
+    before any eviction: with {"kv": 1, "zz": 1} the host leaf ('a', 'b') stays."""
+    c = CacheCore(h1(), 8, host)
+    put(c, "ab")
+    if host is not None:
+        ack(c, c.writeback(c.nodes()[0]))
+        assert c.evict_device({"kv": 2}) == {"kv": 2}
+        assert state(c) == {1: "host"}
+    before = snapshot(c)
+    with pytest.raises(UsageError) as exc:
+        c.evict_host(need)
+    assert type(exc.value) is UsageError
+    assert str(exc.value) == message
+    assert snapshot(c) == before
+    c.check_invariants()
+    # the same call with a good need frees the host copy (none without a host tier)
+    assert c.evict_host({"kv": 2}) == ({"kv": 2} if host is not None else {})
+    assert state(c) == ({} if host is not None else {1: "device"})
     c.check_invariants()
