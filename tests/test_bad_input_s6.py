@@ -129,3 +129,27 @@ def test_evict_host_refuses_unknown_groups_and_bad_counts(need: dict[str, Any], 
     assert c.evict_host({"kv": 2}) == ({"kv": 2} if host is not None else {})
     assert state(c) == ({} if host is not None else {1: "device"})
     c.check_invariants()
+
+
+# ------------------------------------------------------------------ 4. admit of an admitted id
+def test_admit_of_an_admitted_request_says_it_is_already_admitted() -> None:
+    """Was "request 'a': admit in state 'running' (accepted in ...)", which did not say
+    that the id is in use. The record (its units, prompt, pages) stays as it was."""
+    c = _cache()
+    assert c.step_done("b", 1) == {}
+    assert c.retract("b") is not None
+    assert c.states(["a", "b"]) == ["running", "retracted"]
+    before = _seen(c)
+    for rid, st in (("a", "running"), ("b", "retracted")):
+        with pytest.raises(UsageError) as exc:
+            c.admit(rid, list("xyzw"), prompt_tokens=8, chunk_tokens=8)
+        assert type(exc.value) is UsageError
+        assert str(exc.value) == (f"request {rid!r} is already admitted: admit in state {st!r} "
+                                  f"(accepted in aborted, finished, waiting)")
+        assert _seen(c) == before
+    c.check_invariants()
+    # once it has ended, the id may be admitted again
+    assert c.step_done("a", 1) == {}
+    c.finish("a")
+    assert c.admit("a", list("xyzw"), prompt_tokens=8, chunk_tokens=8) is not None
+    assert c.states(["a"]) == ["running"] and list(c.table.get("a").units) == list("xyzw")
