@@ -4,16 +4,21 @@ session 6 (helper G): the defaults of the public spec records (``LifecycleSpec.c
 empty dict, ``Specification.l3`` is None and adds no lifecycle), and the exact text of the
 spec's refusals; the argument checks of ``checks.py`` with their exact messages and
 bounds, numpy integers and booleans turned into plain values, and the first unhashable
-unit named."""
+unit named; the L3 gets' host reservations of ``fetch.py`` (``core.fetches``): every
+refusal with its exact message and nothing changed, the room a get reserves and reclaims,
+settle's bounds, the exact counters and the fields of acknowledged and failed nodes, and
+the ``l3_get_invisible`` checks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvtier.fsm import ConfigError, UsageError
+from kvtier.fsm import CacheCore, ConfigError, KvtierError, UsageError
+from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text, check_hashable, plain_bool, plain_int
 from kvtier.fsm.spec import LifecycleSpec, Specification, load_spec, parse_spec
+from core_helpers import ack, h1, put
 from test_spec import MINIMAL
 
 
@@ -120,3 +125,121 @@ def test_as_keys_takes_lists_and_tuples_of_hashables_and_names_the_first_bad_uni
     _says(lambda: check_hashable((1, {"a": 1}), "c", error=ConfigError), "c: unit keys must be hashable, got {'a': 1}",
           ConfigError)
     check_hashable([1, ("a", 2)], "c")
+
+
+# ------------------------------------------------------------------ fetch.py
+def _host_state(c: CacheCore) -> tuple:
+    return (len(c.fetches), c.fetches.items(), c.host["kv"].free, len(list(c.tree)), c.stats.fetches)
+
+
+def test_fetch_reserve_refusals_name_the_problem_and_change_nothing() -> None:
+    with pytest.raises(UsageError) as exc:
+        CacheCore(h1(), 8).fetches.reserve(CacheCore(h1(), 8).root, ["a"], 1)
+    assert str(exc.value) == "fetch_reserve: the cache has no host tier"
+    c = CacheCore(h1(), 8, 4)
+    made = c.fetches.reserve(c.root, ["a", "b"], 900)
+    dev = put(c, ["d1", "d2"]).node
+    stranger = put(CacheCore(h1(), 8, 4), ["z"]).node
+    before = _host_state(c)
+    _says(lambda: c.fetches.reserve(c.root, ["x"], 900), "fetch_reserve: op 900 is already in flight")
+    _says(lambda: c.fetches.reserve(c.root, [], 901), "fetch_reserve: no unit keys")
+    _says(lambda: c.fetches.reserve(dev, ["x"], 901),
+          f"fetch_reserve: node {dev.node_id} is device; a fetched chain continues the root or a node with a "
+          "visible host copy")
+    _says(lambda: c.fetches.reserve(stranger, ["x"], 901),
+          f"fetch_reserve: {stranger!r} is not a node of this cache's tree", KvtierError)
+    assert _host_state(c) == before and c.fetches.nodes(900) == tuple(made)
+    c.check_invariants()
+
+
+def test_fetch_reserve_continues_a_host_copy_and_returns_nothing_for_a_present_first_unit() -> None:
+    c = CacheCore(h1(), 8, 8)
+    first = c.fetches.reserve(c.root, ["a"], 1)
+    assert [n.key for n in c.fetches.settle(1, 1)] == [("a",)] and first[0].state == "host"
+    below = c.fetches.reserve(first[0], ["b", "c"], 2)  # continues a host copy
+    assert [(n.key, n.parent) for n in below] == [(("b",), first[0]), (("c",), below[0])]
+    before = _host_state(c)
+    assert c.fetches.reserve(c.root, ["a"], 3) == [] and c.fetches.reserve(c.root, ["a", "q"], 4) == []
+    assert c.fetches.reserve(first[0], ["b"], 5) == []
+    assert _host_state(c) == before and 3 not in c.fetches and 4 not in c.fetches and 2 in c.fetches
+    c.check_invariants()
+
+
+def test_fetch_reserve_reclaims_exactly_the_host_pages_it_needs() -> None:
+    """A full host tier: a 3-unit get reclaims 3 units' pages from a 4-unit host leaf (split),
+    and reserves one page per unit; a tier with less room reserves fewer units."""
+    c = CacheCore(h1(), 8, 4)
+    leaf = put(c, ["a", "b", "c", "d"]).node
+    ack(c, c.writeback(leaf))
+    c.evict_device({"kv": 8})
+    assert leaf.state == "host" and c.host["kv"].free == 0
+    made = c.fetches.reserve(c.root, ["x", "y", "z"], 5)
+    assert [n.key for n in made] == [("x",), ("y",), ("z",)] and c.host["kv"].free == 0
+    assert [len(n.pending["kv"]) for n in made] == [1, 1, 1] and c.stats.host_evictions == 1
+    assert [n.state for n in c.tree if n.state == "host"] == ["host"]  # one unit of the old leaf is left
+    small = CacheCore(h1(), 8, 2)
+    assert [n.key for n in small.fetches.reserve(small.root, ["x", "y", "z"], 1)] == [("x",), ("y",)]
+    assert small.fetches.reserve(small.root, ["q"], 2) == [] and small.stats.fetches == 1
+    c.check_invariants()
+    small.check_invariants()
+
+
+def test_fetch_settle_bounds_and_exact_counters() -> None:
+    c = CacheCore(h1(), 8, 8)
+    made = c.fetches.reserve(c.root, ["a", "b", "c"], 7)
+    before = (_host_state(c), [(n.state, n.pending, n.fetch_op) for n in made])
+    for bad in (4, -1, True, "1", 1.0):
+        _says(lambda: c.fetches.settle(7, bad), f"fetch_settle: acked must be an int in 0..3, got {bad!r}")
+    with pytest.raises(KeyError):
+        c.fetches.settle(8, 0)
+    assert (_host_state(c), [(n.state, n.pending, n.fetch_op) for n in made]) == before
+    pages = [n.pending for n in made]
+    t0 = c.tick()
+    got = c.fetches.settle(7, 1)
+    assert got == made[:1] and 7 not in c.fetches and len(c.fetches) == 0
+    a = made[0]
+    assert (a.state, a.host, a.pending, a.fetch_op, a.last_access) == ("host", pages[0], {}, None, t0 + 1)
+    for n in made[1:]:
+        assert (n.state, n.pending, n.fetch_op) == ("removed", {}, None)
+    assert (c.stats.fetches, c.stats.fetched_units, c.stats.fetch_failed_units) == (1, 1, 2)
+    assert c.host["kv"].free == 7
+    c.check_invariants()
+    more = c.fetches.reserve(a, ["b", "c"], 9)
+    t1 = c.tick()
+    assert c.fetches.settle(9, 2) == more and [n.last_access for n in more] == [t1 + 1, t1 + 1]
+    assert (c.stats.fetches, c.stats.fetched_units, c.stats.fetch_failed_units) == (2, 3, 2)
+    assert c.fetches.reserve(c.root, ["e"], 10) and c.fetches.settle(10, 0) == []
+    assert (c.stats.fetches, c.stats.fetched_units, c.stats.fetch_failed_units) == (3, 3, 3)
+    c.check_invariants()
+
+
+def test_fetch_check_names_a_listed_node_that_is_not_fetching_for_its_get() -> None:
+    c = CacheCore(h1(), 8, 8)
+    n = c.fetches.reserve(c.root, ["a", "b"], 3)[1]
+    c.fetches.check()
+    n.fetch_op = 4  # corrupt: fetching for another get
+    with pytest.raises(InvariantViolation) as exc:
+        c.fetches.check()
+    assert (exc.value.invariant, exc.value.subject) == ("l3_get_invisible", f"node {n.node_id} (fetching)")
+    assert str(exc.value) == (f"invariant 'l3_get_invisible' violated by node {n.node_id} (fetching): "
+                              "in get 3 but not fetching for it")
+    n.fetch_op = 3
+    n.state = "host"  # corrupt: listed but no longer fetching
+    with pytest.raises(InvariantViolation) as exc:
+        c.fetches.check()
+    assert str(exc.value) == (f"invariant 'l3_get_invisible' violated by node {n.node_id} (host): "
+                              "in get 3 but not fetching for it")
+
+
+def test_fetch_check_names_a_fetching_node_no_get_lists() -> None:
+    c = CacheCore(h1(), 8, 8)
+    listed = c.fetches.reserve(c.root, ["a"], 3)[0]
+    stray = put(c, ["b"]).node
+    c.fetches.check()
+    stray.state = "fetching"  # corrupt: fetching, in no get
+    with pytest.raises(InvariantViolation) as exc:
+        c.fetches.check()
+    assert (exc.value.invariant, exc.value.subject) == ("l3_get_invisible", f"node {stray.node_id} (fetching)")
+    assert str(exc.value) == (f"invariant 'l3_get_invisible' violated by node {stray.node_id} (fetching): "
+                              "fetching but no get in flight lists it")
+    assert listed.state == "fetching"
