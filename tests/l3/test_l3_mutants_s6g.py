@@ -4,7 +4,8 @@ session 6 (helper G): the documented defaults of :class:`L3Options`, every refus
 ``L3Options.check`` with its exact message and its boundaries, the fresh counters of
 :class:`L3Stats`, a new :class:`L3Object` and :class:`Prefetch`, and the key format
 (``namespace``, ``chain_keys``: keys are shared through the store between instances and
-releases, so they must not drift)."""
+releases, so they must not drift); and every ``l3_*`` invariant check of ``check_l3`` with
+its exact invariant, subject and message, each on a tier corrupted in one place."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import hashlib
 
 import pytest
 
-from kvtier.fsm import ConfigError
+from kvtier.fsm import CacheCore, ConfigError
+from kvtier.fsm.errors import InvariantViolation
+from kvtier.fsm.l3 import L3Tier, StoreResult
 from kvtier.fsm.l3options import (WRITE_POLICIES, L3Object, L3Options, L3Stats, Prefetch, chain_keys,
                                   namespace)
 from kvtier.fsm.spec import load_spec
 
-from core_helpers import h1
+from core_helpers import ack, h1, put
 
 
 # ------------------------------------------------------------------ L3Options
@@ -134,3 +137,109 @@ def test_chain_keys_hash_each_unit_after_the_previous_digest_from_the_seed() -> 
     assert chain_keys(seed, ["a", 7]) == [d0, d1]
     assert chain_keys(seed, ["a", 7], 1, d0) == [d1]
     assert chain_keys(seed, ["a", 7], 2, d1) == [] and chain_keys(seed, []) == []
+
+
+# ------------------------------------------------------------------ l3checks.py
+def _put_in_flight() -> tuple[L3Tier, object]:
+    """An h1 core holding units abcd on the host (backed) with an L3 put of them in flight."""
+    core = CacheCore(h1(), 16, 16)
+    ack(core, core.writeback(put(core, tuple("abcd")).node))
+    tier = L3Tier(core, L3Options(deadline_s=1.0))
+    assert tier.offer(tuple("abcd"), 0.0) == 4
+    (cmd,) = tier.poll_commands()
+    op = tier.operations[cmd.op_id]
+    assert [o.state for o in op.objects] == ["putting"] * 4 and op.receipt is not None
+    tier.check_invariants()
+    return tier, op
+
+
+def _get_in_flight() -> tuple[L3Tier, object]:
+    """A second instance whose prefetch of abcd (stored by the first) has its get in flight."""
+    tier, op = _put_in_flight()
+    tier.complete(StoreResult(op.op_id, ok=(True,) * 4), 0.0)
+    core = CacheCore(h1(), 16, 16)
+    other = L3Tier(core, L3Options(deadline_s=1.0))
+    assert other.prefetch("r", tuple("abcd"), 0.0)
+    (exists,) = other.poll_commands()
+    other.complete(StoreResult(exists.op_id, present=4), 0.0)
+    (get,) = other.poll_commands()
+    gop = other.operations[get.op_id]
+    assert [o.state for o in gop.objects] == ["getting"] * 4 and get.op_id in core.fetches
+    other.check_invariants()
+    return other, gop
+
+
+def _violation(tier: L3Tier) -> InvariantViolation:
+    with pytest.raises(InvariantViolation) as exc:
+        tier.check_invariants()
+    return exc.value
+
+
+def test_an_object_of_a_put_in_the_wrong_state_or_op_is_named() -> None:
+    tier, op = _put_in_flight()
+    o = op.objects[2]
+    o.state = "leased"
+    e = _violation(tier)
+    assert (e.invariant, e.subject) == ("l3_ends_by_deadline", f"object {o.key[:12]} (leased)")
+    assert str(e) == (f"invariant 'l3_ends_by_deadline' violated by object {o.key[:12]} (leased): "
+                      f"in put op {op.op_id} but leased")
+    o.state = "putting"
+    o.op_id = op.op_id + 50  # the right state, another operation
+    assert str(_violation(tier)) == (f"invariant 'l3_ends_by_deadline' violated by object {o.key[:12]} (putting): "
+                                     f"in put op {op.op_id} but putting")
+
+
+def test_a_put_that_does_not_pin_its_source_is_named_by_its_first_object() -> None:
+    tier, op = _put_in_flight()
+    first = op.objects[0]
+    want = (f"invariant 'l3_put_source_pinned' violated by object {first.key[:12]} (putting): "
+            f"put {op.op_id} does not pin the host copies it reads")
+    (node,) = op.receipt.nodes
+    node.host_pin = 0  # unpinned, still host-visible
+    assert str(_violation(tier)) == want
+    node.host_pin = 1
+    state, node.state = node.state, "device"  # pinned, but no visible host copy
+    assert str(_violation(tier)) == want
+    node.state = state
+    tier.check_invariants()
+    op.receipt = None
+    assert str(_violation(tier)) == want
+    objects = list(op.objects)
+    op.objects.clear()  # a put of nothing: the subject is the tier
+    e = _violation(tier)
+    assert (e.invariant, e.subject) == ("l3_put_source_pinned", "the L3 tier")
+    assert str(e) == f"invariant 'l3_put_source_pinned' violated by the L3 tier: put {op.op_id} does not pin the host copies it reads"
+    op.objects.extend(objects)
+
+
+def test_a_get_without_fetching_nodes_or_the_stores_answer_is_named() -> None:
+    tier, op = _get_in_flight()
+    first = op.objects[0]
+    op.objects[3].store_answered = False
+    assert str(_violation(tier)) == (f"invariant 'l3_visible_by_answer' violated by object {first.key[:12]} "
+                                     "(getting): fetched without the store's answer")
+    op.objects[3].store_answered = True
+    tier.check_invariants()
+    tier.core.fetches.settle(op.op_id, 0)  # the core's get ended behind the tier's back
+    e = _violation(tier)
+    assert (e.invariant, e.subject) == ("l3_get_invisible", f"object {first.key[:12]} (getting)")
+    assert str(e) == (f"invariant 'l3_get_invisible' violated by object {first.key[:12]} (getting): "
+                      f"get {op.op_id} owns no fetching nodes")
+
+
+def test_an_object_in_flight_without_its_operation_is_named() -> None:
+    tier, op = _put_in_flight()
+    o = op.objects.pop(1)  # no longer listed by its put
+    tier.check_invariants()  # still listed by the put's op id
+    o.op_id = op.op_id + 50
+    e = _violation(tier)
+    assert (e.invariant, e.subject) == ("l3_ends_by_deadline", f"object {o.key[:12]} (putting)")
+    assert str(e) == f"invariant 'l3_ends_by_deadline' violated by object {o.key[:12]} (putting): no operation in flight"
+
+
+def test_fetching_nodes_of_a_get_the_tier_did_not_issue_are_named() -> None:
+    tier, op = _put_in_flight()
+    assert tier.core.fetches.reserve(tier.core.root, ["q"], 77)  # a get the tier never issued
+    e = _violation(tier)
+    assert (e.invariant, e.subject) == ("l3_get_invisible", "the L3 tier")
+    assert str(e) == "invariant 'l3_get_invisible' violated by the L3 tier: fetching nodes of get 77, which is not in flight"
