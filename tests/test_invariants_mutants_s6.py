@@ -112,6 +112,21 @@ def host_node_pinned_without_receipt(c: CacheCore, n: dict[str, Node]) -> None:
     n["a"].host_pin = 1  # allowed by the node's state (an optional pin), not by the receipts
 
 
+def one_unit_key_changed(c: CacheCore, n: dict[str, Node]) -> None:
+    n["x"].key = ("y",)  # filed under "x" by its parent, keyed "y": one unit, so no second unit to compare
+
+
+def loadback_left_with_no_node_and_no_pin(c: CacheCore, n: dict[str, Node]) -> None:
+    """Op 2 forgets its only node and its own pin is released: the pin (none) and the
+    nodes (none) agree, and what catches it is the source check (no node holds the pages)."""
+    a = n["a"]
+    op = c.optable.get(2)
+    assert op is not None and op.nodes == [a]
+    c.receipts.release(c.receipts.get(-2))
+    op.nodes.clear()
+    a.lb_op = None
+
+
 #: (what, corrupt, setup, invariant, subject, detail)
 CASES: list[tuple[str, Callable[..., None], Callable[[], tuple[CacheCore, dict[str, Node]]], str, str, str]] = [
     ("backed without host pages", backed_without_host_pages, valid, "state_matches_resources", "node 1 (backed)",
@@ -130,6 +145,10 @@ CASES: list[tuple[str, Callable[..., None], Callable[[], tuple[CacheCore, dict[s
      "state 'fetching' declares fetch_op but the node has none"),
     ("writing node pinned", writing_pinned, valid, "loadback_source_pinned", "node 3 (writing)",
      "holds host_pin but state 'writing' declares ['device_pages', 'shared_read', 'pending_host', 'writeback_op']"),
+    ("link key of one unit", one_unit_key_changed, valid, "split_preserves_ownership", "node 3 (device)",
+     "tree links are inconsistent"),
+    ("loadback with neither nodes nor pin", loadback_left_with_no_node_and_no_pin, loading, "loadback_source_pinned",
+     "the cache", "op 2 copies pages of 'kv' its nodes no longer hold"),
     ("host node pinned without a receipt", host_node_pinned_without_receipt, hosted, "counts_with_receipts",
      "node 1 (host)", "pin count 1 but 0 receipts"),
 ]
@@ -161,3 +180,15 @@ def test_pins_on_visible_host_copies_are_legal() -> None:
     h.check_invariants()
     assert (n["a"].state, n["a"].host_pin, m["a"].state, m["a"].host_pin) == ("backed", 1, "host", 2)
 
+
+
+def test_a_key_equal_to_its_childrens_dict_key_is_consistent() -> None:
+    """The tree walk compares a child's first unit with its key in the parent's children
+    dict as the dict does (identity first, then equality): an equal but distinct object
+    is a consistent link."""
+    c = CacheCore(h1(), 8, 8)
+    u = put(c, ["unit"]).node
+    same = "".join(["un", "it"])
+    assert same == u.key[0] and same is not u.key[0]
+    u.key = (same,)
+    c.check_invariants()
