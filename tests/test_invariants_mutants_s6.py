@@ -127,6 +127,10 @@ def loadback_left_with_no_node_and_no_pin(c: CacheCore, n: dict[str, Node]) -> N
     a.lb_op = None
 
 
+def loadback_pin_lost_its_node(c: CacheCore, n: dict[str, Node]) -> None:
+    c.receipts.get(-2).nodes.clear()  # op 2's own pin no longer names node 1 (the counts are checked later)
+
+
 #: (what, corrupt, setup, invariant, subject, detail)
 CASES: list[tuple[str, Callable[..., None], Callable[[], tuple[CacheCore, dict[str, Node]]], str, str, str]] = [
     ("backed without host pages", backed_without_host_pages, valid, "state_matches_resources", "node 1 (backed)",
@@ -149,6 +153,8 @@ CASES: list[tuple[str, Callable[..., None], Callable[[], tuple[CacheCore, dict[s
      "tree links are inconsistent"),
     ("loadback with neither nodes nor pin", loadback_left_with_no_node_and_no_pin, loading, "loadback_source_pinned",
      "the cache", "op 2 copies pages of 'kv' its nodes no longer hold"),
+    ("loadback pin lost its node", loadback_pin_lost_its_node, loading, "loadback_source_pinned", "node 1 (loading)",
+     "loadback op 2 does not pin exactly its nodes"),
     ("host node pinned without a receipt", host_node_pinned_without_receipt, hosted, "counts_with_receipts",
      "node 1 (host)", "pin count 1 but 0 receipts"),
 ]
