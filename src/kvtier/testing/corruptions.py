@@ -11,7 +11,10 @@ one corruption per raising check of ``fsm/invariants.py`` and ``fsm/fence.py`` (
 chosen so that no earlier check catches it first; ``says`` is a fragment of the message
 that check writes, which ``tests/test_corruptions.py`` asserts) but one:
 ``_check_fenced``'s terminal-state check, which ``check_requests`` always pre-empts (a
-terminal state owns nothing, so ``forward_fence`` is raised one check earlier).
+terminal state owns nothing, so ``forward_fence`` is raised one check earlier). The node
+resource check (``_check_declared_resources``) names a different invariant per resource
+held without its state declaring it or lacked while declared: it has one corruption per
+such pair a kit cache can reach (a fetching node needs an L3 tier: ``tests/test_invariants_mutants_s6.py``).
 
 A corruption applies to the state it finds (a writing node, a request holding pages,
 ...); where the state has nothing it needs it raises :class:`NotApplicable` and the
@@ -359,6 +362,22 @@ def _settle_writeback_op(c: TieredCache, v: int) -> None:
     c.core.optable.remove(op)
 
 
+def _forget_settled_loadback(c: TieredCache, v: int) -> None:
+    """A loadback leaves the table and its nodes forget it, but they stay loading."""
+    op = _pick(_ops(c, Direction.LOADBACK), v)
+    c.core.optable.remove(op)
+    for n in op.nodes:
+        n.lb_op = None
+
+
+def _forget_settled_writeback(c: TieredCache, v: int) -> None:
+    """A writeback leaves the table and its nodes forget it, but they stay writing."""
+    op = _pick(_ops(c, Direction.WRITEBACK), v)
+    c.core.optable.remove(op)
+    for n in op.nodes:
+        n.wb_op = None
+
+
 def _ckpt_wrong_size(c: TieredCache, v: int) -> None:
     sizes = views.checkpoint_pages(c.core)
     if not sizes:
@@ -453,8 +472,9 @@ def _bump(obj: Any, attr: str, by: int = 1) -> None:
 _READABLE = ("device", "backed", "writing")
 _INV = load_spec().invariants
 
-#: one corruption per raising check of fsm/invariants.py and fsm/fence.py (see the module
-#: docstring); every one must be caught as its ``invariant``
+#: one corruption per raising check of fsm/invariants.py and fsm/fence.py, and per resource
+#: pair of the node resource check (see the module docstring); every one must be caught as
+#: its ``invariant``
 CORRUPTIONS: list[Corruption] = [
     # the tree (invariants._walk)
     Corruption("a node whose parent link points elsewhere", "split_preserves_ownership", "tree links are inconsistent",
@@ -490,6 +510,28 @@ CORRUPTIONS: list[Corruption] = [
                lambda c, v: _set(_node(c, v, ("device",)), "state", "host")),
     Corruption("a backed node in the host state", "state_matches_resources", "holds device_pages but state",
                lambda c, v: _set(_node(c, v, ("backed",)), "state", "host")),
+    Corruption("a host copy without its host pages", "state_matches_resources",
+               "declares host_pages but the node has none",
+               lambda c, v: _set(_node(c, v, ("backed", "host"), lambda n: bool(n.host)), "host", {})),
+    Corruption("a device node with pending host pages", "state_matches_resources", "holds pending_host but state",
+               lambda c, v: _set(_node(c, v, ("device",)), "pending", {_g(c): [_FAR]})),
+    Corruption("a writing node without its pending host pages", "state_matches_resources",
+               "declares pending_host but the node has none",
+               lambda c, v: _set(_node(c, v, ("writing",), lambda n: bool(n.pending)), "pending", {})),
+    Corruption("loading nodes whose loadback left and was forgotten", "loadback_source_pinned",
+               "declares loadback_op but the node has none", _forget_settled_loadback),
+    Corruption("a device node with host pages", "host_means_acked", "holds host_pages but state",
+               lambda c, v: _set(_node(c, v, ("device",)), "host", {_g(c): [_FAR]})),
+    Corruption("writing nodes whose writeback left and was forgotten", "writeback_source_immutable",
+               "declares writeback_op but the node has none", _forget_settled_writeback),
+    Corruption("a device node claiming a loadback op", "operation_ends_once", "holds loadback_op but state",
+               lambda c, v: _set(_node(c, v, ("device", "backed")), "lb_op", _FAR)),
+    Corruption("a pin on a node without a visible host copy", "loadback_source_pinned", "holds host_pin but state",
+               lambda c, v: _bump(_node(c, v, ("device", "writing")), "host_pin")),
+    Corruption("a loading node without its pin", "loadback_source_pinned", "declares host_pin but the node has none",
+               lambda c, v: _set(_node(c, v, ("loading",)), "host_pin", 0)),
+    Corruption("a device node claiming an L3 get", "l3_get_invisible", "holds fetch_op but state",
+               lambda c, v: _set(_node(c, v, ("device", "backed")), "fetch_op", _FAR)),
     Corruption("a device node without its device pages", "state_matches_resources",
                "declares device_pages but the node has none", lambda c, v: _set(_node(c, v, ("device", "backed")),
                                                                                "dev", {})),

@@ -1,0 +1,200 @@
+"""The node-resource checks of ``check_invariants()`` (fsm/invariants.py ``_HOLDS``,
+``_OPTIONAL``) name the exact invariant for every (resource, holds / lacks) pair a bug can
+produce, and accept the states that legally hold an optional resource (session 6, the
+surviving mutants of fsm/invariants.py; tests/test_core_invariants.py covers the pairs not
+repeated here). Each case builds a valid core, breaks one node in one way and asserts the
+whole message: invariant, subject and detail."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from core_helpers import ack, h1, put
+
+from kvtier.fsm import CacheCore
+from kvtier.fsm.errors import InvariantViolation
+from kvtier.fsm.node import Node
+from kvtier.fsm.spec import load_spec
+
+_DEVICE = "['device_pages', 'shared_read']"
+
+
+def valid() -> tuple[CacheCore, dict[str, Node]]:
+    """h1: A=(a,b) backed (node 1), B=(c,d) device child (node 2), X=(x) device (node 3)."""
+    c = CacheCore(h1(), 8, 8)
+    ra = put(c, "ab")
+    ack(c, c.writeback(ra.node))
+    rb = put(c, "abcd", ra.pages)
+    rx = put(c, "x")
+    c.check_invariants()
+    assert [(n.node_id, n.state) for n in (ra.node, rb.node, rx.node)] == [(1, "backed"), (2, "device"),
+                                                                           (3, "device")]
+    return c, {"a": ra.node, "b": rb.node, "x": rx.node}
+
+
+def hosted() -> tuple[CacheCore, dict[str, Node]]:
+    """h1: A=(a,b) host only (node 1), X=(x) device (node 2)."""
+    c = CacheCore(h1(), 8, 8)
+    a = put(c, "ab").node
+    ack(c, c.writeback(a))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    x = put(c, "x").node
+    c.check_invariants()
+    assert [(n.node_id, n.state) for n in (a, x)] == [(1, "host"), (2, "device")]
+    return c, {"a": a, "x": x}
+
+
+def loading() -> tuple[CacheCore, dict[str, Node]]:
+    """h1: A=(a,b) loaded back from the host by op 2 (node 1, loading, pinned by the op and by r1)."""
+    c = CacheCore(h1(), 8, 8)
+    a = put(c, "ab").node
+    ack(c, c.writeback(a))
+    assert c.evict_device({"kv": 2}) == {"kv": 2}
+    lr = c.load(c.match(list("ab")), "r1")
+    assert lr.command is not None and (lr.command.op_id, a.state, a.host_pin) == (2, "loading", 2)
+    c.check_invariants()
+    return c, {"a": a}
+
+
+def fetching() -> tuple[CacheCore, dict[str, Node]]:
+    """h1: F=(f) fetching for L3 get 40 (node 1, host pages reserved), X=(x) device (node 2)."""
+    c = CacheCore(h1(), 8, 8)
+    (f,) = c.fetches.reserve(c.root, ["f"], 40)
+    x = put(c, "x").node
+    c.check_invariants()
+    assert [(n.node_id, n.state, n.fetch_op) for n in (f, x)] == [(1, "fetching", 40), (2, "device", None)]
+    return c, {"f": f, "x": x}
+
+
+# -- the corruptions: one resource held without its state declaring it, or lacked ----------
+
+def backed_without_host_pages(c: CacheCore, n: dict[str, Node]) -> None:
+    n["a"].host = {}
+
+
+def host_without_host_pages(c: CacheCore, n: dict[str, Node]) -> None:
+    n["a"].host = {}
+
+
+def device_with_pending_pages(c: CacheCore, n: dict[str, Node]) -> None:
+    assert c.host is not None
+    n["x"].pending = {"kv": c.host["kv"].alloc(1)}
+
+
+def writing_without_pending_pages(c: CacheCore, n: dict[str, Node]) -> None:
+    assert c.writeback(n["x"]) is not None
+    n["x"].pending = {}
+
+
+def loading_whose_op_settled_and_forgotten(c: CacheCore, n: dict[str, Node]) -> None:
+    a = n["a"]
+    op = c.optable.get(a.lb_op)
+    assert op is not None
+    c.optable.remove(op)  # the loadback left the table...
+    a.lb_op = None  # ...and the node forgot it, but stayed loading
+
+
+def device_with_fetch_op(c: CacheCore, n: dict[str, Node]) -> None:
+    n["x"].fetch_op = 40
+
+
+def fetching_without_fetch_op(c: CacheCore, n: dict[str, Node]) -> None:
+    n["f"].fetch_op = None
+
+
+def writing_pinned(c: CacheCore, n: dict[str, Node]) -> None:
+    assert c.writeback(n["x"]) is not None
+    n["x"].host_pin = 1  # a pin on a copy not yet visible (checked before the pin receipts)
+
+
+def host_node_pinned_without_receipt(c: CacheCore, n: dict[str, Node]) -> None:
+    n["a"].host_pin = 1  # allowed by the node's state (an optional pin), not by the receipts
+
+
+def one_unit_key_changed(c: CacheCore, n: dict[str, Node]) -> None:
+    n["x"].key = ("y",)  # filed under "x" by its parent, keyed "y": one unit, so no second unit to compare
+
+
+def loadback_left_with_no_node_and_no_pin(c: CacheCore, n: dict[str, Node]) -> None:
+    """Op 2 forgets its only node and its own pin is released: the pin (none) and the
+    nodes (none) agree, and what catches it is the source check (no node holds the pages)."""
+    a = n["a"]
+    op = c.optable.get(2)
+    assert op is not None and op.nodes == [a]
+    c.receipts.release(c.receipts.get(-2))
+    op.nodes.clear()
+    a.lb_op = None
+
+
+def loadback_pin_lost_its_node(c: CacheCore, n: dict[str, Node]) -> None:
+    c.receipts.get(-2).nodes.clear()  # op 2's own pin no longer names node 1 (the counts are checked later)
+
+
+#: (what, corrupt, setup, invariant, subject, detail)
+CASES: list[tuple[str, Callable[..., None], Callable[[], tuple[CacheCore, dict[str, Node]]], str, str, str]] = [
+    ("backed without host pages", backed_without_host_pages, valid, "state_matches_resources", "node 1 (backed)",
+     "state 'backed' declares host_pages but the node has none"),
+    ("host without host pages", host_without_host_pages, hosted, "state_matches_resources", "node 1 (host)",
+     "state 'host' declares host_pages but the node has none"),
+    ("device with pending pages", device_with_pending_pages, valid, "state_matches_resources", "node 3 (device)",
+     f"holds pending_host but state 'device' declares {_DEVICE}"),
+    ("writing without pending pages", writing_without_pending_pages, valid, "state_matches_resources",
+     "node 3 (writing)", "state 'writing' declares pending_host but the node has none"),
+    ("loading without its loadback op", loading_whose_op_settled_and_forgotten, loading, "loadback_source_pinned",
+     "node 1 (loading)", "state 'loading' declares loadback_op but the node has none"),
+    ("device with a fetch op", device_with_fetch_op, valid, "l3_get_invisible", "node 3 (device)",
+     f"holds fetch_op but state 'device' declares {_DEVICE}"),
+    ("fetching without its fetch op", fetching_without_fetch_op, fetching, "l3_get_invisible", "node 1 (fetching)",
+     "state 'fetching' declares fetch_op but the node has none"),
+    ("writing node pinned", writing_pinned, valid, "loadback_source_pinned", "node 3 (writing)",
+     "holds host_pin but state 'writing' declares ['device_pages', 'shared_read', 'pending_host', 'writeback_op']"),
+    ("link key of one unit", one_unit_key_changed, valid, "split_preserves_ownership", "node 3 (device)",
+     "tree links are inconsistent"),
+    ("loadback with neither nodes nor pin", loadback_left_with_no_node_and_no_pin, loading, "loadback_source_pinned",
+     "the cache", "op 2 copies pages of 'kv' its nodes no longer hold"),
+    ("loadback pin lost its node", loadback_pin_lost_its_node, loading, "loadback_source_pinned", "node 1 (loading)",
+     "loadback op 2 does not pin exactly its nodes"),
+    ("host node pinned without a receipt", host_node_pinned_without_receipt, hosted, "counts_with_receipts",
+     "node 1 (host)", "pin count 1 but 0 receipts"),
+]
+
+
+@pytest.mark.parametrize(("what", "corrupt", "setup", "invariant", "subject", "detail"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_resource_corruption_is_named(what: str, corrupt: Callable[..., None],
+                                      setup: Callable[[], tuple[CacheCore, dict[str, Node]]],
+                                      invariant: str, subject: str, detail: str) -> None:
+    c, n = setup()
+    corrupt(c, n)
+    with pytest.raises(InvariantViolation) as exc:
+        c.check_invariants()
+    assert (exc.value.invariant, exc.value.subject) == (invariant, subject), str(exc.value)
+    assert str(exc.value) == f"invariant {invariant!r} violated by {subject}: {detail}"
+    assert invariant in load_spec().invariants
+
+
+def test_pins_on_visible_host_copies_are_legal() -> None:
+    """A pin is optional on every state with a visible host copy (backed, host; a loading
+    node declares it): pinned backed and host nodes pass, and the pin shows."""
+    c, n = valid()
+    c.pin([n["a"]], "r1")
+    c.check_invariants()
+    h, m = hosted()
+    h.pin([m["a"]], "r1")
+    h.pin([m["a"]], "r2")
+    h.check_invariants()
+    assert (n["a"].state, n["a"].host_pin, m["a"].state, m["a"].host_pin) == ("backed", 1, "host", 2)
+
+
+
+def test_a_key_equal_to_its_childrens_dict_key_is_consistent() -> None:
+    """The tree walk compares a child's first unit with its key in the parent's children
+    dict as the dict does (identity first, then equality): an equal but distinct object
+    is a consistent link."""
+    c = CacheCore(h1(), 8, 8)
+    u = put(c, ["unit"]).node
+    same = "".join(["un", "it"])
+    assert same == u.key[0] and same is not u.key[0]
+    u.key = (same,)
+    c.check_invariants()
