@@ -1,0 +1,212 @@
+"""Exact values of fsm/ that the mutation run (bench/mutation, issue 12) left unchecked in
+``l3.py`` and ``batch.py``, session 6: the L3 tier's ConfigError messages, its store op ids
+(1, 2, 3 ... one per command, in order), the record of an object that ended (no op, no
+store answer), the recently-put hint (exactly ``hint_size`` keys, the oldest dropped); a
+batched step's per-item ``ok`` flags and errors, ``StepOutcome.ok`` and the order in which
+``raise_first`` raises (forward results before reservations)."""
+
+from __future__ import annotations
+
+import pytest
+from core_helpers import ack, h1, put, src
+
+from kvtier.fsm import CacheCore, ConfigError, UsageError
+from kvtier.fsm.l3 import L3Options, L3Tier, StoreCommand, StoreOp, StoreResult
+from kvtier.fsm.names import HOST_VISIBLE
+from kvtier.fsm.presets import preset
+from kvtier.tiered import TieredCache
+
+
+# ------------------------------------------------------------------ L3 helpers
+def _answer(store: dict[str, object], cmd: StoreCommand) -> StoreResult:
+    """A store answered at once: exists counts the leading keys it holds, put stores,
+    get serves what it holds, remove drops."""
+    if cmd.kind is StoreOp.EXISTS:
+        n = 0
+        while n < len(cmd.keys) and cmd.keys[n] in store:
+            n += 1
+        return StoreResult(cmd.op_id, present=n)
+    if cmd.kind is StoreOp.PUT:
+        store.update(zip(cmd.keys, cmd.pages))
+        return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys))
+    if cmd.kind is StoreOp.GET:
+        return StoreResult(cmd.op_id, ok=tuple(k in store for k in cmd.keys))
+    for k in cmd.keys:
+        store.pop(k, None)
+    return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys))
+
+
+def _tier(**kw: object) -> L3Tier:
+    return L3Tier(CacheCore(h1(), 16, 16), L3Options(deadline_s=1.0, **kw))  # type: ignore[arg-type]
+
+
+def _backed(core: CacheCore, key: tuple[str, ...]) -> None:
+    """Publish ``key`` on the device and acknowledge its writeback (host-visible)."""
+    res = put(core, key)
+    cmd = core.writeback(res.node)
+    assert cmd is not None
+    ack(core, cmd)
+    assert res.node.state in HOST_VISIBLE
+
+
+def _one(tier: L3Tier) -> StoreCommand:
+    [cmd] = tier.poll_commands()
+    return cmd
+
+
+KEY = ("a", "b", "c")
+
+
+# ------------------------------------------------------------------ l3.py: ConfigError messages
+def test_l3_tier_config_errors_have_their_exact_messages() -> None:
+    """l3.py:73, 76, 78-79: each refusal names what is wrong, word for word."""
+    with pytest.raises(ConfigError) as e:
+        L3Tier(CacheCore(h1(), 16, 16), "fast")  # type: ignore[arg-type]
+    assert str(e.value) == "l3 options must be an L3Options, got 'fast'"
+    with pytest.raises(ConfigError) as e:
+        L3Tier(CacheCore(h1(), 16))
+    assert str(e.value) == "the L3 tier needs a host tier (host_pages): gets land in host pages"
+    with pytest.raises(ConfigError) as e:
+        L3Tier(CacheCore(src(), 16, 16))
+    assert str(e.value) == ("the L3 tier stores history pages only; layout 'src' has "
+                            "continuation-state groups ['swa']")
+
+
+# ------------------------------------------------------------------ l3.py: op ids
+def test_l3_store_commands_are_numbered_1_2_3_in_the_order_they_are_issued() -> None:
+    """l3.py:87 (``_issued`` starts at 0) and :150 (one more per command): the commands of
+    one tier carry op ids 1, 2, 3 ..., whether put/remove (``_new_op``) or a prefetch's
+    exists then its get (numbered when the exists is answered)."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    _backed(ta.core, KEY)
+    assert ta.offer(KEY[:1], 0.0) == 1
+    assert ta.offer(KEY[:2], 0.0) == 1  # "a" is still being put: only "b"
+    assert ta.remove(["not-there"], 0.0) == 1
+    cmds = ta.poll_commands()
+    assert [(c.op_id, c.kind) for c in cmds] == [(1, StoreOp.PUT), (2, StoreOp.PUT), (3, StoreOp.REMOVE)]
+    assert ta.operations.keys() == {1, 2, 3}
+    for c in cmds:
+        ta.complete(_answer(store, c), 0.0)
+    assert len(store) == 2 and ta.ops_in_flight() == 0
+    with pytest.raises(UsageError, match="op 4 was never issued"):
+        ta.complete(StoreResult(4), 0.0)
+
+    tb = _tier()
+    assert tb.prefetch("r1", KEY, 0.0)
+    exists = _one(tb)
+    assert (exists.op_id, exists.kind) == (1, StoreOp.EXISTS)
+    tb.complete(_answer(store, exists), 0.0)
+    get = _one(tb)
+    assert (get.op_id, get.kind, len(get.keys)) == (2, StoreOp.GET, 2)
+    assert tb.remove(["not-there"], 0.0) == 1
+    assert _one(tb).op_id == 3
+    tb.complete(_answer(store, get), 0.0)
+    assert tb.fetched_units("r1") == 2
+
+
+# ------------------------------------------------------------------ l3.py: an object that ends
+def test_a_record_taken_while_in_flight_reads_as_unknown_with_no_op_and_no_answer_once_it_ends() -> None:
+    """l3.py:142-143: ``objects`` and ``operations`` are snapshots of the live records; once
+    an object is back to ``unknown`` (dropped from the table) its record says no operation
+    is in flight (``op_id`` None) and the store's answer no longer covers it
+    (``store_answered`` False: the guard of ``get_submit`` needs an answer issued after the
+    object was last unknown, spec ``[l3.guards.store_answered]``)."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    _backed(ta.core, KEY[:1])
+    ta.offer(KEY[:1], 0.0)
+    [rec] = ta.objects.values()
+    put_op = ta.operations[1]
+    assert (rec.state, rec.op_id, rec.store_answered) == ("putting", 1, False)
+    ta.complete(_answer(store, _one(ta)), 0.0)
+    assert ta.objects == {} and put_op.objects == [rec]
+    assert rec.state == "unknown" and rec.op_id is None and rec.store_answered is False
+
+    tb = _tier()  # no read lease: an acknowledged get ends in unknown
+    tb.prefetch("r1", KEY[:1], 0.0)
+    tb.complete(_answer(store, _one(tb)), 0.0)
+    [rec] = tb.objects.values()
+    assert (rec.state, rec.op_id, rec.store_answered) == ("getting", 2, True)
+    tb.complete(_answer(store, _one(tb)), 0.0)
+    assert tb.fetched_units("r1") == 1 and tb.objects == {}
+    assert rec.state == "unknown" and rec.op_id is None and rec.store_answered is False
+
+
+# ------------------------------------------------------------------ l3.py: the recently-put hint
+def test_the_hint_remembers_exactly_hint_size_keys_and_drops_the_oldest() -> None:
+    """l3.py:163-164: after a put is acknowledged its keys are remembered (not put again on
+    the next offer) up to ``hint_size`` keys, the least recently put dropped first."""
+    store: dict[str, object] = {}
+    t3 = _tier(hint_size=3)
+    _backed(t3.core, KEY)
+    assert t3.offer(KEY, 0.0) == 3
+    t3.complete(_answer(store, _one(t3)), 0.0)
+    assert t3.offer(KEY, 0.0) == 0  # all three remembered
+
+    t2 = _tier(hint_size=2)
+    _backed(t2.core, KEY)
+    k = t2.keys_for(KEY)
+    assert t2.offer(KEY, 0.0) == 3
+    t2.complete(_answer(store, _one(t2)), 0.0)  # remembered in order k0, k1, k2: k0 dropped
+    assert t2.offer(KEY, 0.0) == 1
+    cmd = _one(t2)
+    assert cmd.keys == (k[0],)
+    t2.complete(_answer(store, cmd), 0.0)  # k0 again, the most recent: now k1 is the oldest, dropped
+    assert t2.offer(KEY, 0.0) == 1
+    assert _one(t2).keys == (k[1],)
+
+
+# ------------------------------------------------------------------ batch.py: outcomes
+def _cache(device: int = 16) -> TieredCache:
+    return TieredCache(preset("llama-3-8b"), device_pages=device)
+
+
+def _admit(c: TieredCache, rid: str, tokens: int, chunk: int) -> None:
+    assert c.admit(rid, [(rid, i) for i in range(tokens // 16)], tokens, chunk) is not None
+
+
+def test_each_item_outcome_has_its_own_ok_flag_and_error_and_results_raise_first() -> None:
+    """batch.py:88 (``ItemOutcome.ok``), :122/:128 (an item's error is the one stored under
+    ``("results", i)`` / ``("reserve", i)``), :133 (``raise_first`` raises a refused forward
+    result's error before any refused reservation's, whatever their indices)."""
+    c = _cache()
+    _admit(c, "a", 40, 32)
+    _admit(c, "b", 40, 32)
+    out = c.step(results=[("a", 32), ("b", 99)], reserve=[("nobody", 1), ("a", 8)])
+    assert out.result_status == ("ok", "refused") and out.reserve_status == ("refused", "ok")
+    assert list(out.errors) == [("results", 1), ("reserve", 0)]
+    bad_result, bad_reserve = out.errors[("results", 1)], out.errors[("reserve", 0)]
+    assert isinstance(bad_result, UsageError) and isinstance(bad_reserve, UsageError)
+    assert "'b'" in str(bad_result) and "'nobody'" in str(bad_reserve)
+    assert [(o.request_id, o.status, o.ok, o.error) for o in out.results] == [
+        ("a", "ok", True, None), ("b", "refused", False, bad_result)]
+    assert [(o.request_id, o.status, o.ok, o.error) for o in out.reserved] == [
+        ("nobody", "refused", False, bad_reserve), ("a", "ok", True, None)]
+    with pytest.raises(UsageError) as e:
+        out.raise_first()  # the result (index 1) before the reservation (index 0)
+    assert e.value is bad_result
+    assert not out.ok
+    clean = c.step(results=[("b", 32)])
+    assert clean.ok and clean.results[0].ok and clean.raise_first() is None
+    c.check_invariants()
+
+
+def test_step_outcome_ok_needs_no_error_and_every_reservation_applied() -> None:
+    """batch.py:117: a step is ok only when no item was refused AND every reservation was
+    applied: a refused result with no reservation is not ok, nor is a short reservation
+    with no error."""
+    c = _cache(device=6)
+    _admit(c, "a", 32, 32)
+    _admit(c, "b", 32, 32)
+    out = c.step(results=[("nobody", 1)])
+    assert out.reserve_status == () and list(out.errors) == [("results", 0)]
+    assert not out.ok and not out.results[0].ok
+    out = c.step(results=[("a", 32), ("b", 32)], reserve=[("a", 64), ("b", 1)])
+    assert out.errors == {} and out.reserve_status == ("short", "ok")
+    assert not out.ok
+    assert [(o.status, o.ok, o.error) for o in out.reserved] == [("short", False, None), ("ok", True, None)]
+    out = c.step(results=[("b", 1)], reserve=[("a", 64), ("b", 1)], stop_on_short=True)
+    assert out.reserve_status == ("short", "skipped") and out.errors == {} and not out.ok
+    assert [o.ok for o in out.reserved] == [False, False]
+    c.check_invariants()
