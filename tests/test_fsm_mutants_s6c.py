@@ -157,6 +157,39 @@ def test_the_hint_remembers_exactly_hint_size_keys_and_drops_the_oldest() -> Non
     assert _one(t2).keys == (k[1],)
 
 
+
+# ------------------------------------------------------------------ l3.py: where the local hit ends
+def test_a_prefetch_asks_beyond_host_only_nodes_and_stops_before_fetching_ones() -> None:
+    """l3.py:172: the local hit of a prefetch runs through host-only nodes (host-visible,
+    not device-readable) and ends before a node being fetched (neither): a second
+    prefetch of a longer prefix while a get is in flight asks the store again from there."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    full = KEY + ("d",)
+    _backed(ta.core, full)
+    assert ta.offer(full, 0.0) == 4
+    ta.complete(_answer(store, _one(ta)), 0.0)
+    tb = _tier()
+    k = tb.keys_for(full)
+    assert tb.prefetch("r1", full[:1], 0.0)
+    tb.complete(_answer(store, _one(tb)), 0.0)
+    tb.complete(_answer(store, _one(tb)), 0.0)
+    assert [n.state for n in tb.core.walk(full[:1])] == ["host"]
+    assert tb.prefetch("r2", KEY, 0.0)  # the hit ends after the host node "a"
+    exists = _one(tb)
+    assert exists.keys == tuple(k[1:3])
+    tb.complete(_answer(store, exists), 0.0)
+    get = _one(tb)
+    assert get.keys == tuple(k[1:3])
+    assert [n.state for n in tb.core.walk(full)] == ["host", "fetching", "fetching"]
+    assert tb.prefetch("r3", full, 0.0)  # the hit ends before the fetching "b"
+    assert _one(tb).keys == tuple(k[1:4])
+    tb.complete(_answer(store, get), 0.0)
+    assert tb.fetched_units("r2") == 2
+    tb.core.check_invariants()
+    tb.check_invariants()
+
+
 # ------------------------------------------------------------------ batch.py: outcomes
 def _cache(device: int = 16) -> TieredCache:
     return TieredCache(preset("llama-3-8b"), device_pages=device)
@@ -209,4 +242,33 @@ def test_step_outcome_ok_needs_no_error_and_every_reservation_applied() -> None:
     out = c.step(results=[("b", 1)], reserve=[("a", 64), ("b", 1)], stop_on_short=True)
     assert out.reserve_status == ("short", "skipped") and out.errors == {} and not out.ok
     assert [o.ok for o in out.reserved] == [False, False]
+    c.check_invariants()
+
+
+def test_a_batch_of_the_wrong_shape_is_refused_whole_with_its_exact_message() -> None:
+    """batch.py:191-193: forward results are tuples of 2..4 fields and reservations of
+    exactly 2 (one more is refused, not ignored); each message names the list and the
+    value; ``stop_on_short`` must be a bool."""
+    c = _cache()
+    _admit(c, "a", 40, 32)
+    cases = [
+        ({"results": [("a", 32, (), False, "x")]},
+         "step: results must hold tuples of 2..4 fields (ForwardResult / Reservation), "
+         "got ('a', 32, (), False, 'x')"),
+        ({"reserve": [("a", 8, 1)]},
+         "step: reserve must hold tuples of 2..2 fields (ForwardResult / Reservation), got ('a', 8, 1)"),
+        ({"results": [("a", 32), ("a", 0)]},
+         "step: a request appears twice in results (one pass per step): ('a', 'a')"),
+        ({"reserve": [("a", 8), ("a", 1)]},
+         "step: a request appears twice in reserve (one pass per step): ('a', 'a')"),
+        ({"results": [("a", 32)], "stop_on_short": "yes"},
+         "step: stop_on_short must be True or False, got 'yes'"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(UsageError) as e:
+            c.step(**kw)  # type: ignore[arg-type]
+        assert str(e.value) == msg
+    a = c.table.get("a")
+    assert (a.tokens, a.reserved, a.results, c.request("a").owed_forward) == (0, 32, 0, 1)  # nothing changed
+    assert c.step(results=[("a", 32)], reserve=[("a", 8)]).ok
     c.check_invariants()
