@@ -190,6 +190,23 @@ def test_a_prefetch_asks_beyond_host_only_nodes_and_stops_before_fetching_ones()
     tb.check_invariants()
 
 
+
+def test_a_prefetch_is_refused_with_its_exact_message_or_skipped_after_a_device_only_end() -> None:
+    """l3.py:191, 193: bad arguments name the value; l3.py:199: when the local hit ends on a
+    node with no host copy (device only) nothing is asked and the prefetch returns False."""
+    t = _tier()
+    with pytest.raises(UsageError) as e:
+        t.prefetch(5, KEY, 0.0)  # type: ignore[arg-type]
+    assert str(e.value) == "l3 prefetch: owner must be a request id string, got 5"
+    with pytest.raises(UsageError) as e:
+        t.prefetch("r1", "abc", 0.0)
+    assert str(e.value) == "l3 prefetch: units must be a sequence of unit keys (not a str or bytes), got 'abc'"
+    put(t.core, KEY[:1])  # on the device only: no writeback
+    assert [n.state for n in t.core.walk(KEY)] == ["device"]
+    assert t.prefetch("r1", KEY, 0.0) is False
+    assert t.poll_commands() == [] and not t.prefetching("r1") and t.stats.prefetches == 0
+
+
 # ------------------------------------------------------------------ batch.py: outcomes
 def _cache(device: int = 16) -> TieredCache:
     return TieredCache(preset("llama-3-8b"), device_pages=device)
@@ -271,4 +288,42 @@ def test_a_batch_of_the_wrong_shape_is_refused_whole_with_its_exact_message() ->
     a = c.table.get("a")
     assert (a.tokens, a.reserved, a.results, c.request("a").owed_forward) == (0, 32, 0, 1)  # nothing changed
     assert c.step(results=[("a", 32)], reserve=[("a", 8)]).ok
+    c.check_invariants()
+
+
+
+def test_the_fields_of_a_forward_result_tuple_are_read_by_position() -> None:
+    """batch.py:202-206: a forward result is (request, tokens[, new units[, checkpoint]]):
+    a 2-tuple carries no checkpoint (the tree adopts no state pages), a 4-tuple's checkpoint
+    is used, a 3-tuple's units are used; tokens and units of the wrong type are refused
+    (not taken on the hot path), naming the value."""
+    from core_helpers import src
+
+    c = TieredCache(src(), 32, None)  # alignment 4; a checkpoint is 4 swa pages
+    for rid in "ab":
+        c.admit(rid, [rid + k for k in "wxyz"], prompt_tokens=9, chunk_tokens=9)
+    out = c.step(results=[("a", 9), ("b", 9, (), True)])
+    assert out.result_status == ("ok", "ok") and out.errors == {}
+    assert out.adopted == {1: {"swa": [8, 9, 10, 11]}}  # b's checkpoint only
+    assert [o.pages for o in out.results] == [{}, {"swa": [8, 9, 10, 11]}]
+    a, b = c.table.get("a"), c.table.get("b")
+    assert (a.tokens, a.results, b.tokens, b.results) == (9, 1, 9, 1)
+    c.check_invariants()
+    # tokens of the wrong type (not an int, a bool, unhashable): refused, nothing changed
+    c.reserve("a", 1)
+    for n in (1.0, True, [1]):
+        out = c.step(results=[("a", n)])
+        assert out.result_status == ("refused",)
+        assert str(out.errors[("results", 0)]) == f"request 'a': computed_tokens must be an int >= 0, got {n!r}"
+        assert (a.tokens, a.results) == (9, 1)
+    # units of the wrong type in a 3-tuple, a checkpoint of the wrong type in a 4-tuple
+    out = c.step(results=[("a", 1, "")])
+    assert str(out.errors[("results", 0)]) == ("request 'a': step_done new_units must be a list or tuple "
+                                               "of unit keys, got ''")
+    out = c.step(results=[("a", 1, (), "yes")])
+    assert str(out.errors[("results", 0)]) == "request 'a': step_done checkpoint must be True or False, got 'yes'"
+    assert (a.tokens, a.results, a.units) == (9, 1, ["aw", "ax", "ay", "az"])
+    # a 3-tuple's new units are taken
+    out = c.step(results=[("a", 1, ["a4"])])
+    assert out.ok and (a.tokens, a.results, a.units) == (10, 2, ["aw", "ax", "ay", "az", "a4"])
     c.check_invariants()
