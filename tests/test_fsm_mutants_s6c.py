@@ -7,11 +7,13 @@ batched step's per-item ``ok`` flags and errors, ``StepOutcome.ok`` and the orde
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from core_helpers import ack, h1, put, src
 
 from kvtier.fsm import CacheCore, ConfigError, UsageError
-from kvtier.fsm.l3 import L3Options, L3Tier, StoreCommand, StoreOp, StoreResult
+from kvtier.fsm.l3 import L3Options, L3Stats, L3Tier, StoreCommand, StoreOp, StoreResult
 from kvtier.fsm.names import HOST_VISIBLE
 from kvtier.fsm.presets import preset
 from kvtier.tiered import TieredCache
@@ -207,6 +209,33 @@ def test_a_prefetch_is_refused_with_its_exact_message_or_skipped_after_a_device_
     assert t.poll_commands() == [] and not t.prefetching("r1") and t.stats.prefetches == 0
 
 
+
+def test_prefetch_counters_count_every_prefetch_and_exists() -> None:
+    """l3.py:207-209 and the prefetch path's other counters, exactly: three prefetches
+    (exists of 2, 4 and 2 keys, all present), two gets of 2 keys each, one exists whose
+    keys were already being fetched (4 keys answered present, no room)."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    full = KEY + ("d",)
+    _backed(ta.core, full)
+    ta.offer(full, 0.0)
+    ta.complete(_answer(store, _one(ta)), 0.0)
+    tb = _tier()
+    assert tb.prefetch("r1", full[:2], 0.0) and tb.prefetch("r2", full, 0.0)
+    for _ in range(2):  # the two exists, then r1's get
+        for c in tb.poll_commands():
+            tb.complete(_answer(store, c), 0.0)
+    assert (tb.fetched_units("r1"), tb.fetched_units("r2"), tb.prefetching("r2")) == (2, 0, False)
+    assert tb.prefetch("r2", full, 0.0)  # again, from the fetched prefix
+    for _ in range(2):
+        tb.complete(_answer(store, _one(tb)), 0.0)
+    assert tb.fetched_units("r2") == 2
+    zero = {f.name: f.default for f in dataclasses.fields(L3Stats) if f.name != "errors"}
+    assert dataclasses.asdict(tb.stats) == {**zero, "errors": {}, "prefetches": 3, "exists_ops": 3,
+                                            "exists_keys": 8, "exists_present": 8, "get_ops": 2, "get_keys": 4,
+                                            "get_ok": 4, "get_no_room": 4}
+
+
 # ------------------------------------------------------------------ batch.py: outcomes
 def _cache(device: int = 16) -> TieredCache:
     return TieredCache(preset("llama-3-8b"), device_pages=device)
@@ -256,9 +285,11 @@ def test_step_outcome_ok_needs_no_error_and_every_reservation_applied() -> None:
     assert out.errors == {} and out.reserve_status == ("short", "ok")
     assert not out.ok
     assert [(o.status, o.ok, o.error) for o in out.reserved] == [("short", False, None), ("ok", True, None)]
-    out = c.step(results=[("b", 1)], reserve=[("a", 64), ("b", 1)], stop_on_short=True)
-    assert out.reserve_status == ("short", "skipped") and out.errors == {} and not out.ok
-    assert [o.ok for o in out.reserved] == [False, False]
+    out = c.step(results=[("b", 1)], reserve=[("a", 64), ("b", 1), ("nobody", 1)], stop_on_short=True)
+    # every reservation after the short one is skipped, unlooked-at (an unknown one too)
+    assert out.reserve_status == ("short", "skipped", "skipped") and out.errors == {} and not out.ok
+    assert out.reserve_ids == ("a", "b", "nobody")
+    assert [o.ok for o in out.reserved] == [False, False, False]
     c.check_invariants()
 
 
@@ -326,4 +357,29 @@ def test_the_fields_of_a_forward_result_tuple_are_read_by_position() -> None:
     # a 3-tuple's new units are taken
     out = c.step(results=[("a", 1, ["a4"])])
     assert out.ok and (a.tokens, a.results, a.units) == (10, 2, ["aw", "ax", "ay", "az", "a4"])
+    c.check_invariants()
+
+
+
+def test_hot_path_items_are_each_taken_and_a_checkpoint_result_leaves_the_hot_path() -> None:
+    """batch.py:207-209, 226: decode results and reservations on the hot path go on to the
+    next item; a decode result with a checkpoint (a 4-tuple) is not taken on the hot path:
+    the tree adopts the checkpoint's state pages; reservation tokens of the wrong type are
+    refused naming the value."""
+    from core_helpers import src
+
+    c = TieredCache(src(), 32, None)
+    for rid in "abc":
+        c.admit(rid, [rid + k for k in "wxyz"], prompt_tokens=9, chunk_tokens=9)
+    out = c.step(results=[("a", 9), ("b", 9), ("c", 9)], reserve=[("a", 1), ("b", 1), ("c", 1)])
+    assert out.ok and out.adopted == {} and out.new_pages == {}
+    out = c.step(results=[("a", 1), ("b", 1), ("c", 1, (), True)], reserve=[("a", 1), ("b", 1), ("c", 1)])
+    assert out.result_status == ("ok", "ok", "ok") and out.reserve_status == ("ok", "ok", "ok")
+    assert out.adopted == {2: {"swa": [12, 13, 14, 15]}}
+    assert [(r.tokens, r.results, r.reserved) for r in map(c.table.get, "abc")] == [(10, 2, 11)] * 3
+    out = c.step(reserve=[("a", [1]), ("b", 1.0)])
+    assert out.reserve_status == ("refused", "refused")
+    assert [str(out.errors[("reserve", i)]) for i in (0, 1)] == [
+        "request 'a': reserve tokens must be an int >= 1, got [1]",
+        "request 'b': reserve tokens must be an int >= 1, got 1.0"]
     c.check_invariants()
