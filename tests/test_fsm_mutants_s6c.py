@@ -8,6 +8,7 @@ batched step's per-item ``ok`` flags and errors, ``StepOutcome.ok`` and the orde
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 from core_helpers import ack, h1, put, src
@@ -328,8 +329,6 @@ def test_the_fields_of_a_forward_result_tuple_are_read_by_position() -> None:
     a 2-tuple carries no checkpoint (the tree adopts no state pages), a 4-tuple's checkpoint
     is used, a 3-tuple's units are used; tokens and units of the wrong type are refused
     (not taken on the hot path), naming the value."""
-    from core_helpers import src
-
     c = TieredCache(src(), 32, None)  # alignment 4; a checkpoint is 4 swa pages
     for rid in "ab":
         c.admit(rid, [rid + k for k in "wxyz"], prompt_tokens=9, chunk_tokens=9)
@@ -366,8 +365,6 @@ def test_hot_path_items_are_each_taken_and_a_checkpoint_result_leaves_the_hot_pa
     next item; a decode result with a checkpoint (a 4-tuple) is not taken on the hot path:
     the tree adopts the checkpoint's state pages; reservation tokens of the wrong type are
     refused naming the value."""
-    from core_helpers import src
-
     c = TieredCache(src(), 32, None)
     for rid in "abc":
         c.admit(rid, [rid + k for k in "wxyz"], prompt_tokens=9, chunk_tokens=9)
@@ -382,4 +379,60 @@ def test_hot_path_items_are_each_taken_and_a_checkpoint_result_leaves_the_hot_pa
     assert [str(out.errors[("reserve", i)]) for i in (0, 1)] == [
         "request 'a': reserve tokens must be an int >= 1, got [1]",
         "request 'b': reserve tokens must be an int >= 1, got 1.0"]
+    c.check_invariants()
+
+
+def test_a_reservation_in_a_state_that_does_not_take_one_is_refused_even_when_pages_cover_it() -> None:
+    """batch.py:228: the reservation hot path is only for states that accept ``reserve``: a
+    finishing request whose pages would cover one more token is refused, unchanged."""
+    c = TieredCache(h1(), 8, 8, policy="write_back", finish_writeback=True)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    c.finish("a")
+    r = c.table.get("a")
+    assert (r.state, r.tokens, r.reserved, r.room, r.passes) == ("finishing", 9, 9, 10, 1)
+    out = c.step(reserve=[("a", 1)])
+    assert out.reserve_status == ("refused",)
+    assert str(out.errors[("reserve", 0)]) == "request 'a': reserve in state 'finishing' (accepted in loading, running)"
+    assert (r.state, r.tokens, r.reserved, r.passes) == ("finishing", 9, 9, 1)
+    c.check_invariants()
+
+
+class _Broken(Sequence[object]):
+    """A sequence of length 0 whose items cannot be read (iteration raises TypeError)."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def __getitem__(self, i: object) -> object:
+        raise TypeError("broken sequence")
+
+
+def test_a_batch_of_the_wrong_shape_names_the_first_bad_item() -> None:
+    """batch.py:251-265: every shape refusal names the list and the first bad item (a list
+    is not a tuple; a tuple with too few or too many fields), an unhashable request id and
+    a list that is not one; the caller's own TypeError from iterating a broken sequence
+    comes out as it is. Nothing changes."""
+    c = _cache()
+    _admit(c, "a", 40, 32)
+    _admit(c, "b", 40, 32)
+    head = "step: reserve must hold tuples of 2..2 fields (ForwardResult / Reservation), got "
+    cases = [
+        ({"reserve": [("a", 8), ("b", 1, 2)]}, head + "('b', 1, 2)"),
+        ({"reserve": [("a", 8), ["b", 1]]}, head + "['b', 1]"),
+        ({"reserve": [("a", 8), ("b",)]}, head + "('b',)"),
+        ({"results": [("a", 32, (), False), ("b",)]},
+         "step: results must hold tuples of 2..4 fields (ForwardResult / Reservation), got ('b',)"),
+        ({"reserve": "ab"}, "step: reserve must be a list of tuples, got 'ab'"),
+        ({"results": 7}, "step: results must be a list of tuples, got 7"),
+        ({"reserve": [(["a"], 8)]}, "step: request ids in reserve must be str, got (['a'],)"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(UsageError) as e:
+            c.step(**kw)  # type: ignore[arg-type]
+        assert str(e.value) == msg
+    with pytest.raises(TypeError, match="^broken sequence$"):
+        c.step(results=_Broken())
+    a = c.table.get("a")
+    assert (a.tokens, a.reserved, a.results, a.passes) == (0, 32, 0, 1)  # nothing changed
     c.check_invariants()
