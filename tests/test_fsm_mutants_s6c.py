@@ -237,6 +237,43 @@ def test_prefetch_counters_count_every_prefetch_and_exists() -> None:
                                             "get_ok": 4, "get_no_room": 4}
 
 
+
+def test_an_owner_named_by_the_empty_string_gets_its_prefetch() -> None:
+    """l3.py:213 (and the get's end): the owner is any string, the empty one too: its
+    exists answer leads to its get, and the get's end is recorded for it."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    _backed(ta.core, KEY)
+    ta.offer(KEY, 0.0)
+    ta.complete(_answer(store, _one(ta)), 0.0)
+    tb = _tier()
+    assert tb.prefetch("", KEY, 0.0) and tb.prefetching("")
+    tb.complete(_answer(store, _one(tb)), 0.0)
+    get = _one(tb)
+    assert get.kind is StoreOp.GET and len(get.keys) == 3
+    tb.complete(_answer(store, get), 0.0)
+    assert not tb.prefetching("") and tb.fetched_units("") == 3
+    assert [n.state for n in tb.core.walk(KEY)] == ["host"] * 3
+
+
+def test_an_exists_that_failed_counts_nothing_present_and_gets_nothing() -> None:
+    """l3.py:214: an exists answered with an error counts 0 keys present, ends the prefetch
+    and submits no get (the store's answer is the only source of presence)."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    _backed(ta.core, KEY)
+    ta.offer(KEY, 0.0)
+    ta.complete(_answer(store, _one(ta)), 0.0)
+    tb = _tier()
+    assert tb.prefetch("r1", KEY, 0.0)
+    exists = _one(tb)
+    tb.complete(StoreResult(exists.op_id, present=3, error="ConnectionError: refused"), 0.0)
+    assert tb.poll_commands() == [] and not tb.prefetching("r1") and tb.fetched_units("r1") == 0
+    assert (tb.stats.exists_present, tb.stats.get_ops, tb.stats.op_errors) == (0, 0, 1)
+    assert tb.stats.errors == {"ConnectionError": 1}
+    assert tb.objects == {} and len(tb.core.fetches) == 0 and tb.core.walk(KEY) == []
+
+
 # ------------------------------------------------------------------ batch.py: outcomes
 def _cache(device: int = 16) -> TieredCache:
     return TieredCache(preset("llama-3-8b"), device_pages=device)
