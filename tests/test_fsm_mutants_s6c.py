@@ -389,6 +389,8 @@ def test_the_fields_of_a_forward_result_tuple_are_read_by_position() -> None:
                                                "of unit keys, got ''")
     out = c.step(results=[("a", 1, (), "yes")])
     assert str(out.errors[("results", 0)]) == "request 'a': step_done checkpoint must be True or False, got 'yes'"
+    out = c.step(results=[("a", 1, (["x"],))])  # units in a tuple are checked too, not taken as they are
+    assert str(out.errors[("results", 0)]) == "request 'a': step_done new_units: unit keys must be hashable, got ['x']"
     assert (a.tokens, a.results, a.units) == (9, 1, ["aw", "ax", "ay", "az"])
     # a 3-tuple's new units are taken
     out = c.step(results=[("a", 1, ["a4"])])
