@@ -274,6 +274,60 @@ def test_an_exists_that_failed_counts_nothing_present_and_gets_nothing() -> None
     assert tb.objects == {} and len(tb.core.fetches) == 0 and tb.core.walk(KEY) == []
 
 
+
+def test_get_answers_count_acks_misses_and_failures_exactly_and_leave_read_leases() -> None:
+    """l3.py:249-274: three gets with 4, 3 and 2 keys: acknowledged up to the first gap,
+    a key the store says it lacks is a miss (one after a gap is not), flags past the keys
+    asked (too many or too few) change nothing; every object of a get is leased for
+    ``lease_s`` (0.5 s: any lease above 0 holds)."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    full = KEY + ("d",)
+    _backed(ta.core, full)
+    ta.offer(full, 0.0)
+    ta.complete(_answer(store, _one(ta)), 0.0)
+    tb = _tier(lease_s=0.5)
+    k = tb.keys_for(full)
+
+    def get(owner: str, ok: tuple[bool, ...]) -> StoreCommand:
+        assert tb.prefetch(owner, full, 0.0)
+        tb.complete(_answer(store, _one(tb)), 0.0)
+        cmd = _one(tb)
+        tb.complete(StoreResult(cmd.op_id, ok=ok), 0.0)
+        return cmd
+
+    first = get("r1", (True, False, False, True))  # a, then two misses, then d after the gap
+    assert first.keys == tuple(k) and tb.fetched_units("r1") == 1
+    assert {key: (o.state, o.lease_until) for key, o in tb.objects.items()} == {key: ("leased", 0.5) for key in k}
+    assert (tb.stats.get_ok, tb.stats.get_failed, tb.stats.get_misses) == (1, 3, 2)
+    tb.expire(0.4)
+    assert len(tb.objects) == 4  # the leases hold until 0.5
+    tb.expire(0.5)
+    assert tb.objects == {}
+    second = get("r2", (True,))  # one flag for three keys: b acked, c and d failed, no miss
+    assert second.keys == tuple(k[1:]) and tb.fetched_units("r2") == 1
+    tb.expire(0.5)
+    third = get("r3", (True, True, True))  # three flags for two keys: both acked
+    assert third.keys == tuple(k[2:]) and tb.fetched_units("r3") == 2
+    assert [n.state for n in tb.core.walk(full)] == ["host"] * 4
+    assert (tb.stats.get_ops, tb.stats.get_keys, tb.stats.get_ok, tb.stats.get_failed, tb.stats.get_misses) == (
+        3, 9, 4, 5, 2)
+    tb.core.check_invariants()
+    tb.check_invariants()
+
+
+def test_a_put_pins_its_host_copies_under_the_owner_l3_put() -> None:
+    """l3.py:297: the pin a put holds on the host copies it reads is owned by ``l3-put``."""
+    t = _tier()
+    _backed(t.core, KEY)
+    assert t.offer(KEY, 0.0) == 3
+    receipt = t.operations[1].receipt
+    assert receipt is not None and receipt.owner == "l3-put" and receipt.kind == "pin"
+    assert [n.key for n in receipt.nodes] == [KEY] and t.core.walk(KEY)[0].host_pin == 1
+    t.complete(_answer({}, _one(t)), 0.0)
+    assert receipt.released and t.core.walk(KEY)[0].host_pin == 0
+
+
 # ------------------------------------------------------------------ batch.py: outcomes
 def _cache(device: int = 16) -> TieredCache:
     return TieredCache(preset("llama-3-8b"), device_pages=device)
