@@ -317,13 +317,19 @@ def test_get_answers_count_acks_misses_and_failures_exactly_and_leave_read_lease
 
 
 def test_a_put_pins_its_host_copies_under_the_owner_l3_put() -> None:
-    """l3.py:297: the pin a put holds on the host copies it reads is owned by ``l3-put``."""
+    """l3.py:297: the pin a put holds on the host copies it reads is owned by ``l3-put``;
+    l3.py:304: its objects' records read ``host_visible`` False once submitted."""
     t = _tier()
     _backed(t.core, KEY)
     assert t.offer(KEY, 0.0) == 3
     receipt = t.operations[1].receipt
     assert receipt is not None and receipt.owner == "l3-put" and receipt.kind == "pin"
     assert [n.key for n in receipt.nodes] == [KEY] and t.core.walk(KEY)[0].host_pin == 1
+    # l3.py:304: the records of the objects being put hold no guard value once submitted
+    # (host_visible is put_submit's guard input only, set just before it fires)
+    recs = t.objects
+    assert [(o.state, o.op_id, o.host_visible, o.store_answered) for o in recs.values()] == [
+        ("putting", 1, False, False)] * 3
     t.complete(_answer({}, _one(t)), 0.0)
     assert receipt.released and t.core.walk(KEY)[0].host_pin == 0
 
