@@ -14,6 +14,7 @@ import pytest
 from core_helpers import ack, h1, put, src
 
 from kvtier.fsm import CacheCore, ConfigError, UsageError
+from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.l3 import L3Options, L3Stats, L3Tier, StoreCommand, StoreOp, StoreResult
 from kvtier.fsm.names import HOST_VISIBLE
 from kvtier.fsm.presets import preset
@@ -534,4 +535,47 @@ def test_a_batch_of_the_wrong_shape_names_the_first_bad_item() -> None:
         c.step(results=_Broken())
     a = c.table.get("a")
     assert (a.tokens, a.reserved, a.results, a.passes) == (0, 32, 0, 1)  # nothing changed
+    c.check_invariants()
+
+
+
+# ------------------------------------------------------------------ invariants.py: what each check names
+def _violation(c: CacheCore) -> tuple[str, str]:
+    """The invariant ``check_invariants`` names and its message (it must raise)."""
+    with pytest.raises(InvariantViolation) as e:
+        c.check_invariants()
+    return e.value.invariant, str(e.value)
+
+
+def test_a_resource_held_against_the_nodes_state_names_its_invariant() -> None:
+    """invariants.py:31-37 (``_HOLDS``): a node holding a resource its state does not
+    declare, or lacking one it declares, is reported under that resource's invariant:
+    pending host pages on a device node or missing on a writing one and missing host pages
+    on a host node break ``state_matches_resources``; a loading node without its loadback
+    op breaks ``loadback_source_pinned``. Each corruption is undone before the next."""
+    c = CacheCore(h1(), 8, 8)
+    n = put(c, ("a", "b")).node
+    assert (n.node_id, n.state) == (1, "device")
+    n.pending = {"kv": [7]}
+    assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
+                             "(device): holds pending_host but state 'device' declares ['device_pages', 'shared_read']")
+    n.pending = {}
+    cmd = c.writeback(n)
+    assert cmd is not None and n.state == "writing"
+    pending, n.pending = n.pending, {}
+    assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
+                             "(writing): state 'writing' declares pending_host but the node has none")
+    n.pending = pending
+    ack(c, cmd)
+    assert n.state == "backed"
+    n.state = "loading"  # no loadback op (nor pin) behind it
+    assert _violation(c) == ("loadback_source_pinned", "invariant 'loadback_source_pinned' violated by node 1 "
+                             "(loading): state 'loading' declares loadback_op but the node has none")
+    n.state = "backed"
+    c.evict_device({"kv": 8})
+    assert n.state == "host"
+    host, n.host = n.host, {}
+    assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
+                             "(host): state 'host' declares host_pages but the node has none")
+    n.host = host
     c.check_invariants()
