@@ -93,6 +93,8 @@ def test_l3_store_commands_are_numbered_1_2_3_in_the_order_they_are_issued() -> 
     for c in cmds:
         ta.complete(_answer(store, c), 0.0)
     assert len(store) == 2 and ta.ops_in_flight() == 0
+    assert (ta.stats.put_ops, ta.stats.put_keys, ta.stats.put_ok, ta.stats.remove_ops, ta.stats.remove_keys) == (
+        2, 2, 2, 1, 1)
     with pytest.raises(UsageError, match="op 4 was never issued"):
         ta.complete(StoreResult(4), 0.0)
 
@@ -196,12 +198,15 @@ def test_a_prefetch_asks_beyond_host_only_nodes_and_stops_before_fetching_ones()
 
 
 def test_a_prefetch_is_refused_with_its_exact_message_or_skipped_after_a_device_only_end() -> None:
-    """l3.py:191, 193: bad arguments name the value; l3.py:199: when the local hit ends on a
+    """l3.py:191, 193, 329: bad arguments name the value; l3.py:199: when the local hit ends on a
     node with no host copy (device only) nothing is asked and the prefetch returns False."""
     t = _tier()
     with pytest.raises(UsageError) as e:
         t.prefetch(5, KEY, 0.0)  # type: ignore[arg-type]
     assert str(e.value) == "l3 prefetch: owner must be a request id string, got 5"
+    with pytest.raises(UsageError) as e:
+        t.offer(b"ab", 0.0)
+    assert str(e.value) == "l3 offer: units must be a sequence of unit keys (not a str or bytes), got b'ab'"
     with pytest.raises(UsageError) as e:
         t.prefetch("r1", "abc", 0.0)
     assert str(e.value) == "l3 prefetch: units must be a sequence of unit keys (not a str or bytes), got 'abc'"
@@ -552,7 +557,9 @@ def test_a_resource_held_against_the_nodes_state_names_its_invariant() -> None:
     declare, or lacking one it declares, is reported under that resource's invariant:
     pending host pages on a device node or missing on a writing one and missing host pages
     on a host node break ``state_matches_resources``; a loading node without its loadback
-    op breaks ``loadback_source_pinned``. Each corruption is undone before the next."""
+    op breaks ``loadback_source_pinned``; an L3 get's op on a node not being fetched, or a
+    fetching node without one, breaks ``l3_get_invisible``. Each corruption is undone
+    before the next."""
     c = CacheCore(h1(), 8, 8)
     n = put(c, ("a", "b")).node
     assert (n.node_id, n.state) == (1, "device")
@@ -578,4 +585,15 @@ def test_a_resource_held_against_the_nodes_state_names_its_invariant() -> None:
     assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
                              "(host): state 'host' declares host_pages but the node has none")
     n.host = host
+    c.check_invariants()
+    n.fetch_op = 5  # an L3 get's op on a node not being fetched
+    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 1 (host): "
+                             "holds fetch_op but state 'host' declares ['host_pages']")
+    n.fetch_op = None
+    [f] = c.fetches.reserve(c.root, ["f0"], 900)
+    assert (f.node_id, f.state, f.fetch_op) == (2, "fetching", 900)
+    f.fetch_op = None
+    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 2 (fetching): "
+                             "state 'fetching' declares fetch_op but the node has none")
+    f.fetch_op = 900
     c.check_invariants()
