@@ -340,6 +340,26 @@ def test_a_put_pins_its_host_copies_under_the_owner_l3_put() -> None:
     assert receipt.released and t.core.walk(KEY)[0].host_pin == 0
 
 
+
+def test_host_eviction_puts_each_unit_of_a_victim_under_its_own_key_unless_recently_put() -> None:
+    """l3.py:368: under ``host_eviction`` each unit of a victim is checked against the
+    hint under its own key: with a hint of one key, the last unit put is skipped when the
+    victim is offered again, and the first two are put again, in order."""
+    store: dict[str, object] = {}
+    t = _tier(write_policy="host_eviction", hint_size=1)
+    _backed(t.core, KEY)
+    t.core.evict_device({"kv": 16})
+    [node] = t.core.walk(KEY)
+    assert node.state == "host" and t.core.evictable_on_host(node)
+    k = t.keys_for(KEY)
+    assert t.offer((), 0.0) == 3
+    cmd = _one(t)
+    assert cmd.keys == tuple(k)
+    t.complete(_answer(store, cmd), 0.0)  # remembered k0, k1, k2 in turn: only k2 is kept
+    assert t.offer((), 0.0) == 2
+    assert _one(t).keys == (k[0], k[1])
+
+
 # ------------------------------------------------------------------ batch.py: outcomes
 def _cache(device: int = 16) -> TieredCache:
     return TieredCache(preset("llama-3-8b"), device_pages=device)
