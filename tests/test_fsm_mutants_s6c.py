@@ -198,12 +198,19 @@ def test_a_prefetch_asks_beyond_host_only_nodes_and_stops_before_fetching_ones()
 
 
 def test_a_prefetch_is_refused_with_its_exact_message_or_skipped_after_a_device_only_end() -> None:
-    """l3.py:191, 193, 329: bad arguments name the value; l3.py:199: when the local hit ends on a
+    """l3.py:191, 193, 329, 396, 398: bad arguments name the value; l3.py:199: when the local hit ends on a
     node with no host copy (device only) nothing is asked and the prefetch returns False."""
     t = _tier()
     with pytest.raises(UsageError) as e:
         t.prefetch(5, KEY, 0.0)  # type: ignore[arg-type]
     assert str(e.value) == "l3 prefetch: owner must be a request id string, got 5"
+    with pytest.raises(UsageError) as e:
+        t.remove("ab", 0.0)
+    assert str(e.value) == "l3 remove: keys must be a sequence of key strings, got 'ab'"
+    with pytest.raises(UsageError) as e:
+        t.remove(["k", 5], 0.0)  # type: ignore[list-item]
+    assert str(e.value) == "l3 remove: key must be a string, got 5"
+    assert t.stats.remove_ops == 0 and t.expire(0.0) == [] and t.poll_commands() == []  # nothing deferred
     with pytest.raises(UsageError) as e:
         t.offer(b"ab", 0.0)
     assert str(e.value) == "l3 offer: units must be a sequence of unit keys (not a str or bytes), got b'ab'"
