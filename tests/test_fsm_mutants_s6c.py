@@ -367,6 +367,57 @@ def test_host_eviction_puts_each_unit_of_a_victim_under_its_own_key_unless_recen
     assert _one(t).keys == (k[0], k[1])
 
 
+
+def test_removes_wait_for_leases_and_every_end_of_an_operation_is_counted_exactly() -> None:
+    """l3.py:390-497 (remove, complete, expire): a corrupt object's remove and a remove
+    under a read lease wait for the lease's end, a key given twice waits for the first
+    remove; an expired operation is cancelled, failed and counted as expired (not as a
+    backend error), its late result absorbed; a backend error counts by its kind; bytes
+    and seconds add up."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    _backed(ta.core, KEY)
+    ta.offer(KEY, 0.0)
+    ta.complete(_answer(store, _one(ta)), 0.0)
+    t = _tier(lease_s=0.5)
+    k = t.keys_for(KEY)
+    assert t.prefetch("r1", KEY, 0.0)
+    exists = _one(t)
+    t.complete(StoreResult(exists.op_id, present=3, seconds=0.125), 0.0)
+    get = _one(t)
+    t.complete(StoreResult(get.op_id, ok=(True, True, False), corrupt=(k[2],), nbytes=64, seconds=0.25), 0.0)
+    assert t.fetched_units("r1") == 2
+    assert {key: o.state for key, o in t.objects.items()} == {key: "leased" for key in k}
+    assert t.remove([k[0], "zz", "zz"], 0.1) == 1  # k0 leased: waits; the second "zz" waits for the first
+    rm1 = _one(t)
+    assert (rm1.op_id, rm1.kind, rm1.keys, rm1.deadline) == (3, StoreOp.REMOVE, ("zz",), 1.1)
+    t.complete(StoreResult(rm1.op_id, ok=(True,)), 0.2)
+    assert t.expire(0.4) == []  # "zz" is free again: its second remove goes; the leases hold until 0.5
+    rm2 = _one(t)
+    assert (rm2.op_id, rm2.keys, rm2.deadline) == (4, ("zz",), 1.4)
+    t.complete(StoreResult(rm2.op_id, ok=(True,)), 0.4)
+    cancelled: list[int] = []
+    assert t.expire(0.5, cancelled.append) == []  # the leases end: the waiting removes go, in order
+    rm3 = _one(t)
+    assert (rm3.op_id, rm3.keys, rm3.deadline) == (5, (k[2], k[0]), 1.5)
+    assert t.expire(1.4, cancelled.append) == [] and cancelled == []
+    assert t.expire(1.5, cancelled.append) == [5] and cancelled == [5]
+    assert t.objects == {} and t.ops_in_flight() == 0
+    t.complete(StoreResult(5, ok=(True, True)), 1.6)  # too late: absorbed
+    assert t.remove(["q"], 2.0) == 1
+    t.complete(StoreResult(_one(t).op_id, error="TimeoutError: " + "x" * 80, seconds=0.5), 2.1)
+    for key in ("q2", "q3"):  # an error kind is the text before the first ':', at most 60 characters
+        assert t.remove([key], 2.0) == 1
+        t.complete(StoreResult(_one(t).op_id, error="E" * 70 + ": no: detail"), 2.1)
+    zero = {f.name: f.default for f in dataclasses.fields(L3Stats) if f.name != "errors"}
+    assert dataclasses.asdict(t.stats) == {
+        **zero, "prefetches": 1, "exists_ops": 1, "exists_keys": 3, "exists_present": 3, "get_ops": 1,
+        "get_keys": 3, "get_ok": 2, "get_failed": 1, "get_corrupt": 1, "remove_ops": 6, "remove_keys": 7,
+        "removes_deferred_by_lease": 1, "op_errors": 3, "expired_ops": 1, "absorbed_late_results": 1,
+        "bytes_in": 64, "seconds": 0.875, "get_seconds": 0.375, "errors": {"TimeoutError": 1, "E" * 60: 2}}
+    t.check_invariants()
+
+
 # ------------------------------------------------------------------ batch.py: outcomes
 def _cache(device: int = 16) -> TieredCache:
     return TieredCache(preset("llama-3-8b"), device_pages=device)
