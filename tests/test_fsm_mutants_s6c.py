@@ -95,8 +95,16 @@ def test_l3_store_commands_are_numbered_1_2_3_in_the_order_they_are_issued() -> 
     assert len(store) == 2 and ta.ops_in_flight() == 0
     assert (ta.stats.put_ops, ta.stats.put_keys, ta.stats.put_ok, ta.stats.remove_ops, ta.stats.remove_keys) == (
         2, 2, 2, 1, 1)
-    with pytest.raises(UsageError, match="op 4 was never issued"):
+    with pytest.raises(UsageError) as e:
         ta.complete(StoreResult(4), 0.0)
+    assert str(e.value) == "l3 complete: op 4 was never issued"
+    with pytest.raises(UsageError) as e:
+        ta.complete("done", 0.0)  # type: ignore[arg-type]
+    assert str(e.value) == "l3 complete: expected a StoreResult, got 'done'"
+    with pytest.raises(UsageError) as e:
+        ta.complete(StoreResult(True), 0.0)  # type: ignore[arg-type]
+    assert str(e.value) == "l3 complete: op_id must be an int, got True"
+    assert ta.stats.absorbed_late_results == 0
 
     tb = _tier()
     assert tb.prefetch("r1", KEY, 0.0)
@@ -674,4 +682,16 @@ def test_a_resource_held_against_the_nodes_state_names_its_invariant() -> None:
     assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 2 (fetching): "
                              "state 'fetching' declares fetch_op but the node has none")
     f.fetch_op = 900
+    c.check_invariants()
+
+
+def test_a_child_filed_under_another_key_than_its_first_unit_breaks_the_tree_links() -> None:
+    """invariants.py:98: a node whose first unit is not the key its parent files it under
+    (here its second unit is) breaks ``split_preserves_ownership``."""
+    c = CacheCore(h1(), 8, 8)
+    n = put(c, ("a", "b")).node
+    n.key = ("x", "a")  # filed under "a"
+    assert _violation(c) == ("split_preserves_ownership", "invariant 'split_preserves_ownership' violated by "
+                             "node 1 (device): tree links are inconsistent")
+    n.key = ("a", "b")
     c.check_invariants()
