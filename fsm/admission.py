@@ -45,7 +45,7 @@ class Admitter:
         t = self.table
         prev = t.find(request_id)
         if prev is not None:
-            t.require(prev, "admit")
+            t.require(prev, "admit", " is already admitted")
         full = prompt_tokens // t.align
         if len(units) < full:
             raise UsageError(f"request {request_id!r}: {prompt_tokens} prompt tokens need {full} unit keys, "

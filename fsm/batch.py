@@ -252,7 +252,8 @@ class Batcher:
         try:
             ids = tuple(x[0] for x in items if isinstance(x, tuple) and least <= len(x) <= most)
         except TypeError:
-            ids = ()
+            raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
+                             f"(ForwardResult / Reservation), got {items!r}") from None
         if len(ids) != len(items):
             bad = next(x for x in items if not isinstance(x, tuple) or not least <= len(x) <= most)
             raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "

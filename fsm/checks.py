@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 
 from .errors import ConfigError, KvtierError, UsageError
 
-__all__ = ["as_int", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "check_hashable", "ConfigError", "UsageError"]
+__all__ = ["as_int", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "check_key_sequence", "check_hashable", "ConfigError", "UsageError"]
 
 
 def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | None = None,
@@ -84,6 +84,13 @@ def as_keys(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = 
         raise error(f"{what} must be a list or tuple of unit keys, got {value!r}")
     check_hashable(value, what, error=error)
     return value
+
+
+def check_key_sequence(value: object, what: str) -> None:
+    """Raise UsageError unless ``value`` is a sequence of unit keys (a str or bytes is
+    refused: its characters are not units)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise UsageError(f"{what} must be a sequence of unit keys (not a str or bytes), got {value!r}")
 
 
 def check_hashable(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = UsageError) -> None:

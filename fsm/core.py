@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-from .checks import as_bool, as_int, check_hashable
+from .checks import as_bool, as_int, check_hashable, check_key_sequence
 from .errors import CapacityError, ConfigError, KvtierError, UsageError
 from .eviction import EvictionPolicy, make_policy
 from .fetch import FetchTable
@@ -199,7 +199,11 @@ class CacheCore:
         return prefix
 
     def walk(self, key: Sequence[Hashable]) -> list[Node]:
-        """Nodes matching ``key`` from the root, splitting the last where the key diverges."""
+        """Nodes matching ``key`` from the root, splitting the last where the key diverges.
+
+        Raises:
+            UsageError: ``key`` not a sequence of unit keys (a str or bytes is refused; nothing changes)."""
+        check_key_sequence(key, "walk: key")
         return self.tree.walk(key, self.split)
 
     # ------------------------------------------------------------------ caller pages
@@ -242,8 +246,7 @@ class CacheCore:
             UsageError: ``key`` not a sequence of hashable unit keys (a str or bytes is refused: its
                 characters are not units), unknown mode, or ``history_replay`` with ``state_recovery``.
         """
-        if isinstance(key, (str, bytes)) or not isinstance(key, Sequence):
-            raise UsageError(f"match: key must be a sequence of unit keys (not a str or bytes), got {key!r}")
+        check_key_sequence(key, "match: key")
         check_hashable(key, "match")
         m = match_mode(mode, history_replay)
         return find_match(self.walk(key), self.root, len(key), m, history_replay=history_replay,
@@ -339,7 +342,11 @@ class CacheCore:
 
         Returns:
             group -> host pages actually freed.
+
+        Raises:
+            UsageError: unknown group or a count that is not an int >= 0 (nothing changes).
         """
+        self.ledger.check_need(need)
         return self._reclaimer.evict_host(need, protect=protect, host_only=host_only)
 
     def drop_device_checkpoint(self, node: Node) -> None:

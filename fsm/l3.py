@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .checks import plain_int
+from .checks import check_key_sequence, plain_int
 from .errors import ConfigError, UsageError
 from .l3options import WRITE_POLICIES, L3Object, L3Options, L3Stats, Prefetch, chain_keys, namespace
 from .machines import l3_lifecycle
@@ -189,8 +189,7 @@ class L3Tier:
         """
         if not isinstance(owner, str):
             raise UsageError(f"l3 prefetch: owner must be a request id string, got {owner!r}")
-        if isinstance(units, (str, bytes)) or not isinstance(units, Sequence):
-            raise UsageError(f"l3 prefetch: units must be a sequence of unit keys (not a str or bytes), got {units!r}")
+        check_key_sequence(units, "l3 prefetch: units")
         if self.prefetching(owner):
             return False
         self._prefetch.pop(owner, None)
@@ -325,8 +324,7 @@ class L3Tier:
         Returns:
             Objects submitted.
         """
-        if isinstance(units, (str, bytes)) or not isinstance(units, Sequence):
-            raise UsageError(f"l3 offer: units must be a sequence of unit keys (not a str or bytes), got {units!r}")
+        check_key_sequence(units, "l3 offer: units")
         if self.options.write_policy == "host_eviction":
             return self._put_victims(now)
         items: list[tuple[Node, int, str]] = []

@@ -147,14 +147,14 @@ class RequestTable:
         return tuple(self._events)
 
     # ------------------------------------------------------------------ checks
-    def require(self, r: Request, call: str) -> None:
+    def require(self, r: Request, call: str, why: str = "") -> None:
         """Refuse ``call`` unless the spec's ``[request.calls]`` accepts it in ``r``'s state.
 
         Raises:
-            UsageError: naming the request, its state, the call and the accepted states.
+            UsageError: naming the request (then ``why``), its state, the call and the accepted states.
         """
         if r.state not in CALLS[call]:
-            raise UsageError(f"request {r.request_id!r}: {call} in state {r.state!r} "
+            raise UsageError(f"request {r.request_id!r}{why}: {call} in state {r.state!r} "
                              f"(accepted in {', '.join(sorted(CALLS[call]))})")
 
     def check(self, r: Request, event: str) -> str:

@@ -363,7 +363,7 @@ def test_loadback_failure_fences_the_pages_until_the_pass_returns() -> None:
     other = c.admit("o", list("xyz"), prompt_tokens=7, chunk_tokens=7)
     assert other is not None and 4 not in other.page_table["kv"]
     before = fsnap(c)
-    with pytest.raises(UsageError, match="'b': admit in state 'fenced'"):
+    with pytest.raises(UsageError, match="'b' is already admitted: admit in state 'fenced'"):
         c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
     with pytest.raises(UsageError, match="'b': reserve in state 'fenced'"):
         c.reserve("b", 1)
@@ -550,7 +550,7 @@ BAD_CALLS = [
     ("reserve of a retracted request", "ret", lambda c: c.reserve("ret", 1), UsageError, "retracted"),
     ("finish of a retracted request", "ret", lambda c: c.finish("ret"), IllegalTransition, "retracted"),
     ("admit of a running request", "run", lambda c: c.admit("run", list("ab"), prompt_tokens=5, chunk_tokens=1),
-     UsageError, "admit in state 'running'"),
+     UsageError, "is already admitted: admit in state 'running'"),
     ("more tokens than reserved", "owes", lambda c: c.step_done("owes", 4), UsageError, "owes"),
     ("resume with no tokens", "ret", lambda c: c.resume("ret", 0), UsageError, "chunk_tokens"),
     ("reserve of no tokens", "run", lambda c: c.reserve("run", 0), UsageError, "tokens"),

@@ -32,7 +32,8 @@ def mutation_line(diff: str) -> tuple[str, str]:
     return minus, plus
 
 
-def load(results: Path = HERE / "results", exclusions: Path = HERE / "exclusions.txt") -> dict:
+def load_exclusions(exclusions: Path = HERE / "exclusions.txt") -> dict[tuple[str, str], str]:
+    """(file:line, the mutant's + line) -> the reason it is excluded."""
     excl = {}
     if exclusions.exists():
         for raw in exclusions.read_text(encoding="utf-8").splitlines():
@@ -44,6 +45,11 @@ def load(results: Path = HERE / "results", exclusions: Path = HERE / "exclusions
             if not reason:
                 raise SystemExit(f"exclusion without a reason: {raw}")
             excl[(where, plus)] = reason
+    return excl
+
+
+def load(results: Path = HERE / "results", exclusions: Path = HERE / "exclusions.txt") -> dict:
+    excl = load_exclusions(exclusions)
     mutants = []
     testcases = [tc for xml in sorted(results.glob("*.xml")) for tc in ET.parse(xml).getroot().iter("testcase")]
     if not testcases:
