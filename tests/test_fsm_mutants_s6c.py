@@ -24,8 +24,8 @@ from kvtier.tiered import TieredCache
 
 # ------------------------------------------------------------------ L3 helpers
 def _answer(store: dict[str, object], cmd: StoreCommand) -> StoreResult:
-    """A store answered at once: exists counts the leading keys it holds, put stores,
-    get serves what it holds, remove drops."""
+    """A store answered at once: exists counts the leading keys it holds, put stores
+    (16 bytes a key), get serves what it holds, remove drops."""
     if cmd.kind is StoreOp.EXISTS:
         n = 0
         while n < len(cmd.keys) and cmd.keys[n] in store:
@@ -33,7 +33,7 @@ def _answer(store: dict[str, object], cmd: StoreCommand) -> StoreResult:
         return StoreResult(cmd.op_id, present=n)
     if cmd.kind is StoreOp.PUT:
         store.update(zip(cmd.keys, cmd.pages))
-        return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys))
+        return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys), nbytes=16 * len(cmd.keys))
     if cmd.kind is StoreOp.GET:
         return StoreResult(cmd.op_id, ok=tuple(k in store for k in cmd.keys))
     for k in cmd.keys:
@@ -96,6 +96,7 @@ def test_l3_store_commands_are_numbered_1_2_3_in_the_order_they_are_issued() -> 
     assert len(store) == 2 and ta.ops_in_flight() == 0
     assert (ta.stats.put_ops, ta.stats.put_keys, ta.stats.put_ok, ta.stats.remove_ops, ta.stats.remove_keys) == (
         2, 2, 2, 1, 1)
+    assert ta.stats.bytes_out == 32  # 16 bytes from each put
     with pytest.raises(UsageError) as e:
         ta.complete(StoreResult(4), 0.0)
     assert str(e.value) == "l3 complete: op 4 was never issued"
@@ -418,12 +419,18 @@ def test_removes_wait_for_leases_and_every_end_of_an_operation_is_counted_exactl
     for key in ("q2", "q3"):  # an error kind is the text before the first ':', at most 60 characters
         assert t.remove([key], 2.0) == 1
         t.complete(StoreResult(_one(t).op_id, error="E" * 70 + ": no: detail"), 2.1)
+    assert t.prefetch("r2", KEY, 2.2)  # c again, after the local hit a, b: 1 key, 32 bytes
+    exists = _one(t)
+    assert exists.keys == (k[2],)
+    t.complete(StoreResult(exists.op_id, present=1, seconds=0.0625), 2.2)
+    t.complete(StoreResult(_one(t).op_id, ok=(True,), nbytes=32, seconds=0.0625), 2.2)
+    assert t.fetched_units("r2") == 1
     zero = {f.name: f.default for f in dataclasses.fields(L3Stats) if f.name != "errors"}
     assert dataclasses.asdict(t.stats) == {
-        **zero, "prefetches": 1, "exists_ops": 1, "exists_keys": 3, "exists_present": 3, "get_ops": 1,
-        "get_keys": 3, "get_ok": 2, "get_failed": 1, "get_corrupt": 1, "remove_ops": 6, "remove_keys": 7,
+        **zero, "prefetches": 2, "exists_ops": 2, "exists_keys": 4, "exists_present": 4, "get_ops": 2,
+        "get_keys": 4, "get_ok": 3, "get_failed": 1, "get_corrupt": 1, "remove_ops": 6, "remove_keys": 7,
         "removes_deferred_by_lease": 1, "op_errors": 3, "expired_ops": 1, "absorbed_late_results": 1,
-        "bytes_in": 64, "seconds": 0.875, "get_seconds": 0.375, "errors": {"TimeoutError": 1, "E" * 60: 2}}
+        "bytes_in": 96, "seconds": 1.0, "get_seconds": 0.5, "errors": {"TimeoutError": 1, "E" * 60: 2}}
     t.check_invariants()
 
 
