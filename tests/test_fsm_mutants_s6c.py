@@ -425,11 +425,14 @@ def test_removes_wait_for_leases_and_every_end_of_an_operation_is_counted_exactl
     t.complete(StoreResult(exists.op_id, present=1, seconds=0.0625), 2.2)
     t.complete(StoreResult(_one(t).op_id, ok=(True,), nbytes=32, seconds=0.0625), 2.2)
     assert t.fetched_units("r2") == 1
+    assert t.remove(["q4"], 3.0) == 1 and t.remove(["q5"], 3.0) == 1  # two operations expire at once
+    assert [c.op_id for c in t.poll_commands()] == [11, 12]
+    assert t.expire(4.0, cancelled.append) == [11, 12] and cancelled == [5, 11, 12]
     zero = {f.name: f.default for f in dataclasses.fields(L3Stats) if f.name != "errors"}
     assert dataclasses.asdict(t.stats) == {
         **zero, "prefetches": 2, "exists_ops": 2, "exists_keys": 4, "exists_present": 4, "get_ops": 2,
-        "get_keys": 4, "get_ok": 3, "get_failed": 1, "get_corrupt": 1, "remove_ops": 6, "remove_keys": 7,
-        "removes_deferred_by_lease": 1, "op_errors": 3, "expired_ops": 1, "absorbed_late_results": 1,
+        "get_keys": 4, "get_ok": 3, "get_failed": 1, "get_corrupt": 1, "remove_ops": 8, "remove_keys": 9,
+        "removes_deferred_by_lease": 1, "op_errors": 3, "expired_ops": 3, "absorbed_late_results": 1,
         "bytes_in": 96, "seconds": 1.0, "get_seconds": 0.5, "errors": {"TimeoutError": 1, "E" * 60: 2}}
     t.check_invariants()
 
