@@ -693,3 +693,59 @@ def test_a_child_filed_under_another_key_than_its_first_unit_breaks_the_tree_lin
                              "node 1 (device): tree links are inconsistent")
     n.key = ("a", "b")
     c.check_invariants()
+
+
+
+def test_a_loadback_whose_own_pin_does_not_list_exactly_its_nodes_is_reported() -> None:
+    """invariants.py:148-151: a loadback's own pin (receipt ``-op_id``) must list exactly its
+    nodes; one that lists none breaks ``loadback_source_pinned``, naming the op."""
+    c = CacheCore(h1(), 8, 8)
+    n = put(c, ("a", "b")).node
+    ack(c, c.writeback(n))
+    c.evict_device({"kv": 8})
+    assert n.state == "host"
+    res = c.load(c.match(("a", "b")), "r1")
+    assert res.command is not None and n.state == "loading"
+    op_id = res.command.op_id
+    pin = c.receipts.get(-op_id)
+    assert pin.nodes == [n] and pin.owner == f"op {op_id}"
+    pin.nodes = []
+    assert _violation(c) == ("loadback_source_pinned", f"invariant 'loadback_source_pinned' violated by node 1 "
+                             f"(loading): loadback op {op_id} does not pin exactly its nodes")
+    pin.nodes = [n]
+    c.check_invariants()
+
+
+# ------------------------------------------------------------------ l3checks.py: what each check names
+def test_l3_checks_name_the_object_or_the_tier_and_what_is_wrong() -> None:
+    """l3checks.py:22-32: an object whose op id is not its operation's, a put whose source
+    node lost its pin (still host-visible), and fetching nodes of a get the tier does not
+    have in flight are each reported under their invariant, naming the object (its key's
+    first 12 characters and state) or the L3 tier."""
+    t = _tier()
+    _backed(t.core, KEY)
+    assert t.offer(KEY[:1], 0.0) == 1
+    [o] = t.objects.values()
+    label = t.keys_for(KEY[:1])[0][:12]
+    assert o.label == label
+    o.op_id = 7
+    with pytest.raises(InvariantViolation) as e:
+        t.check_invariants()
+    assert (e.value.invariant, str(e.value)) == ("l3_ends_by_deadline", f"invariant 'l3_ends_by_deadline' violated "
+                                                 f"by object {label} (putting): in put op 1 but putting")
+    o.op_id = 1
+    [n] = t.core.walk(KEY[:1])
+    assert n.host_pin == 1 and n.state == "backed"
+    n.host_pin = 0
+    with pytest.raises(InvariantViolation) as e:
+        t.check_invariants()
+    assert (e.value.invariant, str(e.value)) == ("l3_put_source_pinned", f"invariant 'l3_put_source_pinned' "
+                                                 f"violated by object {label} (putting): put 1 does not pin "
+                                                 f"the host copies it reads")
+    n.host_pin = 1
+    t.check_invariants()
+    t.core.fetches.reserve(t.core.root, ["zz"], 77)  # fetching nodes behind the tier's back
+    with pytest.raises(InvariantViolation) as e:
+        t.check_invariants()
+    assert (e.value.invariant, str(e.value)) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by "
+                                                 "the L3 tier: fetching nodes of get 77, which is not in flight")
