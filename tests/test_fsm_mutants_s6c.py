@@ -749,3 +749,44 @@ def test_l3_checks_name_the_object_or_the_tier_and_what_is_wrong() -> None:
         t.check_invariants()
     assert (e.value.invariant, str(e.value)) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by "
                                                  "the L3 tier: fetching nodes of get 77, which is not in flight")
+
+
+
+def test_l3_checks_of_gets_and_of_objects_without_an_operation() -> None:
+    """l3checks.py:33-50: a get whose fetching nodes are gone, an object fetched without the
+    store's answer, and an object in flight that no operation lists are reported under
+    their invariants, naming the object."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    _backed(ta.core, KEY)
+    ta.offer(KEY, 0.0)
+    ta.complete(_answer(store, _one(ta)), 0.0)
+    t = _tier()
+    label = t.keys_for(KEY)[0][:12]
+    t.prefetch("r1", KEY, 0.0)
+    t.complete(_answer(store, _one(t)), 0.0)
+    get = _one(t)
+    o = t.objects[t.keys_for(KEY)[0]]
+    o.store_answered = False
+    with pytest.raises(InvariantViolation) as e:
+        t.check_invariants()
+    assert (e.value.invariant, str(e.value)) == ("l3_visible_by_answer", f"invariant 'l3_visible_by_answer' "
+                                                 f"violated by object {label} (getting): fetched without the "
+                                                 f"store's answer")
+    o.store_answered = True
+    t.check_invariants()
+    t.core.fetches.settle(get.op_id, 3)  # the nodes settle behind the tier's back
+    with pytest.raises(InvariantViolation) as e:
+        t.check_invariants()
+    assert (e.value.invariant, str(e.value)) == ("l3_get_invisible", f"invariant 'l3_get_invisible' violated by "
+                                                 f"object {label} (getting): get 2 owns no fetching nodes")
+    tp = _tier()
+    _backed(tp.core, KEY)
+    tp.offer(KEY[:1], 0.0)
+    [p] = tp.objects.values()
+    tp.operations[1].objects.clear()  # no operation lists it any more
+    p.op_id = 7
+    with pytest.raises(InvariantViolation) as e:
+        tp.check_invariants()
+    assert (e.value.invariant, str(e.value)) == ("l3_ends_by_deadline", f"invariant 'l3_ends_by_deadline' violated "
+                                                 f"by object {p.label} (putting): no operation in flight")
