@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from core_helpers import ack, h1, put, src
+from core_helpers import ack, h1, h2, put, src
 
 from kvtier.fsm import CacheCore, ConfigError, UsageError
 from kvtier.fsm.errors import InvariantViolation
-from kvtier.fsm.l3 import L3Options, L3Stats, L3Tier, StoreCommand, StoreOp, StoreResult
+from kvtier.fsm.l3 import (L3Object, L3Options, L3Stats, L3Tier, StoreCommand, StoreOp, StoreResult, chain_keys,
+                          namespace)
+from kvtier.fsm.l3options import Prefetch
 from kvtier.fsm.names import HOST_VISIBLE
 from kvtier.fsm.presets import preset
 from kvtier.tiered import TieredCache
@@ -790,3 +792,81 @@ def test_l3_checks_of_gets_and_of_objects_without_an_operation() -> None:
         tp.check_invariants()
     assert (e.value.invariant, str(e.value)) == ("l3_ends_by_deadline", f"invariant 'l3_ends_by_deadline' violated "
                                                  f"by object {p.label} (putting): no operation in flight")
+
+
+
+# ------------------------------------------------------------------ l3options.py: options, keys, records
+def test_l3_options_have_their_documented_defaults_and_refuse_each_bad_value_by_name() -> None:
+    """l3options.py: the defaults the docstring documents; each bad option is refused with
+    a message naming it and the value (bools are not ints or seconds); the boundaries
+    (1 for counts, 0 for tp_rank / eviction_lookahead / lease_s, any time > 0 for
+    deadline_s) are accepted."""
+    o = L3Options()
+    assert dataclasses.asdict(o) == {
+        "model": "model", "dtype": "bfloat16", "tp_rank": 0, "world_size": 1, "write_policy": "host_write",
+        "write_threshold": 2, "prefetch_units": 512, "min_prefetch_units": 1, "deadline_s": 2.0, "lease_s": 0.0,
+        "max_put_units": 1024, "eviction_lookahead": 64, "hint_size": 2048}
+    o.check()
+    L3Options(write_threshold=1, prefetch_units=1, min_prefetch_units=1, max_put_units=1, hint_size=1,
+              world_size=2, tp_rank=1, eviction_lookahead=0, deadline_s=0.001, lease_s=0).check()
+    L3Options(write_policy="selective", deadline_s=3, lease_s=10).check()
+    L3Options(write_policy="host_eviction").check()
+    cases = [
+        ({"write_policy": "x"}, "L3 write_policy must be one of ('host_write', 'selective', 'host_eviction'), got 'x'"),
+        ({"write_threshold": 0}, "L3 write_threshold must be an int >= 1, got 0"),
+        ({"prefetch_units": 1.0}, "L3 prefetch_units must be an int >= 1, got 1.0"),
+        ({"min_prefetch_units": 0}, "L3 min_prefetch_units must be an int >= 1, got 0"),
+        ({"max_put_units": -1}, "L3 max_put_units must be an int >= 1, got -1"),
+        ({"hint_size": True}, "L3 hint_size must be an int >= 1, got True"),
+        ({"world_size": 0}, "L3 world_size must be an int >= 1, got 0"),
+        ({"tp_rank": -1}, "L3 tp_rank must be an int >= 0, got -1"),
+        ({"tp_rank": False}, "L3 tp_rank must be an int >= 0, got False"),
+        ({"eviction_lookahead": -1}, "L3 eviction_lookahead must be an int >= 0, got -1"),
+        ({"eviction_lookahead": "8"}, "L3 eviction_lookahead must be an int >= 0, got '8'"),
+        ({"tp_rank": 1}, "L3 tp_rank 1 is not below world_size 1"),
+        ({"tp_rank": 3, "world_size": 2}, "L3 tp_rank 3 is not below world_size 2"),
+        ({"deadline_s": 0}, "L3 deadline_s must be a number of seconds (> 0 for deadline_s), got 0"),
+        ({"deadline_s": -1.0}, "L3 deadline_s must be a number of seconds (> 0 for deadline_s), got -1.0"),
+        ({"deadline_s": True}, "L3 deadline_s must be a number of seconds (> 0 for deadline_s), got True"),
+        ({"lease_s": -0.5}, "L3 lease_s must be a number of seconds (> 0 for deadline_s), got -0.5"),
+        ({"lease_s": "1"}, "L3 lease_s must be a number of seconds (> 0 for deadline_s), got '1'"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ConfigError) as e:
+            L3Options(**kw).check()  # type: ignore[arg-type]
+        assert str(e.value) == msg
+
+
+def test_l3_keys_are_a_fixed_function_of_the_model_layout_rank_and_prefix() -> None:
+    """l3options.py namespace/chain_keys: instances (and versions) sharing a store must agree
+    on every key, so the seed and the chained digests are pinned: 16-byte blake2b digests of
+    the format ``kvtier-l3/1``; ``chain_keys`` from ``start`` with ``prev`` continues a chain."""
+    seed = namespace(h1(), "m", "bf16", 0, 1)
+    assert seed.hex() == "b9b9aaa8f7f02055790b46acbcf8298d"
+    keys = chain_keys(seed, ["a", 1, ("b", 2)])
+    assert [d.hex() for d in keys] == ["e1ff4dc4227a64048f728f25966d16a6", "0fbbd12ada1cbf71c7e9e6fed09146ff",
+                                       "2e04979a09af042fd45c2d5af66f9d5b"]
+    assert chain_keys(seed, ["a", 1, ("b", 2)], 1, keys[0]) == keys[1:]
+    assert chain_keys(seed, ["a", 1, ("b", 2)], 3, keys[2]) == []
+    assert namespace(h2(), "llama", "fp8", 1, 2).hex() == "e6b47110e927b7aee845008299e887d5"
+    t = L3Tier(CacheCore(h1(), 4, 4), L3Options(model="m", dtype="bf16"))
+    assert t.seed == seed and t.keys_for(["a", 1]) == [d.hex() for d in keys[:2]]
+
+
+def test_l3_records_start_empty() -> None:
+    """l3options.py: a new object record is unknown with nothing in flight, no guard value
+    and no lease; its label is its key's first 12 characters; a prefetch record has fetched
+    nothing and is not done; the counters start at zero."""
+    o = L3Object("0123456789abcdef")
+    assert (o.key, o.state, o.host_visible, o.store_answered, o.lease_holds, o.lease_until, o.op_id, o.label) == (
+        "0123456789abcdef", "unknown", False, False, False, 0.0, None, "0123456789ab")
+    p = Prefetch("r1", ("a",), 0, ["k"], 3)
+    assert (p.owner, p.units, p.start, p.keys, p.op_id, p.fetched, p.done) == ("r1", ("a",), 0, ["k"], 3, 0, False)
+    st = L3Stats()
+    assert dataclasses.asdict(st) == {
+        "exists_ops": 0, "exists_keys": 0, "exists_present": 0, "get_ops": 0, "get_keys": 0, "get_ok": 0,
+        "get_failed": 0, "get_misses": 0, "get_corrupt": 0, "get_no_room": 0, "put_ops": 0, "put_keys": 0,
+        "put_ok": 0, "put_failed": 0, "remove_ops": 0, "remove_keys": 0, "removes_deferred_by_lease": 0,
+        "op_errors": 0, "expired_ops": 0, "absorbed_late_results": 0, "prefetches": 0, "bytes_in": 0,
+        "bytes_out": 0, "seconds": 0.0, "get_seconds": 0.0, "errors": {}}
+    assert st.errors is not L3Stats().errors
