@@ -870,3 +870,49 @@ def test_l3_records_start_empty() -> None:
         "op_errors": 0, "expired_ops": 0, "absorbed_late_results": 0, "prefetches": 0, "bytes_in": 0,
         "bytes_out": 0, "seconds": 0.0, "get_seconds": 0.0, "errors": {}}
     assert st.errors is not L3Stats().errors
+
+
+
+# ------------------------------------------------------------------ fetch.py: the core's side of an L3 get
+def test_fetch_reservations_and_settlements_exactly() -> None:
+    """fetch.py: each refusal of ``reserve``/``settle`` names what is wrong; a chain of
+    fetching nodes is listed parent first; a settle keeps the acknowledged prefix as host
+    copies and removes the rest; the counters count gets, fetched and failed units; a node
+    in a get that it is not fetching for breaks ``l3_get_invisible``."""
+    bare = CacheCore(h1(), 8)
+    with pytest.raises(UsageError) as e:
+        bare.fetches.reserve(bare.root, ["a"], 1)
+    assert str(e.value) == "fetch_reserve: the cache has no host tier"
+    c = CacheCore(h1(), 8, 8)
+    with pytest.raises(UsageError) as e:
+        c.fetches.reserve(c.root, [], 1)
+    assert str(e.value) == "fetch_reserve: no unit keys"
+    n = put(c, ("a",)).node
+    with pytest.raises(UsageError) as e:
+        c.fetches.reserve(n, ["b"], 1)
+    assert str(e.value) == ("fetch_reserve: node 1 is device; a fetched chain continues the root or a node with a "
+                            "visible host copy")
+    nodes = c.fetches.reserve(c.root, ["x", "y", "z"], 5)
+    assert [(m.node_id, m.key, m.depth, m.state, m.fetch_op) for m in nodes] == [
+        (2, ("x",), 1, "fetching", 5), (3, ("y",), 2, "fetching", 5), (4, ("z",), 3, "fetching", 5)]
+    assert c.fetches.nodes(5) == tuple(nodes) and c.fetches.items() == [(5, tuple(nodes))] and len(c.fetches) == 1
+    with pytest.raises(UsageError) as e:
+        c.fetches.reserve(c.root, ["q"], 5)
+    assert str(e.value) == "fetch_reserve: op 5 is already in flight"
+    assert c.fetches.reserve(c.root, ["x"], 6) == [] and 6 not in c.fetches  # "x" is taken
+    for bad in (4, True, -1):
+        with pytest.raises(UsageError) as e:
+            c.fetches.settle(5, bad)
+        assert str(e.value) == f"fetch_settle: acked must be an int in 0..3, got {bad!r}"
+    nodes[1].fetch_op = 4
+    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 3 (fetching): "
+                             "in get 5 but not fetching for it")
+    nodes[1].fetch_op = 5
+    assert c.fetches.settle(5, 2) == nodes[:2]
+    assert [(m.state, m.fetch_op) for m in nodes[:2]] == [("host", None), ("host", None)]
+    assert c.walk(("x", "y", "z")) == nodes[:2] and len(c.fetches) == 0
+    assert (c.stats.fetches, c.stats.fetched_units, c.stats.fetch_failed_units) == (1, 2, 1)
+    more = c.fetches.reserve(c.root, ["p", "q"], 7)
+    assert c.fetches.settle(7, 0) == [] and c.walk(("p",)) == [] and len(more) == 2
+    assert (c.stats.fetches, c.stats.fetched_units, c.stats.fetch_failed_units) == (2, 2, 3)
+    c.check_invariants()
