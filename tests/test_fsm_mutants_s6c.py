@@ -908,6 +908,12 @@ def test_fetch_reservations_and_settlements_exactly() -> None:
     assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 3 (fetching): "
                              "in get 5 but not fetching for it")
     nodes[1].fetch_op = 5
+    listed = c.fetches._ops[5]  # corrupt the table itself: its get no longer lists the last node
+    last = listed.pop()
+    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 4 (fetching): "
+                             "fetching but no get in flight lists it")
+    listed.append(last)
+    c.check_invariants()
     assert c.fetches.settle(5, 2) == nodes[:2]
     assert [(m.state, m.fetch_op) for m in nodes[:2]] == [("host", None), ("host", None)]
     assert c.walk(("x", "y", "z")) == nodes[:2] and len(c.fetches) == 0
