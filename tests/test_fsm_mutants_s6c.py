@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 from core_helpers import ack, h1, h2, put, src
 
-from kvtier.fsm import CacheCore, ConfigError, UsageError
+from kvtier.fsm import CacheCore, ConfigError, KvtierError, UsageError
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.l3 import (L3Object, L3Options, L3Stats, L3Tier, StoreCommand, StoreOp, StoreResult, chain_keys,
                           namespace)
@@ -908,11 +908,85 @@ def test_fetch_reservations_and_settlements_exactly() -> None:
     assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 3 (fetching): "
                              "in get 5 but not fetching for it")
     nodes[1].fetch_op = 5
+    listed = c.fetches._ops[5]  # corrupt the table itself: its get no longer lists the last node
+    last = listed.pop()
+    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 4 (fetching): "
+                             "fetching but no get in flight lists it")
+    listed.append(last)
+    c.check_invariants()
     assert c.fetches.settle(5, 2) == nodes[:2]
     assert [(m.state, m.fetch_op) for m in nodes[:2]] == [("host", None), ("host", None)]
     assert c.walk(("x", "y", "z")) == nodes[:2] and len(c.fetches) == 0
     assert (c.stats.fetches, c.stats.fetched_units, c.stats.fetch_failed_units) == (1, 2, 1)
+    assert (nodes[2].state, nodes[2].pending, nodes[2].fetch_op) == ("removed", {}, None)  # the failed one
     more = c.fetches.reserve(c.root, ["p", "q"], 7)
     assert c.fetches.settle(7, 0) == [] and c.walk(("p",)) == [] and len(more) == 2
+    assert [(m.state, m.pending, m.fetch_op) for m in more] == [("removed", {}, None)] * 2
     assert (c.stats.fetches, c.stats.fetched_units, c.stats.fetch_failed_units) == (2, 2, 3)
     c.check_invariants()
+
+
+
+def test_a_fetch_reclaims_host_room_and_refuses_a_parent_of_another_tree() -> None:
+    """fetch.py:77, 85: a reservation short of host pages first evicts unpinned host leaves
+    off the parent's path (here one of two), so all three units fit; a parent that is not a
+    node of this cache's tree is refused by name."""
+    c = CacheCore(h1(), 8, 4)
+    other = CacheCore(h1(), 8, 8)
+    o = put(other, ("z",)).node
+    with pytest.raises(KvtierError) as e:
+        c.fetches.reserve(o, ["b"], 1)
+    assert str(e.value) == f"fetch_reserve: {o!r} is not a node of this cache's tree"
+    for k in ("a", "b"):
+        n = put(c, (k,)).node
+        ack(c, c.writeback(n))
+    c.evict_device({"kv": 8})
+    assert [n.state for n in c.nodes()] == ["host", "host"] and c.host is not None and c.host["kv"].free == 2
+    made = c.fetches.reserve(c.root, ["x", "y", "z"], 5)
+    assert [n.key for n in made] == [("x",), ("y",), ("z",)] and c.host["kv"].free == 0
+    assert sorted(n.key for n in c.nodes() if n.state == "host") == [("b",)]  # "a", least recent, evicted
+    c.check_invariants()
+
+
+# ------------------------------------------------------------------ checks.py, spec.py
+def test_as_bool_takes_numpy_bools_only_and_as_text_names_the_value() -> None:
+    """checks.py:61, 77: a numpy bool is a bool (``numpy.bool`` in numpy 2, ``numpy.bool_``
+    in numpy 1, stood in for by a class of that name and module), another numpy scalar is
+    not; an empty text is refused naming the value."""
+    import numpy as np
+
+    from kvtier.fsm.checks import as_bool, as_text
+
+    assert as_bool(np.bool_(True), "flag") is True and as_bool(np.bool_(False), "flag") is False
+    numpy1_bool = type("bool_", (), {"__module__": "numpy", "__bool__": lambda self: True})
+    assert as_bool(numpy1_bool(), "flag") is True
+    with pytest.raises(UsageError) as e:
+        as_bool(np.int64(1), "flag")
+    assert str(e.value) == "flag must be True or False, got np.int64(1)"
+    with pytest.raises(UsageError) as e:
+        as_text("", "request id")
+    assert str(e.value) == "request id must be a non-empty str, got ''"
+
+
+def test_spec_records_default_to_no_calls_and_no_l3_and_a_call_of_an_undeclared_state_is_refused() -> None:
+    """spec.py:84, 138: a lifecycle built without calls has none (a fresh dict), a
+    specification built without an L3 lifecycle has ``l3`` None; spec.py:180: a call that
+    lists an undeclared state is refused naming both."""
+    from pathlib import Path
+
+    from kvtier.fsm.spec import LifecycleSpec, Specification, load_spec, parse_spec
+
+    shipped = load_spec()
+    node = shipped.node
+    bare = LifecycleSpec(node.name, node.title, node.description, node.subject, node.initial, node.states,
+                         node.transitions, node.guards, node.resources)
+    assert bare.calls == {} and bare.calls is not LifecycleSpec(
+        node.name, node.title, node.description, node.subject, node.initial, node.states, node.transitions,
+        node.guards, node.resources).calls
+    assert Specification(shipped.version, shipped.node, shipped.request, shipped.invariants).l3 is None
+    text = (Path(__file__).parents[1] / "spec" / "lifecycle.toml").read_text(encoding="utf-8")
+    bad = text.replace('reserve = ["loading", "running"]', 'reserve = ["loading", "nowhere"]')
+    assert bad != text
+    with pytest.raises(ConfigError) as e:
+        parse_spec(bad)
+    assert str(e.value) == "spec [request]: call 'reserve' lists undeclared state 'nowhere'"
