@@ -71,10 +71,10 @@ def main(argv: list[str]) -> int:
         durations: dict[str, float] = {}
         cases = list(ET.parse(junit).getroot().iter("testcase"))
         skipped = [f"{tc.get('classname')}::{tc.get('name')}" for tc in cases if tc.find("skipped") is not None]
-        if skipped:  # a skipped test sees no mutant (and a skipped module is no test id pytest takes)
-            print(f"tests of the subset skipped (install kvtier[test]): {skipped}", file=sys.stderr)
-            return 1
-        for tc in cases:
+        if skipped:  # a skipped test sees no mutant; a skipped module's entry is no test id pytest takes
+            print(f"warning: tests of the subset skipped, left out of the map (install kvtier[test]): {skipped}",
+                  file=sys.stderr)
+        for tc in (tc for tc in cases if tc.find("skipped") is None):
             cls, name = tc.get("classname", ""), tc.get("name", "")
             path = cls.replace(".", "/")
             # junit classname is "tests.test_x" or "tests.test_x.TestClass"
