@@ -54,9 +54,18 @@ def apply(diff: str, source: list[str]) -> list[str] | None:
     near = [i for i in range(max(first - 10, 0), first + 11) if source[i:i + len(old)] == old]
     if first in near:
         near = [first]
+    if len(near) == 1:
+        return source[:near[0]] + new + source[near[0] + len(old):]
+    # a context line changed since: the mutated lines alone, at the one place near the hunk that holds them
+    body = lines[start + 1:]
+    lead = next(i for i, ln in enumerate(body) if ln[:1] in "-+")
+    minus = [ln[1:] for ln in body if ln[:1] == "-"]
+    plus = [ln[1:] for ln in body if ln[:1] == "+"]
+    at = first + lead
+    near = [i for i in range(max(at - 10, 0), at + 11) if minus and source[i:i + len(minus)] == minus]
     if len(near) != 1:
         return None
-    return source[:near[0]] + new + source[near[0] + len(old):]
+    return source[:near[0]] + plus + source[near[0] + len(minus):]
 
 
 def run_mutant(path: Path, mutated: list[str], env: dict[str, str]) -> bool:
