@@ -61,6 +61,16 @@ def _one(tier: L3Tier) -> StoreCommand:
     return cmd
 
 
+def _stored(key: tuple[str, ...]) -> dict[str, object]:
+    """A store holding every object of ``key``'s prefix, put by a tier that had it backed."""
+    store: dict[str, object] = {}
+    ta = _tier()
+    _backed(ta.core, key)
+    assert ta.offer(key, 0.0) == len(key)
+    ta.complete(_answer(store, _one(ta)), 0.0)
+    return store
+
+
 KEY = ("a", "b", "c")
 
 
@@ -181,12 +191,8 @@ def test_a_prefetch_asks_beyond_host_only_nodes_and_stops_before_fetching_ones()
     """l3.py:172: the local hit of a prefetch runs through host-only nodes (host-visible,
     not device-readable) and ends before a node being fetched (neither): a second
     prefetch of a longer prefix while a get is in flight asks the store again from there."""
-    store: dict[str, object] = {}
-    ta = _tier()
     full = KEY + ("d",)
-    _backed(ta.core, full)
-    assert ta.offer(full, 0.0) == 4
-    ta.complete(_answer(store, _one(ta)), 0.0)
+    store = _stored(full)
     tb = _tier()
     k = tb.keys_for(full)
     assert tb.prefetch("r1", full[:1], 0.0)
@@ -240,12 +246,8 @@ def test_prefetch_counters_count_every_prefetch_and_exists() -> None:
     """l3.py:207-209 and the prefetch path's other counters, exactly: three prefetches
     (exists of 2, 4 and 2 keys, all present), two gets of 2 keys each, one exists whose
     keys were already being fetched (4 keys answered present, no room)."""
-    store: dict[str, object] = {}
-    ta = _tier()
     full = KEY + ("d",)
-    _backed(ta.core, full)
-    ta.offer(full, 0.0)
-    ta.complete(_answer(store, _one(ta)), 0.0)
+    store = _stored(full)
     tb = _tier()
     assert tb.prefetch("r1", full[:2], 0.0) and tb.prefetch("r2", full, 0.0)
     for _ in range(2):  # the two exists, then r1's get
@@ -266,11 +268,7 @@ def test_prefetch_counters_count_every_prefetch_and_exists() -> None:
 def test_an_owner_named_by_the_empty_string_gets_its_prefetch() -> None:
     """l3.py:213 (and the get's end): the owner is any string, the empty one too: its
     exists answer leads to its get, and the get's end is recorded for it."""
-    store: dict[str, object] = {}
-    ta = _tier()
-    _backed(ta.core, KEY)
-    ta.offer(KEY, 0.0)
-    ta.complete(_answer(store, _one(ta)), 0.0)
+    store = _stored(KEY)
     tb = _tier()
     assert tb.prefetch("", KEY, 0.0) and tb.prefetching("")
     tb.complete(_answer(store, _one(tb)), 0.0)
@@ -284,11 +282,7 @@ def test_an_owner_named_by_the_empty_string_gets_its_prefetch() -> None:
 def test_an_exists_that_failed_counts_nothing_present_and_gets_nothing() -> None:
     """l3.py:214: an exists answered with an error counts 0 keys present, ends the prefetch
     and submits no get (the store's answer is the only source of presence)."""
-    store: dict[str, object] = {}
-    ta = _tier()
-    _backed(ta.core, KEY)
-    ta.offer(KEY, 0.0)
-    ta.complete(_answer(store, _one(ta)), 0.0)
+    store = _stored(KEY)
     tb = _tier()
     assert tb.prefetch("r1", KEY, 0.0)
     exists = _one(tb)
@@ -305,12 +299,8 @@ def test_get_answers_count_acks_misses_and_failures_exactly_and_leave_read_lease
     a key the store says it lacks is a miss (one after a gap is not), flags past the keys
     asked (too many or too few) change nothing; every object of a get is leased for
     ``lease_s`` (0.5 s: any lease above 0 holds)."""
-    store: dict[str, object] = {}
-    ta = _tier()
     full = KEY + ("d",)
-    _backed(ta.core, full)
-    ta.offer(full, 0.0)
-    ta.complete(_answer(store, _one(ta)), 0.0)
+    store = _stored(full)
     tb = _tier(lease_s=0.5)
     k = tb.keys_for(full)
 
@@ -386,11 +376,7 @@ def test_removes_wait_for_leases_and_every_end_of_an_operation_is_counted_exactl
     remove; an expired operation is cancelled, failed and counted as expired (not as a
     backend error), its late result absorbed; a backend error counts by its kind; bytes
     and seconds add up."""
-    store: dict[str, object] = {}
-    ta = _tier()
-    _backed(ta.core, KEY)
-    ta.offer(KEY, 0.0)
-    ta.complete(_answer(store, _one(ta)), 0.0)
+    store = _stored(KEY)
     t = _tier(lease_s=0.5)
     k = t.keys_for(KEY)
     assert t.prefetch("r1", KEY, 0.0)
@@ -758,11 +744,7 @@ def test_l3_checks_of_gets_and_of_objects_without_an_operation() -> None:
     """l3checks.py:33-50: a get whose fetching nodes are gone, an object fetched without the
     store's answer, and an object in flight that no operation lists are reported under
     their invariants, naming the object."""
-    store: dict[str, object] = {}
-    ta = _tier()
-    _backed(ta.core, KEY)
-    ta.offer(KEY, 0.0)
-    ta.complete(_answer(store, _one(ta)), 0.0)
+    store = _stored(KEY)
     t = _tier()
     label = t.keys_for(KEY)[0][:12]
     t.prefetch("r1", KEY, 0.0)
