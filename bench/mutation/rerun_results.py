@@ -62,9 +62,10 @@ def apply(diff: str, source: list[str]) -> list[str] | None:
     minus = [ln[1:] for ln in body if ln[:1] == "-"]
     plus = [ln[1:] for ln in body if ln[:1] == "+"]
     at = first + lead
-    near = [i for i in range(max(at - 10, 0), at + 11) if minus and source[i:i + len(minus)] == minus]
-    if len(near) != 1:
+    near = sorted((abs(i - at), i) for i in range(max(at - 10, 0), at + 11) if minus and source[i:i + len(minus)] == minus)
+    if not near or (len(near) > 1 and near[0][0] == near[1][0]):  # none, or no single nearest place
         return None
+    near = [near[0][1]]
     return source[:near[0]] + plus + source[near[0] + len(minus):]
 
 
