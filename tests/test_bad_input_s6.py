@@ -153,3 +153,12 @@ def test_admit_of_an_admitted_request_says_it_is_already_admitted() -> None:
     c.finish("a")
     assert c.admit("a", list("xyzw"), prompt_tokens=8, chunk_tokens=8) is not None
     assert c.states(["a"]) == ["running"] and list(c.table.get("a").units) == list("xyzw")
+
+
+@pytest.mark.parametrize("history", [0, 3])
+def test_an_unknown_request_id_names_the_id_and_how_many_ended_requests_are_remembered(history: int) -> None:
+    c = TieredCache(h1(), 32, None, ended_history=history)
+    for ask in (c.request, c.state):
+        with pytest.raises(UsageError) as e:
+            ask("nope")
+        assert str(e.value) == f"unknown request 'nope' (the last {history} ended requests are remembered)"
