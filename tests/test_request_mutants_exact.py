@@ -543,3 +543,13 @@ def test_a_new_request_record_holds_and_owes_nothing() -> None:
     assert (r.reason, r.has_loadback, r.has_own_writeback, r.layers_failed, r.poisoned, r.retract_ckpt) == (
         None, False, False, False, False, False)
     assert (r.settled, r.owed_forward, r.receipts(), r.deferred_pages()) == (True, 0, (), {})
+
+
+def test_the_quiescence_report_counts_a_borrowed_checkpoint_and_the_lock_beside_it() -> None:
+    """outstanding(): request 'b' holds one lock and one borrow (its hit's checkpoint, until
+    its pass returns); no pin (a device hit); once the pass returns, the borrow is gone."""
+    c = borrowing()
+    out = c.outstanding()
+    assert (out.locks, out.pins, out.borrows) == (len(c.core.receipts.locks()), 0, 1)
+    c.step_done("b", 4)
+    assert c.outstanding().borrows == 0
