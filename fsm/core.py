@@ -249,7 +249,7 @@ class CacheCore:
         check_key_sequence(key, "match: key")
         check_hashable(key, "match")
         m = match_mode(mode, history_replay)
-        return find_match(self.walk(key), self.root, len(key), m, history_replay=history_replay,
+        return find_match(self.tree.walk(key, self.split), self.root, len(key), m, history_replay=history_replay,
                           has_host=self.host is not None, layout=self.layout)
 
     # ------------------------------------------------------------------ receipts

@@ -61,7 +61,7 @@ class Publisher:
         own, ckpt = self._check_arguments(key, pages, checkpoint)
         base = self._anchored(anchor, key, own)
         if base is None:
-            path = self.core.walk(key)  # (a split on the way is semantically invisible)
+            path = self.core.tree.walk(key, self.core.split)  # (checked above; a split on the way is semantically invisible)
             self._check_pages(path, own, ckpt, 0)
             return self._commit(key, path, own, ckpt, chunk_checkpoint, 0)
         # the anchor's path is the caller's, page for page: walk and check only beyond it

@@ -12,25 +12,30 @@ on a loaded 2-core machine. Mutates fsm/ in place: run it in a checkout nothing 
 
 Usage: python bench/mutation/run_narrow.py CHECKOUT fsm/FILE.py OUT.xml TEST [TEST ...]
 (CHECKOUT: the repository root to mutate, e.g. ``.``)"""
-import sys, subprocess, shutil, os, difflib
+import difflib
+import os
+import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
-from mutmut import Context, mutate
+
+from mutmut import Context, list_mutations, mutate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from score import load_exclusions, mutation_line  # noqa: E402
+
 wt, fn, out, tests = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 root = os.path.abspath(wt)
 path = f"{root}/{fn}"
 src = open(path).read()
 env = dict(os.environ, HYPOTHESIS_PROFILE="kvtier-ci", NUMBA_ENABLE_CUDASIM="1", PYTHONDONTWRITEBYTECODE="1")
-from mutmut import list_mutations  # (line, index) per mutant, in mutmut's order
-
-ctx = Context(source=src, filename=fn)
-ids = list_mutations(ctx)
-suites = ET.Element("testsuites"); suite = ET.SubElement(suites, "testsuite", name="mutmut")
+ids = list_mutations(Context(source=src, filename=fn))  # (line, index) per mutant, in mutmut's order
+suites = ET.Element("testsuites")
+suite = ET.SubElement(suites, "testsuite", name="mutmut")
 stats = {"killed": 0, "survived": 0}
-sys.path.insert(0, f"{root}/bench/mutation")
-from score import load_exclusions, mutation_line
 excl = load_exclusions()
 for k, mid in enumerate(ids, 1):
-    new, n = mutate(Context(source=src, mutation_id=mid, filename=fn))
+    new, _ = mutate(Context(source=src, mutation_id=mid, filename=fn))
     diff = "\n".join(difflib.unified_diff(src.split("\n"), new.split("\n"), fn, fn, lineterm=""))
     if (f"{fn}:{mid.line_number + 1}", mutation_line(diff)[1]) in excl:
         tc = ET.SubElement(suite, "testcase", name=f"Mutant #{k}", file=fn, line=str(mid.line_number + 1))
