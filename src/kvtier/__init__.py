@@ -7,6 +7,10 @@ reuse, whose lifecycle is an explicit, verified state machine.
 
 from __future__ import annotations
 
+from kvtier import _moved
+
+_moved.install()
+
 from kvtier.fsm import (
     CacheGroupSpec,
     ComponentSpec,

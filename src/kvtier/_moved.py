@@ -1,0 +1,68 @@
+"""Old import paths of modules that moved, kept working.
+
+kvtier 0.1's layout grouped ``kvtier.fsm``, ``kvtier.transfer`` and ``kvtier`` by the spec's
+chapters and by job (``docs/migration.md`` lists every move). An engine that imports a module
+by its old dotted path (``import kvtier.fsm.core``, ``from kvtier.transfer.backend import
+make_backend``) gets the module at its new path: the *same* module object, so a monkeypatch
+through either name is seen through both. ``kvtier/__init__.py`` installs :data:`FINDER` on
+``sys.meta_path``; ``import kvtier.fsm.core`` always imports ``kvtier`` first, so the finder is in
+place before any old path is asked for.
+
+An old path is resolved lazily (nothing is imported until it is asked for) and warns nothing:
+new code should use the new paths, which ``docs/migration.md`` gives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+
+#: old dotted module path -> new dotted module path. Filled by the moves themselves.
+MOVED: dict[str, str] = {}
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads an old path as the module already at its new path."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+        self._original: importlib.machinery.ModuleSpec | None = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.new)
+        self._original = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the import system wrote the alias's spec and loader onto the real module: put its
+        # own back, so that reloading, pickling and pytest see the module where it lives
+        module.__spec__ = self._original
+        if self._original is not None:
+            module.__loader__ = self._original.loader
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` finder that answers only the old paths in its table."""
+
+    def __init__(self, moved: Mapping[str, str]) -> None:
+        self.moved = moved
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        new = self.moved.get(fullname)
+        if new is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(new))
+
+
+FINDER = MovedModuleFinder(MOVED)
+
+
+def install() -> None:
+    """Put :data:`FINDER` on ``sys.meta_path`` once (idempotent)."""
+    if FINDER not in sys.meta_path:
+        sys.meta_path.append(FINDER)
