@@ -24,6 +24,7 @@ from kvtier.fsm import (
     KvtierError,
     TransferCommand,
 )
+from kvtier.tiered import TieredCache
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "GuardRejected",
     "IllegalTransition",
     "KvtierError",
+    "TieredCache",
     "TransferCommand",
     "__version__",
 ]
