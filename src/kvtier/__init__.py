@@ -7,7 +7,7 @@ reuse, whose lifecycle is an explicit, verified state machine.
 
 from __future__ import annotations
 
-from kvtier import _moved
+from . import _moved
 
 _moved.install()
 
@@ -24,7 +24,7 @@ from kvtier.fsm import (
     KvtierError,
     TransferCommand,
 )
-from kvtier.tiered import TieredCache
+from .tiered import TieredCache
 
 __version__ = "0.1.0"
 
