@@ -17,9 +17,10 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from collections.abc import Mapping, Sequence
-from types import ModuleType
+from types import CodeType, ModuleType
 
 #: old dotted module path -> new dotted module path. Filled by the moves themselves.
 MOVED: dict[str, str] = {}
@@ -36,6 +37,13 @@ class _AliasLoader(importlib.abc.Loader):
         module = importlib.import_module(self.new)
         self._original = module.__spec__
         return module
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """The new module's code, so ``python -m <old path>`` runs it (runpy asks for it)."""
+        spec = importlib.util.find_spec(self.new)
+        loader = None if spec is None else spec.loader
+        get_code = getattr(loader, "get_code", None)
+        return None if get_code is None else get_code(self.new)  # type: ignore[no-any-return]
 
     def exec_module(self, module: ModuleType) -> None:
         # the import system wrote the alias's spec and loader onto the real module: put its
