@@ -22,7 +22,19 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 #: old dotted module path -> new dotted module path. Filled by the moves themselves.
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {
+    # transfer: the backends and their registry in kvtier.transfer.backends
+    "kvtier.transfer.backend": "kvtier.transfer.backends",
+    "kvtier.transfer.backend_cpu": "kvtier.transfer.backends.cpu",
+    "kvtier.transfer.backend_hybrid": "kvtier.transfer.backends.hybrid",
+    "kvtier.transfer.backend_numba": "kvtier.transfer.backends.numba_sm",
+    "kvtier.transfer.backend_torch": "kvtier.transfer.backends.torch_copy",
+    "kvtier.transfer.copy_engine": "kvtier.transfer.backends.copy_engine",
+    "kvtier.transfer.cuda_streams": "kvtier.transfer.backends.cuda_streams",
+    "kvtier.transfer.fake_async": "kvtier.transfer.backends.fake_async",
+    "kvtier.transfer.hybrid": "kvtier.transfer.backends.hybrid_choice",
+    "kvtier.transfer.kernels": "kvtier.transfer.backends.kernels",
+}
 
 
 class _AliasLoader(importlib.abc.Loader):
