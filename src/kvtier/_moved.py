@@ -34,6 +34,22 @@ MOVED: dict[str, str] = {
     "kvtier.transfer.fake_async": "kvtier.transfer.backends.fake_async",
     "kvtier.transfer.hybrid": "kvtier.transfer.backends.hybrid_choice",
     "kvtier.transfer.kernels": "kvtier.transfer.backends.kernels",
+    # facade: src/kvtier grouped by job (cli/, replay/, model/, scheduler/); a module merged
+    # into another maps to the module that now holds its names
+    "kvtier.argtypes": "kvtier.cli.argtypes",
+    "kvtier.check": "kvtier.cli.check",
+    "kvtier.costmodel": "kvtier.replay.costmodel",
+    "kvtier.diagram": "kvtier.cli.diagram",
+    "kvtier.exitcodes": "kvtier.cli.exitcodes",
+    "kvtier.fingerprint": "kvtier.replay.fingerprint",
+    "kvtier.l3replay": "kvtier.replay.l3replay",
+    "kvtier.model_replay": "kvtier.replay.model_replay",
+    "kvtier.multi_cli": "kvtier.replay.command",
+    "kvtier.plot": "kvtier.replay.plot",
+    "kvtier.replay_cli": "kvtier.replay.command",
+    "kvtier.router": "kvtier.replay.router",
+    "kvtier.tinymodel": "kvtier.model.tiny",
+    "kvtier.trace": "kvtier.replay.trace",
 }
 
 

@@ -20,8 +20,8 @@ from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.presets import preset
 
 from .costmodel import CostModel
-from .scheduler import Executor, InstantExecutor, ReferenceScheduler, SchedRequest, percentile
-from .tiered import TieredCache
+from ..scheduler import Executor, InstantExecutor, ReferenceScheduler, SchedRequest, percentile
+from ..tiered import TieredCache
 from .trace import MOONCAKE_BLOCK_TOKENS, Trace
 
 __all__ = ["ReplaySetup", "ConfigResult", "trace_requests", "run_replay", "run_config", "make_executor",
