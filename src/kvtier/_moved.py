@@ -41,6 +41,7 @@ MOVED: dict[str, str] = {
     "kvtier.costmodel": "kvtier.replay.costmodel",
     "kvtier.diagram": "kvtier.cli.diagram",
     "kvtier.exitcodes": "kvtier.cli.exitcodes",
+    "kvtier.facade_views": "kvtier.tiered",
     "kvtier.fingerprint": "kvtier.replay.fingerprint",
     "kvtier.l3replay": "kvtier.replay.l3replay",
     "kvtier.model_replay": "kvtier.replay.model_replay",
