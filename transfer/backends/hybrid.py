@@ -40,13 +40,13 @@ import torch
 
 from kvtier.fsm import ConfigError, Direction
 
-from .base import ChunkCounts, TransferEvent
-from .numba_sm import NumbaBackend
-from .copy_engine import BatchCopier, DriverBatchCopier, HostBatchCopier
 from ..errors import BackendUnavailable
-from .hybrid_choice import CE, DEFAULT_CALIBRATION, SM, Calibration, committed_calibration, copy_bytes
 from ..plan import DEFAULT_PIECE_BYTES, ChunkPlan, ChunkRef, FlushPlan, Planner, split_rows
 from ..pools import DevicePool, HostPool
+from .base import ChunkCounts, TransferEvent
+from .copy_engine import BatchCopier, DriverBatchCopier, HostBatchCopier
+from .hybrid_choice import CE, DEFAULT_CALIBRATION, SM, Calibration, committed_calibration, copy_bytes
+from .numba_sm import NumbaBackend
 
 __all__ = ["HybridBackend", "CALIBRATION_SIZES"]
 

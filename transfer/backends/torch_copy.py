@@ -11,11 +11,11 @@ import torch
 
 from kvtier.fsm import Direction
 
-from .base import Backend, ChunkCounts, TransferEvent
-from .cuda_streams import CudaStreams
 from ..errors import BackendUnavailable
 from ..plan import ChunkPlan, FlushPlan, Planner
 from ..pools import DevicePool, HostPool, _Pool
+from .base import Backend, ChunkCounts, TransferEvent
+from .cuda_streams import CudaStreams
 
 __all__ = ["TorchBackend"]
 

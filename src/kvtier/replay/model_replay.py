@@ -33,10 +33,10 @@ from kvtier.fsm import ConfigError
 from kvtier.fsm import units_to_pages
 from kvtier.fsm.layout import CacheLayout
 
-from .costmodel import CostModel
 from ..model import ModelExecutor, PagedLlama, WallClock, prompt_tokens_for
 from ..scheduler import InstantExecutor, ReferenceScheduler, SchedRequest, percentile
 from ..tiered import TieredCache
+from .costmodel import CostModel
 from .trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 
 __all__ = ["E2ESetup", "conversation_slice", "build_requests", "run_model_config", "run_model", "modeled_ttft",
