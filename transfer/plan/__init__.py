@@ -38,7 +38,7 @@ chunking, the caches, building the tables) and :mod:`.tables` (the two table for
 from __future__ import annotations
 
 from .planner import Planner
-from .records import ChunkPlan, ChunkRef, Command, FlushPlan, GroupPlan, layers_for
+from .records import I64, ChunkPlan, ChunkRef, Command, FlushPlan, GroupPlan, layers_for
 from .tables import (
     DEFAULT_PIECE_BYTES,
     MAX_CHUNK_ITEMS,
@@ -56,6 +56,6 @@ from .tables import (
     split_runs,
 )
 
-__all__ = ["GroupPlan", "ChunkRef", "ChunkPlan", "Command", "FlushPlan", "Planner", "RunTable", "layers_for",
+__all__ = ["GroupPlan", "ChunkRef", "ChunkPlan", "Command", "I64", "FlushPlan", "Planner", "RunTable", "layers_for",
            "split_rows", "split_runs", "expand_run_table", "DEFAULT_PIECE_BYTES", "MAX_CHUNK_ITEMS", "RUN_COLS",
            "REF_COLS", "REF_SRC", "REF_DST", "REF_PAGE_BYTES", "REF_RUN0", "REF_ITEM0", "REF_PIECES"]

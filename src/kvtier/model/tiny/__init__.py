@@ -9,6 +9,7 @@ Modules: :mod:`.transformer` (:class:`TinyModel`, :class:`TinyConfig`, its cache
 from __future__ import annotations
 
 from .runner import GenResult, TinyRunner
-from .transformer import FULL_GROUP, SWA_GROUP, TinyConfig, TinyModel, tiny_layout
+from .transformer import COMPONENTS, FULL_GROUP, SWA_GROUP, LayerHook, TinyConfig, TinyModel, tiny_layout
 
-__all__ = ["TinyConfig", "TinyModel", "TinyRunner", "GenResult", "FULL_GROUP", "SWA_GROUP", "tiny_layout"]
+__all__ = ["TinyConfig", "TinyModel", "TinyRunner", "GenResult", "FULL_GROUP", "SWA_GROUP", "COMPONENTS", "LayerHook",
+           "tiny_layout"]
