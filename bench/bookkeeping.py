@@ -37,14 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import provenance, record_section  # noqa: E402
 
-from kvtier.argtypes import positive_int  # noqa: E402
+from kvtier.cli.argtypes import positive_int  # noqa: E402
 from kvtier.fsm import KvtierError  # noqa: E402
 from kvtier.fsm.eviction import POLICIES  # noqa: E402
 from kvtier.fsm.presets import preset  # noqa: E402
 from kvtier.replay import trace_requests  # noqa: E402
 from kvtier.scheduler import InstantExecutor  # noqa: E402
 from kvtier.tiered import TieredCache  # noqa: E402
-from kvtier.trace import Trace, load_trace  # noqa: E402
+from kvtier.replay.trace import Trace, load_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

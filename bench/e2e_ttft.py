@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from kvtier.model import PagedLlama, config
-from kvtier.model_replay import E2ESetup, build_requests, capacities, conversation_slice, format_model_table, \
+from kvtier.replay.model_replay import E2ESetup, build_requests, capacities, conversation_slice, format_model_table, \
     ratios, run_model
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 
 
 def attention_probe(model: PagedLlama, context: int = 16384, chunk: int = 4096, reps: int = 10) -> dict[str, Any]:

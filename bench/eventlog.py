@@ -29,7 +29,7 @@ from kvtier.eventlog import EventRecorder
 from kvtier.fsm.errors import IllegalTransition
 from kvtier.fsm.machines import Lifecycle, request_lifecycle
 from kvtier.replay import ReplaySetup, run_replay, working_set_units
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 

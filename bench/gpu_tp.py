@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from kvtier.model import config, model_layout
-from kvtier.model_replay import E2ESetup, build_requests, capacities, conversation_slice
+from kvtier.replay.model_replay import E2ESetup, build_requests, capacities, conversation_slice
 from kvtier.parallel import StepSync, launch
 from kvtier.parallel.tp import TPJob, run_tp_rank
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 
 
 def nccl_probe(sync: StepSync, _: Any) -> float:

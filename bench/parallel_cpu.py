@@ -12,12 +12,12 @@ import dataclasses
 import time
 
 from kvtier.fsm.presets import preset
-from kvtier.model_replay import conversation_slice
+from kvtier.replay.model_replay import conversation_slice
 from kvtier.parallel import RankCache, RankJob, launch, run_jobs
 from kvtier.parallel.replay import fresh
 from kvtier.scheduler import ReferenceScheduler, SchedRequest
 from kvtier.tiered import TieredCache
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 
 
 def requests(tokens: int, align: int, max_prompt: int = 8192, max_output: int = 8) -> list[SchedRequest]:

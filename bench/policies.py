@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bookkeeping import EVICTIONS, TRACE, Result, run  # noqa: E402
 from harness import provenance, record_section  # noqa: E402
 
-from kvtier.argtypes import positive_int  # noqa: E402
-from kvtier.trace import load_trace  # noqa: E402
+from kvtier.cli.argtypes import positive_int  # noqa: E402
+from kvtier.replay.trace import load_trace  # noqa: E402
 
 PEERS = TRACE.parent.parent / "peers"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"

@@ -2,7 +2,7 @@
 
 ``kvtier replay --backend`` offers ``none``, ``cpu``, ``torch`` and ``numba``, and the
 replay's byte executor puts its device pool on the GPU for ``torch`` and ``numba`` only
-(``src/kvtier/replay_cli.py``, ``src/kvtier/fingerprint.py``). Until ``hybrid`` is
+(``src/kvtier/replay/command.py``, ``src/kvtier/replay/fingerprint.py``). Until ``hybrid`` is
 added there, this script runs the replay with ``--backend numba`` (CUDA pools) and
 replaces each executor's transfer engine, right after it is built and before any
 copy, by one on the backend named here; the JSON's ``setup.backend`` says which.
@@ -26,7 +26,8 @@ def main(argv: list[str]) -> int:
         return 2
     backend, rest = argv[0], argv[1:]
     base = os.environ.get("KVTIER_REPLAY_BASE", "numba")  # "cpu" to try this script without a GPU
-    from kvtier import cli, fingerprint
+    from kvtier import cli
+    from kvtier.replay import fingerprint
     from kvtier.transfer import TransferEngine
 
     original = fingerprint.BytesExecutor.__init__

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import provenance, record_section  # noqa: E402
 
-from kvtier.argtypes import positive_int  # noqa: E402
+from kvtier.cli.argtypes import positive_int  # noqa: E402
 from kvtier.fsm import CacheGroupSpec, Completion, ComponentSpec, DuplicateCompletion, Family  # noqa: E402
 from kvtier.fsm.errors import KvtierError  # noqa: E402
 from kvtier.fsm.layout import CacheLayout  # noqa: E402

@@ -380,7 +380,7 @@ def bench_config(name: str, specs: list[CacheGroupSpec], reps: int, blocks: int,
 def measure_calibration(blocks: int, threads: int) -> Calibration:
     """The hybrid backend's start-up calibration, measured once (it is what the
     backend would measure at bind) and given to every hybrid engine of the run."""
-    from kvtier.transfer.backend_hybrid import HybridBackend
+    from kvtier.transfer.backends.hybrid import HybridBackend
 
     specs = _one("kv", 4096)
     host, dev = HostPool(specs, 16), DevicePool.allocate(specs, 16, "cuda")

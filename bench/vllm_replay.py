@@ -27,7 +27,7 @@ from typing import Any
 
 from kvtier.adapters.vllm import KvtierOffloadingManager
 from kvtier.adapters.vllm_kit import Replayer, SharedHasher
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # after vllm_kit (its stubs)
 
 MANAGERS = ("kvtier", "vLLM lru", "vLLM arc")

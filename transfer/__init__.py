@@ -19,9 +19,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .arrays import ArrayCommand, PageArrays
-from .backend import BACKENDS, Backend, ChunkCounts, DoneEvent, TransferEvent, choose_backend, make_backend
-from .backend_cpu import CpuBackend
-from .copy_engine import BatchCopier, DriverBatchCopier, HostBatchCopier
+from .backends import BACKENDS, Backend, ChunkCounts, DoneEvent, TransferEvent, choose_backend, make_backend
+from .backends.copy_engine import BatchCopier, DriverBatchCopier, HostBatchCopier
+from .backends.cpu import CpuBackend
+from .backends.fake_async import POISON_BYTE, FakeAsyncBackend, PendingCopy
+from .backends.hybrid_choice import Calibration
 from .engine import TransferEngine
 from .errors import (
     BackendUnavailable,
@@ -31,16 +33,14 @@ from .errors import (
     PoisonedReadError,
     TransferError,
 )
-from .fake_async import POISON_BYTE, FakeAsyncBackend, PendingCopy
-from .hybrid import Calibration
 from .plan import ChunkPlan, FlushPlan, GroupPlan, Planner
 from .pools import DevicePool, HostPool, RegionKey, available_host_bytes, pages_for_budget
 from .stats import DirectionStats
 
 if TYPE_CHECKING:
-    from .backend_hybrid import HybridBackend
-    from .backend_numba import NumbaBackend
-    from .backend_torch import TorchBackend
+    from .backends.hybrid import HybridBackend
+    from .backends.numba_sm import NumbaBackend
+    from .backends.torch_copy import TorchBackend
 
 __all__ = [
     "ArrayCommand",
@@ -87,15 +87,15 @@ def __getattr__(name: str) -> Any:
     # The CUDA backends are imported on first use (NumbaBackend's module itself does
     # not import numba; its bind() does).
     if name == "NumbaBackend":
-        from .backend_numba import NumbaBackend
+        from .backends.numba_sm import NumbaBackend
 
         return NumbaBackend
     if name == "HybridBackend":
-        from .backend_hybrid import HybridBackend
+        from .backends.hybrid import HybridBackend
 
         return HybridBackend
     if name == "TorchBackend":
-        from .backend_torch import TorchBackend
+        from .backends.torch_copy import TorchBackend
 
         return TorchBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

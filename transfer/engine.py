@@ -37,7 +37,7 @@ from kvtier.fsm import (
 )
 
 from .arrays import ArrayCommand
-from .backend import Backend, TransferEvent, make_backend
+from .backends import Backend, TransferEvent, make_backend
 from .errors import TransferError
 from .layers import LayerCounter, OpLayers
 from .plan import FlushPlan, Planner, layers_for

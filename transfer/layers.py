@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .backend import TransferEvent
+from .backends.base import TransferEvent
 
 __all__ = ["LayerCounter", "OpLayers"]
 

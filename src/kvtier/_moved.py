@@ -23,7 +23,36 @@ from collections.abc import Mapping, Sequence
 from types import CodeType, ModuleType
 
 #: old dotted module path -> new dotted module path. Filled by the moves themselves.
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {
+    # transfer: the backends and their registry in kvtier.transfer.backends
+    "kvtier.transfer.backend": "kvtier.transfer.backends",
+    "kvtier.transfer.backend_cpu": "kvtier.transfer.backends.cpu",
+    "kvtier.transfer.backend_hybrid": "kvtier.transfer.backends.hybrid",
+    "kvtier.transfer.backend_numba": "kvtier.transfer.backends.numba_sm",
+    "kvtier.transfer.backend_torch": "kvtier.transfer.backends.torch_copy",
+    "kvtier.transfer.copy_engine": "kvtier.transfer.backends.copy_engine",
+    "kvtier.transfer.cuda_streams": "kvtier.transfer.backends.cuda_streams",
+    "kvtier.transfer.fake_async": "kvtier.transfer.backends.fake_async",
+    "kvtier.transfer.hybrid": "kvtier.transfer.backends.hybrid_choice",
+    "kvtier.transfer.kernels": "kvtier.transfer.backends.kernels",
+    # facade: src/kvtier grouped by job (cli/, replay/, model/, scheduler/); a module merged
+    # into another maps to the module that now holds its names
+    "kvtier.argtypes": "kvtier.cli.argtypes",
+    "kvtier.check": "kvtier.cli.check",
+    "kvtier.costmodel": "kvtier.replay.costmodel",
+    "kvtier.diagram": "kvtier.cli.diagram",
+    "kvtier.exitcodes": "kvtier.cli.exitcodes",
+    "kvtier.facade_views": "kvtier.tiered",
+    "kvtier.fingerprint": "kvtier.replay.fingerprint",
+    "kvtier.l3replay": "kvtier.replay.l3replay",
+    "kvtier.model_replay": "kvtier.replay.model_replay",
+    "kvtier.multi_cli": "kvtier.replay.command",
+    "kvtier.plot": "kvtier.replay.plot",
+    "kvtier.replay_cli": "kvtier.replay.command",
+    "kvtier.router": "kvtier.replay.router",
+    "kvtier.tinymodel": "kvtier.model.tiny",
+    "kvtier.trace": "kvtier.replay.trace",
+}
 
 
 class _AliasLoader(importlib.abc.Loader):

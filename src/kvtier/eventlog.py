@@ -6,7 +6,7 @@ and request transition with the guards the implementation evaluated and the fact
 read, every transfer command issued, every completion received, every operation settled,
 every facade call and every invariant check. The format is documented, versioned and
 independent of Python (docs/eventlog-format.md), so an engine written in another language can
-emit it; ``kvtier check LOG`` (:mod:`kvtier.check`) replays it offline against the spec.
+emit it; ``kvtier check LOG`` (:mod:`kvtier.cli.check`) replays it offline against the spec.
 
 Cost: with no recorder attached nothing is wrapped, and the only code on the hot path is
 one ``observer is not None`` test per lifecycle transition (:mod:`kvtier.fsm.machines`).

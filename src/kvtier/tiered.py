@@ -3,7 +3,9 @@
 One instance per scheduler, driven on its thread, sans-I/O: it returns transfer commands
 and takes completions back. It checks arguments and composes the parts in ``kvtier.fsm``:
 the node core, the request table (``request_table``), ``admission``, ``forward``,
-``request_ends``, ``completions`` and the request invariants (``fence``).
+``request_ends``, ``completions`` and the request invariants (``fence``). Besides the calls
+that drive it, it answers read-only queries (requests, page tables, which call a state
+accepts, what is still outstanding, invariants and counters) that change nothing.
 
 A step, as an engine runs it::
 
@@ -42,19 +44,18 @@ from kvtier.fsm.admission import Admitter
 from kvtier.fsm.batch import Batcher, ForwardResult, ItemOutcome, Reservation, StepOutcome
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
 from kvtier.fsm.completions import CompletionRouter
+from kvtier.fsm.fence import check_all
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.l3 import L3Options, L3Tier
 from kvtier.fsm.node import PageMap
 from kvtier.fsm.forward import ForwardResults
-from kvtier.fsm.request import TERMINAL, Admission, Outstanding, PollResult, RequestEvent, RequestView
+from kvtier.fsm.request import CALLS, TERMINAL, Admission, Outstanding, PollResult, RequestEvent, RequestView
 from kvtier.fsm.request_ends import Ender
 from kvtier.fsm.request_table import DEFAULT_ENDED_HISTORY, CacheCore, RequestTable, WritePolicy
 
-from .facade_views import RequestViews
-
 __all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView", "Outstanding", "TERMINAL",
            "DEFAULT_OP_DEADLINE_STEPS", "DEFAULT_ENDED_HISTORY", "ForwardResult", "Reservation", "ItemOutcome",
-           "StepOutcome"]
+           "StepOutcome", "L3Options", "WritePolicy"]
 
 #: The default ``op_deadline_steps``: an operation not acknowledged on every rank within
 #: this many :meth:`TieredCache.advance_step` steps fails (its request recomputes or
@@ -63,7 +64,7 @@ __all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestVie
 DEFAULT_OP_DEADLINE_STEPS = 10_000
 
 
-class TieredCache(RequestViews):
+class TieredCache:
     """A two-tier prefix cache with the request lifecycle, for a scheduler's step loop.
 
     Args:
@@ -282,3 +283,73 @@ class TieredCache(RequestViews):
             self.core.issue_writebacks(room)
         commands = tuple(self.core.poll_commands())
         return PollResult(commands, tuple(self._table.take_events()))
+
+    # ------------------------------------------------------------------ read-only queries
+    def request(self, request_id: str) -> RequestView:
+        """A summary of one request, tracked or among the last ``ended_history`` ended
+        (UsageError: unknown request)."""
+        return self._table.view(request_id)
+
+    def unit_keys(self, request_id: str) -> tuple[Hashable, ...]:
+        """The unit keys known for the request (its prompt's full units, then decode units)."""
+        return tuple(self._table.get(request_id).units)
+
+    def state(self, request_id: str) -> str:
+        """The request's lifecycle state; for the last ``ended_history`` ended requests
+        still ``finished`` or ``aborted`` after :meth:`poll` reported it (UsageError:
+        unknown request)."""
+        r = self._table.find(request_id) if isinstance(request_id, str) else None
+        return r.state if r is not None else self._table.view(request_id).state
+
+    def requests(self) -> list[RequestView]:
+        """Every request the cache still tracks (ended ones are dropped after :meth:`poll`
+        reported them; :meth:`request` and :meth:`state` still answer for recent ones)."""
+        return [r.view() for r in self._table]
+
+    def page_table(self, request_id: str) -> PageMap:
+        """The device page table: history groups cover tokens ``0 .. reserved`` (canonical
+        pages of published units, then its own); state groups hold its working state."""
+        return self._table.page_table(self._table.get(request_id))
+
+    def allows(self, request_id: str, call: str) -> bool:
+        """Whether ``call`` (``"admit"``, ``"reserve"``, ``"step_done"``, ``"layer_ready"``) is
+        accepted in the request's state, as the spec's ``[request.calls]`` declares
+        (UsageError: unknown request or call)."""
+        if call not in CALLS:
+            raise UsageError(f"allows: call must be one of {sorted(CALLS)}, got {call!r}")
+        return self._table.get(request_id).state in CALLS[call]
+
+    @property
+    def table(self) -> RequestTable:
+        """The request table (read its records; change them only through this facade)."""
+        return self._table
+
+    @property
+    def aborted_by_scheduler(self) -> int:
+        """Requests aborted by :meth:`abort_victim` or by a failed retract writeback."""
+        return self._victims + self._router.aborted_by_scheduler
+
+    def in_flight(self) -> bool:  # any operation or forward result outstanding
+        return bool(self.core.ops_in_flight()) or self._table.owes_forward()
+
+    def outstanding(self) -> Outstanding:
+        """What the cache still holds or owes: requests tracked, forward results, operations,
+        commands not handed out, unreported events, receipts and device pages held outside
+        the tree (:class:`Outstanding`; cost grows with what is held, never capacity)."""
+        return self._table.outstanding()
+
+    def quiescent(self) -> bool:
+        """True when nothing is held or owed (:attr:`Outstanding.quiescent`): after an
+        engine drained (every request ended, completions delivered, :meth:`poll` called),
+        ``assert cache.quiescent(), cache.outstanding()`` checks that nothing leaked."""
+        return self.outstanding().quiescent
+
+    def check_invariants(self) -> None:
+        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_all`):
+        raises InvariantViolation naming the invariant and the request or node."""
+        check_all(self._table)
+
+    def stats(self) -> dict[str, Any]:
+        """The core's counters, scheduler aborts, and ``"facade"``: the requests' (FacadeCounters.as_dict)."""
+        s = {k: v for k, v in vars(self.core.stats).items() if k != "extra"}
+        return {**s, "scheduler_aborts": self.aborted_by_scheduler, "facade": self._table.counters.as_dict()}

@@ -307,7 +307,7 @@ SEMANTIC: dict[str, Mutant] = {
         "facade", "in_flight() forgets forward passes out, so a scheduler drains and stops with "
         "results still owed",
         (f"{_C}test_in_flight_counts_passes_out",),
-        [("src/kvtier/facade_views.py", "        return bool(self.core.ops_in_flight()) or self._table.owes_forward()",
+        [("src/kvtier/tiered.py", "        return bool(self.core.ops_in_flight()) or self._table.owes_forward()",
           "        return bool(self.core.ops_in_flight())  # BROKEN: passes out are forgotten")]),
     # -- transfer/ -------------------------------------------------------------------------------
     "s26-failed-issue-no-barrier": Mutant(

@@ -5,17 +5,18 @@ A backend is a small synchronous object used from one thread (the
 key, and raises :class:`StoreError` (or any ``OSError``) when the store cannot be reached;
 the driver turns that into a failed operation. Values are whole objects (bytes): a
 backend stores each in ONE store entry, so the store can drop an object but never tear it.
+Each backend is a module of :mod:`kvtier.transfer.store` (whose ``open_store`` picks one by
+URL scheme); a backend imports this interface, never that registry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
-from urllib.parse import urlsplit
 
-from kvtier.fsm.errors import ConfigError, KvtierError
+from kvtier.fsm.errors import KvtierError
 
-__all__ = ["StoreBackend", "StoreError", "open_store"]
+__all__ = ["StoreBackend", "StoreError"]
 
 
 class StoreError(KvtierError):
@@ -59,28 +60,3 @@ class StoreBackend(Protocol):
     def close(self) -> None:
         """Release connections."""
         ...
-
-
-def open_store(url: str, *, timeout_s: float = 2.0) -> StoreBackend:
-    """A backend for ``url``: ``redis://HOST:PORT[/DB]`` (:class:`~.redis_store.RedisStore`) or
-    ``mooncake://HOST:PORT[?lease_s=S&segment_mb=N&buffer_mb=N&protocol=tcp|rdma]`` (the
-    ``mooncake_master`` RPC address; :class:`~.mooncake_store.MooncakeStore`).
-
-    Raises:
-        ConfigError: an unknown scheme, a malformed URL, or a backend whose client is not
-            installed (Redis: ``pip install 'kvtier[l3]'``; Mooncake: ``pip install
-            mooncake-transfer-engine-non-cuda`` and ``apt-get install libibverbs1``).
-        StoreError: a Mooncake master that cannot be reached (the client connects at once).
-    """
-    if not isinstance(url, str):
-        raise ConfigError(f"store URL must be a string like redis://127.0.0.1:6379, got {url!r}")
-    parts = urlsplit(url)
-    if parts.scheme == "redis":
-        from .redis_store import RedisStore
-
-        return RedisStore.from_url(url, timeout_s=timeout_s)
-    if parts.scheme == "mooncake":
-        from .mooncake_store import MooncakeStore
-
-        return MooncakeStore.from_url(url, timeout_s=timeout_s)
-    raise ConfigError(f"unknown store URL scheme {parts.scheme!r} in {url!r}; expected redis:// or mooncake://")

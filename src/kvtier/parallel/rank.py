@@ -55,7 +55,7 @@ class RankExecutor:
 
     Args:
         local: the rank's own executor (:class:`~kvtier.scheduler.InstantExecutor`,
-            :class:`~kvtier.fingerprint.BytesExecutor`, :class:`~kvtier.model.ModelExecutor`).
+            :class:`~kvtier.replay.fingerprint.BytesExecutor`, :class:`~kvtier.model.ModelExecutor`).
         sync: the rank's :class:`StepSync`.
         cache: the rank's :class:`RankCache` (its digest goes into every exchange).
         fail_ops: op ids whose completions this rank reports as failed (injected

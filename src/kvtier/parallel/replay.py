@@ -72,7 +72,7 @@ class RankJob:
 def _executor(job: RankJob, rank: int, world: int, device_units: int) -> Executor:
     if job.backend == "none":
         return InstantExecutor(world_size=1)
-    from ..fingerprint import BytesExecutor, scaled_layout
+    from ..replay.fingerprint import BytesExecutor, scaled_layout
 
     layout = scaled_layout(shard_layout(job.layout, world), job.byte_scale)
     return BytesExecutor(layout, units_to_pages(job.layout, device_units),

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from kvtier.fsm import ConfigError, units_to_pages
 
 from ..model import ModelConfig, ModelExecutor, PagedLlama, WallClock, model_layout
-from ..model_replay import summarize
+from ..replay.model_replay import summarize
 from ..scheduler import ReferenceScheduler, SchedRequest, percentile
 from .cache import RankCache
 from .rank import AgreedClock, RankExecutor, check_drained
@@ -141,10 +141,10 @@ class TPJob:
 
     Attributes:
         cfg: the full model's shape.
-        requests, prompts, outputs: as :func:`kvtier.model_replay.build_requests` returns.
+        requests, prompts, outputs: as :func:`kvtier.replay.model_replay.build_requests` returns.
         configs: ``(name, device units, host units or None)`` to serve, in order.
         backend: transfer backend (``numba`` on a GPU, ``cpu`` on the CPU).
-        token_budget, chunk_layers, policy: as :class:`kvtier.model_replay.E2ESetup`.
+        token_budget, chunk_layers, policy: as :class:`kvtier.replay.model_replay.E2ESetup`.
         check: the executor's correctness checks; no_reuse_samples: its comparisons.
         measured: wall clock (rank 0's, :class:`AgreedClock`) instead of modeled time.
         stage_through_host: the model's sums through host memory (gloo, shared GPU).

@@ -1,6 +1,6 @@
 """The facade machine on the real transfer engine: :class:`EngineTransfer` routes every
 command through one :class:`~kvtier.transfer.engine.TransferEngine` per rank, on the
-fake-asynchronous backend (``transfer/fake_async.py``), with failures injected at issue
+fake-asynchronous backend (``transfer/backends/fake_async.py``), with failures injected at issue
 time and at completion.
 
 - Bytes are real. Every page the model writes (a forward pass's KV, a checkpoint) is
@@ -43,7 +43,7 @@ from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import TransferCommand
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.errors import HazardError, NotReadyError, PoisonedReadError
-from kvtier.transfer.fake_async import FakeAsyncBackend, PendingCopy
+from kvtier.transfer.backends.fake_async import FakeAsyncBackend, PendingCopy
 from kvtier.transfer.plan import ChunkPlan, FlushPlan
 from kvtier.transfer.pools import DevicePool, HostPool
 

@@ -3,7 +3,7 @@
 Some examples of the core and facade machines (their setup's ``logged``) record the
 cache they build with a real :class:`~kvtier.eventlog.EventRecorder` (into memory), and at
 the end of the example replay the log through ``kvtier check``
-(:func:`kvtier.check.check_records`): every node and request transition the recorder saw
+(:func:`kvtier.cli.check.check_records`): every node and request transition the recorder saw
 must be one of the spec's, with the guards it evaluated, and the operations must end once.
 This checks the event log (what an engine ships to ``kvtier check``) against the run that
 produced it, and drives the lifecycle observer (:attr:`kvtier.fsm.machines.Lifecycle.observer`).
@@ -16,7 +16,7 @@ import io
 import json
 from typing import Any
 
-from ..check import check_records
+from ..cli.check import check_records
 from ..eventlog import EventRecorder, active_recorder
 from kvtier.fsm.errors import InvariantViolation
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from kvtier.fsm import Direction
 
-from .backend import Backend, ChunkCounts, DoneEvent, TransferEvent
-from .errors import BackendUnavailable
-from .plan import ChunkPlan, ChunkRef, FlushPlan, Planner
-from .pools import DevicePool, HostPool, _Pool, put_layers
+from ..errors import BackendUnavailable
+from ..plan import ChunkPlan, ChunkRef, FlushPlan, Planner
+from ..pools import DevicePool, HostPool, _Pool, put_layers
+from .base import Backend, ChunkCounts, DoneEvent, TransferEvent
 
 __all__ = ["CpuBackend", "copy_chunk_indexed"]
 

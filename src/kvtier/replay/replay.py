@@ -19,9 +19,9 @@ from kvtier.fsm import ConfigError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.presets import preset
 
+from ..scheduler import Executor, InstantExecutor, ReferenceScheduler, SchedRequest, percentile
+from ..tiered import TieredCache
 from .costmodel import CostModel
-from .scheduler import Executor, InstantExecutor, ReferenceScheduler, SchedRequest, percentile
-from .tiered import TieredCache
 from .trace import MOONCAKE_BLOCK_TOKENS, Trace
 
 __all__ = ["ReplaySetup", "ConfigResult", "trace_requests", "run_replay", "run_config", "make_executor",

@@ -37,10 +37,10 @@ import torch
 
 from kvtier.fsm import ConfigError, Direction
 
-from .backend import ChunkCounts, TransferEvent
-from .backend_cpu import CpuBackend
-from .errors import HazardError, NotReadyError, PoisonedReadError, TransferError
-from .plan import ChunkPlan, FlushPlan
+from ..errors import HazardError, NotReadyError, PoisonedReadError, TransferError
+from ..plan import ChunkPlan, FlushPlan
+from .base import ChunkCounts, TransferEvent
+from .cpu import CpuBackend
 
 __all__ = ["POISON_BYTE", "PendingCopy", "FakeAsyncBackend", "FakeEvent", "InjectedFailure"]
 

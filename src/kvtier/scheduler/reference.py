@@ -1,272 +1,28 @@
-"""The reference scheduler: continuous batching over :class:`TieredCache`, the way an
-engine's scheduler would drive it.
-
-Each step: deliver transfer completions, advance deadlines, schedule decode tokens
-(retracting the newest request when decode pages run out), continue chunked prefills,
-resume retracted requests, admit waiting ones within a token budget, submit the cache's
-transfer commands, run the forward pass (through an :class:`Executor`), report its
-results, finish requests that are done, and abort one deterministic victim when nothing
-could be scheduled, nothing is in flight and every blocked request is short of cache.
-
-Time is modeled (:class:`CostModel`) unless a :class:`Clock` is given: then it is
-measured (the executor's forward pass must return only once its work is done), arrivals
-are replayed against it, and idle gaps (nothing running, nothing in flight) are skipped.
-The cache's decisions never depend on time.
-"""
+"""The reference scheduler's loop: :class:`ReferenceScheduler` (see :mod:`kvtier.scheduler`)."""
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
 from collections import deque
-from time import perf_counter
-from typing import Any
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from time import perf_counter
+from typing import Any
 
-from kvtier.fsm import Completion, ConfigError, Direction, KvtierError, TransferCommand
-
-from .costmodel import CostModel
+from kvtier.fsm import Direction, TransferCommand
 from kvtier.fsm.batch import OK, SHORT
 
-from .tiered import Admission, Reservation, TieredCache
-from .trace import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, MAX_TIMESTAMP_MS
+from ..replay.costmodel import CostModel
+from ..tiered import Admission, Reservation, TieredCache
+from .executor import Clock, Executor, InstantExecutor
+from .requests import SchedRequest, SchedulerStalled, as_index, check_fresh
+from .stats import RunStats, TimedCache
 
-__all__ = ["SchedRequest", "Executor", "InstantExecutor", "ReferenceScheduler", "RunStats", "Clock", "SchedulerStalled",
-           "DEFAULT_MAX_IDLE_STEPS", "MAX_ARRIVAL_S"]
+__all__ = ["ReferenceScheduler", "DEFAULT_MAX_IDLE_STEPS"]
 
 DEFAULT_MAX_IDLE_STEPS = 100_000
 """Scheduler iterations in a row without progress (no forward pass, arrival or ended request)
 after which :meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (a lost transfer
 completion, for instance, would otherwise be waited for forever)."""
-
-MAX_ARRIVAL_S = MAX_TIMESTAMP_MS / 1000
-"""Latest arrival time accepted, in seconds (1e10 s: the trace reader's ``MAX_TIMESTAMP_MS``)."""
-
-
-class SchedulerStalled(KvtierError):  # type: ignore[misc,unused-ignore]  # Any when mypy cannot map kvtier.fsm
-    """The reference scheduler stopped making progress, or ran past its bound on steps.
-
-    Attributes:
-        steps: scheduler iterations run.
-        live: ids of the requests that had not ended (at most 10 listed in the message).
-    """
-
-    def __init__(self, detail: str, steps: int, live: Sequence[str]) -> None:
-        self.steps = steps
-        self.live = tuple(live)
-        shown = ", ".join(self.live[:10]) + (", ..." if len(self.live) > 10 else "")
-        super().__init__(f"{detail} after {steps:,} iterations; {len(self.live):,} request(s) not ended "
-                         f"({shown})")
-
-
-def _index(value: object, name: str, low: int, high: int) -> int:
-    """``value`` as an int in ``low .. high`` (anything ``operator.index`` accepts but bool;
-    the wording of ``kvtier.fsm.checks.as_int``)."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(f"{name} must be an int in {low}..{high}, got {value!r}") from None
-    if not low <= n <= high:
-        raise ConfigError(f"{name} must be an int in {low}..{high}, got {value!r}")
-    return n
-
-
-@dataclass(slots=True, eq=False)
-class SchedRequest:
-    """A request as the reference scheduler sees it.
-
-    Attributes:
-        request_id: unique id (a non-empty str).
-        arrival_s: arrival time (seconds, finite, 0 .. :data:`MAX_ARRIVAL_S`).
-        prompt_tokens: prompt length (tokens, 1 .. ``kvtier.trace.MAX_INPUT_LENGTH``).
-        output_tokens: tokens to generate (0 .. ``kvtier.trace.MAX_OUTPUT_LENGTH``; 0 behaves as 1).
-        units: unit keys of the prompt's full units (a list is stored as a tuple).
-
-    Raises:
-        ConfigError: any of these out of range or of the wrong type (checked again by
-            :meth:`ReferenceScheduler.run`, since the fields can be reassigned).
-    """
-
-    request_id: str
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    units: tuple[Hashable, ...]
-    tokens: int = 0
-    generated: int = 0
-    admitted_order: int = -1
-    first_token_s: float | None = None
-    hit_tokens: int = 0
-    device_hit_tokens: int = 0
-    history_hit_tokens: int = 0
-    computed_tokens: int = 0
-    done: bool = False
-    aborted: str | None = None
-    decode_units: int = 0
-    resume_to: int = 0
-    kv_target: int = 0  # tokens whose KV must exist before it decodes (prompt, or what it had)
-
-    def __post_init__(self) -> None:
-        self.check()
-        self.kv_target = self.prompt_tokens
-
-    def check(self) -> None:
-        """Validate (and normalise) the request's inputs.
-
-        Raises:
-            ConfigError: a bad ``request_id``, ``arrival_s``, ``prompt_tokens``,
-                ``output_tokens`` or ``units``; the message names the request and the field.
-        """
-        rid = self.request_id
-        if not isinstance(rid, str) or not rid:
-            raise ConfigError(f"SchedRequest: request_id must be a non-empty str, got {rid!r}")
-        where = f"SchedRequest {rid!r}"
-        t = self.arrival_s
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) \
-                or not 0 <= t <= MAX_ARRIVAL_S:
-            raise ConfigError(f"{where}: arrival_s must be a finite number of seconds in 0 .. {MAX_ARRIVAL_S:.0e}, "
-                              f"got {t!r}")
-        self.arrival_s = float(t)
-        self.prompt_tokens = _index(self.prompt_tokens, f"{where}: prompt_tokens", 1, MAX_INPUT_LENGTH)
-        self.output_tokens = _index(self.output_tokens, f"{where}: output_tokens", 0, MAX_OUTPUT_LENGTH)
-        if not isinstance(self.units, (tuple, list)):
-            raise ConfigError(f"{where}: units must be a tuple of unit keys, got {type(self.units).__name__}")
-        self.units = tuple(self.units)
-
-
-class Executor(Protocol):
-    """What runs transfers and forward passes for the scheduler.
-
-    ``submit`` takes the cache's commands; ``collect`` returns every completion that is
-    ready (per layer and final, any order); ``forward`` runs one step's forward pass for
-    ``(request_id, first_token, n_tokens, page_table)`` items after ``wait`` says which
-    loadback layers are ready. The default :class:`InstantExecutor` moves no bytes.
-    """
-
-    def submit(self, commands: Sequence[TransferCommand]) -> None: ...
-
-    def collect(self) -> list[Completion]: ...
-
-    def forward(self, cache: TieredCache, batch: Sequence[tuple[str, int, int]]) -> None: ...
-
-    def transfer_seconds(self) -> float: ...
-
-    def admitted(self, cache: TieredCache, adm: Admission) -> None: ...
-
-    def checkpointed(self, cache: TieredCache, request_id: str, pages: dict[str, list[int]],
-                     tokens: int) -> None: ...
-
-
-class Clock(Protocol):
-    """Measured time for :class:`ReferenceScheduler` (seconds; e.g.
-    :class:`kvtier.model.WallClock`)."""
-
-    def now(self) -> float: ...
-
-    def skip_to(self, t: float) -> None:
-        """Nothing runs and nothing is in flight until ``t``: jump there."""
-        ...
-
-
-class InstantExecutor:
-    """Metadata only: every transfer completes at the next collect (all layers, every
-    rank), forward passes do nothing."""
-
-    def __init__(self, world_size: int = 1, layer_chunk: int = 4) -> None:
-        self.world_size = world_size
-        self.layer_chunk = layer_chunk
-        self._pending: list[TransferCommand] = []
-
-    def submit(self, commands: Sequence[TransferCommand]) -> None:
-        self._pending.extend(commands)
-
-    def collect(self) -> list[Completion]:
-        out = []
-        for cmd in self._pending:
-            for rank in range(self.world_size):
-                if cmd.direction is Direction.LOADBACK and cmd.layers:
-                    last = cmd.layers[-1]
-                    for i in range(self.layer_chunk - 1, len(cmd.layers), self.layer_chunk):
-                        out.append(Completion(cmd.op_id, rank, True, cmd.layers[i]))
-                    if len(cmd.layers) % self.layer_chunk:
-                        out.append(Completion(cmd.op_id, rank, True, last))
-                out.append(Completion(cmd.op_id, rank, True, None))
-        self._pending.clear()
-        return out
-
-    def forward(self, cache: TieredCache, batch: Sequence[tuple[str, int, int]]) -> None:
-        return None
-
-    def transfer_seconds(self) -> float:
-        return 0.0
-
-    def admitted(self, cache: TieredCache, adm: Admission) -> None:
-        return None
-
-    def checkpointed(self, cache: TieredCache, request_id: str, pages: dict[str, list[int]],
-                     tokens: int) -> None:
-        return None
-
-
-@dataclass
-class RunStats:
-    """What one scheduler run did (tokens, counts, modeled seconds)."""
-
-    steps: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    history_hit_tokens: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    retractions: int = 0
-    aborts: int = 0
-    abort_reasons: dict[str, int] = field(default_factory=dict)
-    loadback_bytes: int = 0
-    writeback_bytes: int = 0
-    loadback_pages: int = 0
-    writeback_pages: int = 0
-    modeled_s: float = 0.0
-    ttft_s: list[float] = field(default_factory=list)
-    finished: int = 0
-    kvtier_s: float = 0.0  #: wall seconds spent inside the cache's calls (bookkeeping)
-    kvtier_decode_s: float = 0.0  #: of which the per-token calls of decode steps
-    #: (modeled seconds, hit rate so far, device pool used fraction, host pool used fraction)
-    timeline: list[tuple[float, float, float, float]] = field(default_factory=list)
-
-
-class _Timed:
-    """The cache, with the wall time of every call added to ``stats.kvtier_s``."""
-
-    def __init__(self, cache: TieredCache, stats: RunStats) -> None:
-        self._cache = cache
-        self._stats = stats
-        self.decode = False  # set around per-token decode calls
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self._cache, name)
-        if not callable(fn):
-            return fn
-        stats = self._stats
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            t0 = perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = perf_counter() - t0
-                stats.kvtier_s += dt
-                if self.decode:
-                    stats.kvtier_decode_s += dt
-
-        setattr(self, name, call)  # bind once: later calls skip __getattr__
-        return call
 
 
 class ReferenceScheduler:
@@ -291,8 +47,8 @@ class ReferenceScheduler:
     def __init__(self, cache: TieredCache, executor: Executor | None = None, *, token_budget: int = 8192,
                  cost: CostModel | None = None, align_chunks: bool = True,
                  max_idle_steps: int = DEFAULT_MAX_IDLE_STEPS, clock: Clock | None = None) -> None:
-        token_budget = _index(token_budget, "token_budget", 1, 1 << 40)
-        self.max_idle_steps = _index(max_idle_steps, "max_idle_steps", 1, 1 << 40)
+        token_budget = as_index(token_budget, "token_budget", 1, 1 << 40)
+        self.max_idle_steps = as_index(max_idle_steps, "max_idle_steps", 1, 1 << 40)
         self.cache = cache
         self._real_cache = cache
         self.executor: Executor = executor or InstantExecutor(cache.core.world_size)
@@ -301,7 +57,7 @@ class ReferenceScheduler:
         self.align = cache.layout.alignment
         self.align_chunks = align_chunks and bool(cache.layout.state_groups)
         self.stats = RunStats()
-        self._timed = _Timed(cache, self.stats)
+        self._timed = TimedCache(cache, self.stats)
         self.cache = self._timed  # type: ignore[assignment]
         self.clock = clock
         self.now = clock.now() if clock is not None else 0.0
@@ -416,22 +172,8 @@ class ReferenceScheduler:
             SchedulerStalled: the run stopped making progress or passed its bound.
         """
         if max_steps is not None:
-            max_steps = _index(max_steps, "max_steps", 0, 1 << 62)
-        if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
-            raise ConfigError(f"requests must be a sequence of SchedRequest, got {type(requests).__name__}")
-        seen: set[str] = set()
-        work = 0
-        for i, r in enumerate(requests):
-            if not isinstance(r, SchedRequest):
-                raise ConfigError(f"requests[{i}] must be a SchedRequest, got {type(r).__name__}")
-            r.check()
-            if r.request_id in seen:
-                raise ConfigError(f"requests[{i}]: request id {r.request_id!r} appears twice")
-            if r.done or r.tokens or r.generated or r.admitted_order >= 0:
-                raise ConfigError(f"requests[{i}] ({r.request_id!r}) was run before; pass a fresh SchedRequest")
-            seen.add(r.request_id)
-            work += r.prompt_tokens + max(1, r.output_tokens)
-        bound = 16 * work + self.max_idle_steps
+            max_steps = as_index(max_steps, "max_steps", 0, 1 << 62)
+        bound = 16 * check_fresh(requests) + self.max_idle_steps
         self._pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
         self._waiting = deque()
         self._retracted = deque()
@@ -737,11 +479,3 @@ class _StepPlan:
     def add(self, r: SchedRequest, tokens: int) -> None:
         self.batch.append((r, tokens))
         self.budget -= tokens
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by nearest rank; 0.0 for no values."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))
-    return s[k]

@@ -1,7 +1,7 @@
 """The hybrid backend's choice between the SM kernel and the copy engines (pure logic).
 
 Per flush, per direction and per tensor ref (one (group, component, layer) region
-pair), the hybrid backend (:mod:`.backend_hybrid`) moves the ref's contiguous runs
+pair), the hybrid backend (:mod:`.hybrid`) moves the ref's contiguous runs
 either with the Numba copy kernel (on at most ``blocks`` SMs) or as batched
 copy-engine copies (``cuMemcpyBatchAsync``, :mod:`.copy_engine`). What decides is
 the ref's *copy size*, the mean bytes per contiguous run (``pages / spans * page
@@ -22,7 +22,7 @@ the loadback in flight: the loadback (latency-critical, time to first token) kee
 the link, the writeback yields.
 
 A :class:`Calibration` is measured on the device when the backend binds
-(:meth:`HybridBackend.calibrate <kvtier.transfer.backend_hybrid.HybridBackend.calibrate>`),
+(:meth:`HybridBackend.calibrate <kvtier.transfer.backends.hybrid.HybridBackend.calibrate>`),
 or taken from the committed table for the GPU (:data:`COMMITTED`), or given.
 """
 

@@ -6,7 +6,7 @@ the paged decoder and moving pages with a transfer backend. Arrival times are re
 against a wall clock (optionally time-scaled; idle gaps skipped), so time to first token
 is measured: from the request's arrival to the end of the forward pass that produced its
 first token, device work included (the pass synchronizes). The same requests are also
-replayed metadata-only under :class:`~kvtier.costmodel.CostModel`, with its default
+replayed metadata-only under :class:`~kvtier.replay.costmodel.CostModel`, with its default
 constants and with constants fitted to the measured passes, so measured and modeled
 times stand side by side.
 
@@ -33,10 +33,10 @@ from kvtier.fsm import ConfigError
 from kvtier.fsm import units_to_pages
 from kvtier.fsm.layout import CacheLayout
 
+from ..model import ModelExecutor, PagedLlama, WallClock, prompt_tokens_for
+from ..scheduler import InstantExecutor, ReferenceScheduler, SchedRequest, percentile
+from ..tiered import TieredCache
 from .costmodel import CostModel
-from .model import ModelExecutor, PagedLlama, WallClock, prompt_tokens_for
-from .scheduler import InstantExecutor, ReferenceScheduler, SchedRequest, percentile
-from .tiered import TieredCache
 from .trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest
 
 __all__ = ["E2ESetup", "conversation_slice", "build_requests", "run_model_config", "run_model", "modeled_ttft",

@@ -1,37 +1,25 @@
-"""The backend interface, events, and the choice of a backend.
+"""The backend interface: :class:`Backend` and the events and counts it gives back.
 
 A backend moves the bytes of a :class:`~kvtier.transfer.plan.ChunkPlan` between the
-pools and gives back events the engine polls. Backends: ``"hybrid"`` (the Numba kernel
-for small copies, batched copy-engine copies for large ones, :mod:`.backend_hybrid`),
-``"numba"`` (zero-copy
-Numba-CUDA kernels, :mod:`.backend_numba`), ``"torch"`` (one ``copy_`` per contiguous
-run on side streams, :mod:`.backend_torch`), ``"cpu"`` (index copies on CPU tensors,
-:mod:`.backend_cpu`) and ``"fake-async"`` (the CPU backend whose copies complete only
-when a test says so, :mod:`.fake_async`).
+pools and gives back events the engine polls. Each backend is a module of
+:mod:`kvtier.transfer.backends` (which also holds the registry, :func:`make_backend`);
+a backend imports this interface, never the registry.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvtier.fsm import ConfigError, Direction
-
-from .errors import BackendUnavailable
+from kvtier.fsm import Direction
 
 if TYPE_CHECKING:
-    from .plan import ChunkPlan, FlushPlan, Planner
-    from .pools import DevicePool, HostPool
+    from ..plan import ChunkPlan, FlushPlan, Planner
+    from ..pools import DevicePool, HostPool
 
-__all__ = ["TransferEvent", "DoneEvent", "ChunkCounts", "Backend", "BACKENDS", "choose_backend",
-           "make_backend", "simulator_enabled"]
-
-#: Backend names accepted by :func:`make_backend` (plus ``"auto"``).
-BACKENDS = ("hybrid", "numba", "torch", "cpu", "fake-async")
+__all__ = ["TransferEvent", "DoneEvent", "ChunkCounts", "Backend"]
 
 
 class TransferEvent(Protocol):
@@ -105,7 +93,7 @@ class Backend(ABC):
     ``wait_layer``; :meth:`elapsed` for statistics.
     """
 
-    #: Backend name as accepted by :func:`make_backend`.
+    #: Backend name as accepted by :func:`~kvtier.transfer.backends.make_backend`.
     name: str = "?"
     host: HostPool
     device: DevicePool
@@ -151,63 +139,3 @@ class Backend(ABC):
     def describe(self) -> dict[str, object]:
         """Settings reported in the statistics."""
         return {"name": self.name}
-
-
-def simulator_enabled() -> bool:
-    """True when Numba's CUDA simulator is on. Reads ``numba.config`` if numba is
-    already imported, else the ``NUMBA_ENABLE_CUDASIM`` environment variable (so
-    deciding does not import numba)."""
-    numba = sys.modules.get("numba")
-    cfg = getattr(numba, "config", None) if numba is not None else None
-    if cfg is not None and hasattr(cfg, "ENABLE_CUDASIM"):
-        return bool(cfg.ENABLE_CUDASIM)
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0").strip() not in ("", "0")
-
-
-def choose_backend(device_is_cuda: bool) -> str:
-    """The automatic choice: ``"cpu"`` without a CUDA device pool; with one, ``"numba"``
-    when numba-cuda imports and the simulator is off, else ``"torch"``. Never ``"numba"``
-    under the simulator (where ``cuda.is_available()`` is true). ``"hybrid"`` is opt-in:
-    on the H200 it does not yet beat the kernel alone (bench/RESULTS.md)."""
-    import torch
-
-    if not device_is_cuda or not torch.cuda.is_available():
-        return "cpu"
-    if simulator_enabled():
-        return "torch"
-    try:
-        from . import kernels  # noqa: F401  (imports numba-cuda)
-    except Exception:  # pragma: no cover - depends on the machine
-        return "torch"
-    return "numba"
-
-
-def make_backend(name: str, device_is_cuda: bool, **options: Any) -> Backend:
-    """Build a backend by name (``"auto"``, ``"hybrid"``, ``"numba"``, ``"torch"``, ``"cpu"``,
-    ``"fake-async"``), passing ``options`` to its constructor.
-
-    Raises:
-        ConfigError: unknown name or options.
-        BackendUnavailable: the backend cannot run here.
-    """
-    if name == "auto":
-        name = choose_backend(device_is_cuda)
-    try:
-        if name == "cpu":
-            from .backend_cpu import CpuBackend
-            return CpuBackend(**options)
-        if name == "fake-async":
-            from .fake_async import FakeAsyncBackend
-            return FakeAsyncBackend(**options)
-        if name == "torch":
-            from .backend_torch import TorchBackend
-            return TorchBackend(**options)
-        if name == "numba":
-            from .backend_numba import NumbaBackend
-            return NumbaBackend(**options)
-        if name == "hybrid":
-            from .backend_hybrid import HybridBackend
-            return HybridBackend(**options)
-    except TypeError as e:
-        raise ConfigError(f"backend {name!r}: bad options {sorted(options)}: {e}") from None
-    raise BackendUnavailable(f"backend must be one of {('auto',) + BACKENDS}, got {name!r}")

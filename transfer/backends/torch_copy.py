@@ -11,11 +11,11 @@ import torch
 
 from kvtier.fsm import Direction
 
-from .backend import Backend, ChunkCounts, TransferEvent
+from ..errors import BackendUnavailable
+from ..plan import ChunkPlan, FlushPlan, Planner
+from ..pools import DevicePool, HostPool, _Pool
+from .base import Backend, ChunkCounts, TransferEvent
 from .cuda_streams import CudaStreams
-from .errors import BackendUnavailable
-from .plan import ChunkPlan, FlushPlan, Planner
-from .pools import DevicePool, HostPool, _Pool
 
 __all__ = ["TorchBackend"]
 

@@ -1,13 +1,13 @@
 """The ``hybrid`` backend: the Numba SM kernel and the copy engines, chosen per flush.
 
 For each flush and direction, every tensor ref of the plan goes to one engine
-(:func:`.hybrid.engine_for`: its mean bytes per contiguous run against the
+(:func:`.hybrid_choice.engine_for`: its mean bytes per contiguous run against the
 calibrated crossover, which is lower when both directions are busy):
 
 - the *copy engines*: its runs as one batch of ``cuMemcpyBatchAsync`` copies per
   chunk (:class:`.copy_engine.DriverBatchCopier`; addresses built with NumPy before
   the flush's start event, no Python object per copy);
-- the *SM kernel*: the :class:`~.backend_numba.NumbaBackend` launch on at most
+- the *SM kernel*: the :class:`~.numba_sm.NumbaBackend` launch on at most
   ``blocks`` SMs, over a plan holding only those refs.
 
 Within a chunk the batch is issued first (the copy engines start while the host
@@ -18,10 +18,10 @@ part runs at once). On CPU pools under the CUDA simulator the batches are
 ``memmove`` calls (:class:`.copy_engine.HostBatchCopier`) and the kernel the
 simulator's: CI covers the split, the address arithmetic and the selection.
 
-The calibration (:class:`.hybrid.Calibration`) is measured when the backend binds on
+The calibration (:class:`.hybrid_choice.Calibration`) is measured when the backend binds on
 a GPU (``calibration="measure"``, or ``"auto"`` without a committed one for the
-device: about 0.3 s on scratch buffers), taken from :data:`.hybrid.COMMITTED`
-(``"auto"``), :data:`.hybrid.DEFAULT_CALIBRATION` (``"default"``) or given. The
+device: about 0.3 s on scratch buffers), taken from :data:`.hybrid_choice.COMMITTED`
+(``"auto"``), :data:`.hybrid_choice.DEFAULT_CALIBRATION` (``"default"``) or given. The
 statistics report it (``stats()["backend"]["calibration"]``, with the crossovers)
 and what each engine moved.
 """
@@ -40,13 +40,13 @@ import torch
 
 from kvtier.fsm import ConfigError, Direction
 
-from .backend import ChunkCounts, TransferEvent
-from .backend_numba import NumbaBackend
+from ..errors import BackendUnavailable
+from ..plan import DEFAULT_PIECE_BYTES, ChunkPlan, ChunkRef, FlushPlan, Planner, split_rows
+from ..pools import DevicePool, HostPool
+from .base import ChunkCounts, TransferEvent
 from .copy_engine import BatchCopier, DriverBatchCopier, HostBatchCopier
-from .errors import BackendUnavailable
-from .hybrid import CE, DEFAULT_CALIBRATION, SM, Calibration, committed_calibration, copy_bytes
-from .plan import DEFAULT_PIECE_BYTES, ChunkPlan, ChunkRef, FlushPlan, Planner, split_rows
-from .pools import DevicePool, HostPool
+from .hybrid_choice import CE, DEFAULT_CALIBRATION, SM, Calibration, committed_calibration, copy_bytes
+from .numba_sm import NumbaBackend
 
 __all__ = ["HybridBackend", "CALIBRATION_SIZES"]
 
@@ -185,7 +185,7 @@ class HybridBackend(NumbaBackend):
         return ev is not None and not ev.done()
 
     def engine_of(self, direction: Direction, plan: FlushPlan, ref: ChunkRef, busy: bool) -> str:
-        """The engine that moves ``ref`` of ``plan`` (:data:`.hybrid.SM` or :data:`.hybrid.CE`)."""
+        """The engine that moves ``ref`` of ``plan`` (:data:`.hybrid_choice.SM` or :data:`.hybrid_choice.CE`)."""
         if self.copier is None or self.calibration is None:
             return SM
         key = (direction, busy)

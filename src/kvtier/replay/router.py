@@ -43,8 +43,8 @@ def conversation_ids(requests: Sequence[TraceRequest], block_tokens: int = MOONC
     requests continuing one.
 
     Args:
-        requests: the trace's requests in arrival order (:attr:`kvtier.trace.Trace.requests`).
-        block_tokens: tokens per hash-id block (:attr:`kvtier.trace.Trace.block_tokens`).
+        requests: the trace's requests in arrival order (:attr:`kvtier.replay.trace.Trace.requests`).
+        block_tokens: tokens per hash-id block (:attr:`kvtier.replay.trace.Trace.block_tokens`).
 
     Returns:
         A list of ``len(requests)`` ints.

@@ -1,194 +1,37 @@
-"""Coalesced transfer plans and their caches.
-
-All commands of one direction queued in one flush are merged per (group, layers) and
-contiguous runs (both source and destination advancing by one page) found. When no
-destination page repeats (checked in O(n) with a scratch array: the common case) the
-pairs keep the order given and nothing is sorted; otherwise they are de-duplicated and
-sorted by (source, destination) first. A destination page that two
-different source pages would write is a conflict: every command holding such a pair
-is rejected (it fails; the others go on). The plan is cut into layer chunks (a
-loadback in chunks of ``chunk_layers`` model layers, so the forward pass can start
-on early layers; a writeback in one chunk), and each chunk lists its *tensor refs*,
-one per (group, component, layer).
-
-Two caches: the per-(direction, group, layers) *address tables* (region byte offsets
-and page sizes: they do not change between flushes) are built once; and whole plans,
-keyed by the identity of the commands' :class:`GroupTransfer` objects, are kept in a
-small LRU, so resubmitting the same transfer objects re-uses the coalesced plan and
-whatever a backend cached on the plan and its chunks (e.g. the Numba backend's
-device-side table).
-
-Two table formats describe a plan's byte copies over both pools' unified address spans:
-
-- :meth:`Planner.table`, *rows*: one ``(source offset, destination offset, bytes)`` row
-  per contiguous run per tensor ref, split into pieces (the reference format; its size
-  is spans x refs rows).
-- :meth:`Planner.run_table`, *runs*: each group's runs once per flush (``(source page,
-  destination page, pages)``), plus per chunk one small row per tensor ref (region
-  offsets, page size, where its runs start, how its work items are numbered); the
-  Numba kernel expands runs x refs x pieces itself, so the host builds and uploads
-  spans + refs rows instead of spans x refs. :func:`expand_run_table` is the same
-  expansion in NumPy (tests).
-"""
+"""The :class:`Planner`: coalesces a flush's commands into a :class:`FlushPlan`, cuts it
+into layer chunks and builds its copy tables, with caches (see :mod:`kvtier.transfer.plan`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
-from kvtier.fsm import CacheGroupSpec, ConfigError, Direction, GroupTransfer, TransferCommand
+from kvtier.fsm import CacheGroupSpec, ConfigError, Direction, GroupTransfer
 
-from .arrays import ArrayCommand, PageArrays
-from .pools import DevicePool, HostPool
+from ..arrays import PageArrays
+from ..pools import DevicePool, HostPool
+from .records import I64, ChunkPlan, ChunkRef, Command, FlushPlan, GroupPlan, layers_for
+from .tables import (
+    DEFAULT_PIECE_BYTES,
+    MAX_CHUNK_ITEMS,
+    REF_COLS,
+    REF_DST,
+    REF_ITEM0,
+    REF_PAGE_BYTES,
+    REF_PIECES,
+    REF_RUN0,
+    REF_SRC,
+    RUN_COLS,
+    RunTable,
+    split_rows,
+    split_runs,
+)
 
-Command = TransferCommand | ArrayCommand
-
-__all__ = ["GroupPlan", "ChunkRef", "ChunkPlan", "FlushPlan", "Planner", "RunTable", "layers_for",
-           "split_rows", "split_runs", "expand_run_table", "REF_COLS", "RUN_COLS"]
-
-I64 = npt.NDArray[np.int64]
-
-#: Default largest piece (bytes) of one table row; longer runs are split so that the
-#: work spreads over all warps of a persistent kernel.
-DEFAULT_PIECE_BYTES = 16384
-
-#: Work items of one chunk must stay below this (the kernel divides item numbers in 32 bits).
-MAX_CHUNK_ITEMS = 1 << 31
-
-#: int64 words per run of a :class:`RunTable`: (source page, destination page, pages).
-RUN_COLS = 3
-#: int64 words per tensor ref of a :class:`RunTable`: (source region offset, destination
-#: region offset, page bytes, index of the group's first run, index of the ref's first
-#: work item in the chunk, work items (pieces) per run).
-REF_COLS = 6
-REF_SRC, REF_DST, REF_PAGE_BYTES, REF_RUN0, REF_ITEM0, REF_PIECES = range(REF_COLS)
-
-
-def layers_for(command: TransferCommand | ArrayCommand, spec: CacheGroupSpec) -> tuple[int, ...]:
-    """Layers of ``spec`` that ``command`` moves: all of the group's layers when
-    ``command.layers`` is empty, else those also in ``command.layers``."""
-    if not command.layers:
-        return spec.layers
-    wanted = set(command.layers)
-    return tuple(layer for layer in spec.layers if layer in wanted)
-
-
-@dataclass(eq=False)
-class GroupPlan:
-    """The merged page pairs of one (group, layers) in one flush.
-
-    Attributes:
-        group: cache group name.
-        layers: model layers moved for this group (ascending).
-        src, dst: int64 ``[pages]`` page ids, unique pairs: in the order given when no
-            destination page repeats, else sorted by (src, dst).
-        run_src, run_dst, run_len: int64 ``[spans]``: contiguous runs (``run_len``
-            pages from ``run_src`` to ``run_dst``).
-    """
-
-    group: str
-    layers: tuple[int, ...]
-    src: I64
-    dst: I64
-    run_src: I64
-    run_dst: I64
-    run_len: I64
-    _torch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    @property
-    def pages(self) -> int:
-        """Page pairs (after de-duplication)."""
-        return int(self.src.shape[0])
-
-    @property
-    def spans(self) -> int:
-        """Contiguous runs."""
-        return int(self.run_len.shape[0])
-
-    def index_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(src, dst) as CPU int64 tensors (cached)."""
-        if not self._torch:  # (array records' ids are read-only: torch wants writable arrays)
-            self._torch["src"] = torch.from_numpy(self.src if self.src.flags.writeable else self.src.copy())
-            self._torch["dst"] = torch.from_numpy(self.dst if self.dst.flags.writeable else self.dst.copy())
-        return self._torch["src"], self._torch["dst"]
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRef:
-    """One tensor pair a chunk copies: (group, component, layer) on both sides."""
-
-    group_index: int
-    group: str
-    component: str
-    layer: int
-    page_bytes: int
-
-
-@dataclass(eq=False)
-class ChunkPlan:
-    """The copies of one layer chunk (one kernel launch for the Numba backend).
-
-    Attributes:
-        index: chunk number within the flush (0-based, issue order).
-        layers: model layers whose refs this chunk copies (ascending).
-        refs: tensor refs, grouped by group plan.
-        pages: page pairs summed over the refs' groups (each group counted once).
-        spans: contiguous runs summed likewise.
-        rows: copy descriptors = sum over refs of its group's spans.
-        nbytes: bytes copied.
-        cache: scratch space for backends (e.g. a device-side table), kept with the plan.
-    """
-
-    index: int
-    layers: tuple[int, ...]
-    refs: tuple[ChunkRef, ...]
-    pages: int
-    spans: int
-    rows: int
-    nbytes: int
-    cache: dict[Any, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def tensor_refs(self) -> int:
-        """Number of (group, component, layer) tensor pairs."""
-        return len(self.refs)
-
-
-@dataclass(eq=False)
-class FlushPlan:
-    """Everything one direction of one flush copies.
-
-    Attributes:
-        direction: writeback (D2H) or loadback (H2D).
-        groups: merged pairs per (group, layers).
-        chunks: layer chunks in issue order (empty when nothing is copied).
-        rejected: index into the flush's command list -> why it was rejected.
-        cache: scratch space for backends (e.g. the flush's run table), kept with the plan.
-    """
-
-    direction: Direction
-    groups: tuple[GroupPlan, ...]
-    chunks: tuple[ChunkPlan, ...]
-    rejected: dict[int, str]
-    cache: dict[Any, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def pages(self) -> int:
-        return sum(g.pages for g in self.groups)
-
-    @property
-    def spans(self) -> int:
-        return sum(g.spans for g in self.groups)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
+__all__ = ["Planner"]
 
 
 _NEXT_PAIR = (1 << 32) + 1  # (src + 1, dst + 1) packed as in Planner._build
@@ -509,99 +352,3 @@ class Planner:
         if cache:
             plan.cache[key] = rt
         return rt
-
-
-@dataclass(eq=False)
-class RunTable:
-    """A flush's copies in the *run* format that the Numba kernel expands itself.
-
-    Everything lives in one int64 buffer, :attr:`packed` (one upload per flush): first
-    every group's runs (:data:`RUN_COLS` words each: source page, destination page,
-    pages; a group's runs are split to at most ``seg_pages`` pages, so that with
-    ``pieces`` work items per run no item copies more than ``piece_bytes``), then each
-    chunk's tensor refs (:data:`REF_COLS` words each: source and destination region
-    offsets from the pools' ``base_ptr``, page bytes, index of the group's first run,
-    index of the ref's first work item in the chunk, pieces per run).
-
-    Work item ``i`` of a chunk belongs to the last ref whose first item is <= ``i``;
-    with ``k = i - first item``, it copies piece ``k % pieces`` (``piece_bytes`` bytes
-    at most) of run ``first run + k // pieces`` of that ref.
-
-    Attributes:
-        piece_bytes: largest byte range of one work item (a multiple of 16).
-        packed: the int64 buffer (1-D, C-contiguous).
-        runs: int64 ``[R, RUN_COLS]`` view of :attr:`packed`.
-        run0: per group plan, index of its first run.
-        seg_pages: per group plan, most pages per run after splitting.
-        chunk_refs: per chunk, int64 ``[refs, REF_COLS]`` view of :attr:`packed`.
-        chunk_ref_word: per chunk, word index of its first ref in :attr:`packed`.
-        chunk_items: per chunk, its work items.
-    """
-
-    piece_bytes: int
-    packed: I64
-    runs: I64
-    run0: tuple[int, ...]
-    seg_pages: tuple[int, ...]
-    chunk_refs: tuple[I64, ...]
-    chunk_ref_word: tuple[int, ...]
-    chunk_items: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of :attr:`packed` (what is uploaded per flush)."""
-        return int(self.packed.nbytes)
-
-
-def split_runs(run_src: I64, run_dst: I64, run_len: I64, max_pages: int) -> tuple[I64, I64, I64]:
-    """Split runs (source page, destination page, pages) longer than ``max_pages`` (>= 1)
-    into consecutive runs of at most ``max_pages`` pages."""
-    if max_pages <= 0:
-        raise ConfigError(f"max_pages must be positive, got {max_pages!r}")
-    if run_len.shape[0] == 0 or int(run_len.max()) <= max_pages:
-        return run_src, run_dst, run_len
-    k = (run_len + max_pages - 1) // max_pages
-    idx = np.repeat(np.arange(run_len.shape[0]), k)
-    first = np.repeat(np.cumsum(k) - k, k)
-    within = (np.arange(idx.shape[0], dtype=np.int64) - first) * max_pages
-    return (run_src[idx] + within, run_dst[idx] + within,
-            np.minimum(max_pages, run_len[idx] - within).astype(np.int64))
-
-
-def expand_run_table(rt: RunTable, chunk_index: int) -> I64:
-    """The rows ``(source offset, destination offset, bytes)`` that the kernel copies
-    for one chunk of a run table, in work-item order (NumPy; for tests and tools)."""
-    refs = rt.chunk_refs[chunk_index]
-    items = rt.chunk_items[chunk_index]
-    out = np.empty((items, 3), dtype=np.int64)
-    i = np.arange(items, dtype=np.int64)
-    ref = np.searchsorted(refs[:, REF_ITEM0], i, side="right") - 1
-    r = refs[ref]
-    k = i - r[:, REF_ITEM0]
-    q, piece = np.divmod(k, r[:, REF_PIECES])
-    run = rt.runs[r[:, REF_RUN0] + q]
-    pb = r[:, REF_PAGE_BYTES]
-    off = piece * rt.piece_bytes
-    out[:, 0] = r[:, REF_SRC] + run[:, 0] * pb + off
-    out[:, 1] = r[:, REF_DST] + run[:, 1] * pb + off
-    out[:, 2] = np.minimum(rt.piece_bytes, run[:, 2] * pb - off)
-    return out
-
-
-def split_rows(rows: I64, piece_bytes: int) -> I64:
-    """Split rows (src, dst, nbytes) longer than ``piece_bytes`` (a positive multiple
-    of 16) into pieces of at most ``piece_bytes``; returns a C-contiguous int64 array."""
-    if piece_bytes <= 0 or piece_bytes % 16:
-        raise ConfigError(f"piece_bytes must be a positive multiple of 16, got {piece_bytes!r}")
-    n = rows[:, 2]
-    if rows.shape[0] == 0 or int(n.max()) <= piece_bytes:
-        return np.ascontiguousarray(rows, dtype=np.int64)
-    k = (n + piece_bytes - 1) // piece_bytes
-    idx = np.repeat(np.arange(rows.shape[0]), k)
-    first = np.repeat(np.cumsum(k) - k, k)
-    within = (np.arange(idx.shape[0]) - first) * piece_bytes
-    out = np.empty((idx.shape[0], 3), dtype=np.int64)
-    out[:, 0] = rows[idx, 0] + within
-    out[:, 1] = rows[idx, 1] + within
-    out[:, 2] = np.minimum(piece_bytes, n[idx] - within)
-    return out

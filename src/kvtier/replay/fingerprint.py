@@ -25,7 +25,7 @@ from kvtier.fsm import Completion, ComponentSpec, KvtierError, TransferCommand
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import Family
 
-from .tiered import Admission, TieredCache
+from ..tiered import Admission, TieredCache
 
 __all__ = ["FingerprintMismatch", "scaled_layout", "BytesExecutor"]
 

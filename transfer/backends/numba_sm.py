@@ -34,11 +34,11 @@ import torch
 
 from kvtier.fsm import ConfigError, Direction
 
-from .backend import Backend, ChunkCounts, DoneEvent, TransferEvent
-from .errors import BackendUnavailable
-from .plan import DEFAULT_PIECE_BYTES, REF_COLS, REF_DST, REF_ITEM0, REF_SRC, ChunkPlan, ChunkRef, FlushPlan, \
+from ..errors import BackendUnavailable
+from ..plan import DEFAULT_PIECE_BYTES, REF_COLS, REF_DST, REF_ITEM0, REF_SRC, ChunkPlan, ChunkRef, FlushPlan, \
     Planner
-from .pools import DevicePool, HostPool, _Pool
+from ..pools import DevicePool, HostPool, _Pool
+from .base import Backend, ChunkCounts, DoneEvent, TransferEvent
 
 __all__ = ["NumbaBackend"]
 

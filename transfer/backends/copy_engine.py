@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from kvtier.fsm import Direction
 
-from .errors import BackendUnavailable, TransferError
+from ..errors import BackendUnavailable, TransferError
 
 __all__ = ["BatchCopier", "DriverBatchCopier", "HostBatchCopier", "MAX_BATCH"]
 

@@ -1,7 +1,7 @@
 """The ``kvtier`` command line.
 
 Subcommands import their machinery only when run, so ``kvtier --help`` stays fast and
-never imports torch, numba or hypothesis. Exit statuses: :class:`kvtier.exitcodes.ExitCode`
+never imports torch, numba or hypothesis. Exit statuses: :class:`kvtier.cli.exitcodes.ExitCode`
 (0 success, 1 a check failed, 2 bad input, 3 stopped before the end, 4 internal error,
 130 interrupted), the same for every subcommand.
 """
@@ -49,11 +49,11 @@ _TESTING_HINT = "needs the testing extra (Hypothesis): pip install 'kvtier[testi
 
 def _cmd_fuzz(args: argparse.Namespace) -> int:
     try:
-        from .testing.fuzz import campaign, replay_file
+        from ..testing.fuzz import campaign, replay_file
     except ImportError as exc:
         print(f"kvtier fuzz {_TESTING_HINT} ({exc})", file=sys.stderr)
         return ExitCode.USAGE
-    from .eventlog import recording
+    from ..eventlog import recording
 
     with recording(args.event_log):
         return _fuzz(args, campaign, replay_file)
@@ -67,8 +67,8 @@ def _fuzz(args: argparse.Namespace, campaign: Any, replay_file: Any) -> int:
     if steps is None and args.minutes is None:
         steps = 10_000
     if args.machine:  # unknown or unimportable machines are bad input, before any output
-        from .testing.machines import KitMachine
-        from .testing.sequence import SequenceError, machine_class
+        from ..testing.machines import KitMachine
+        from ..testing.sequence import SequenceError, machine_class
 
         for name in args.machine:
             cls = machine_class(name)
@@ -105,8 +105,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     try:
-        from .testing.machines import FacadeMachine
-        from .testing.verify import verify
+        from ..testing.machines import FacadeMachine
+        from ..testing.verify import verify
     except ImportError as exc:
         print(f"kvtier verify {_TESTING_HINT} ({exc})", file=sys.stderr)
         return ExitCode.USAGE
@@ -138,7 +138,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"  depth {level}: {states:,} states, {frontier:,} new", file=sys.stderr, flush=True)
 
-    from .testing.coverage import LifecycleCoverage
+    from ..testing.coverage import LifecycleCoverage
 
     cov = LifecycleCoverage()
     with cov.recording():
@@ -177,12 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "with radix-tree prefix reuse.",
         epilog=epilog(), formatter_class=LineFormatter,
     )
-    from . import __version__
+    from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    from .replay_cli import add_parser as add_replay
+    from ..replay.command import add_parser as add_replay
 
     add_replay(sub)
 
@@ -300,7 +300,7 @@ def shadowed_by() -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (:class:`kvtier.exitcodes.ExitCode`).
+    """Run the command line; returns the exit status (:class:`kvtier.cli.exitcodes.ExitCode`).
 
     Bad input is reported in one line on stderr with status 2; errors that kvtier's own
     checks find during a run (an invariant violation, a fingerprint mismatch, a stalled
@@ -351,7 +351,8 @@ def _check_failures() -> tuple[type[BaseException], ...]:
     from kvtier.fsm import InvariantViolation
 
     found: list[type[BaseException]] = [InvariantViolation]
-    for module, name in (("kvtier.fingerprint", "FingerprintMismatch"), ("kvtier.scheduler", "SchedulerStalled")):
+    for module, name in (("kvtier.replay.fingerprint", "FingerprintMismatch"),
+                         ("kvtier.scheduler.requests", "SchedulerStalled")):
         loaded = sys.modules.get(module)
         if loaded is not None:
             found.append(getattr(loaded, name))
