@@ -14,7 +14,6 @@ fully explored within it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -65,8 +64,7 @@ def main() -> int:
               "(the core's `check_invariants()` walks the whole tree and every pool)."]
     if args.verify_seconds > 0:
         lines += verify_lines(args.verify_seconds)
-    load = os.getloadavg()[0]
-    body = provenance(sys.argv, extra=f", load average {load:.1f} at the end") + "\n\n" + "\n".join(lines)
+    body = provenance(sys.argv) + "\n\n" + "\n".join(lines)
     print(body)
     if args.record:
         record_section(RESULTS, "fuzz", "Fuzzing and bounded verification (kvtier.testing)", body)
