@@ -314,7 +314,7 @@ def table(ms: list[Measures]) -> str:
 def details(m: Measures) -> str:
     out = [f"{m.label}:"]
     for title, comps in (("import circles (all imports)", m.circles), ("runtime import circles", m.runtime_circles)):
-        out.append(f"- {title}: " + ("none" if not comps else ""))
+        out.append(f"- {title}:" + (" none" if not comps else ""))
         out += [f"  - {len(c)} modules: {', '.join(c)}" for c in comps]
     longs = sorted(m.long_modules.items(), key=lambda kv: -kv[1])
     out.append(f"- modules over {LIMIT} lines: " + (", ".join(f"{f} ({n:,})" for f, n in longs) or "none"))

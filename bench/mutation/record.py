@@ -50,7 +50,7 @@ def fold(results: Path, record_path: Path, stamp: str) -> list[str]:
 
 
 def section() -> str:
-    loaded = score.load(results=HERE / "no-local-results")  # the committed record only
+    loaded = score.load(results=None)  # the committed record only
     mutants = loaded["mutants"]
     body = "\n".join(score.table(mutants)) + "\n\nSurviving mutants:\n\n" + ("\n".join(score.survivors(mutants)) or "- none")
     return (HERE / "notes.md").read_text(encoding="utf-8").replace("{{TABLE}}", body)

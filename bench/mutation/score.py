@@ -126,8 +126,9 @@ def from_record(record: dict) -> list[dict]:
     return out
 
 
-def load(results: Path = RESULTS, exclusions: Path = HERE / "exclusions.txt", record: Path = RECORD) -> dict:
-    """Every mutant with its status (excluded survivors marked), and where each file's result is from."""
+def load(results: Path | None = RESULTS, exclusions: Path = HERE / "exclusions.txt", record: Path = RECORD) -> dict:
+    """Every mutant with its status (excluded survivors marked), and where each file's result is from
+    (``results=None``: the committed record alone)."""
     moved = moved_files()
     excl = load_exclusions(exclusions, moved)
     by_file: dict[str, list[dict]] = {}
@@ -137,7 +138,7 @@ def load(results: Path = RESULTS, exclusions: Path = HERE / "exclusions.txt", re
             by_file.setdefault(current(m["file"], moved), []).append(m)
         source = {f: record.name for f in by_file}
     raw: dict[str, list[dict]] = {}
-    for xml in sorted(results.glob("*.xml")) if results.is_dir() else []:
+    for xml in sorted(results.glob("*.xml")) if results is not None and results.is_dir() else []:
         for m in from_xml(xml):
             raw.setdefault(current(m["file"], moved), []).append(m)
             source[current(m["file"], moved)] = f"results/{xml.name}"
