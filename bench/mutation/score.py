@@ -47,10 +47,19 @@ def mutation_line(diff: str) -> tuple[str, str]:
     return minus, plus
 
 
+#: fsm/ modules that became a package of the same name, their code moved into a file of it:
+#: ``MOVED`` cannot name these (the old dotted path is the package now). Old file -> new file,
+#: used once the old file is gone and the new one is there.
+BECAME_PACKAGES = {"fsm/node.py": "fsm/node/node.py", "fsm/request.py": "fsm/request/request.py",
+                   "fsm/l3.py": "fsm/l3/tier.py"}
+
+
 def moved_files(moved_py: Path = ROOT / "src" / "kvtier" / "_moved.py") -> dict[str, str]:
-    """Old fsm/ file path -> current one, from ``MOVED`` (``kvtier.fsm.a`` -> ``kvtier.fsm.b.a``)."""
+    """Old fsm/ file path -> current one, from ``MOVED`` (``kvtier.fsm.a`` -> ``kvtier.fsm.b.a``)
+    and :data:`BECAME_PACKAGES`."""
+    out = {old: new for old, new in BECAME_PACKAGES.items() if not (ROOT / old).exists() and (ROOT / new).exists()}
     if not moved_py.exists():
-        return {}
+        return out
     spec = importlib.util.spec_from_file_location("kvtier_moved_table", moved_py)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -62,7 +71,6 @@ def moved_files(moved_py: Path = ROOT / "src" / "kvtier" / "_moved.py") -> dict[
         rel = module[len("kvtier.fsm."):].replace(".", "/")
         return f"fsm/{rel}/__init__.py" if (ROOT / "fsm" / rel).is_dir() else f"fsm/{rel}.py"
 
-    out = {}
     for old, new in getattr(mod, "MOVED", {}).items():
         o, n = path(old), path(new)
         if o and n:
