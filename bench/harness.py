@@ -118,7 +118,9 @@ def _commit() -> str:
                               check=False).stdout.strip()
 
     sha = git("rev-parse", "--short", "HEAD") or "unknown"
-    return sha + (" (with local changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # bench/RESULTS.md itself is what a run records into: a change there is not a change to what was measured
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/RESULTS.md")
+    return sha + (" (with local changes)" if changed else "")
 
 
 def provenance(argv: Sequence[str], extra: str = "") -> str:

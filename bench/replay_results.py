@@ -2,8 +2,11 @@
 
     python bench/replay_results.py            # rewrite the section
     python bench/replay_results.py --check    # exit 1 if the section differs (CI test)
+    python bench/replay_results.py --compact bench/results/replay-*.json   # before committing them
 
-Inputs (``bench/results/``, written by ``kvtier replay ... --json``):
+Inputs (``bench/results/``, written by ``kvtier replay ... --json``; committed without each
+configuration's per-step ``timeline``, which is not rendered and is most of the file:
+``--compact`` rewrites the files named without it; a file is read only from here):
 
 - ``replay-cpu-full-deepseek-v4-<commit>.json``: the whole Mooncake conversation trace,
   default preset and capacities, metadata only, on the 2-core CPU machine;
@@ -119,7 +122,17 @@ NOTES = """Reading the tables:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if bench/RESULTS.md's section is stale")
+    ap.add_argument("--compact", nargs="+", type=Path, metavar="JSON",
+                    help="rewrite these replay JSON files without their per-step timeline, then exit")
     args = ap.parse_args()
+    if args.compact:
+        for p in args.compact:
+            doc = json.loads(p.read_text(encoding="utf-8"))
+            for c in doc["configurations"]:
+                c.pop("timeline", None)
+            p.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+            print(f"{p}: {p.stat().st_size:,} bytes without the timeline")
+        return 0
     path = ROOT / "RESULTS.md"
     body = render()
     if args.check:

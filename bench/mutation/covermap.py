@@ -17,6 +17,7 @@ Usage: python bench/mutation/covermap.py [--add TEST ...]   (needs coverage and 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -45,9 +46,11 @@ def write(files: dict[str, dict[str, list[str]]], durations: dict[str, float]) -
 
 
 def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--add", nargs="+", default=[], metavar="TEST",
+                   help="run only these tests (already listed in tests.txt) and merge them into the existing map")
+    add = p.parse_args(argv).add
     from coverage import CoverageData
-
-    add = argv[argv.index("--add") + 1:] if "--add" in argv else []
 
     with tempfile.TemporaryDirectory() as tmp:
         data_file = Path(tmp) / ".coverage"
@@ -63,8 +66,9 @@ def main(argv: list[str]) -> int:
         data = CoverageData(basename=str(data_file))
         data.read()
         out: dict[str, dict[str, list[str]]] = {}
+        fsm_dir = Path(os.environ.get("MUTATION_FSM_DIR", ROOT / "fsm")).resolve()
         for f in sorted(data.measured_files()):
-            rel = f"fsm/{Path(f).name}"  # fsm/ is flat
+            rel = f"fsm/{Path(f).resolve().relative_to(fsm_dir).as_posix()}"
             by_line = data.contexts_by_lineno(f)
             out[rel] = {str(ln): sorted({(c.rsplit("|", 1)[0] if c else "<import>") for c in ctxs})
                         for ln, ctxs in sorted(by_line.items())}

@@ -1,8 +1,10 @@
 """Re-run the survivors and not-run mutants of recorded results against today's tests.
 
 run.sh's mutmut cache is per worktree; once it is gone, mutmut's ids no longer name the
-mutants. This needs only the committed raw results: every ``<failure>`` (survivor) and
-``<skipped>`` (not run) testcase of ``results/<file>.xml`` holds the mutant's unified diff.
+mutants. This needs only the recorded results: every ``<failure>`` (survivor) and
+``<skipped>`` (not run) testcase of ``results/<module>.xml`` holds the mutant's unified diff;
+without a local ``results/<module>.xml`` it is first written from the committed record
+(``recorded.json``), so after a re-run ``record.py`` folds the new result back into it.
 For each, it checks that the diff's old lines are still the file's lines at that place
 (a mutant on a line changed since is reported ``stale`` and left as it is; an excluded one,
 in exclusions.txt, is skipped), applies the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import shutil
@@ -34,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from score import load_exclusions, mutation_line  # noqa: E402
+from score import RECORD, RESULTS, current, load_exclusions, moved_files, mutation_line, result_name  # noqa: E402
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@")
 
@@ -88,7 +91,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only-skipped", action="store_true", help="only the mutants not run yet")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # put fsm/ back (finally) when stopped
-    if list((ROOT / "fsm").glob("*.py.bak")):
+    if list((ROOT / "fsm").rglob("*.py.bak")):
         raise SystemExit("fsm/ holds a .py.bak: a mutation run is in progress here or was interrupted")
     if not (HERE / "covermap.json").exists():
         raise SystemExit("no covermap.json: build it first (python bench/mutation/covermap.py)")
@@ -110,11 +113,32 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def write_from_record(file: str, xml: Path, moved: dict[str, str]) -> None:
+    """``results/<module>.xml`` as junit, from the committed record of ``file`` (killed mutants without a line)."""
+    record = json.loads(RECORD.read_text(encoding="utf-8"))["files"]
+    entry = next((r for old, r in record.items() if current(old, moved) == file), None)
+    if entry is None:
+        raise SystemExit(f"no result for {file} in {RECORD.name} nor in {RESULTS}/")
+    suites = ET.Element("testsuites")
+    suite = ET.SubElement(suites, "testsuite", name="mutmut")
+    for k in range(entry["killed"]):
+        ET.SubElement(suite, "testcase", name=f"killed #{k + 1}", file=file, line="")
+    tag = {"survived": "failure", "timeout": "error", "untested": "skipped"}
+    for m in entry["not_killed"]:
+        tc = ET.SubElement(suite, "testcase", name=m["name"], file=file, line=str(m["line"]))
+        ET.SubElement(tc, tag[m["status"]]).text = m["diff"]
+    xml.parent.mkdir(exist_ok=True)
+    ET.ElementTree(suites).write(xml, encoding="unicode")
+
+
 def rerun(files: list[str], only_skipped: bool, stamp: str, env: dict[str, str]) -> None:
     skip_excluded = set(load_exclusions())  # equivalent mutants: not re-run
-    for f in files:
+    moved = moved_files()
+    for f in (current(f, moved) for f in files):
         path = ROOT / f
-        xml = HERE / "results" / f"{path.stem}.xml"
+        xml = RESULTS / f"{result_name(f)}.xml"
+        if not xml.exists():
+            write_from_record(f, xml, moved)
         tree = ET.parse(xml)
         source = path.read_text(encoding="utf-8").split("\n")  # a last "" for the end of the file, as in mutmut's diffs
         for tc in tree.getroot().iter("testcase"):

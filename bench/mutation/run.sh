@@ -2,9 +2,11 @@
 # Mutation testing of fsm/ with mutmut 2.x (mutates in place; mutmut 3 would copy the sources
 # to mutants/, which the setuptools package-dir mapping kvtier.fsm -> fsm/ does not import).
 # Usage: bench/mutation/run.sh [fsm/file.py ...]   (default: every path in files.txt)
-# One mutmut cache per source file (bench/mutation/cache/<stem>.sqlite) and one raw result
-# file (bench/mutation/results/<stem>.xml), so files can be run in separate clones at the
-# same time and a run resumes where it stopped (killed mutants are not re-run).
+# One mutmut cache per source file (bench/mutation/cache/<name>.sqlite) and one raw result
+# file (bench/mutation/results/<name>.xml; <name>: the path under fsm/ with dots, e.g.
+# node.core for fsm/node/core.py), so files can be run in separate clones at the same time
+# and a run resumes where it stopped (killed mutants are not re-run). Neither is committed:
+# `python bench/mutation/record.py` folds the raw results into recorded.json (score.py).
 # The whole configuration is on this command line; no setup.cfg is needed.
 # Do not run `mutmut show`/`results` while a run is in progress: they rewrite the line
 # table of the cache and the running mutmut then crashes (and hangs).
@@ -25,7 +27,7 @@ for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.2; done
 RUNNER="bash bench/mutation/runner.sh"
 if [ "$#" -gt 0 ]; then files=("$@"); else mapfile -t files < <(grep -v '^\s*#' bench/mutation/files.txt | grep -v '^\s*$'); fi
 for f in "${files[@]}"; do
-  stem=$(basename "$f" .py)
+  stem=${f#fsm/}; stem=${stem%.py}; stem=${stem//\//.}
   cache=bench/mutation/cache/$stem.sqlite
   # a new file's cache starts from seed.sqlite (no mutants, only the baseline time and the
   # hash of the tests), so mutmut does not rerun the unmutated baseline for every file

@@ -31,9 +31,9 @@ ROOT = HERE.parents[1]
 
 
 def mutated() -> tuple[str, list[int], str]:
-    baks = sorted((ROOT / "fsm").glob("*.py.bak"))
+    baks = sorted((ROOT / "fsm").rglob("*.py.bak"))
     if len(baks) != 1:
-        raise SystemExit(f"expected one fsm/*.py.bak while a mutant is applied, found {len(baks)}")
+        raise SystemExit(f"expected one fsm/**/*.py.bak while a mutant is applied, found {len(baks)}")
     bak = baks[0]
     src = bak.with_suffix("")
     old = bak.read_text(encoding="utf-8").splitlines()
