@@ -115,3 +115,29 @@ def test_migration_table_renders_one_row_per_move() -> None:
     table = migration_table.render(moved).splitlines()
     assert table[2:] == ["| `kvtier.check` | `kvtier.cli.check` |", "| `kvtier.fsm.core` | `kvtier.fsm.node.core` |"]
     assert "| `kvtier.fsm.core` |" not in migration_table.render({})
+
+
+FIGURE = re.compile(r"\d+(?:\.\d+)?\s?%|\d+\.\d+ (?:GB|MB/s|GB/s|s|ms|us)\b")
+
+
+def figure_tables(page: Path) -> list[tuple[str, str]]:
+    """(the paragraph before, the table) of every table on ``page`` holding measured figures
+    (percentages, decimal GB, GB/s, seconds)."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+    found = []
+    for m in re.finditer(r"((?:^\|.*\|\n)+)", text, flags=re.M):
+        if FIGURE.search(m.group(1)):
+            before = text[:m.start()].rstrip().rsplit("\n\n", 1)[-1]
+            found.append((before, m.group(1)))
+    return found
+
+
+def test_every_table_of_figures_says_its_command_commit_and_date() -> None:
+    tables = {page: figure_tables(page) for page in pages()}
+    assert len(tables[README]) == 1  # the headline table
+    for page, found in tables.items():
+        for before, table in found:
+            said = " ".join(before.split())
+            assert re.search(r"`kvtier [^`]+`|`python [^`]+`|`bash [^`]+`", said), (page.name, table[:80], "no command")
+            assert re.search(r"commit `?[0-9a-f]{7,40}`?", said), (page.name, table[:80], "no commit")
+            assert re.search(r"\d{4}-\d{2}-\d{2}", said), (page.name, table[:80], "no date")
