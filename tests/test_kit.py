@@ -1,14 +1,12 @@
 """The testing kit itself (kvtier.testing): event sequences, coverage from the spec,
-the fuzz campaign, bounded verification, the command line, and the README's example of
-an engine plugging its scheduler and transfer backend into the facade machine."""
+the fuzz campaign, bounded verification and the command line (the kit example of
+docs/testing.md, an engine plugging its scheduler and transfer backend into the facade
+machine, runs in tests/docs/test_kit_example.py)."""
 
 from __future__ import annotations
 
 import io
 import json
-import os
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +21,6 @@ from kvtier.testing.fuzz import campaign, replay_file
 from kvtier.testing.machines import CoreMachine, FacadeMachine
 from kvtier.testing.sequence import EventSequence, SequenceError, Step, replay
 from kvtier.testing.verify import clone, verify
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _facade_finish() -> EventSequence:
@@ -138,43 +134,6 @@ def test_core_machine_subclass_records_a_replayable_run() -> None:
     assert seq.machine.endswith(":test_core_machine_subclass_records_a_replayable_run.<locals>.Mine") or seq.machine
     again = EventSequence("core", seq.steps)
     assert replay(again).outcome == "pass"
-
-
-def test_readme_kit_example_runs(tmp_path: Path) -> None:
-    """The README's engine example, saved as the README says (``tests/conftest.py`` and
-    ``tests/test_engine_lifecycle.py`` of a fresh folder) and run by pytest: the test class
-    takes its settings from the profile ``HYPOTHESIS_PROFILE`` names (``kvtier-fuzz``, cut
-    to 3 examples by ``KVTIER_FUZZ_EXAMPLES``; without the conftest it would run
-    Hypothesis' default 100). Then the README's ``kvtier fuzz --machine`` command fuzzes
-    the example's machine, which only ``PYTHONPATH`` makes importable."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Fuzzing and verification", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    files = {block.splitlines()[0].removeprefix("# "): block for block in blocks}
-    assert set(files) == {"tests/conftest.py", "tests/test_engine_lifecycle.py"}, list(files)
-    assert "max_examples" not in files["tests/test_engine_lifecycle.py"]  # the profile sets it
-    for name, block in files.items():
-        (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_text(block, encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
-    env.update(HYPOTHESIS_PROFILE="kvtier-fuzz", KVTIER_FUZZ_EXAMPLES="3", KVTIER_FUZZ_DB=str(tmp_path / "db"))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "--hypothesis-show-statistics", "tests/test_engine_lifecycle.py"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "1 passed" in done.stdout and "Stopped because settings.max_examples=3" in done.stdout, done.stdout[-3000:]
-
-    command = next(line for line in section.splitlines() if line.startswith("PYTHONPATH=tests kvtier fuzz --machine"))
-    assignment, program, *args = shlex.split(command.replace("--steps 20000", "--steps 300"))
-    kvtier = Path(sys.executable).parent / program
-    assert assignment == "PYTHONPATH=tests" and kvtier.exists()
-    refused = subprocess.run([str(kvtier), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             check=False, timeout=600)
-    assert refused.returncode == 2 and refused.stdout == "" and "PYTHONPATH=." in refused.stderr, refused.stderr
-    fuzzed = subprocess.run([str(kvtier), *args, "--no-progress"], cwd=tmp_path, env=dict(env, PYTHONPATH="tests"),
-                            capture_output=True, text=True, check=False, timeout=600)
-    assert fuzzed.returncode == 0, fuzzed.stdout[-3000:] + fuzzed.stderr[-3000:]
-    assert "(test_engine_lifecycle:EngineLifecycle 30" in fuzzed.stdout and "result: no violation" in fuzzed.stdout
 
 
 def test_cli_fuzz_names_the_default_mix_and_refuses_bad_input_before_running(
