@@ -36,6 +36,8 @@ REFERENCE_INVARIANTS = {
 }
 #: invariants kvtier adds to the reference list.
 EXTRA_INVARIANTS = {"state_matches_resources",
+                    # the hot path's compiled transition table agrees with the transitions machine
+                    "compiled_lifecycle",
                     # the L3 tier (spec [l3]); not in the reference list, which predates it
                     "l3_put_source_pinned", "l3_visible_by_answer", "l3_get_invisible", "l3_ends_by_deadline",
                     "l3_lease_blocks_remove"}
