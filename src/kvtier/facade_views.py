@@ -12,12 +12,12 @@ from collections.abc import Hashable
 from typing import Any
 
 from kvtier.fsm import UsageError
-from kvtier.fsm.completions import CompletionRouter
-from kvtier.fsm.core import CacheCore
-from kvtier.fsm.fence import check_all
+from kvtier.fsm.request.completions import CompletionRouter
+from kvtier.fsm.node.core import CacheCore
+from kvtier.fsm.request.fence import check_all
 from kvtier.fsm.node import PageMap
 from kvtier.fsm.request import CALLS, Outstanding, RequestView
-from kvtier.fsm.request_table import RequestTable
+from kvtier.fsm.request.table import RequestTable
 
 __all__ = ["RequestViews"]
 
@@ -90,7 +90,7 @@ class RequestViews:
         return self.outstanding().quiescent
 
     def check_invariants(self) -> None:
-        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_all`):
+        """The core's invariants plus the requests' (:func:`kvtier.fsm.request.fence.check_all`):
         raises InvariantViolation naming the invariant and the request or node."""
         check_all(self._table)
 

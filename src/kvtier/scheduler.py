@@ -29,7 +29,7 @@ from typing import Protocol
 from kvtier.fsm import Completion, ConfigError, Direction, KvtierError, TransferCommand
 
 from .costmodel import CostModel
-from kvtier.fsm.batch import OK, SHORT
+from kvtier.fsm.request.batch import OK, SHORT
 
 from .tiered import Admission, Reservation, TieredCache
 from .trace import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, MAX_TIMESTAMP_MS
