@@ -240,7 +240,7 @@ class UnverifiedCore(CacheCore):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._fire = direct_fire()  # (a subclass replacing the one hook trigger() calls)
+        self.store.fire = direct_fire()  # (the one hook every node event goes through)
 
 
 class CoreCycle:

@@ -1,14 +1,16 @@
 """The node core: a tiered radix prefix cache whose every residency change is a lifecycle
 event (sans-I/O).
 
-:class:`CacheCore` composes the parts, each with one job: the radix tree
-(:mod:`~kvtier.fsm.node.tree`), matching (:mod:`~kvtier.fsm.node.match`), the page ledger
-(:mod:`~kvtier.fsm.node.ledger`), receipts (:mod:`~kvtier.fsm.node.receipts`), the eviction index
-(:mod:`~kvtier.fsm.node.eviction`), the writeback queue and write policy
-(:mod:`~kvtier.fsm.node.writeback`) and the operation table (:mod:`~kvtier.fsm.node.optable`).
-It fires node events through the machine built from the spec
-(:func:`kvtier.fsm.lifecycle.machines.node_lifecycle`), validates before it commits, and does
-nothing inside ``transitions`` callbacks. It talks to the outside only through the
+:class:`CacheCore` validates its configuration, builds the state its parts share (a
+:class:`~kvtier.fsm.node.store.NodeStore`: the radix tree, the page ledger, receipts, the
+eviction index, the writeback queue and the operation table) and the parts, each with one
+job and the store plus the sibling parts it calls: reclaiming pages
+(:mod:`~kvtier.fsm.node.reclaim`), loadbacks and writebacks (:mod:`~kvtier.fsm.node.transfers`),
+publishing (:mod:`~kvtier.fsm.node.publish`), L3 gets (:mod:`~kvtier.fsm.node.fetch`) and the
+invariants (:mod:`~kvtier.fsm.node.invariants`); its public methods check their arguments and
+delegate. Node events fire through the machine built from the spec
+(:func:`kvtier.fsm.lifecycle.machines.node_lifecycle`); the core validates before it commits,
+and does nothing inside ``transitions`` callbacks. It talks to the outside only through the
 :class:`TransferCommand` records it returns and the :class:`Completion` records it takes.
 
 Units: a *unit* is ``layout.alignment`` tokens; keys are sequences of unit keys (any
@@ -17,29 +19,27 @@ hashable: a tuple of that many token ids, or a block hash). Pages are per cache 
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from ..checks import as_bool, as_int, check_hashable, check_key_sequence
 from ..errors import CapacityError, ConfigError, KvtierError, UsageError
-from .eviction import EvictionPolicy, make_policy
-from .fetch import FetchTable
-from .publish import Publisher
-from .reclaim import Reclaimer
-from .transfers import Mover
 from ..layout import CacheLayout
+from ..lifecycle.names import DEVICE_RESIDENT, HOST_VISIBLE
+from ..records import Completion, Direction, TransferCommand
+from .eviction import EvictionPolicy
+from .fetch import FetchTable
+from .invariants import check_cache
 from .ledger import PageLedger, as_capacity
-from ..lifecycle.machines import node_lifecycle
 from .match import MatchMode, MatchResult, find_match, has_checkpoint, match_mode
-from ..lifecycle.names import DEVICE_RESIDENT, HOST_VISIBLE, NODE_EVENT as EV, NODE_STATE as NS
 from .node import LockReceipt, Node, NodeReceipt, PageMap
 from .ops import LayerProgress, Operation, Settled
-from .optable import ABSORBED, PENDING, OperationTable
-from .receipts import ReceiptBook
-from ..records import Completion, Direction, GroupTransfer, TransferCommand
-from .results import CacheStats, InsertResult, LoadResult
-from .tree import RadixTree
-from .writeback import WritebackQueue, WritePolicy
+from .pages import PageAllocator
+from .publish import Publisher
+from .reclaim import Reclaimer
+from .results import InsertResult, LoadResult
+from .store import NodeStore
+from .transfers import Mover
+from .writeback import WritePolicy
 
 __all__ = ["CacheCore"]
 
@@ -89,32 +89,63 @@ class CacheCore:
         self.op_deadline_steps = op_deadline_steps
         dev = as_capacity(layout, device_pages, "device_pages")
         host = as_capacity(layout, host_pages, "host_pages") if host_pages is not None else None
-        #: history group names, state group names, and history pages per unit
-        self.history_groups = tuple(g.name for g in layout.history_groups)
-        self.ckpt_groups = tuple(g.name for g in layout.state_groups)
-        self.pages_per_unit = {g.name: layout.pages_per_unit(g) for g in layout.history_groups}
-        ids = itertools.count(1)
-        self.tree = RadixTree(self.pages_per_unit, ids)
-        self.root = self.tree.root
-        self.ledger = PageLedger(layout, dev, host)
-        self.device = self.ledger.device
-        self.host = self.ledger.host
+        ledger = PageLedger(layout, dev, host)
         #: exclusive host tier: host eviction drops loaded-back duplicate copies first
         self.exclusive = as_bool(exclusive, "exclusive", error=ConfigError) and host is not None
-        units = sum(min((c[g] // k for g, k in self.pages_per_unit.items()), default=0) for c in (dev, host) if c)
-        self.eviction: EvictionPolicy = make_policy(eviction, self.tree.__iter__, self.tree.__len__,
-                                                    self.tree.has, exclusive=self.exclusive, capacity_units=units)
-        self.receipts = ReceiptBook(ids, self.eviction.touch)
-        self.writebacks = WritebackQueue(self.policy, self.write_threshold, enabled=host is not None)
-        self.optable = OperationTable(self.world_size, layout.num_layers, op_deadline_steps)
-        self._publisher = Publisher(self)
-        self._mover = Mover(self)
-        self._reclaimer = Reclaimer(self)
+        #: the state the parts share (the tree, pages, receipts, eviction index, queue, operations)
+        self.store = store = NodeStore(layout, ledger, policy=self.policy, write_threshold=self.write_threshold,
+                                       world_size=self.world_size, op_deadline_steps=op_deadline_steps,
+                                       eviction=eviction, exclusive=self.exclusive)
+        #: history group names, state group names, and history pages per unit
+        self.history_groups, self.ckpt_groups, self.pages_per_unit = (store.history_groups, store.ckpt_groups,
+                                                                      store.pages_per_unit)
+        # the store's parts, read through the core (the same objects)
+        self.tree, self.root, self.ledger, self.device = store.tree, store.root, store.ledger, store.device
+        self.receipts, self.writebacks, self.optable, self.stats = (store.receipts, store.writebacks,
+                                                                    store.optable, store.stats)
+        self._reclaimer = Reclaimer(store)
+        self._mover = Mover(store, self._reclaimer)
+        self._publisher = Publisher(store)
         #: L3 gets into the host tier (kvtier.fsm.node.fetch: ``reserve`` and ``settle`` them)
-        self.fetches = FetchTable(self)
-        self._fire = node_lifecycle().fire
-        self.clock = 0  # logical clock: advanced on every use
-        self.stats = CacheStats()
+        self.fetches = FetchTable(store, self._reclaimer)
+
+    # ------------------------------------------------------------------ the store's replaceable parts
+    # (assigned through the core, they change what every part uses: a kit corruption drops
+    # the host tier, the vLLM adapter decorates the eviction index, the tensor-parallel
+    # cache wraps trigger to fold every node event into its digest)
+    @property
+    def host(self) -> dict[str, PageAllocator] | None:
+        """The host allocators by group (``None``: no host tier)."""
+        return self.store.host
+
+    @host.setter
+    def host(self, pools: dict[str, PageAllocator] | None) -> None:
+        self.store.host = pools
+
+    @property
+    def eviction(self) -> EvictionPolicy:
+        """The eviction index (:mod:`kvtier.fsm.node.eviction`)."""
+        return self.store.eviction
+
+    @eviction.setter
+    def eviction(self, policy: EvictionPolicy) -> None:
+        self.store.eviction = policy
+
+    @property
+    def trigger(self) -> Callable[[Node, str], None]:
+        """Fire a node event through the spec's machine and re-file the node (and its
+        parent) in the eviction index (:meth:`NodeStore.trigger`, every part's one way
+        to change a node's state); a callable assigned here replaces it for every part."""
+        return self.store.trigger
+
+    @trigger.setter
+    def trigger(self, fire: Callable[[Node, str], None]) -> None:
+        self.store.trigger = fire  # type: ignore[method-assign,assignment]
+
+    @property
+    def clock(self) -> int:
+        """The logical clock (advanced on every use: :meth:`tick`)."""
+        return self.store.clock
 
     # ------------------------------------------------------------------ views
     @property
@@ -152,7 +183,7 @@ class CacheCore:
 
     def pending_commands(self) -> tuple[TransferCommand, ...]:
         """Commands created and not yet handed out by :meth:`poll_commands` (a snapshot)."""
-        return tuple(self._mover.outbox)
+        return self._mover.pending()
 
     def evictable_on_device(self, node: Node) -> bool:
         """Whether device eviction may take ``node`` now (demote or drop it)."""
@@ -172,31 +203,13 @@ class CacheCore:
         return self.tree.page_table(node, self.history_groups)
 
     # ------------------------------------------------------------------ plumbing
-    def trigger(self, node: Node, event: str) -> None:
-        """Fire a node event through the spec's machine and re-file the node (and its
-        parent) in the eviction index."""
-        self._fire(node, event)
-        self.stats.triggers += 1
-        self.eviction.touch(node)
-        if node.parent is not None and node.parent.parent is not None:
-            self.eviction.touch(node.parent)
-
     def tick(self) -> int:
         """Advance the logical clock; returns the new stamp."""
-        self.clock += 1
-        return self.clock
+        return self.store.tick()
 
     def split(self, node: Node, k: int) -> Node:
-        """Split ``node`` after ``k`` units; returns the new prefix fragment (its parent).
-        Both fragments keep the state, counts, receipts and in-flight operations (invariant 6)."""
-        self.trigger(node, EV.split)
-        prefix = self.tree.cut(node, k)
-        self.receipts.on_split(node, prefix)
-        self.optable.on_split(node, prefix)
-        self.writebacks.on_split(node, prefix)
-        self.eviction.touch(prefix)
-        self.stats.splits += 1
-        return prefix
+        """Split ``node`` after ``k`` units (:meth:`NodeStore.split`); returns the new prefix fragment."""
+        return self.store.split(node, k)
 
     def walk(self, key: Sequence[Hashable]) -> list[Node]:
         """Nodes matching ``key`` from the root, splitting the last where the key diverges.
@@ -204,7 +217,7 @@ class CacheCore:
         Raises:
             UsageError: ``key`` not a sequence of unit keys (a str or bytes is refused; nothing changes)."""
         check_key_sequence(key, "walk: key")
-        return self.tree.walk(key, self.split)
+        return self.tree.walk(key, self.store.split)
 
     # ------------------------------------------------------------------ caller pages
     def alloc_device(self, need: Mapping[str, int], *, evict: bool = True) -> PageMap:
@@ -249,7 +262,7 @@ class CacheCore:
         check_key_sequence(key, "match: key")
         check_hashable(key, "match")
         m = match_mode(mode, history_replay)
-        return find_match(self.tree.walk(key, self.split), self.root, len(key), m, history_replay=history_replay,
+        return find_match(self.tree.walk(key, self.store.split), self.root, len(key), m, history_replay=history_replay,
                           has_host=self.host is not None, layout=self.layout)
 
     # ------------------------------------------------------------------ receipts
@@ -260,11 +273,7 @@ class CacheCore:
         Raises:
             KvtierError: ``node`` is not a node of this cache's tree (nothing changes).
         """
-        self.tree.members("lock", [node])
-        receipt = self.receipts.lock(node, owner, self.tick())
-        for n in node.path():
-            self.writebacks.on_hit(n)
-        return receipt
+        return self.store.lock(node, owner)
 
     def unlock(self, receipt: LockReceipt) -> None:
         """Release a lock receipt exactly once.
@@ -273,7 +282,7 @@ class CacheCore:
             KvtierError: the receipt was already released or is not this cache's (invariant 5).
         """
         self.receipts.check_lock(receipt)
-        self.receipts.unlock(receipt, self.tick())
+        self.receipts.unlock(receipt, self.store.tick())
 
     def borrow(self, nodes: Sequence[Node], owner: str | None = None) -> NodeReceipt:
         """Borrow device pages of ``nodes`` (a request reads them; invariant 14).
@@ -346,14 +355,11 @@ class CacheCore:
         Raises:
             UsageError: unknown group or a count that is not an int >= 0 (nothing changes).
         """
-        self.ledger.check_need(need)
         return self._reclaimer.evict_host(need, protect=protect, host_only=host_only)
 
     def drop_device_checkpoint(self, node: Node) -> None:
         """Free ``node``'s device checkpoint (a chunk checkpoint a deeper one replaced)."""
-        self.ledger.release_device(node.dev_ckpt)
-        node.dev_ckpt = {}
-        node.chunk_checkpoint = False
+        self._publisher.drop_device_checkpoint(node)
 
     # ------------------------------------------------------------------ loadback
     def load(self, match: MatchResult, owner: str | None = None, *, evict: bool = True,
@@ -389,10 +395,7 @@ class CacheCore:
 
     def poll_commands(self) -> list[TransferCommand]:
         """Commands created since the last poll (loadbacks first), for the transfer engine."""
-        outbox = self._mover.outbox
-        out = sorted(outbox, key=lambda c: (c.direction is not Direction.LOADBACK, c.op_id))
-        outbox.clear()
-        return out
+        return self._mover.poll()
 
     # ------------------------------------------------------------------ completions
     def complete(self, completion: Completion) -> list[Settled | LayerProgress]:
@@ -412,20 +415,7 @@ class CacheCore:
         """
         if not isinstance(completion, Completion):
             raise UsageError(f"complete() takes a Completion, got {completion!r}")
-        outcome = self.optable.classify(completion)
-        if outcome == ABSORBED:
-            self.stats.absorbed_late_completions += 1
-            return []
-        if outcome == PENDING:
-            return []
-        if isinstance(outcome, Operation):
-            return [self._mover.settle(outcome, outcome.ok)]
-        assert isinstance(outcome, int)
-        op = self.optable.get(completion.op_id)
-        assert op is not None
-        for n in op.nodes:
-            self.trigger(n, EV.loadback_layer_done)
-        return [LayerProgress(op.op_id, outcome)]
+        return self._mover.complete(completion)
 
     def poison(self, op_id: int) -> None:
         """Make operation ``op_id`` fail whatever its ranks report (an aborted request's
@@ -442,13 +432,7 @@ class CacheCore:
             Its :class:`Settled` (``ok=False``), or ``None`` when the command was already
             handed out (or the op is not in flight): poison it instead.
         """
-        outbox = self._mover.outbox
-        op = self.optable.get(op_id)
-        if op is None or op.command not in outbox:
-            return None
-        outbox.remove(op.command)
-        self.stats.withdrawn_ops += 1
-        return self._mover.settle(op, False)
+        return self._mover.withdraw(op_id)
 
     def advance_step(self, steps: int = 1) -> list[Settled]:
         """Advance the scheduler step; fail every operation whose deadline passed
@@ -457,12 +441,7 @@ class CacheCore:
         Raises:
             UsageError: ``steps`` is not an int >= 1.
         """
-        steps = as_int(steps, "advance_step: steps", minimum=1)
-        out = []
-        for op in self.optable.expire(steps):
-            self.stats.expired_ops += 1
-            out.append(self._mover.settle(op, False, expired=True))
-        return out
+        return self._mover.expire(as_int(steps, "advance_step: steps", minimum=1))
 
     # ------------------------------------------------------------------ checks
     def has_checkpoint(self, ckpt: PageMap) -> bool:
@@ -471,8 +450,6 @@ class CacheCore:
 
     def check_invariants(self) -> None:
         """Verify every invariant; raises :class:`InvariantViolation` naming it and the node."""
-        from .invariants import check_cache
-
-        check_cache(self)
+        check_cache(self.store)
         self.fetches.check()
 

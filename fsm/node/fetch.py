@@ -10,29 +10,29 @@ visible host copies (``fetch_ack``) and removes the rest deepest first (``fetch_
 a failed, missing or expired get only shortens the hit. A node covers one unit, so a
 fetching node is never split. The core calls nothing here on its own; the L3 tier
 (:mod:`kvtier.fsm.l3`) drives it through :meth:`FetchTable.reserve` and
-:meth:`FetchTable.settle` (``core.fetches``).
+:meth:`FetchTable.settle` (``store.fetches``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
 
-from ..errors import KvtierError, UsageError
+from ..errors import InvariantViolation, KvtierError, UsageError
 from ..lifecycle.names import HOST_VISIBLE, NODE_EVENT as EV, NODE_STATE as NS
 from .node import Node, PageMap
-
-if TYPE_CHECKING:
-    from .core import CacheCore
+from .reclaim import Reclaimer
+from .store import NodeStore
 
 __all__ = ["FetchTable"]
 
 
 class FetchTable:
-    """The L3 gets in flight into the host tier: op id -> its fetching nodes, parent first."""
+    """The L3 gets in flight into the host tier: op id -> its fetching nodes, parent first,
+    over one node core's ``store``; ``reclaimer`` makes host room for them."""
 
-    def __init__(self, core: CacheCore) -> None:
-        self._core = core
+    def __init__(self, store: NodeStore, reclaimer: Reclaimer) -> None:
+        self._store = store
+        self._reclaimer = reclaimer
         self._ops: dict[int, list[Node]] = {}
 
     def __len__(self) -> int:
@@ -66,42 +66,42 @@ class FetchTable:
             UsageError: no host tier, ``op_id`` already in flight, ``parent`` not the root or
                 a node of this tree with a visible host copy, or no keys (nothing changes).
         """
-        core = self._core
-        if core.host is None:
+        store = self._store
+        if store.host is None:
             raise UsageError("fetch_reserve: the cache has no host tier")
         if op_id in self._ops:
             raise UsageError(f"fetch_reserve: op {op_id} is already in flight")
         if not keys:
             raise UsageError("fetch_reserve: no unit keys")
-        if parent is not core.root:
-            core.tree.members("fetch_reserve", [parent])
+        if parent is not store.root:
+            store.tree.members("fetch_reserve", [parent])
             if parent.state not in HOST_VISIBLE:
                 raise UsageError(f"fetch_reserve: node {parent.node_id} is {parent.state}; a fetched chain "
                                  f"continues the root or a node with a visible host copy")
         if keys[0] in parent.children:
             return []
-        ppu = core.pages_per_unit
+        ppu = store.pages_per_unit
         want = len(keys)
-        short = core.ledger.host_short({g: p * want for g, p in ppu.items()})
+        short = store.ledger.host_short({g: p * want for g, p in ppu.items()})
         if short:
-            core.evict_host(short, protect=parent.path())
-        host = core.host
+            self._reclaimer.evict_host(short, protect=parent.path())
+        host = store.host
         fits = min(host[g].free // p for g, p in ppu.items() if p > 0) if ppu else want
         n = min(want, fits)
         made: list[Node] = []
         prev = parent
         for i in range(n):
-            node = core.tree.new_leaf(prev, (keys[i],))
+            node = store.tree.new_leaf(prev, (keys[i],))
             node.fetch_op = op_id
             node.pending = {g: host[g].alloc(p) for g, p in ppu.items()}
-            node.last_access = core.tick()
-            core.trigger(node, EV.fetch_submit)
-            core.tree.link(node)
+            node.last_access = store.tick()
+            store.trigger(node, EV.fetch_submit)
+            store.tree.link(node)
             made.append(node)
             prev = node
         if made:
             self._ops[op_id] = made
-            core.stats.fetches += 1
+            store.stats.fetches += 1
         return made
 
     def settle(self, op_id: int, acked: int) -> list[Node]:
@@ -119,26 +119,26 @@ class FetchTable:
         nodes = self._ops[op_id]
         if isinstance(acked, bool) or not isinstance(acked, int) or not 0 <= acked <= len(nodes):
             raise UsageError(f"fetch_settle: acked must be an int in 0..{len(nodes)}, got {acked!r}")
-        core = self._core
+        store = self._store
         del self._ops[op_id]
         for node in reversed(nodes[acked:]):
             if node.children:  # pragma: no cover - fetching nodes get no children but fetching ones
                 raise KvtierError(f"fetch_settle: node {node.node_id} has children")
-            core.ledger.release_host(node.pending)
+            store.ledger.release_host(node.pending)
             node.pending = {}
             node.fetch_op = None
-            core.trigger(node, EV.fetch_fail)
-            core.tree.unlink(node)
-            core.stats.fetch_failed_units += 1
-        stamp = core.tick()
+            store.trigger(node, EV.fetch_fail)
+            store.tree.unlink(node)
+            store.stats.fetch_failed_units += 1
+        stamp = store.tick()
         for node in nodes[:acked]:
             pending: PageMap = node.pending
             node.host = pending
             node.pending = {}
             node.fetch_op = None
             node.last_access = stamp
-            core.trigger(node, EV.fetch_ack)
-            core.stats.fetched_units += 1
+            store.trigger(node, EV.fetch_ack)
+            store.stats.fetched_units += 1
         return list(nodes[:acked])
 
     def check(self) -> None:
@@ -148,8 +148,6 @@ class FetchTable:
         Raises:
             InvariantViolation: naming the node.
         """
-        from ..errors import InvariantViolation
-
         listed: set[int] = set()
         for op_id, nodes in self._ops.items():
             for n in nodes:
@@ -157,7 +155,7 @@ class FetchTable:
                     raise InvariantViolation("l3_get_invisible", f"node {n.node_id} ({n.state})",
                                              f"in get {op_id} but not fetching for it")
                 listed.add(n.node_id)
-        for n in self._core.tree:
+        for n in self._store.tree:
             if n.state == NS.fetching and n.node_id not in listed:
                 raise InvariantViolation("l3_get_invisible", f"node {n.node_id} (fetching)",
                                          "fetching but no get in flight lists it")

@@ -1,14 +1,14 @@
 """``check_invariants()`` of the node core: every invariant of the spec that can be read
-off the core's state, by name (spec/lifecycle.toml ``[invariants]``).
+off the core's state (its :class:`~kvtier.fsm.node.store.NodeStore`), by name
+(spec/lifecycle.toml ``[invariants]``).
 
-It reads the core only through its parts' public views. Its cost grows with the nodes,
+It reads the store only through its parts' public views. Its cost grows with the nodes,
 receipts, operations and pages in use, never with a pool's capacity.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ..errors import InvariantViolation
 from ..lifecycle.names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE, NODE_STATE as NS
@@ -17,9 +17,7 @@ from .ops import Operation
 from .pages import PageAllocator
 from ..records import Direction
 from ..lifecycle.spec import load_spec
-
-if TYPE_CHECKING:
-    from .core import CacheCore
+from .store import NodeStore
 
 __all__ = ["check_cache"]
 
@@ -57,14 +55,14 @@ def _check_declared_resources(n: Node) -> None:
             raise _fail(missing_inv, n, f"state {n.state!r} declares {res} but the node has none")
 
 
-def _check_node(core: CacheCore, n: Node, sizes: dict[str, int]) -> None:
+def _check_node(store: NodeStore, n: Node, sizes: dict[str, int]) -> None:
     _check_declared_resources(n)
     units = len(n.key)
     for attr in ("dev", "host", "pending"):
         pm = getattr(n, attr)
         if pm:
-            for g in core.history_groups:
-                if len(pm.get(g, ())) != units * core.pages_per_unit[g]:
+            for g in store.history_groups:
+                if len(pm.get(g, ())) != units * store.pages_per_unit[g]:
                     raise _fail("state_matches_resources", n,
                                 f"{attr} pages of {g!r}: {len(pm.get(g, ()))} for {units} units")
     if n.dev_ckpt and n.state not in DEVICE_RESIDENT:
@@ -75,22 +73,22 @@ def _check_node(core: CacheCore, n: Node, sizes: dict[str, int]) -> None:
         raise _fail("host_means_acked", n, "a pending checkpoint outside a writeback")
     for attr in ("dev_ckpt", "host_ckpt", "pending_ckpt"):
         pm = getattr(n, attr)
-        if pm and set(pm) != set(core.ckpt_groups):
+        if pm and set(pm) != set(store.ckpt_groups):
             raise _fail("exact_continuation_state", n, f"{attr} covers {sorted(pm)}, not every state group")
         for g, pages in pm.items():
             if len(pages) != sizes.get(g, -1):
                 raise _fail("exact_continuation_state", n, f"{attr} of {g!r} has {len(pages)} pages")
     for op_id, kind in ((n.wb_op, "writeback"), (n.lb_op, "loadback")):
-        if op_id is not None and op_id not in core.optable:
+        if op_id is not None and op_id not in store.optable:
             raise _fail("writeback_source_immutable" if kind == "writeback" else "loadback_source_pinned",
                         n, f"its {kind} op {op_id} is not in flight")
     if n.borrow_ref and n.state not in DEVICE_RESIDENT:
         raise _fail("borrowed_pages_stay", n, f"borrowed by {n.borrow_ref} but has no device pages")
 
 
-def _walk(core: CacheCore) -> dict[int, Node]:
+def _walk(store: NodeStore) -> dict[int, Node]:
     seen: dict[int, Node] = {}
-    stack = [core.root]
+    stack = [store.root]
     while stack:
         p = stack.pop()
         for key, c in p.children.items():
@@ -101,22 +99,22 @@ def _walk(core: CacheCore) -> dict[int, Node]:
                 raise _fail("split_preserves_ownership", c, f"depth {c.depth} != {p.depth} + {len(c.key)}")
             seen[c.node_id] = c
             stack.append(c)
-    if set(seen) != core.tree.ids():
+    if set(seen) != store.tree.ids():
         raise _fail("split_preserves_ownership", None,
-                    f"tree and node index disagree: {sorted(set(seen) ^ core.tree.ids())}")
+                    f"tree and node index disagree: {sorted(set(seen) ^ store.tree.ids())}")
     return seen
 
 
-def _count_receipts(core: CacheCore, seen: dict[int, Node]) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+def _count_receipts(store: NodeStore, seen: dict[int, Node]) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
     locks: dict[int, int] = {}
-    for r in core.receipts.locks():
+    for r in store.receipts.locks():
         if r.node.node_id not in seen:
             raise _fail("counts_with_receipts", r.node, f"{r!r} holds a node that left the tree")
         for n in r.node.path():
             locks[n.node_id] = locks.get(n.node_id, 0) + 1
     pins: dict[int, int] = {}
     borrows: dict[int, int] = {}
-    for rec in core.receipts.node_receipts():
+    for rec in store.receipts.node_receipts():
         target = pins if rec.kind == "pin" else borrows
         for n in rec.nodes:
             target[n.node_id] = target.get(n.node_id, 0) + 1
@@ -126,13 +124,13 @@ def _count_receipts(core: CacheCore, seen: dict[int, Node]) -> tuple[dict[int, i
     return locks, pins, borrows
 
 
-def _check_ops(core: CacheCore, seen: dict[int, Node]) -> None:
+def _check_ops(store: NodeStore, seen: dict[int, Node]) -> None:
     for n in seen.values():
         for op_id in (n.wb_op, n.lb_op):
-            op = core.optable.get(op_id) if op_id is not None else None
+            op = store.optable.get(op_id) if op_id is not None else None
             if op is not None and n not in op.nodes:
                 raise _fail("split_preserves_ownership", n, f"claims op {op_id}, which does not list it")
-    for op in core.optable:
+    for op in store.optable:
         for n in op.nodes:
             if n.node_id not in seen:
                 raise _fail("operation_ends_once", n, f"op {op.op_id} holds a node that left the tree")
@@ -143,7 +141,7 @@ def _check_ops(core: CacheCore, seen: dict[int, Node]) -> None:
                 raise _fail("operation_ends_once", n, f"in writeback op {op.op_id} but not writing it")
         if op.direction is Direction.LOADBACK:
             try:
-                pin_nodes = core.receipts.get(-op.op_id).nodes
+                pin_nodes = store.receipts.get(-op.op_id).nodes
             except KeyError:
                 pin_nodes = []
             if pin_nodes != op.nodes:
@@ -152,14 +150,14 @@ def _check_ops(core: CacheCore, seen: dict[int, Node]) -> None:
         _check_op_sources(op)
 
 
-def check_cache(core: CacheCore) -> None:
+def check_cache(store: NodeStore) -> None:
     """Raise :class:`InvariantViolation` for the first invariant that does not hold."""
-    seen = _walk(core)
-    locks, pins, borrows = _count_receipts(core, seen)
-    _check_ops(core, seen)
-    sizes = {g.name: g.state_pages for g in core.layout.state_groups}  # checkpoint pages per state group
+    seen = _walk(store)
+    locks, pins, borrows = _count_receipts(store, seen)
+    _check_ops(store, seen)
+    sizes = {g.name: g.state_pages for g in store.layout.state_groups}  # checkpoint pages per state group
     for n in seen.values():
-        _check_node(core, n, sizes)
+        _check_node(store, n, sizes)
         if n.lock_ref < 0 or n.borrow_ref < 0 or n.host_pin < 0:
             raise _fail("counts_with_receipts", n, "a negative count")
         for what, have, want in (("lock", n.lock_ref, locks), ("pin", n.host_pin, pins),
@@ -177,7 +175,7 @@ def check_cache(core: CacheCore) -> None:
             raise _fail("state_matches_resources", n, f"device set not root-closed: on device under parent {up.node_id} in {up.state}")
         if n.state in DEVICE_READABLE and up.parent is not None and up.state not in DEVICE_READABLE:
             raise _fail("state_matches_resources", n, f"readable under unreadable parent {up.node_id} in {up.state}")
-    _check_conservation(core, seen)
+    _check_conservation(store, seen)
 
 
 def _check_op_sources(op: Operation) -> None:
@@ -200,13 +198,13 @@ def _check_op_sources(op: Operation) -> None:
                         f"op {op.op_id} copies pages of {t.group!r} its nodes no longer hold")
 
 
-def _check_conservation(core: CacheCore, nodes: dict[int, Node]) -> None:
+def _check_conservation(store: NodeStore, nodes: dict[int, Node]) -> None:
     """Every allocated page has exactly one owner (a node or a caller) and every owned page
     is allocated: O(pages in use), never O(capacity)."""
     pools: list[tuple[str, dict[str, PageAllocator], tuple[str, ...]]] = [
-        ("device", core.device, ("dev", "dev_ckpt"))]
-    if core.host is not None:
-        pools.append(("host", core.host, ("host", "host_ckpt", "pending", "pending_ckpt")))
+        ("device", store.device, ("dev", "dev_ckpt"))]
+    if store.host is not None:
+        pools.append(("host", store.host, ("host", "host_ckpt", "pending", "pending_ckpt")))
     for pool, allocs, attrs in pools:
         for g, alloc in allocs.items():
             owner: dict[int, str] = {}
@@ -216,7 +214,7 @@ def _check_conservation(core: CacheCore, nodes: dict[int, Node]) -> None:
                         if p in owner:
                             raise _fail("conservation", n, f"{pool} page {p} of {g!r} also owned by {owner[p]}")
                         owner[p] = f"node {n.node_id}"
-            callers = core.ledger.caller_pages(g) if pool == "device" else frozenset()
+            callers = store.ledger.caller_pages(g) if pool == "device" else frozenset()
             clash = sorted(callers & owner.keys())
             if clash:
                 raise _fail("conservation", None, f"device page {clash[0]} of {g!r}: caller and {owner[clash[0]]}")

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..lifecycle.names import DEVICE_READABLE, NODE_EVENT as EV, NODE_STATE as NS
+from .match import has_checkpoint
 from .node import Node, PageMap
 from .results import InsertResult
-
-if TYPE_CHECKING:
-    from .core import CacheCore
+from .store import NodeStore
 
 __all__ = ["Publisher"]
 
@@ -28,10 +26,10 @@ _ANCHOR_STATES = DEVICE_READABLE - {NS.loading}
 
 
 class Publisher:
-    """``insert`` for one :class:`~kvtier.fsm.node.core.CacheCore` (uses only its public parts)."""
+    """``insert`` over one node core's ``store``."""
 
-    def __init__(self, core: CacheCore) -> None:
-        self.core = core
+    def __init__(self, store: NodeStore) -> None:
+        self.store = store
 
     def insert(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
                checkpoint: Mapping[str, Sequence[int]] | None = None, *,
@@ -61,27 +59,27 @@ class Publisher:
         own, ckpt = self._check_arguments(key, pages, checkpoint)
         base = self._anchored(anchor, key, own)
         if base is None:
-            path = self.core.tree.walk(key, self.core.split)  # (checked above; a split on the way is semantically invisible)
+            path = self.store.tree.walk(key, self.store.split)  # (checked above; a split on the way is semantically invisible)
             self._check_pages(path, own, ckpt, 0)
             return self._commit(key, path, own, ckpt, chunk_checkpoint, 0)
         # the anchor's path is the caller's, page for page: walk and check only beyond it
-        path = base[::-1] + self.core.tree.walk_from(base[0], key, self.core.split)
+        path = base[::-1] + self.store.tree.walk_from(base[0], key, self.store.split)
         depth = base[0].depth
         self._check_pages(path[len(base):], own, ckpt, depth)
         return self._commit(key, path, own, ckpt, chunk_checkpoint, depth)
 
     def _anchored(self, anchor: Node | None, key: Sequence[Hashable], own: PageMap) -> list[Node] | None:
         """``anchor``'s path (deepest first) when it may start the walk, else ``None``."""
-        core = self.core
-        if anchor is None or anchor.parent is None or anchor.lock_ref <= 0 or not core.tree.has(anchor) \
+        store = self.store
+        if anchor is None or anchor.parent is None or anchor.lock_ref <= 0 or not store.tree.has(anchor) \
                 or anchor.depth > len(key):
             return None
         base = anchor.path()
         if any(n.state not in _ANCHOR_STATES for n in base):
             return None
-        ppu = core.pages_per_unit
-        have = core.device_pages(anchor)
-        for g in core.history_groups:
+        ppu = store.pages_per_unit
+        have = store.tree.page_table(anchor, store.history_groups)
+        for g in store.history_groups:
             if own[g][:anchor.depth * ppu[g]] != have[g]:
                 return None
         k = 0
@@ -94,32 +92,32 @@ class Publisher:
     # -- validation -----------------------------------------------------------------
     def _check_arguments(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
                          checkpoint: Mapping[str, Sequence[int]] | None) -> tuple[PageMap, PageMap]:
-        core = self.core
+        store = self.store
         if isinstance(key, (str, bytes)) or not isinstance(key, Sequence) or not key:
             raise UsageError(f"insert: key must be a non-empty sequence of unit keys (not a str or bytes), got {key!r}")
         if not isinstance(pages, Mapping):
             raise UsageError(f"insert: pages must be a mapping group -> page ids, got {pages!r}")
         units = len(key)
-        ppu = core.pages_per_unit
-        own = {g: list(pages.get(g, ())) for g in core.history_groups}
-        for g in core.history_groups:
+        ppu = store.pages_per_unit
+        own = {g: list(pages.get(g, ())) for g in store.history_groups}
+        for g in store.history_groups:
             if len(own[g]) != units * ppu[g]:
                 raise UsageError(f"insert: group {g!r} needs {units * ppu[g]} pages for {units} units, "
                                  f"got {len(own[g])}")
-        extra = set(pages) - set(core.history_groups)
+        extra = set(pages) - set(store.history_groups)
         if extra:
             raise UsageError(f"insert: pages given for non-history groups {sorted(extra)}")
         ckpt = {g: list(p) for g, p in (checkpoint or {}).items()}
-        sizes = {g.name: g.state_pages for g in core.layout.state_groups}
+        sizes = {g.name: g.state_pages for g in store.layout.state_groups}
         for g, p in ckpt.items():
             if g not in sizes:
                 raise UsageError(f"insert: checkpoint for unknown state group {g!r}")
             if len(p) != sizes[g]:
                 raise UsageError(f"insert: checkpoint of {g!r} needs {sizes[g]} pages, got {len(p)}")
-        if ckpt and set(ckpt) != set(core.ckpt_groups):
-            raise UsageError(f"insert: a checkpoint needs every state group {list(core.ckpt_groups)}, "
+        if ckpt and set(ckpt) != set(store.ckpt_groups):
+            raise UsageError(f"insert: a checkpoint needs every state group {list(store.ckpt_groups)}, "
                              f"got {sorted(ckpt)}")
-        for g in itertools.chain(core.history_groups, ckpt):
+        for g in itertools.chain(store.history_groups, ckpt):
             table = own.get(g, []) + ckpt.get(g, [])
             if len(set(table)) != len(table):
                 raise UsageError(f"insert: the page table of group {g!r} lists a page twice")
@@ -128,13 +126,13 @@ class Publisher:
     def _check_pages(self, path: list[Node], own: PageMap, ckpt: PageMap, start: int) -> None:
         """Every page from unit ``start`` on is the canonical one for its position (along
         ``path``, which starts at ``start``) or the caller's own."""
-        ledger = self.core.ledger
-        ppu = self.core.pages_per_unit
+        ledger = self.store.ledger
+        ppu = self.store.pages_per_unit
         pos = start
         for n in path:
             lo = pos
             pos = n.depth
-            for g in self.core.history_groups:
+            for g in self.store.history_groups:
                 span = own[g][lo * ppu[g]:pos * ppu[g]]
                 canon = n.dev.get(g, [])
                 if span == canon[:len(span)] or ledger.all_held_by_caller(g, span):
@@ -143,7 +141,7 @@ class Publisher:
                     if not (ledger.held_by_caller(g, page) or (j < len(canon) and canon[j] == page)):
                         raise UsageError(f"insert: page {page} of group {g!r} at unit {lo + j // ppu[g]} "
                                          f"is neither the caller's nor node {n.node_id}'s")
-        for g, ps in itertools.chain(((g, own[g][pos * ppu[g]:]) for g in self.core.history_groups), ckpt.items()):
+        for g, ps in itertools.chain(((g, own[g][pos * ppu[g]:]) for g in self.store.history_groups), ckpt.items()):
             if ledger.all_held_by_caller(g, ps):
                 continue
             bad = [p for p in ps if not ledger.held_by_caller(g, p)]
@@ -153,14 +151,14 @@ class Publisher:
     # -- commit ---------------------------------------------------------------------
     def _commit(self, key: Sequence[Hashable], path: list[Node], own: PageMap, ckpt: PageMap,
                 chunk_checkpoint: bool, anchored: int) -> InsertResult:
-        core = self.core
-        ppu = core.pages_per_unit
-        hist = core.history_groups
+        store = self.store
+        ppu = store.pages_per_unit
+        hist = store.history_groups
         duplicates: PageMap = {}
         kept: PageMap = {}
         created: list[Node] = []
-        stamp = core.tick()
-        last: Node = core.root
+        stamp = store.tick()
+        last: Node = store.root
         done = 0
         stopped = False
         for n in path:
@@ -170,7 +168,7 @@ class Publisher:
                 break
             if hi <= anchored:  # the caller's canonical pages (checked by _anchored)
                 n.last_access = stamp
-                core.eviction.touch(n)
+                store.eviction.touch(n)
                 last = n
                 done = hi
                 continue
@@ -178,15 +176,15 @@ class Publisher:
                 mine = own[g][lo * ppu[g]:hi * ppu[g]]
                 if n.state == NS.host:
                     n.dev[g] = mine
-                    core.ledger.take_back(g, mine)
+                    store.ledger.take_back(g, mine)
                 else:
                     dup = [p for p, c in zip(mine, n.dev[g]) if p != c]
                     if dup:
                         duplicates.setdefault(g, []).extend(dup)
             if n.state == NS.host:
-                core.trigger(n, EV.republish)
+                store.trigger(n, EV.republish)
             n.last_access = stamp
-            core.eviction.touch(n)
+            store.eviction.touch(n)
             last = n
             done = hi
         units = len(key)
@@ -194,31 +192,31 @@ class Publisher:
             turns = self._turns(last)
             for n in path:  # the conversation's turn on its whole path (keys only grow)
                 n.turns = max(n.turns, turns)
-            node = core.tree.new_leaf(last, tuple(key[done:]))
+            node = store.tree.new_leaf(last, tuple(key[done:]))
             node.turns = turns
             for g in hist:
                 mine = own[g][done * ppu[g]:]
                 node.dev[g] = mine
-                core.ledger.take_back(g, mine)
+                store.ledger.take_back(g, mine)
             node.last_access = stamp
-            core.trigger(node, EV.create)
-            core.tree.link(node)
+            store.trigger(node, EV.create)
+            store.tree.link(node)
             created.append(node)
             last = node
             done = units
-            core.writebacks.on_created(node)
+            store.writebacks.on_created(node)
         for g in hist:
             # only the caller's own pages: canonical pages of a loading node stay the tree's
-            rest = [p for p in own[g][done * ppu[g]:] if core.ledger.held_by_caller(g, p)]
+            rest = [p for p in own[g][done * ppu[g]:] if store.ledger.held_by_caller(g, p)]
             if rest:
                 kept[g] = rest
         if ckpt:
-            if done == units and last is not core.root:
+            if done == units and last is not store.root:
                 self._adopt_checkpoint(last, ckpt, duplicates, chunk_checkpoint)
             else:
                 for g, p in ckpt.items():
                     kept.setdefault(g, []).extend(p)
-        full = core.device_pages(last)
+        full = store.tree.page_table(last, hist)
         return InsertResult(last, done, {g: full[g] for g in hist}, duplicates, kept, tuple(created))
 
     @staticmethod
@@ -232,8 +230,8 @@ class Publisher:
         return last.turns + 1 if last.hit_count >= 2 else last.turns
 
     def _adopt_checkpoint(self, node: Node, ckpt: PageMap, duplicates: PageMap, chunk: bool) -> None:
-        core = self.core
-        if core.has_checkpoint(node.dev_ckpt):
+        store = self.store
+        if has_checkpoint(node.dev_ckpt, len(store.ckpt_groups)):
             for g, p in ckpt.items():
                 if node.dev_ckpt[g] != p:
                     duplicates.setdefault(g, []).extend(x for x in p if x not in node.dev_ckpt[g])
@@ -242,11 +240,17 @@ class Publisher:
             return
         for g, p in ckpt.items():
             node.dev_ckpt[g] = list(p)
-            core.ledger.take_back(g, p)
+            store.ledger.take_back(g, p)
         node.chunk_checkpoint = chunk
         # ancestors' chunk checkpoints are no longer needed by this prefix; never one whose
         # writeback is in flight (invariant 3: writeback sources are immutable)
         for a in node.path()[1:]:
             if (a.chunk_checkpoint and a.state in (NS.device, NS.backed) and a.lock_ref <= 1
                     and a.borrow_ref == 0 and a.dev_ckpt):
-                core.drop_device_checkpoint(a)
+                self.drop_device_checkpoint(a)
+
+    def drop_device_checkpoint(self, node: Node) -> None:
+        """Free ``node``'s device checkpoint (a chunk checkpoint a deeper one replaced)."""
+        self.store.ledger.release_device(node.dev_ckpt)
+        node.dev_ckpt = {}
+        node.chunk_checkpoint = False

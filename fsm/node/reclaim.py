@@ -10,22 +10,19 @@ so every rank frees the same pages.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from ..lifecycle.names import NODE_EVENT as EV, NODE_STATE as NS
 from .node import Node
-
-if TYPE_CHECKING:
-    from .core import CacheCore
+from .store import NodeStore
 
 __all__ = ["Reclaimer"]
 
 
 class Reclaimer:
-    """``evict_device`` and ``evict_host`` for one :class:`~kvtier.fsm.node.core.CacheCore`."""
+    """``evict_device`` and ``evict_host`` over one node core's ``store``."""
 
-    def __init__(self, core: CacheCore) -> None:
-        self.core = core
+    def __init__(self, store: NodeStore) -> None:
+        self.store = store
 
     def evict_device(self, need: Mapping[str, int]) -> dict[str, int]:
         """Free device pages from unlocked, unborrowed device leaves in eviction order.
@@ -43,12 +40,12 @@ class Reclaimer:
         Raises:
             UsageError: unknown group or a count that is not an int >= 0.
         """
-        core = self.core
-        core.ledger.check_need(need)
-        freed = {g: 0 for g in core.device}
-        pledged = {g: 0 for g in core.device}  # pages of leaves queued for writeback (freed later)
+        store = self.store
+        store.ledger.check_need(need)
+        freed = {g: 0 for g in store.device}
+        pledged = {g: 0 for g in store.device}  # pages of leaves queued for writeback (freed later)
         queued: list[Node] = []
-        candidates = core.eviction.device_candidates()
+        candidates = store.eviction.device_candidates()
         while any(freed[g] + pledged[g] < k for g, k in need.items()):
             n = next(candidates, None)
             if n is None:
@@ -58,9 +55,9 @@ class Reclaimer:
             if n.state == NS.backed:
                 n = self._tail(n, need, freed)
                 got = self._release_device(n)
-                core.trigger(n, EV.demote)
-                core.stats.demotions += 1
-            elif core.writebacks.write_back_first(self._device_chain(n)):
+                store.trigger(n, EV.demote)
+                store.stats.demotions += 1
+            elif store.writebacks.write_back_first(self._device_chain(n)):
                 queued.append(n)  # still a candidate: back in the index after this call
                 for pm in (n.dev, n.dev_ckpt):  # its demotion, once written, frees these
                     for g, pages in pm.items():
@@ -69,13 +66,13 @@ class Reclaimer:
             else:
                 n = self._tail(n, need, freed)
                 got = self._release_device(n)
-                core.trigger(n, EV.evict_device)
+                store.trigger(n, EV.evict_device)
                 self._remove(n)
-                core.stats.device_evictions += 1
+                store.stats.device_evictions += 1
             for g, k in got.items():
                 freed[g] += k
         for n in queued:
-            core.eviction.touch(n)
+            store.eviction.touch(n)
         return freed
 
     def evict_host(self, need: Mapping[str, int], *, protect: Iterable[Node] = (),
@@ -87,38 +84,42 @@ class Reclaimer:
 
         Returns:
             group -> host pages actually freed.
+
+        Raises:
+            UsageError: unknown group or a count that is not an int >= 0 (nothing changes).
         """
-        core = self.core
-        if core.host is None:
+        store = self.store
+        store.ledger.check_need(need)
+        if store.host is None:
             return {}
-        freed = {g: 0 for g in core.host}
+        freed = {g: 0 for g in store.host}
         keep = {id(n) for n in protect}
         spared: list[Node] = []
-        candidates = core.eviction.host_candidates()
+        candidates = store.eviction.host_candidates()
         while any(freed[g] < k for g, k in need.items()):
             n = next(candidates, None)
             if n is None:
                 break
-            if id(n) in keep or (host_only and n.state == NS.backed and not (core.exclusive and n.reloaded)):
+            if id(n) in keep or (host_only and n.state == NS.backed and not (store.exclusive and n.reloaded)):
                 spared.append(n)  # spared this time only: a candidate again after this call
                 continue
             if not self.host_victim(n):
                 continue
             n = self._tail(n, need, freed)
-            got = core.ledger.release_host(n.host, n.host_ckpt)
+            got = store.ledger.release_host(n.host, n.host_ckpt)
             n.host = {}
             n.host_ckpt = {}
             if n.state == NS.host:
-                core.trigger(n, EV.evict_host)
+                store.trigger(n, EV.evict_host)
                 self._remove(n)
-                core.stats.host_evictions += 1
+                store.stats.host_evictions += 1
             else:
-                core.trigger(n, EV.drop_host)
-                core.stats.host_drops += 1
+                store.trigger(n, EV.drop_host)
+                store.stats.host_drops += 1
             for g, k in got.items():
                 freed[g] += k
         for n in spared:
-            core.eviction.touch(n)
+            store.eviction.touch(n)
         return freed
 
     @staticmethod
@@ -143,11 +144,11 @@ class Reclaimer:
         k = 1
         for g, want in need.items():
             left = want - freed.get(g, 0)
-            ppu = self.core.pages_per_unit.get(g)
+            ppu = self.store.pages_per_unit.get(g)
             if left > 0 and ppu is not None:
                 k = max(k, -(-left // ppu))
         if k < units:
-            self.core.split(n, units - k)  # n keeps the last k units
+            self.store.split(n, units - k)  # n keeps the last k units
         return n
 
     @staticmethod
@@ -161,12 +162,12 @@ class Reclaimer:
         return out
 
     def _release_device(self, n: Node) -> dict[str, int]:
-        got = self.core.ledger.release_device(n.dev, n.dev_ckpt)
+        got = self.store.ledger.release_device(n.dev, n.dev_ckpt)
         n.dev = {}
         n.dev_ckpt = {}
         n.chunk_checkpoint = False
         return got
 
     def _remove(self, n: Node) -> None:
-        self.core.tree.unlink(n)
-        self.core.writebacks.forget(n.node_id)
+        self.store.tree.unlink(n)
+        self.store.writebacks.forget(n.node_id)

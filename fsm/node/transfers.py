@@ -1,24 +1,24 @@
 """Operations on the node side: starting a loadback (host to device) or a writeback
 (device to host), each validated and reserved all or nothing before any node event fires
-(invariant 11), and ending one (its settlement) through the nodes' events.
+(invariant 11), handing their commands out, and ending them (a completion, a withdrawal
+or a deadline settles one) through the nodes' events.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from ..errors import CapacityError, KvtierError
-from .match import MatchResult
+from .match import MatchResult, has_checkpoint
 from ..lifecycle.names import DEVICE_READABLE, HOST_VISIBLE, NODE_EVENT as EV, NODE_STATE as NS
 from .node import Node, PageMap
-from .ops import Operation, Settled
-from ..records import Direction, GroupTransfer, TransferCommand
+from .ops import LayerProgress, Operation, Settled
+from .optable import ABSORBED, PENDING
+from ..records import Completion, Direction, GroupTransfer, TransferCommand
+from .reclaim import Reclaimer
 from .results import LoadResult
+from .store import NodeStore
 from .writeback import WritePolicy
-
-if TYPE_CHECKING:
-    from .core import CacheCore
 
 __all__ = ["Mover"]
 
@@ -26,12 +26,14 @@ _Transfers = dict[str, tuple[list[int], list[int]]]
 
 
 class Mover:
-    """``load`` and writeback submission for one :class:`~kvtier.fsm.node.core.CacheCore`."""
+    """``load`` and writeback submission over one node core's ``store``; ``reclaimer``
+    makes room for them (device eviction before a loadback, host eviction before a writeback)."""
 
-    def __init__(self, core: CacheCore) -> None:
-        self.core = core
+    def __init__(self, store: NodeStore, reclaimer: Reclaimer) -> None:
+        self.store = store
+        self.reclaimer = reclaimer
         self.outbox: list[TransferCommand] = []  # commands not yet handed out by poll_commands
-        self._layers: tuple[int, ...] = tuple(range(core.layout.num_layers))  # every command moves every layer
+        self._layers: tuple[int, ...] = tuple(range(store.layout.num_layers))  # every command moves every layer
 
     # -- loadback ------------------------------------------------------------------
     def load(self, match: MatchResult, owner: str | None = None, *, evict: bool = True,
@@ -51,57 +53,57 @@ class Mover:
             CapacityError: device pages short after eviction; nothing changed.
         """
         host_nodes, joined = self._check(match)
-        core = self.core
+        store = self.store
         if extra:
-            core.ledger.check_need(extra)
+            store.ledger.check_need(extra)
         terminal = match.terminal
-        ckpt_node = terminal if (core.ckpt_groups and terminal in host_nodes
-                                 and core.has_checkpoint(terminal.host_ckpt)) else None
-        need = {g: 0 for g in core.device}
+        ckpt_node = terminal if (store.ckpt_groups and terminal in host_nodes
+                                 and has_checkpoint(terminal.host_ckpt, len(store.ckpt_groups))) else None
+        need = {g: 0 for g in store.device}
         for n in host_nodes:
-            for g in core.history_groups:
+            for g in store.history_groups:
                 need[g] += len(n.host.get(g, ()))
         if ckpt_node is not None:
-            for g in core.ckpt_groups:
+            for g in store.ckpt_groups:
                 need[g] += len(ckpt_node.host_ckpt[g])
         for g, k in (extra or {}).items():
             need[g] += k
-        pin = core.receipts.take("pin", joined + host_nodes, owner)
-        hold = core.receipts.hold(match.device_node)  # the device part of the hit stays
+        pin = store.receipts.take("pin", joined + host_nodes, owner)
+        hold = store.receipts.hold(match.device_node)  # the device part of the hit stays
         try:
-            short = core.ledger.device_short(need)
+            short = store.ledger.device_short(need)
             if short and evict:
-                core.evict_device(short)
+                self.reclaimer.evict_device(short)
         finally:
-            core.receipts.unlock(hold, None)
-        short = core.ledger.device_short(need)
+            store.receipts.unlock(hold, None)
+        short = store.ledger.device_short(need)
         if short:
             g = next(iter(short))
-            free = core.device[g].free
-            core.receipts.release(pin)
+            free = store.device[g].free
+            store.receipts.release(pin)
             raise CapacityError("device", g, need[g], free)
         op_ids = sorted({n.lb_op for n in joined if n.lb_op is not None})
         command = self._submit_load(host_nodes, ckpt_node, owner) if host_nodes else None
         if command is not None:
             op_ids.append(command.op_id)
         if joined:
-            core.stats.joined_loadbacks += 1
-        own = core.ledger.alloc_for_callers(extra or {})
-        lock = core.lock(terminal, owner)
-        return LoadResult(command, tuple(op_ids), pin, lock, core.device_pages(terminal), own)
+            store.stats.joined_loadbacks += 1
+        own = store.ledger.alloc_for_callers(extra or {})
+        lock = store.lock(terminal, owner)
+        return LoadResult(command, tuple(op_ids), pin, lock, store.tree.page_table(terminal, store.history_groups), own)
 
     def _check(self, match: MatchResult) -> tuple[list[Node], list[Node]]:
         """The host nodes to load and the loading nodes to join; raises if ``match`` is stale."""
-        core = self.core
-        if core.host is None or not match.needs_loadback:
+        store = self.store
+        if store.host is None or not match.needs_loadback:
             raise KvtierError("load: the match has no host hit to load back")
         host_nodes = list(match.host_nodes)
         joined = list(match.joined_nodes)
-        stale = [n.node_id for n in host_nodes if n.state != NS.host or not core.tree.has(n)]
+        stale = [n.node_id for n in host_nodes if n.state != NS.host or not store.tree.has(n)]
         stale += [n.node_id for n in joined if n.state != NS.loading]
         # the hit must still hang together: a split or a demotion since the match breaks the chain
         prev = match.device_node
-        if prev is not core.root and (prev.state not in DEVICE_READABLE or not core.tree.has(prev)):
+        if prev is not store.root and (prev.state not in DEVICE_READABLE or not store.tree.has(prev)):
             stale.append(prev.node_id)
         for n in sorted(joined + host_nodes, key=lambda x: x.depth):
             if n.parent is not prev:
@@ -112,24 +114,24 @@ class Mover:
         return host_nodes, joined
 
     def _submit_load(self, host_nodes: list[Node], ckpt_node: Node | None, owner: str | None) -> TransferCommand:
-        core = self.core
-        op_id = core.optable.new_id()
+        store = self.store
+        op_id = store.optable.new_id()
         transfers: _Transfers = {}
         for n in host_nodes:
-            for g in core.history_groups:
+            for g in store.history_groups:
                 src = n.host.get(g, [])
-                n.dev[g] = self._move(transfers, g, src, core.device[g].alloc(len(src)))
+                n.dev[g] = self._move(transfers, g, src, store.device[g].alloc(len(src)))
             n.lb_op = op_id
-            core.trigger(n, EV.loadback_submit)
+            store.trigger(n, EV.loadback_submit)
         if ckpt_node is not None:
-            for g in core.ckpt_groups:
+            for g in store.ckpt_groups:
                 src = ckpt_node.host_ckpt[g]
-                ckpt_node.dev_ckpt[g] = self._move(transfers, g, src, core.device[g].alloc(len(src)))
+                ckpt_node.dev_ckpt[g] = self._move(transfers, g, src, store.device[g].alloc(len(src)))
         command = self.command(op_id, Direction.LOADBACK, transfers, owner, host_nodes)
-        core.receipts.take("pin", host_nodes, f"op {op_id}", receipt_id=-op_id)  # the operation's own pin
-        core.optable.add(Operation(command, list(host_nodes), ckpt_node))
-        core.stats.loadbacks += 1
-        core.stats.pages_loaded += command.pages
+        store.receipts.take("pin", host_nodes, f"op {op_id}", receipt_id=-op_id)  # the operation's own pin
+        store.optable.add(Operation(command, list(host_nodes), ckpt_node))
+        store.stats.loadbacks += 1
+        store.stats.pages_loaded += command.pages
         return command
 
     @staticmethod
@@ -146,15 +148,64 @@ class Mover:
         command = TransferCommand.trusted(
             op_id, direction,
             tuple(GroupTransfer.trusted(g, tuple(s), tuple(d)) for g, (s, d) in transfers.items() if s),
-            self._layers, owner, tuple(n.node_id for n in nodes), self.core.optable.deadline())
+            self._layers, owner, tuple(n.node_id for n in nodes), self.store.optable.deadline())
         self.outbox.append(command)
         return command
+
+    # -- commands and completions ----------------------------------------------------
+    def pending(self) -> tuple[TransferCommand, ...]:
+        """Commands created and not yet handed out by :meth:`poll` (a snapshot)."""
+        return tuple(self.outbox)
+
+    def poll(self) -> list[TransferCommand]:
+        """Commands created since the last poll, loadbacks first (then by op id)."""
+        out = sorted(self.outbox, key=lambda c: (c.direction is not Direction.LOADBACK, c.op_id))
+        self.outbox.clear()
+        return out
+
+    def complete(self, completion: Completion) -> list[Settled | LayerProgress]:
+        """Take one rank's completion (:meth:`kvtier.fsm.node.core.CacheCore.complete` says
+        what comes back); a late or duplicate one for a settled operation is absorbed."""
+        store = self.store
+        outcome = store.optable.classify(completion)
+        if outcome == ABSORBED:
+            store.stats.absorbed_late_completions += 1
+            return []
+        if outcome == PENDING:
+            return []
+        if isinstance(outcome, Operation):
+            return [self.settle(outcome, outcome.ok)]
+        assert isinstance(outcome, int)
+        op = store.optable.get(completion.op_id)
+        assert op is not None
+        for n in op.nodes:
+            store.trigger(n, EV.loadback_layer_done)
+        return [LayerProgress(op.op_id, outcome)]
+
+    def withdraw(self, op_id: int) -> Settled | None:
+        """Fail operation ``op_id`` at once if its command is still in the outbox (it is
+        never handed out); ``None`` when it was handed out already or is not in flight."""
+        op = self.store.optable.get(op_id)
+        if op is None or op.command not in self.outbox:
+            return None
+        self.outbox.remove(op.command)
+        self.store.stats.withdrawn_ops += 1
+        return self.settle(op, False)
+
+    def expire(self, steps: int) -> list[Settled]:
+        """Advance the scheduler step by ``steps`` (checked) and fail every operation whose
+        deadline passed."""
+        out = []
+        for op in self.store.optable.expire(steps):
+            self.store.stats.expired_ops += 1
+            out.append(self.settle(op, False, expired=True))
+        return out
 
     def settle(self, op: Operation, ok: bool, expired: bool = False) -> Settled:
         """End ``op`` (success only if ``ok``): publish or free the host reservation of a
         writeback, keep or free the device pages of a loadback, each node through its event."""
-        core = self.core
-        core.optable.remove(op)
+        store = self.store
+        store.optable.remove(op)
         if op.direction is Direction.WRITEBACK:
             for n in reversed(op.nodes):  # deepest first
                 if ok:
@@ -162,27 +213,27 @@ class Mover:
                     n.host_ckpt, n.pending_ckpt = n.pending_ckpt, {}
                     n.reloaded = False
                 else:
-                    core.ledger.release_host(n.pending, n.pending_ckpt)
+                    store.ledger.release_host(n.pending, n.pending_ckpt)
                     n.pending, n.pending_ckpt = {}, {}
                 n.wb_op = None
-                core.trigger(n, EV.writeback_ack if ok else EV.writeback_fail)
+                store.trigger(n, EV.writeback_ack if ok else EV.writeback_fail)
             if not ok:
-                core.stats.writeback_failures += 1
-                core.writebacks.drop_children_of(op.nodes)  # they would break invariant 1
+                store.stats.writeback_failures += 1
+                store.writebacks.drop_children_of(op.nodes)  # they would break invariant 1
         else:
-            core.receipts.release(core.receipts.get(-op.op_id))  # the operation's own pin
+            store.receipts.release(store.receipts.get(-op.op_id))  # the operation's own pin
             for n in reversed(op.nodes):
                 n.lb_op = None
                 n.reloaded = ok
                 if not ok:
-                    core.ledger.release_device(n.dev)
+                    store.ledger.release_device(n.dev)
                     n.dev = {}
                     if n is op.checkpoint:
-                        core.ledger.release_device(n.dev_ckpt)
+                        store.ledger.release_device(n.dev_ckpt)
                         n.dev_ckpt = {}
-                core.trigger(n, EV.loadback_ack if ok else EV.loadback_fail)
+                store.trigger(n, EV.loadback_ack if ok else EV.loadback_fail)
             if not ok:
-                core.stats.loadback_failures += 1
+                store.stats.loadback_failures += 1
         return Settled(op.op_id, op.direction, ok, op.command.request_id,
                        tuple(n.node_id for n in op.nodes), expired)
 
@@ -206,37 +257,37 @@ class Mover:
             if run or p.parent is None or p.state in HOST_VISIBLE:
                 run.append(n)
             else:
-                self.core.writebacks.want(n)
+                self.store.writebacks.want(n)
         return self.submit_writeback(run, owner) if run else None
 
     def submit_writeback(self, run: list[Node], owner: str | None, host_only: bool = False) -> TransferCommand | None:
         """Write back ``run`` (device nodes, parent first, the first one's parent on the
         host) as one operation; reserves host pages all or nothing, evicting host leaves
         off the run's paths if short. Returns ``None`` if the host cannot take it."""
-        core = self.core
-        assert core.host is not None
+        store = self.store
+        assert store.host is not None
         need: dict[str, int] = {}
         for n in run:
             for pm in (n.dev, n.dev_ckpt):
                 for g, pages in pm.items():
                     need[g] = need.get(g, 0) + len(pages)
-        short = core.ledger.host_short(need)
+        short = store.ledger.host_short(need)
         if short:  # never the run's ancestors: their host copies are what the run hangs from (invariant 1)
-            core.evict_host(short, protect=[a for n in run for a in n.path()], host_only=host_only)
-        if core.ledger.host_short(need):
+            self.reclaimer.evict_host(short, protect=[a for n in run for a in n.path()], host_only=host_only)
+        if store.ledger.host_short(need):
             return None
-        op_id = core.optable.new_id()
+        op_id = store.optable.new_id()
         transfers: _Transfers = {}
         for n in run:
             n.wb_op = op_id
             n.pending = self._reserve(transfers, n.dev)
             n.pending_ckpt = self._reserve(transfers, n.dev_ckpt)
-            core.trigger(n, EV.writeback_submit)
-            core.writebacks.submitted(n)
+            store.trigger(n, EV.writeback_submit)
+            store.writebacks.submitted(n)
         command = self.command(op_id, Direction.WRITEBACK, transfers, owner, run)
-        core.optable.add(Operation(command, list(run)))
-        core.stats.writebacks += 1
-        core.stats.pages_written += command.pages
+        store.optable.add(Operation(command, list(run)))
+        store.stats.writebacks += 1
+        store.stats.pages_written += command.pages
         return command
 
     def issue_writebacks(self, limit: int | None = None) -> list[TransferCommand]:
@@ -245,15 +296,15 @@ class Mover:
         ack: fewer, larger copies); if the host cannot hold the batch, nodes are submitted
         one by one and those that still do not fit leave the queue (:class:`WritebackQueue`
         says which nodes stay queued)."""
-        core = self.core
-        if core.host is None or (limit is not None and limit < 1):
+        store = self.store
+        if store.host is None or (limit is not None and limit < 1):
             return []
-        ready = core.writebacks.ready()
+        ready = store.writebacks.ready()
         if not ready:
             return []
         # under write_back a writeback exists to let a device copy go: taking another node's
         # host copy for it (making that one device-only again) would only move the problem
-        host_only = core.policy is WritePolicy.WRITE_BACK
+        host_only = store.policy is WritePolicy.WRITE_BACK
         cmd = self.submit_writeback(ready, None, host_only)
         if cmd is not None:
             return [cmd]
@@ -267,13 +318,13 @@ class Mover:
                 continue  # an earlier submission's host eviction took the parent's copy: wait
             one = self.submit_writeback([n], None, host_only)
             if one is None:
-                core.writebacks.give_up(n)  # host full: write_back now drops it
-                core.eviction.touch(n)
+                store.writebacks.give_up(n)  # host full: write_back now drops it
+                store.eviction.touch(n)
             else:
                 out.append(one)
         return out
 
     def _reserve(self, transfers: _Transfers, src_map: PageMap) -> PageMap:
-        host = self.core.host
+        host = self.store.host
         assert host is not None
         return {g: self._move(transfers, g, src, host[g].alloc(len(src))) for g, src in src_map.items()}

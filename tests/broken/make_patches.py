@@ -80,11 +80,11 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "return (n.state in (NS.host, NS.backed) and n.host_pin == 0  # BROKEN: inner nodes too"),
     ]),
     "10-failure-not-success": ("failure_not_success", [
-        ("fsm/node/transfers.py", "                if not ok:\n                    core.ledger.release_device(n.dev)",
+        ("fsm/node/transfers.py", "                if not ok:\n                    store.ledger.release_device(n.dev)",
          "                if False:  # BROKEN: a failed loadback is reported as success\n"
-         "                    core.ledger.release_device(n.dev)"),
-        ("fsm/node/transfers.py", "                core.trigger(n, EV.loadback_ack if ok else EV.loadback_fail)",
-         "                core.trigger(n, EV.loadback_ack)"),
+         "                    store.ledger.release_device(n.dev)"),
+        ("fsm/node/transfers.py", "                store.trigger(n, EV.loadback_ack if ok else EV.loadback_fail)",
+         "                store.trigger(n, EV.loadback_ack)"),
     ]),
     "11-atomic-admission": ("atomic_admission", [
         ("fsm/request/admission.py", "        except CapacityError:\n            if hold is not None:\n"
@@ -92,8 +92,8 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "        except CapacityError:\n            return None  # BROKEN: the device-hit lock is not rolled back"),
     ]),
     "12-loaded-equals-written": ("loaded_equals_written", [
-        ("fsm/node/transfers.py", "                n.dev[g] = self._move(transfers, g, src, core.device[g].alloc(len(src)))",
-         "                n.dev[g] = self._move(transfers, g, src, core.device[g].alloc(len(src)))[::-1]"
+        ("fsm/node/transfers.py", "                n.dev[g] = self._move(transfers, g, src, store.device[g].alloc(len(src)))",
+         "                n.dev[g] = self._move(transfers, g, src, store.device[g].alloc(len(src)))[::-1]"
          "  # BROKEN: the mapping disagrees with the copy"),
     ]),
     "13-conservation": ("conservation", [
@@ -149,19 +149,19 @@ SEMANTIC: dict[str, Mutant] = {
         "fsm-core", "exact eviction splits the victim leaf but frees the prefix fragment (an inner "
         "node) instead of the tail",
         (_seq("s02-exact-eviction-frees-prefix"),),
-        [("fsm/node/reclaim.py", "        if k < units:\n            self.core.split(n, units - k)  # n keeps the last k units\n"
-                            "        return n",
-          "        if k < units:\n            return self.core.split(n, units - k)  # BROKEN: frees the prefix fragment\n"
+        [("fsm/node/reclaim.py", "        if k < units:\n            self.store.split(n, units - k)  # n keeps the last k units\n"
+                                 "        return n",
+          "        if k < units:\n            return self.store.split(n, units - k)  # BROKEN: frees the prefix fragment\n"
           "        return n")]),
     "s03-exclusive-drops-pinned-duplicate": Mutant(
         "fsm-core", "an exclusive host tier drops a loaded-back node's duplicate host copy even "
         "while it is pinned (or has a host child)",
         (f"{_C}test_exclusive_host_tier_keeps_pinned_duplicates",),
         [("fsm/node/reclaim.py", "            if not self.host_victim(n):\n                continue\n"
-                            "            n = self._tail(n, need, freed)\n            got = core.ledger.release_host",
-          "            if not self.host_victim(n) and not (core.exclusive and n.reloaded and n.state == NS.backed):\n"
+                                 "            n = self._tail(n, need, freed)\n            got = store.ledger.release_host",
+          "            if not self.host_victim(n) and not (store.exclusive and n.reloaded and n.state == NS.backed):\n"
           "                continue  # BROKEN: a duplicate copy is always droppable\n"
-          "            n = self._tail(n, need, freed)\n            got = core.ledger.release_host")]),
+          "            n = self._tail(n, need, freed)\n            got = store.ledger.release_host")]),
     "s04-op-pin-not-split": Mutant(
         "fsm-core", "splitting a loading node moves the receipts' nodes but not the loadback's own "
         "pin (receipt -op_id) onto the new prefix fragment",
@@ -197,14 +197,14 @@ SEMANTIC: dict[str, Mutant] = {
     "s09-load-refusal-leaks-pin": Mutant(
         "fsm-core", "a loadback refused for lack of device pages keeps the host pin it took",
         (_seq("s09-load-refusal-leaks-pin"),),
-        [("fsm/node/transfers.py", "            free = core.device[g].free\n            core.receipts.release(pin)\n",
-          "            free = core.device[g].free  # BROKEN: the pin is not rolled back\n")]),
+        [("fsm/node/transfers.py", "            free = store.device[g].free\n            store.receipts.release(pin)\n",
+          "            free = store.device[g].free  # BROKEN: the pin is not rolled back\n")]),
     "s10-failed-loadback-keeps-checkpoint": Mutant(
         "fsm-core", "a failed loadback frees the history pages it reserved but keeps the "
         "checkpoint's destination pages on a node now only on the host",
         (_seq("s10-failed-loadback-keeps-checkpoint"),),
         [("fsm/node/transfers.py", "                    if n is op.checkpoint:\n"
-                              "                        core.ledger.release_device(n.dev_ckpt)\n"
+                              "                        store.ledger.release_device(n.dev_ckpt)\n"
                               "                        n.dev_ckpt = {}",
           "                    if n is op.checkpoint:\n"
           "                        pass  # BROKEN: the checkpoint's device pages are kept")]),
