@@ -14,7 +14,7 @@ from ..errors import SpecNameError
 from .spec import load_spec
 
 __all__ = [
-    "Names", "NODE_STATE", "NODE_EVENT", "REQUEST_STATE", "REQUEST_EVENT",
+    "Names", "NODE_STATE", "NODE_EVENT", "REQUEST_STATE", "REQUEST_EVENT", "REQUEST_CALL",
     "DEVICE_RESIDENT", "DEVICE_READABLE", "HOST_VISIBLE", "HOST_PENDING", "TERMINAL", "L3_STATE", "L3_EVENT",
 ]
 
@@ -59,6 +59,8 @@ NODE_EVENT = Names("node event", _SPEC.node.events)
 #: Request states and events.
 REQUEST_STATE = Names("request state", _SPEC.request.state_names)
 REQUEST_EVENT = Names("request event", _SPEC.request.events)
+#: Facade calls whose accepted request states the spec declares (``[request.calls]``).
+REQUEST_CALL = Names("request call", _SPEC.request.calls)
 
 #: Node states that hold device pages (``device_pages``).
 DEVICE_RESIDENT = _SPEC.node.states_holding("device_pages")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from ..checks import as_bool, as_int, check_hashable, check_key_sequence
-from ..errors import CapacityError, ConfigError, KvtierError, UsageError
+from ..errors import CapacityError, ConfigError, UsageError
 from ..layout import CacheLayout
 from ..lifecycle.names import DEVICE_RESIDENT, HOST_VISIBLE
 from ..records import Completion, Direction, TransferCommand
@@ -166,7 +166,7 @@ class CacheCore:
         return list(self.tree)
 
     def node(self, node_id: int) -> Node:
-        """The node with ``node_id``. Raises KvtierError if it is not in the tree."""
+        """The node with ``node_id``. Raises UsageError if it is not in the tree."""
         return self.tree.node(node_id)
 
     def operations(self) -> dict[int, Operation]:
@@ -244,7 +244,7 @@ class CacheCore:
         """Return a caller's device pages.
 
         Raises:
-            KvtierError: a page is not the caller's (tree-owned, free, or unknown); nothing freed.
+            UsageError: a page is not the caller's (tree-owned, free, or unknown); nothing freed.
         """
         self.ledger.free_device(pages)
 
@@ -271,7 +271,7 @@ class CacheCore:
         Counts a hit (``write_through_selective`` counts hits) and stamps the logical clock.
 
         Raises:
-            KvtierError: ``node`` is not a node of this cache's tree (nothing changes).
+            UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
         return self.store.lock(node, owner)
 
@@ -279,42 +279,42 @@ class CacheCore:
         """Release a lock receipt exactly once.
 
         Raises:
-            KvtierError: the receipt was already released or is not this cache's (invariant 5).
+            UsageError: the receipt was already released or is not this cache's (invariant ``counts_with_receipts``).
         """
         self.receipts.check_lock(receipt)
         self.receipts.unlock(receipt, self.store.tick())
 
     def borrow(self, nodes: Sequence[Node], owner: str | None = None) -> NodeReceipt:
-        """Borrow device pages of ``nodes`` (a request reads them; invariant 14).
+        """Borrow device pages of ``nodes`` (a request reads them; invariant ``borrowed_pages_stay``).
 
         Raises:
-            KvtierError: no nodes, a value that is not a node of this tree, or a node
+            UsageError: no nodes, a value that is not a node of this tree, or a node
                 without device pages (nothing changes).
         """
         nodes = self.tree.members("borrow", nodes)
         bad = [n.node_id for n in nodes if n.state not in DEVICE_RESIDENT]
         if bad:
-            raise KvtierError(f"borrow: nodes {bad} have no device pages")
+            raise UsageError(f"borrow: nodes {bad} have no device pages")
         return self.receipts.take("borrow", nodes, owner)
 
     def pin(self, nodes: Sequence[Node], owner: str | None = None) -> NodeReceipt:
-        """Pin the host copies of ``nodes`` (invariant 4).
+        """Pin the host copies of ``nodes`` (invariant ``loadback_source_pinned``).
 
         Raises:
-            KvtierError: no nodes, a value that is not a node of this tree, or a node
+            UsageError: no nodes, a value that is not a node of this tree, or a node
                 without a visible host copy (nothing changes).
         """
         nodes = self.tree.members("pin", nodes)
         bad = [n.node_id for n in nodes if n.state not in HOST_VISIBLE]
         if bad:
-            raise KvtierError(f"pin: nodes {bad} have no visible host copy")
+            raise UsageError(f"pin: nodes {bad} have no visible host copy")
         return self.receipts.take("pin", nodes, owner)
 
     def release(self, receipt: NodeReceipt) -> None:
         """Release a pin or borrow receipt exactly once.
 
         Raises:
-            KvtierError: already released or unknown (invariant 5).
+            UsageError: already released or unknown (invariant ``counts_with_receipts``).
         """
         self.receipts.release(receipt)
 
@@ -346,7 +346,7 @@ class CacheCore:
 
     def evict_host(self, need: Mapping[str, int], *, protect: Iterable[Node] = (),
                    host_only: bool = False) -> dict[str, int]:
-        """Free host pages from host leaves with pin 0 in eviction order (invariant 9;
+        """Free host pages from host leaves with pin 0 in eviction order (invariant ``host_evict_leaves``;
         :meth:`kvtier.fsm.node.reclaim.Reclaimer.evict_host` says how).
 
         Returns:
@@ -364,12 +364,11 @@ class CacheCore:
     # ------------------------------------------------------------------ loadback
     def load(self, match: MatchResult, owner: str | None = None, *, evict: bool = True,
              extra: Mapping[str, int] | None = None) -> LoadResult:
-        """Load back the host part of ``match``, all or nothing (invariant 11); see
+        """Load back the host part of ``match``, all or nothing (invariant ``atomic_admission``); see
         :meth:`kvtier.fsm.node.transfers.Mover.load`.
 
         Raises:
-            KvtierError: no host tier, the match needs no loadback, or it is stale.
-            UsageError: a bad ``extra``.
+            UsageError: no host tier, the match needs no loadback, it is stale, or a bad ``extra``.
             CapacityError: device pages short after eviction; nothing changed.
         """
         return self._mover.load(match, owner, evict=evict, extra=extra)
@@ -383,7 +382,7 @@ class CacheCore:
             The command, or ``None`` when nothing needs writing (or the host is full).
 
         Raises:
-            KvtierError: ``node`` is not a node of this cache's tree (nothing changes).
+            UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
         self.tree.members("writeback", [node])
         return self._mover.writeback(node, owner) if self.host is not None else None
@@ -406,7 +405,7 @@ class CacheCore:
         (``layer=None``) settles the operation once every rank has sent it, successfully
         only if all succeeded: a :class:`Settled` is returned. A completion for an
         operation that already settled (a late one after its deadline, or a duplicate) is
-        absorbed and counted (invariant 7). Nothing changes when it raises.
+        absorbed and counted (invariant ``operation_ends_once``). Nothing changes when it raises.
 
         Raises:
             UnknownOperation: the op id was never issued.
@@ -436,7 +435,7 @@ class CacheCore:
 
     def advance_step(self, steps: int = 1) -> list[Settled]:
         """Advance the scheduler step; fail every operation whose deadline passed
-        (invariant 7). Their late real completions are absorbed later.
+        (invariant ``operation_ends_once``). Their late real completions are absorbed later.
 
         Raises:
             UsageError: ``steps`` is not an int >= 1.

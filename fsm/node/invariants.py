@@ -180,8 +180,9 @@ def check_cache(store: NodeStore) -> None:
 
 def _check_op_sources(op: Operation) -> None:
     """Every page an operation copies from is still one of its nodes' pages: device
-    pages of a writeback (invariant 3), host pages of a loadback (invariant 4). (A node
-    may gain pages meanwhile, e.g. a checkpoint adopted while it is written back.)"""
+    pages of a writeback (invariant ``writeback_source_immutable``), host pages of a
+    loadback (invariant ``loadback_source_pinned``). (A node may gain pages meanwhile,
+    e.g. a checkpoint adopted while it is written back.)"""
     writeback = op.direction is Direction.WRITEBACK
     have: dict[str, set[int]] = {}
     for n in op.nodes:

@@ -3,7 +3,7 @@
 Device pages are owned by tree nodes, by in-flight operations through their nodes, or
 by callers (requests' own pages, handed out by :meth:`PageLedger.alloc_device` until
 they are published into the tree or freed). The ledger tracks the callers' share;
-``check_invariants`` counts the nodes' share (invariant 13, conservation).
+``check_invariants`` counts the nodes' share (invariant ``conservation``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from ..checks import as_int
-from ..errors import ConfigError, KvtierError, UsageError
+from ..errors import ConfigError, UsageError
 from ..layout import CacheLayout
 from .pages import PageAllocator
 from ..records import Family
@@ -118,7 +118,7 @@ class PageLedger:
 
         Raises:
             UsageError: unknown group.
-            KvtierError: a page is not a caller's (tree-owned, free or unknown); nothing freed.
+            UsageError: a page is not a caller's (tree-owned, free or unknown); nothing freed.
         """
         lists = {g: list(p) for g, p in pages.items()}
         for g, ps in lists.items():
@@ -126,7 +126,7 @@ class PageLedger:
                 raise UsageError(f"free_device: unknown cache group {g!r}")
             bad = [p for p in ps if p not in self._callers[g]]
             if bad or len(set(ps)) != len(ps):
-                raise KvtierError(f"free_device: pages {bad or ps} of group {g!r} are not held by a caller")
+                raise UsageError(f"free_device: pages {bad or ps} of group {g!r} are not held by a caller")
         for g, ps in lists.items():
             self._callers[g].difference_update(ps)
             self.device[g].release(ps)

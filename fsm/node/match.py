@@ -98,9 +98,9 @@ def find_match(path: Sequence[Node], root: Node, key_units: int, mode: MatchMode
 
     The device hit runs through nodes whose device pages every request may read; the
     host hit continues through nodes with visible host copies and stops at the first
-    gap (invariant 9); it may join nodes already loading but never goes past them. With
+    gap (invariant ``host_evict_leaves``); it may join nodes already loading but never goes past them. With
     state groups a hit ends only at a node holding the exact continuation state for its
-    own length in the matching tier (invariant 15); in ``state_recovery`` mode only at
+    own length in the matching tier (invariant ``exact_continuation_state``); in ``state_recovery`` mode only at
     the key's own end. ``history_replay`` returns the deeper history-only hit with
     ``recompute_tokens`` (see :meth:`CacheLayout.replay_span_tokens`).
     """

@@ -1,5 +1,5 @@
 """The operation table: op ids, in-flight operations, and how completions from several
-ranks and layers add up to one acknowledgement (invariant 7).
+ranks and layers add up to one acknowledgement (invariant ``operation_ends_once``).
 
 A completion is taken in three steps: :meth:`OperationTable.classify` validates it and
 says what it is (absorbed, new layer progress, the last acknowledgement, or nothing

@@ -1,9 +1,9 @@
 """Page allocators: one per pool (device or host) per cache group.
 
-Page ids are ``0 .. capacity-1``. Allocation is all-or-nothing (invariant 11). The
+Page ids are ``0 .. capacity-1``. Allocation is all-or-nothing (invariant ``atomic_admission``). The
 allocator keeps the free pages (memory proportional to the pages ever freed, not to the
 capacity); who owns each allocated page is checked by
-``check_invariants`` from the owners' side (invariant 13: conservation).
+``check_invariants`` from the owners' side (invariant ``conservation``).
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ class Publisher:
         own, ckpt = self._check_arguments(key, pages, checkpoint)
         base = self._anchored(anchor, key, own)
         if base is None:
-            path = self.store.tree.walk(key, self.store.split)  # (checked above; a split on the way is semantically invisible)
+            # (checked above; a split on the way is semantically invisible)
+            path = self.store.tree.walk(key, self.store.split)
             self._check_pages(path, own, ckpt, 0)
             return self._commit(key, path, own, ckpt, chunk_checkpoint, 0)
         # the anchor's path is the caller's, page for page: walk and check only beyond it
@@ -243,7 +244,7 @@ class Publisher:
             store.ledger.take_back(g, p)
         node.chunk_checkpoint = chunk
         # ancestors' chunk checkpoints are no longer needed by this prefix; never one whose
-        # writeback is in flight (invariant 3: writeback sources are immutable)
+        # writeback is in flight (invariant ``writeback_source_immutable``)
         for a in node.path()[1:]:
             if (a.chunk_checkpoint and a.state in (NS.device, NS.backed) and a.lock_ref <= 1
                     and a.borrow_ref == 0 and a.dev_ckpt):

@@ -1,11 +1,11 @@
-"""Locks, borrows and pins as counts with receipts (invariant 5); the only place that
+"""Locks, borrows and pins as counts with receipts (invariant ``counts_with_receipts``); the only place that
 changes a node's ``lock_ref``, ``borrow_ref`` or ``host_pin``.
 
 - A *lock* holds a node and all its ancestors on the device (a running request's path).
 - A *hold* is a lock without a use: it keeps a path out of an eviction for the length
   of one call and neither counts a hit nor moves the clock.
-- A *borrow* marks nodes whose device pages a request reads (invariant 14).
-- A *pin* keeps host copies in place while a loadback reads them (invariant 4); an
+- A *borrow* marks nodes whose device pages a request reads (invariant ``borrowed_pages_stay``).
+- A *pin* keeps host copies in place while a loadback reads them (invariant ``loadback_source_pinned``); an
   operation's own pin has the receipt id ``-op_id``.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
-from ..errors import KvtierError
+from ..errors import UsageError
 from .node import LockReceipt, Node, NodeReceipt
 
 __all__ = ["ReceiptBook"]
@@ -82,7 +82,7 @@ class ReceiptBook:
         """Release a lock (stamping its path with ``stamp``) or a hold (``stamp=None``).
 
         Raises:
-            KvtierError: the receipt was already released or is not this cache's (invariant 5).
+            UsageError: the receipt was already released or is not this cache's (invariant ``counts_with_receipts``).
         """
         self.check_lock(receipt)
         receipt.released = True
@@ -94,11 +94,11 @@ class ReceiptBook:
             self._touch(n)
 
     def check_lock(self, receipt: object) -> None:
-        """Raises KvtierError unless ``receipt`` is an outstanding lock receipt of this book."""
+        """Raises UsageError unless ``receipt`` is an outstanding lock receipt of this book."""
         if not isinstance(receipt, LockReceipt):
-            raise KvtierError(f"unlock takes a LockReceipt, got {receipt!r}")
+            raise UsageError(f"unlock takes a LockReceipt, got {receipt!r}")
         if receipt.released or self._locks.get(receipt.receipt_id) is not receipt:
-            raise KvtierError(f"{receipt!r} was already released or is unknown (counts_with_receipts)")
+            raise UsageError(f"{receipt!r} was already released or is unknown (counts_with_receipts)")
 
     # -- pins and borrows ---------------------------------------------------------------
     def take(self, kind: str, nodes: list[Node], owner: str | None, receipt_id: int | None = None) -> NodeReceipt:
@@ -116,12 +116,12 @@ class ReceiptBook:
         """Release a pin or borrow receipt exactly once.
 
         Raises:
-            KvtierError: not a receipt, already released or unknown (invariant 5).
+            UsageError: not a receipt, already released or unknown (invariant ``counts_with_receipts``).
         """
         if not isinstance(receipt, NodeReceipt):
-            raise KvtierError(f"release takes a pin or borrow receipt (NodeReceipt), got {receipt!r}")
+            raise UsageError(f"release takes a pin or borrow receipt (NodeReceipt), got {receipt!r}")
         if receipt.released or self._receipts.get(receipt.receipt_id) is not receipt:
-            raise KvtierError(f"{receipt!r} was already released or is unknown (counts_with_receipts)")
+            raise UsageError(f"{receipt!r} was already released or is unknown (counts_with_receipts)")
         receipt.released = True
         del self._receipts[receipt.receipt_id]
         attr = _COUNT[receipt.kind]
@@ -132,7 +132,7 @@ class ReceiptBook:
 
     def on_split(self, node: Node, prefix: Node) -> None:
         """``node`` was cut and ``prefix`` is its new parent fragment: every receipt listing
-        ``node`` now lists ``prefix`` right before it (invariant 6)."""
+        ``node`` now lists ``prefix`` right before it (invariant ``split_preserves_ownership``)."""
         for rid in node.refs:
             prefix.add_ref(rid)
             r = self._receipts[rid]

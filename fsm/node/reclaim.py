@@ -77,7 +77,7 @@ class Reclaimer:
 
     def evict_host(self, need: Mapping[str, int], *, protect: Iterable[Node] = (),
                    host_only: bool = False) -> dict[str, int]:
-        """Free host pages from host leaves with pin 0 in eviction order (invariant 9): a
+        """Free host pages from host leaves with pin 0 in eviction order (invariant ``host_evict_leaves``): a
         ``host`` node is removed, a ``backed`` node sheds its host copy and stays on device.
         ``protect``-ed nodes are spared; with ``host_only``, ``backed`` nodes are spared too,
         except, with an exclusive host tier, those a loadback brought back (duplicates).

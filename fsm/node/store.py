@@ -120,7 +120,7 @@ class NodeStore:
         on every node of the path (``write_through_selective`` queues hot nodes).
 
         Raises:
-            KvtierError: ``node`` is not a node of this tree (nothing changes).
+            UsageError: ``node`` is not a node of this tree (nothing changes).
         """
         self.tree.members("lock", [node])
         receipt = self.receipts.lock(node, owner, self.tick())

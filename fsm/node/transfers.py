@@ -1,6 +1,6 @@
 """Operations on the node side: starting a loadback (host to device) or a writeback
 (device to host), each validated and reserved all or nothing before any node event fires
-(invariant 11), handing their commands out, and ending them (a completion, a withdrawal
+(invariant ``atomic_admission``), handing their commands out, and ending them (a completion, a withdrawal
 or a deadline settles one) through the nodes' events.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..errors import CapacityError, KvtierError
+from ..errors import CapacityError, UsageError
 from .match import MatchResult, has_checkpoint
 from ..lifecycle.names import DEVICE_READABLE, HOST_VISIBLE, NODE_EVENT as EV, NODE_STATE as NS
 from .node import Node, PageMap
@@ -38,9 +38,9 @@ class Mover:
     # -- loadback ------------------------------------------------------------------
     def load(self, match: MatchResult, owner: str | None = None, *, evict: bool = True,
              extra: Mapping[str, int] | None = None) -> LoadResult:
-        """Load back the host part of ``match`` (all or nothing; invariant 11).
+        """Load back the host part of ``match`` (all or nothing; invariant ``atomic_admission``).
 
-        Pins the host copies first (invariant 4), then allocates device pages (evicting
+        Pins the host copies first (invariant ``loadback_source_pinned``), then allocates device pages (evicting
         if allowed, with the device part of the hit held out of the eviction), then moves
         the nodes to ``loading`` and returns the command. Nodes already loading are
         joined: the caller gets its own pin on them and waits for their operation. The
@@ -48,8 +48,8 @@ class Mover:
         caller's own pages in the same reservation (returned in :attr:`LoadResult.extra`).
 
         Raises:
-            KvtierError: no host tier, no loadback needed, or a stale match.
-            UsageError: a bad ``extra`` (nothing changes).
+            UsageError: no host tier, no loadback needed, a stale match, or a bad ``extra``
+                (nothing changes).
             CapacityError: device pages short after eviction; nothing changed.
         """
         host_nodes, joined = self._check(match)
@@ -96,7 +96,7 @@ class Mover:
         """The host nodes to load and the loading nodes to join; raises if ``match`` is stale."""
         store = self.store
         if store.host is None or not match.needs_loadback:
-            raise KvtierError("load: the match has no host hit to load back")
+            raise UsageError("load: the match has no host hit to load back")
         host_nodes = list(match.host_nodes)
         joined = list(match.joined_nodes)
         stale = [n.node_id for n in host_nodes if n.state != NS.host or not store.tree.has(n)]
@@ -110,7 +110,7 @@ class Mover:
                 stale.append(n.node_id)
             prev = n
         if stale:
-            raise KvtierError(f"load: match is stale (nodes {stale} changed state or were split since the match)")
+            raise UsageError(f"load: match is stale (nodes {stale} changed state or were split since the match)")
         return host_nodes, joined
 
     def _submit_load(self, host_nodes: list[Node], ckpt_node: Node | None, owner: str | None) -> TransferCommand:
@@ -219,7 +219,7 @@ class Mover:
                 store.trigger(n, EV.writeback_ack if ok else EV.writeback_fail)
             if not ok:
                 store.stats.writeback_failures += 1
-                store.writebacks.drop_children_of(op.nodes)  # they would break invariant 1
+                store.writebacks.drop_children_of(op.nodes)  # they would break invariant ``root_closed_host``
         else:
             store.receipts.release(store.receipts.get(-op.op_id))  # the operation's own pin
             for n in reversed(op.nodes):
@@ -242,7 +242,7 @@ class Mover:
         """Write back, as one operation owned by ``owner``, every node on the path to
         ``node`` that is only on the device and whose parent is (or will be, in the same
         operation) on the host; nodes behind a writeback in flight elsewhere are queued as
-        tree writebacks instead (invariant 1). Host pages are reserved all or nothing,
+        tree writebacks instead (invariant ``root_closed_host``). Host pages are reserved all or nothing,
         evicting unpinned host leaves off this path if short."""
         # The device-only nodes of a path are consecutive and end it (the device set is
         # root-closed, and a host-visible or writing node's parent is host-visible or in the
@@ -272,7 +272,7 @@ class Mover:
                 for g, pages in pm.items():
                     need[g] = need.get(g, 0) + len(pages)
         short = store.ledger.host_short(need)
-        if short:  # never the run's ancestors: their host copies are what the run hangs from (invariant 1)
+        if short:  # never the run's ancestors: the run hangs from their host copies (root_closed_host)
             self.reclaimer.evict_host(short, protect=[a for n in run for a in n.path()], host_only=host_only)
         if store.ledger.host_short(need):
             return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
-from ..errors import KvtierError
+from ..errors import UsageError
 from ..lifecycle.names import NODE_STATE
 from .node import Node, PageMap
 
@@ -51,12 +51,12 @@ class RadixTree:
         """The node with ``node_id``.
 
         Raises:
-            KvtierError: no such node in the tree.
+            UsageError: no such node in the tree.
         """
         try:
             return self._nodes[node_id]
         except KeyError:
-            raise KvtierError(f"no node {node_id} in the tree") from None
+            raise UsageError(f"no node {node_id} in the tree") from None
 
     def ids(self) -> frozenset[int]:
         """The ids of every node (root excluded)."""
@@ -66,18 +66,18 @@ class RadixTree:
         """``nodes`` as a list, each checked to be a node of this tree (not the root).
 
         Raises:
-            KvtierError: not a list of nodes, an empty list, or a value that is not a node
+            UsageError: not a list of nodes, an empty list, or a value that is not a node
                 of this tree (``what`` names the call).
         """
         if isinstance(nodes, Node) or not isinstance(nodes, Iterable):
-            raise KvtierError(f"{what} takes a list of nodes, got {nodes!r}")
+            raise UsageError(f"{what} takes a list of nodes, got {nodes!r}")
         out: list[Node] = []
         for n in nodes:
             if not isinstance(n, Node) or self._nodes.get(n.node_id) is not n:
-                raise KvtierError(f"{what}: {n!r} is not a node of this cache's tree")
+                raise UsageError(f"{what}: {n!r} is not a node of this cache's tree")
             out.append(n)
         if not out:
-            raise KvtierError(f"{what}: no nodes given")
+            raise UsageError(f"{what}: no nodes given")
         return out
 
     def page_table(self, node: Node, groups: Sequence[str]) -> PageMap:

@@ -1,7 +1,7 @@
 """The write policy and the queue of tree writebacks it asks for.
 
 The policy decides *when* a device node should get a host copy; the queue holds those
-nodes until their parent is on the host (invariant 1) and the core submits them.
+nodes until their parent is on the host (invariant ``root_closed_host``) and the core submits them.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class WritebackQueue:
 
     def drop_children_of(self, failed: Iterable[Node]) -> None:
         """A writeback of ``failed`` nodes failed: their queued children would break
-        invariant 1, so they leave the queue."""
+        invariant ``root_closed_host``, so they leave the queue."""
         ids = {id(n) for n in failed}
         for nid, q in list(self._queue.items()):
             if q.parent is not None and id(q.parent) in ids:
@@ -124,9 +124,9 @@ class WritebackQueue:
         """Queued nodes whose parent is the root or on the host, shallowest first; under
         ``write_back`` also those whose parent is ready itself (a chain that an eviction
         queued goes in one operation, parent first, so its pages come free after one round
-        instead of one round per level; invariant 1 holds within the operation). Nodes whose
+        instead of one round per level; invariant ``root_closed_host`` holds within the operation). Nodes whose
         parent is only on the device and not queued leave the queue (their parent will not
-        be written: invariant 1); others stay."""
+        be written: invariant ``root_closed_host``); others stay."""
         out: list[Node] = []
         taken: set[int] = set()
         chains = self.policy is WritePolicy.WRITE_BACK

@@ -2,7 +2,7 @@
 
 :class:`Admitter` matches a request's prompt in the tree, locks and pins what it reuses,
 starts (or joins) the loadback of a host hit and reserves the request's own pages for the
-first chunk, in one all-or-nothing step (invariant 11), then fires ``schedule`` (or
+first chunk, in one all-or-nothing step (invariant ``atomic_admission``), then fires ``schedule`` (or
 ``resume``). :meth:`Admitter.reserve` adds pages for one more forward pass and counts it
 owed.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from ..errors import CapacityError, UsageError
+from ..lifecycle.names import REQUEST_CALL as RC, REQUEST_EVENT as RE
 from ..node.node import PageMap
 from .request import TERMINAL, Admission, Request
 from .table import MatchMode, RequestTable
@@ -45,7 +46,7 @@ class Admitter:
         t = self.table
         prev = t.find(request_id)
         if prev is not None:
-            t.require(prev, "admit", " is already admitted")
+            t.require(prev, RC.admit, " is already admitted")
         full = prompt_tokens // t.align
         if len(units) < full:
             raise UsageError(f"request {request_id!r}: {prompt_tokens} prompt tokens need {full} unit keys, "
@@ -57,14 +58,14 @@ class Admitter:
         t.add(r)
         # never reuse the whole prompt: the last token must be computed to get logits
         usable = (prompt_tokens - 1) // t.align
-        return self._admit(r, r.units[:usable], MatchMode.PREFIX_REUSE, prompt_tokens, chunk_tokens, "schedule")
+        return self._admit(r, r.units[:usable], MatchMode.PREFIX_REUSE, prompt_tokens, chunk_tokens, RE.schedule)
 
     def resume(self, r: Request, chunk_tokens: int) -> Admission | None:
         """Re-admit a retracted request with ``state_recovery`` (its own terminal exactly,
         or recompute from scratch); all or nothing."""
         n_units = min(r.tokens // self.table.align, len(r.units))
         # the hit covers its own terminal (or nothing); the tail up to r.tokens is recomputed
-        return self._admit(r, r.units[:n_units], MatchMode.STATE_RECOVERY, r.tokens, chunk_tokens, "resume")
+        return self._admit(r, r.units[:n_units], MatchMode.STATE_RECOVERY, r.tokens, chunk_tokens, RE.resume)
 
     def _admit(self, r: Request, key: Sequence[Hashable], mode: MatchMode, limit: int, chunk: int,
                event: str) -> Admission | None:

@@ -7,7 +7,7 @@ reserves pages for the next pass, for every request in its batch, once per step.
 (what :meth:`~kvtier.fsm.request.admission.Admitter.reserve` does), item by item in the order
 given. Every item is all or nothing on its own: an item that is refused (bad arguments,
 a state that does not accept the call, pages short after eviction) changes nothing and
-leaves every other item's outcome intact. The forward fence (invariant 16) holds item by
+leaves every other item's outcome intact. The forward fence (invariant ``forward_fence``) holds item by
 item: a result frees what waited on that pass, a reservation counts one pass owed.
 
 The single-request calls (:meth:`Batcher.reserve_one`, :meth:`Batcher.result_one`) are the
@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from .admission import Admitter
 from ..checks import as_bool, as_int, as_keys
 from ..errors import KvtierError, UsageError
+from ..lifecycle.names import REQUEST_CALL as RC
 from .forward import ForwardResults
 from ..node.node import PageMap
 from .request import CALLS
@@ -141,7 +142,7 @@ class Batcher:
         self.table = table
         self.admitter = admitter
         self.forward = forward
-        self._reserve_states = CALLS["reserve"]
+        self._reserve_states = CALLS[RC.reserve]
 
     # -- one request -----------------------------------------------------------------
     def reserve_one(self, request_id: str, tokens: int) -> PageMap | None:
@@ -154,7 +155,7 @@ class Batcher:
         """
         t = self.table
         r = t.get(request_id)
-        t.require(r, "reserve")
+        t.require(r, RC.reserve)
         if type(tokens) is not int or tokens < 1:
             tokens = as_int(tokens, f"request {request_id!r}: reserve tokens", minimum=1)
         return self.admitter.reserve(r, tokens)

@@ -7,12 +7,13 @@
 
 A loadback that fails (or expires) while the request's forward pass is out sends it to
 ``fenced``: it lets go of its pins and stops waiting, but keeps its own pages and its lock
-until the pass returns (invariant 16, ``forward_fence``); no layer reads as ready from then
-on (invariant 10).
+until the pass returns (invariant ``forward_fence``); no layer reads as ready from then
+on (invariant ``failure_not_success``).
 """
 
 from __future__ import annotations
 
+from ..lifecycle.names import REQUEST_CALL as RC, REQUEST_EVENT as RE, REQUEST_STATE as RS
 from ..node.node import DEVICE_READABLE
 from ..node.ops import LayerProgress, Settled
 from .forward import ForwardResults
@@ -49,13 +50,13 @@ class CompletionRouter:
 
     def _loadback_settled(self, r: Request, ok: bool) -> None:
         t = self.table
-        if r.state == "aborting":
+        if r.state == RS.aborting:
             if not ok:  # its pass may still be out: keep what its lock holds (forward_fence)
                 r.layers_failed = True
                 self._keep_held_prefix(r)
-            t.fire(r, "loadback_ack" if ok else "loadback_fail")
+            t.fire(r, RE.loadback_ack if ok else RE.loadback_fail)
             return
-        if r.state != "loading":
+        if r.state != RS.loading:
             return
         if ok:
             ops = self.core.operations()
@@ -64,7 +65,7 @@ class CompletionRouter:
             for pin in r.pins:
                 self.core.release(pin)
             r.pins = []
-            t.fire(r, "loadback_ack")
+            t.fire(r, RE.loadback_ack)
             self.forward.publish(r, checkpoint=False)
             return
         # failed: unpin and stop waiting now; the pages stay until any pass out returns
@@ -75,7 +76,7 @@ class CompletionRouter:
         r.layers_failed = True
         if not r.settled:
             self._keep_held_prefix(r)
-        t.fire(r, "loadback_fail")
+        t.fire(r, RE.loadback_fail)
 
     def _keep_held_prefix(self, r: Request) -> None:
         """After a failed loadback its table keeps only the canonical pages of the locked
@@ -95,18 +96,18 @@ class CompletionRouter:
 
     def _writeback_settled(self, r: Request, ok: bool) -> None:
         t = self.table
-        if r.state == "retracting" and not ok:
+        if r.state == RS.retracting and not ok:
             r.reason = "retract writeback failed"
             self.aborted_by_scheduler += 1
-        if r.state in ("finishing", "retracting", "aborting"):
-            t.fire(r, "writeback_ack" if ok else "writeback_fail")
+        if r.state in (RS.finishing, RS.retracting, RS.aborting):
+            t.fire(r, RE.writeback_ack if ok else RE.writeback_fail)
 
     def layer_ready(self, r: Request, layer: int) -> bool:
         """Whether ``r``'s forward pass may read ``layer``: ``r`` is in a state with readable
         pages, no loadback it waited on failed (settled as failed, or still in flight with a
         failed completion from any rank), and every loadback it waits on has completed that
         layer on every rank (or it waits on none)."""
-        if r.state not in CALLS["layer_ready"] or r.layers_failed:
+        if r.state not in CALLS[RC.layer_ready] or r.layers_failed:
             return False
         optable = self.core.optable
         for op_id, done in r.layers.items():

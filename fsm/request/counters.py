@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..lifecycle.names import REQUEST_EVENT as RE, REQUEST_STATE as RS
+
 __all__ = ["FacadeCounters", "OUTCOMES", "KNOWN_ABORT_REASONS"]
 
 #: How an operation ended: ``ok``, ``failed`` (a rank reported failure, or it was
@@ -55,7 +57,7 @@ class FacadeCounters:
 
     def admitted(self, event: str, prompt_tokens: int, hit_tokens: int, device_hit_tokens: int) -> None:
         """An admission (``event`` ``schedule``) or resumption (``resume``) succeeded."""
-        if event == "resume":
+        if event == RE.resume:
             self.resumptions += 1
             return
         self.admissions += 1
@@ -65,9 +67,9 @@ class FacadeCounters:
 
     def transition(self, event: str, state: str, reason: str | None) -> None:
         """A request changed state (called by the facade after each such transition)."""
-        if event == "retract":
+        if event == RE.retract:
             self.retractions += 1
-        elif state == "aborted":
+        elif state == RS.aborted:
             key = reason or "unknown"
             self.aborts[key] = self.aborts.get(key, 0) + 1
 

@@ -6,13 +6,14 @@ owed item retires. ``finish`` and ``retract`` are refused while a forward result
 (the spec's ``settled`` guard raises :class:`~kvtier.fsm.errors.GuardRejected` naming it,
 and nothing changes); ``abort`` is deferred instead (``aborting``). No page a request owns
 or reads is released while it owes a forward result or has a transfer in flight
-(invariant 16, ``forward_fence``).
+(invariant ``forward_fence``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..lifecycle.names import REQUEST_EVENT as RE
 from ..node.node import PageMap
 from ..node.ops import Settled
 from .forward import ForwardResults
@@ -46,13 +47,13 @@ class Ender:
             IllegalTransition: not running; GuardRejected (``settled``): a forward result
                 is owed. Nothing changes.
         """
-        self.table.check(r, "finish")
+        self.table.check(r, RE.finish)
         adopted = self.forward.publish(r, checkpoint=r.retract_ckpt, final=True)
         cmd = None
         if self.finish_writeback and r.lock is not None:
             cmd = self.core.writeback(r.lock.node, r.request_id)
         r.has_own_writeback = cmd is not None
-        self.table.fire(r, "finish")
+        self.table.fire(r, RE.finish)
         self._wait_own(r, cmd)
         return adopted
 
@@ -65,13 +66,13 @@ class Ender:
             IllegalTransition: not running; GuardRejected (``settled``): a forward result
                 is owed. Nothing changes.
         """
-        self.table.check(r, "retract")
+        self.table.check(r, RE.retract)
         adopted = self.forward.publish(r, checkpoint=True, final=True)
         cmd = self.core.writeback(r.lock.node, r.request_id) if r.lock is not None else None
         r.has_own_writeback = cmd is not None
         self.table.free_own(r)
         r.reserved = r.tokens
-        self.table.fire(r, "retract")
+        self.table.fire(r, RE.retract)
         self._wait_own(r, cmd)
         return adopted
 
@@ -95,14 +96,14 @@ class Ender:
         Raises:
             IllegalTransition: already ended or aborting; nothing changes.
         """
-        self.table.check(r, "abort")
+        self.table.check(r, RE.abort)
         r.reason = reason
         ops = self.core.operations()
         own = [op for op in sorted(r.ops) if op in ops and ops[op].direction is Direction.WRITEBACK]
         for op in own:
             self.core.poison(op)
         r.poisoned = True
-        self.table.fire(r, "abort")
+        self.table.fire(r, RE.abort)
         withdrawn = [self.core.withdraw(op) for op in own]
         return [s for s in withdrawn if s is not None]
 

@@ -5,7 +5,7 @@
 - ``conservation``: its own and deferred pages are caller pages of the core, no page is
   held by two requests, and every caller page of the core is held by some request;
 - ``release_once_after_fence``: ended, waiting and retracted requests hold nothing;
-- ``forward_fence`` (invariant 16): ended, waiting and retracted requests owe nothing;
+- ``forward_fence``: ended, waiting and retracted requests owe nothing;
   a request that owes a forward result or has an operation in flight still holds every
   page of its page table: canonical pages under its live lock (a prefix of the locked
   path's device pages), its own pages and deferred frees (caller pages, not free), and
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from ..errors import InvariantViolation, KvtierError
+from ..lifecycle.names import REQUEST_STATE as RS
 from .request import TERMINAL, Request
 from .table import RequestTable
 
@@ -69,7 +70,7 @@ def check_requests(table: RequestTable) -> None:
 
 
 def _check_fenced(table: RequestTable, r: Request, who: str) -> None:
-    """Invariant 16 for one request that owes a forward result or waits on an operation."""
+    """Invariant ``forward_fence`` for one request that owes a forward result or waits on an operation."""
     core = table.core
     if r.state in TERMINAL:
         raise InvariantViolation("forward_fence", who, f"{r.state} but still owes items")
@@ -88,5 +89,5 @@ def _check_fenced(table: RequestTable, r: Request, who: str) -> None:
         there = core.device_pages(borrow.nodes[-1])
         if any(there.get(g) != p for g, p in r.ckpt_pages.items()):
             raise InvariantViolation("forward_fence", who, "the checkpoint it copies left the borrowed node")
-    if r.state == "fenced" and not r.layers_failed:
+    if r.state == RS.fenced and not r.layers_failed:
         raise InvariantViolation("forward_fence", who, "fenced after a failed loadback, but layers read as ready")

@@ -1,7 +1,7 @@
 """Forward results and publishing: computed units join the tree.
 
 :class:`ForwardResults` takes a forward pass's result (:meth:`ForwardResults.step_done`): it counts
-the pass returned, frees the pages whose free waited for it (invariant 16), and for a
+the pass returned, frees the pages whose free waited for it (invariant ``forward_fence``), and for a
 running request inserts its newly full units (and, when asked, the continuation-state
 checkpoint at the last full unit) into the tree, moving the request's lock to the new
 terminal. Pages that leave the request's table at a publish (its copies of canonical
@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from ..errors import CapacityError, UsageError
+from ..lifecycle.names import REQUEST_CALL as RC, REQUEST_EVENT as RE, REQUEST_STATE as RS
 from ..node.node import PageMap
 from .request import Request
 from .table import RequestTable
@@ -30,7 +31,7 @@ class ForwardResults:
     def __init__(self, table: RequestTable) -> None:
         self.table = table
         self.core = table.core
-        self._running_result_noop = table.lifecycle.is_noop("running", "forward_result")
+        self._running_result_noop = table.lifecycle.is_noop(RS.running, RE.forward_result)
         self._align = table.align
 
     def step_done(self, r: Request, computed_tokens: int, new_units: Sequence[Hashable],
@@ -43,10 +44,10 @@ class ForwardResults:
                 than reserved; nothing changes.
         """
         t = self.table
-        t.require(r, "step_done")
+        t.require(r, RC.step_done)
         if r.passes == r.results:
             raise UsageError(f"request {r.request_id!r} (state {r.state!r}) owes no forward result")
-        computing = r.state in ("running", "loading")
+        computing = r.state in (RS.running, RS.loading)
         # a discarded result (fenced, aborting) is bounded alike: no pass computes more
         # tokens than were reserved
         if r.tokens + computed_tokens > r.reserved:
@@ -54,7 +55,7 @@ class ForwardResults:
                              f"{r.reserved - r.tokens} reserved (state {r.state!r})")
         if self.quick(r, computed_tokens, new_units, checkpoint):
             return {}
-        t.check(r, "forward_result")
+        t.check(r, RE.forward_result)
         adopted: PageMap = {}
         r.results += 1
         t.drop_checkpoint_borrow(r)  # the pass that copied the checkpoint has returned
@@ -64,13 +65,13 @@ class ForwardResults:
             # the state is at floor(tokens/alignment) units: without that unit's key (decode
             # units come in new_units) the checkpoint would land on an earlier unit's node
             r.retract_ckpt = checkpoint and r.tokens // t.align <= len(r.units)
-        if r.state == "running":
+        if r.state == RS.running:
             # the checkpoint at the prompt's last full unit is kept for later turns of the
             # conversation; other chunk checkpoints give way to deeper ones
             at_prompt_end = r.tokens == (r.prompt_tokens // t.align) * t.align
             adopted = self.publish(r, checkpoint=r.retract_ckpt, final=at_prompt_end)
         t.retire_deferred(r)
-        t.fire(r, "forward_result")
+        t.fire(r, RE.forward_result)
         return adopted
 
     def quick(self, r: Request, computed_tokens: int, new_units: Sequence[Hashable], checkpoint: bool) -> bool:
@@ -78,7 +79,7 @@ class ForwardResults:
         accepted and a result owed): when no unit completes and nothing is to publish or
         free, and the spec's ``forward_result`` in ``running`` is an unguarded internal
         transition, record the result and return True; else change nothing, return False."""
-        if (r.state == "running" and self._running_result_noop and r.ckpt_borrow is None and not checkpoint
+        if (r.state == RS.running and self._running_result_noop and r.ckpt_borrow is None and not checkpoint
                 and not r.deferred and r.passes > r.results and r.tokens + computed_tokens <= r.reserved
                 and min(r.tokens + computed_tokens, (len(r.units) + len(new_units)) * self._align)
                 < (r.published + 1) * self._align):

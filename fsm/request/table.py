@@ -3,8 +3,8 @@
 :class:`RequestTable` holds the :class:`~kvtier.fsm.request.Request` records by id, the
 operations each waits on, the request events not yet polled, and the page accounting
 every request operation shares: its page table, its own pages, the frees that wait for an
-earlier forward pass (invariant 16, ``forward_fence``) and the release of everything it
-holds, exactly once (invariant 8). It changes a request's state only through the spec's
+earlier forward pass (invariant ``forward_fence``) and the release of everything it
+holds, exactly once (invariant ``release_once_after_fence``). It changes a request's state only through the spec's
 request machine (:meth:`fire`), which refuses an illegal event and changes nothing.
 
 This module is the one place that names the node core (the radix tree with its pools and
@@ -24,6 +24,7 @@ from ..node.writeback import WritePolicy
 from ..errors import ConfigError, GuardRejected, UsageError
 from ..layout import CacheLayout
 from ..lifecycle.machines import Lifecycle, request_lifecycle
+from ..lifecycle.names import REQUEST_STATE as RS
 from ..node.node import PageMap
 from ..checks import as_int
 from .request import CALLS, TERMINAL, Outstanding, Request, RequestEvent, RequestView
@@ -187,7 +188,7 @@ class RequestTable:
         before = r.state
         state = self.lifecycle.fire(r, event)
         if state != before:
-            self._events.append(RequestEvent(r.request_id, state, r.reason if state == "aborted" else None))
+            self._events.append(RequestEvent(r.request_id, state, r.reason if state == RS.aborted else None))
             self.counters.transition(event, state, r.reason)
             if state in self.owns_nothing:
                 self.release(r)
@@ -264,7 +265,7 @@ class RequestTable:
 
     def free_later(self, r: Request, pages: Mapping[str, Sequence[int]]) -> None:
         """Free caller pages that left ``r``'s table once every pass reserved so far has
-        returned: at once when none is out (invariant 16)."""
+        returned: at once when none is out (invariant ``forward_fence``)."""
         mine = {g: list(p) for g, p in pages.items() if p}
         if not mine:
             return
@@ -301,7 +302,7 @@ class RequestTable:
         r.canon = {}
 
     def release(self, r: Request) -> None:
-        """Give back everything ``r`` holds, exactly once (invariant 8)."""
+        """Give back everything ``r`` holds, exactly once (invariant ``release_once_after_fence``)."""
         self.unlock(r)
         for pin in r.pins:
             self.core.release(pin)

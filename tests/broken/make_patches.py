@@ -68,8 +68,8 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "        if False:  # BROKEN: duplicate completions are accepted"),
     ]),
     "08-release-once-after-fence": ("release_once_after_fence", [
-        ("fsm/request/ends.py", '        r.poisoned = True\n        self.table.fire(r, "abort")',
-         '        r.poisoned = True\n        self.table.fire(r, "abort")\n'
+        ("fsm/request/ends.py", '        r.poisoned = True\n        self.table.fire(r, RE.abort)',
+         '        r.poisoned = True\n        self.table.fire(r, RE.abort)\n'
          '        if r.state == "aborting":  # BROKEN: released before its work in flight ended\n'
          '            self.table.free_own(r)'),
     ]),
@@ -233,8 +233,8 @@ SEMANTIC: dict[str, Mutant] = {
         "record: the release at its end releases them again",
         (_seq("s14-double-release-after-success"),),
         [("fsm/request/completions.py", "                self.core.release(pin)\n            r.pins = []\n"
-                                "            t.fire(r, \"loadback_ack\")",
-          "                self.core.release(pin)\n            t.fire(r, \"loadback_ack\")  # BROKEN: pins stay listed")]),
+                                "            t.fire(r, RE.loadback_ack)",
+          "                self.core.release(pin)\n            t.fire(r, RE.loadback_ack)  # BROKEN: pins stay listed")]),
     "s15-aborted-writeback-published": Mutant(
         "fsm-request", "abort does not poison the request's own writeback in flight: its possibly "
         "corrupt KV is published on the ack",
@@ -252,10 +252,10 @@ SEMANTIC: dict[str, Mutant] = {
         "at once, though the pass still reads the device hit",
         (_seq("s17-fence-broken-on-loadback-failure"),),
         [("fsm/request/completions.py", "        if not r.settled:\n            self._keep_held_prefix(r)\n"
-                                "        t.fire(r, \"loadback_fail\")",
+                                "        t.fire(r, RE.loadback_fail)",
           "        if not r.settled and r.lock is not None:\n"
           "            self.core.unlock(r.lock)  # BROKEN: the pass out still reads the hit\n"
-          "        t.fire(r, \"loadback_fail\")")]),
+          "        t.fire(r, RE.loadback_fail)")]),
     "s18-deferred-frees-released-early": Mutant(
         "fsm-request", "frees deferred until a later pass returns are released at the first "
         "result (overlapped scheduling: the next pass still reads them)",
@@ -280,8 +280,8 @@ SEMANTIC: dict[str, Mutant] = {
         "fsm-request", "finish starts the request's own writeback but does not wait on it: the "
         "request stays finishing forever and never releases",
         (_seq("s21-finish-forgets-own-writeback"),),
-        [("fsm/request/ends.py", "        self.table.fire(r, \"finish\")\n        self._wait_own(r, cmd)\n",
-          "        self.table.fire(r, \"finish\")  # BROKEN: its own writeback is not waited on\n")]),
+        [("fsm/request/ends.py", "        self.table.fire(r, RE.finish)\n        self._wait_own(r, cmd)\n",
+          "        self.table.fire(r, RE.finish)  # BROKEN: its own writeback is not waited on\n")]),
     "s22-overlapped-reserve-restarts": Mutant(
         "fsm-request", "a pass reserved while the previous one is out starts where the computed "
         "tokens end, so it reserves no new room",
