@@ -150,7 +150,7 @@ class CacheCore:
     # ------------------------------------------------------------------ views
     @property
     def has_host(self) -> bool:
-        return self.host is not None
+        return self.store.host is not None
 
     @property
     def alignment(self) -> int:
@@ -263,7 +263,7 @@ class CacheCore:
         check_hashable(key, "match")
         m = match_mode(mode, history_replay)
         return find_match(self.tree.walk(key, self.store.split), self.root, len(key), m, history_replay=history_replay,
-                          has_host=self.host is not None, layout=self.layout)
+                          has_host=self.store.host is not None, layout=self.layout)
 
     # ------------------------------------------------------------------ receipts
     def lock(self, node: Node, owner: str | None = None) -> LockReceipt:
@@ -273,7 +273,8 @@ class CacheCore:
         Raises:
             UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
-        return self.store.lock(node, owner)
+        self.tree.members("lock", [node])
+        return self.receipts.lock(node, owner, self.store.tick())
 
     def unlock(self, receipt: LockReceipt) -> None:
         """Release a lock receipt exactly once.
@@ -385,7 +386,7 @@ class CacheCore:
             UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
         self.tree.members("writeback", [node])
-        return self._mover.writeback(node, owner) if self.host is not None else None
+        return self._mover.writeback(node, owner) if self.store.host is not None else None
 
     def issue_writebacks(self, limit: int | None = None) -> list[TransferCommand]:
         """Submit queued tree writebacks whose parent is on the host, at most ``limit``

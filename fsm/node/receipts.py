@@ -28,12 +28,16 @@ class ReceiptBook:
     Args:
         ids: the id counter shared with the tree.
         touch: called with every node whose counts changed (the eviction index re-files it).
+        on_hit: called with every node of a locked path once its hit is counted (the
+            writeback queue backs up nodes used often enough).
     """
 
-    def __init__(self, ids: Iterator[int], touch: Callable[[Node], None]) -> None:
+    def __init__(self, ids: Iterator[int], touch: Callable[[Node], None],
+                 on_hit: Callable[[Node], None] = lambda node: None) -> None:
         self._ids = ids
         self._hold_ids = itertools.count(-1, -1)  # holds never take an id from the shared counter
         self._touch = touch
+        self._on_hit = on_hit
         self._locks: dict[int, LockReceipt] = {}
         self._receipts: dict[int, NodeReceipt] = {}
 
@@ -56,9 +60,11 @@ class ReceiptBook:
     # -- locks ------------------------------------------------------------------------
     def lock(self, node: Node, owner: str | None, stamp: int) -> LockReceipt:
         """Lock ``node``'s path and stamp it with ``stamp``; a node counts a reuse when
-        ``owner`` is not the request that counted its last one (``None`` always counts)."""
+        ``owner`` is not the request that counted its last one (``None`` always counts).
+        Every node of the path then goes to ``on_hit``, deepest first."""
         receipt = LockReceipt(next(self._ids), node, owner)
-        for n in node.path():
+        path = node.path()
+        for n in path:
             n.lock_ref += 1
             if owner is None or owner != n.last_owner:
                 if n.hit_count:
@@ -67,6 +73,8 @@ class ReceiptBook:
                 n.last_owner = owner
             n.last_access = stamp
             self._touch(n)
+        for n in path:
+            self._on_hit(n)
         self._locks[receipt.receipt_id] = receipt
         return receipt
 

@@ -1,8 +1,7 @@
 """What the node core's parts share: the tree, the page ledger, the receipts, the eviction
 index, the writeback queue, the operation table, the statistics and the logical clock,
 with the three moves every part makes through them (:meth:`NodeStore.trigger` a node
-event, :meth:`NodeStore.tick` the clock, :meth:`NodeStore.split` a node) and the lock a
-request's path takes (:meth:`NodeStore.lock`).
+event, :meth:`NodeStore.tick` the clock, :meth:`NodeStore.split` a node).
 
 :class:`~kvtier.fsm.node.core.CacheCore` builds one store and hands it to its parts
 (:mod:`~kvtier.fsm.node.reclaim`, :mod:`~kvtier.fsm.node.transfers`,
@@ -21,7 +20,7 @@ from ..lifecycle.machines import node_lifecycle
 from ..lifecycle.names import NODE_EVENT as EV
 from .eviction import EvictionPolicy, make_policy
 from .ledger import PageLedger
-from .node import LockReceipt, Node
+from .node import Node
 from .optable import OperationTable
 from .pages import PageAllocator
 from .receipts import ReceiptBook
@@ -77,8 +76,8 @@ class NodeStore:
                     for pools in (ledger.device, ledger.host) if pools)
         self.eviction: EvictionPolicy = make_policy(eviction, self.tree.__iter__, self.tree.__len__, self.tree.has,
                                                     exclusive=exclusive, capacity_units=units)
-        self.receipts = ReceiptBook(ids, self.eviction.touch)
         self.writebacks = WritebackQueue(policy, write_threshold, enabled=ledger.host is not None)
+        self.receipts = ReceiptBook(ids, self.eviction.touch, self.writebacks.on_hit)
         self.optable = OperationTable(world_size, layout.num_layers, op_deadline_steps)
         self.fire: Callable[[Node, str], str] = node_lifecycle().fire
         self.clock = 0
@@ -114,16 +113,3 @@ class NodeStore:
         self.eviction.touch(prefix)
         self.stats.splits += 1
         return prefix
-
-    def lock(self, node: Node, owner: str | None) -> LockReceipt:
-        """Lock ``node`` and its ancestors on the device, stamp the clock and count the hit
-        on every node of the path (``write_through_selective`` queues hot nodes).
-
-        Raises:
-            UsageError: ``node`` is not a node of this tree (nothing changes).
-        """
-        self.tree.members("lock", [node])
-        receipt = self.receipts.lock(node, owner, self.tick())
-        for n in node.path():
-            self.writebacks.on_hit(n)
-        return receipt

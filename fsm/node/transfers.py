@@ -89,7 +89,8 @@ class Mover:
         if joined:
             store.stats.joined_loadbacks += 1
         own = store.ledger.alloc_for_callers(extra or {})
-        lock = store.lock(terminal, owner)
+        store.tree.members("lock", [terminal])
+        lock = store.receipts.lock(terminal, owner, store.tick())
         return LoadResult(command, tuple(op_ids), pin, lock, store.tree.page_table(terminal, store.history_groups), own)
 
     def _check(self, match: MatchResult) -> tuple[list[Node], list[Node]]:

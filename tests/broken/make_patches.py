@@ -55,8 +55,8 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "return (n.state in (NS.host, NS.backed) and not n.has_host_child  # BROKEN: pins ignored"),
     ]),
     "05-counts-with-receipts": ("counts_with_receipts", [
-        ("fsm/node/receipts.py", "        for n in node.path():\n            n.lock_ref += 1\n            if owner is None",
-         "        for n in node.path()[:1]:  # BROKEN: the ancestors are not counted\n"
+        ("fsm/node/receipts.py", "        for n in path:\n            n.lock_ref += 1\n            if owner is None",
+         "        for n in path[:1]:  # BROKEN: the ancestors are not counted\n"
          "            n.lock_ref += 1\n            if owner is None"),
     ]),
     "06-split-preserves-ownership": ("split_preserves_ownership", [
