@@ -4,7 +4,7 @@
 # when their kill rate is below the target or fsm/ is left mutated. The full run over every
 # module of fsm/ is run.sh's (hours on a 2-core machine; results in results/, notes.md).
 # Usage: bench/mutation/ci.sh [--min RATE] [fsm/file.py ...]
-#   (default: --min 0.97 fsm/fence.py fsm/ledger.py, about 120 mutants)
+#   (default: --min 0.97 fsm/request/fence.py fsm/node/ledger.py, about 120 mutants)
 # Needs mutmut 2.5.1, coverage and pytest-cov (the coverage map); mutates fsm/ in place, so
 # run it in a checkout nothing else uses at the same time.
 set -euo pipefail
@@ -12,14 +12,15 @@ cd "$(dirname "$0")/../.."
 min=0.97
 if [ "${1:-}" = "--min" ]; then min=$2; shift 2; fi
 files=("$@")
-[ "${#files[@]}" -gt 0 ] || files=(fsm/fence.py fsm/ledger.py)
+[ "${#files[@]}" -gt 0 ] || files=(fsm/request/fence.py fsm/node/ledger.py)
 for f in "${files[@]}"; do
   [ -f "$f" ] || { echo "no such fsm/ file: $f" >&2; exit 2; }
-  rm -f "bench/mutation/cache/$(basename "$f" .py).sqlite"
+  stem=${f#fsm/}; stem=${stem%.py}; stem=${stem//\//.}
+  rm -f "bench/mutation/cache/$stem.sqlite"
 done
 rm -f bench/mutation/cache/seed.sqlite bench/mutation/covermap.json
 bash bench/mutation/run.sh "${files[@]}"
-if ! git diff --quiet -- fsm/ || ls fsm/*.py.bak >/dev/null 2>&1; then
+if ! git diff --quiet -- fsm/ || [ -n "$(find fsm -name '*.py.bak')" ]; then
   echo "fsm/ was left mutated" >&2
   exit 1
 fi

@@ -63,8 +63,9 @@ def main(argv: list[str]) -> int:
         data = CoverageData(basename=str(data_file))
         data.read()
         out: dict[str, dict[str, list[str]]] = {}
+        measured = Path(os.environ.get("MUTATION_FSM_DIR", ROOT / "fsm")).resolve()
         for f in sorted(data.measured_files()):
-            rel = f"fsm/{Path(f).name}"  # fsm/ is flat
+            rel = f"fsm/{Path(f).resolve().relative_to(measured).as_posix()}"  # fsm/<chapter>/<file>.py
             by_line = data.contexts_by_lineno(f)
             out[rel] = {str(ln): sorted({(c.rsplit("|", 1)[0] if c else "<import>") for c in ctxs})
                         for ln, ctxs in sorted(by_line.items())}

@@ -2,11 +2,11 @@
 
 run.sh's mutmut cache is per worktree; once it is gone, mutmut's ids no longer name the
 mutants. This needs only the committed raw results: every ``<failure>`` (survivor) and
-``<skipped>`` (not run) testcase of ``results/<file>.xml`` holds the mutant's unified diff.
+``<skipped>`` (not run) testcase of ``results/<name>.xml`` (:func:`score.result_name`) holds the mutant's unified diff.
 For each, it checks that the diff's old lines are still the file's lines at that place
 (a mutant on a line changed since is reported ``stale`` and left as it is; an excluded one,
 in exclusions.txt, is skipped), applies the
-diff in place (the original kept as ``fsm/<file>.py.bak``, as mutmut does, so runner.sh
+diff in place (the original kept as ``fsm/.../<file>.py.bak``, as mutmut does, so runner.sh
 selects the tests), runs ``runner.sh`` (the same test subset and per-test selection as
 run.sh), and puts the original back. A mutant the tests now kill loses its
 ``<failure>``/``<skipped>`` (a killed mutant, as mutmut writes it) and gains a
@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from score import load_exclusions, mutation_line  # noqa: E402
+from score import load_exclusions, mutation_line, result_name  # noqa: E402
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@")
 
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only-skipped", action="store_true", help="only the mutants not run yet")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # put fsm/ back (finally) when stopped
-    if list((ROOT / "fsm").glob("*.py.bak")):
+    if list((ROOT / "fsm").rglob("*.py.bak")):
         raise SystemExit("fsm/ holds a .py.bak: a mutation run is in progress here or was interrupted")
     if not (HERE / "covermap.json").exists():
         raise SystemExit("no covermap.json: build it first (python bench/mutation/covermap.py)")
@@ -114,7 +114,7 @@ def rerun(files: list[str], only_skipped: bool, stamp: str, env: dict[str, str])
     skip_excluded = set(load_exclusions())  # equivalent mutants: not re-run
     for f in files:
         path = ROOT / f
-        xml = HERE / "results" / f"{path.stem}.xml"
+        xml = HERE / "results" / f"{result_name(f)}.xml"
         tree = ET.parse(xml)
         source = path.read_text(encoding="utf-8").split("\n")  # a last "" for the end of the file, as in mutmut's diffs
         for tc in tree.getroot().iter("testcase"):

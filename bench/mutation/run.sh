@@ -2,8 +2,9 @@
 # Mutation testing of fsm/ with mutmut 2.x (mutates in place; mutmut 3 would copy the sources
 # to mutants/, which the setuptools package-dir mapping kvtier.fsm -> fsm/ does not import).
 # Usage: bench/mutation/run.sh [fsm/file.py ...]   (default: every path in files.txt)
-# One mutmut cache per source file (bench/mutation/cache/<stem>.sqlite) and one raw result
-# file (bench/mutation/results/<stem>.xml), so files can be run in separate clones at the
+# One mutmut cache per source file (bench/mutation/cache/<name>.sqlite) and one raw result
+# file (bench/mutation/results/<name>.xml; <name>: the path under fsm/, dotted, e.g.
+# request.fence for fsm/request/fence.py), so files can be run in separate clones at the
 # same time and a run resumes where it stopped (killed mutants are not re-run).
 # The whole configuration is on this command line; no setup.cfg is needed.
 # Do not run `mutmut show`/`results` while a run is in progress: they rewrite the line
@@ -25,7 +26,7 @@ for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.2; done
 RUNNER="bash bench/mutation/runner.sh"
 if [ "$#" -gt 0 ]; then files=("$@"); else mapfile -t files < <(grep -v '^\s*#' bench/mutation/files.txt | grep -v '^\s*$'); fi
 for f in "${files[@]}"; do
-  stem=$(basename "$f" .py)
+  stem=${f#fsm/}; stem=${stem%.py}; stem=${stem//\//.}  # fsm/request/fence.py -> request.fence
   cache=bench/mutation/cache/$stem.sqlite
   # a new file's cache starts from seed.sqlite (no mutants, only the baseline time and the
   # hash of the tests), so mutmut does not rerun the unmutated baseline for every file

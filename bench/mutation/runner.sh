@@ -20,7 +20,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 sel="$(mktemp)"
 trap 'rm -f "$sel"' EXIT
 mode=all
-if [ -z "${MUTATION_FULL:-}" ] && [ -f "$here/covermap.json" ] && ls fsm/*.py.bak >/dev/null 2>&1; then
+if [ -z "${MUTATION_FULL:-}" ] && [ -f "$here/covermap.json" ] && [ -n "$(find fsm -name '*.py.bak')" ]; then
   mode=$(python "$here/select_tests.py" "$sel") || mode=all
 fi
 case "$mode" in

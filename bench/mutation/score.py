@@ -9,6 +9,9 @@ Inputs (in this folder):
                     ``<file>:<line> | <mutant diff's + line, stripped> | <reason>`` (no `` | `` in a reason)
                     ('#' starts a comment). An exclusion must match a survivor.
 
+A result file is named after its source's path under fsm/, dotted (:func:`result_name`:
+``results/request.fence.xml`` for ``fsm/request/fence.py``).
+
 Kill rate = (killed + timed out) / (tested - excluded); a timeout counts as killed
 (the mutant made the suite hang), as mutmut itself does.
 
@@ -24,6 +27,12 @@ from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+def result_name(path: str) -> str:
+    """The name of the result file and mutmut cache of an fsm/ source: its path under fsm/,
+    dotted (``fsm/request/fence.py`` -> ``request.fence``), as run.sh names them."""
+    return path.removeprefix("fsm/").removesuffix(".py").replace("/", ".")
 
 
 def mutation_line(diff: str) -> tuple[str, str]:
@@ -86,7 +95,7 @@ def summary(mutants: list[dict]) -> dict:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description="Kill rate of fsm/ from bench/mutation/results/*.xml")
     p.add_argument("--markdown", action="store_true", help="also list the survivors and the exclusions")
-    p.add_argument("--files", nargs="+", metavar="FSM_FILE", help="only these files (fsm/NAME.py)")
+    p.add_argument("--files", nargs="+", metavar="FSM_FILE", help="only these files (fsm/CHAPTER/NAME.py)")
     p.add_argument("--min", type=float, help="exit 1 when the kill rate (0-1) is below this, or a mutant is not run")
     args = p.parse_args(argv)
     mutants = load()["mutants"]
