@@ -133,9 +133,10 @@ class CacheCore:
 
     @property
     def trigger(self) -> Callable[[Node, str], None]:
-        """Fire a node event through the spec's machine and re-file the node (and its
-        parent) in the eviction index (:meth:`NodeStore.trigger`, every part's one way
-        to change a node's state); a callable assigned here replaces it for every part."""
+        """The one way every part changes a node's state, ``trigger(node, event)``
+        (:meth:`~kvtier.fsm.node.store.NodeStore.trigger`: fire the event through the spec's
+        machine, re-file the node and its parent in the eviction index). A callable assigned
+        here replaces it for every part; a wrapper must call the one it replaces."""
         return self.store.trigger
 
     @trigger.setter
@@ -208,7 +209,8 @@ class CacheCore:
         return self.store.tick()
 
     def split(self, node: Node, k: int) -> Node:
-        """Split ``node`` after ``k`` units (:meth:`NodeStore.split`); returns the new prefix fragment."""
+        """Split ``node`` after ``k`` units; returns the new prefix fragment
+        (:meth:`~kvtier.fsm.node.store.NodeStore.split`)."""
         return self.store.split(node, k)
 
     def walk(self, key: Sequence[Hashable]) -> list[Node]:

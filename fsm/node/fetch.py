@@ -10,7 +10,7 @@ visible host copies (``fetch_ack``) and removes the rest deepest first (``fetch_
 a failed, missing or expired get only shortens the hit. A node covers one unit, so a
 fetching node is never split. The core calls nothing here on its own; the L3 tier
 (:mod:`kvtier.fsm.l3`) drives it through :meth:`FetchTable.reserve` and
-:meth:`FetchTable.settle` (``store.fetches``).
+:meth:`FetchTable.settle` (``CacheCore.fetches``).
 """
 
 from __future__ import annotations
