@@ -39,7 +39,7 @@ from harness import provenance, record_section  # noqa: E402
 
 from kvtier.cli.argtypes import positive_int  # noqa: E402
 from kvtier.fsm import KvtierError  # noqa: E402
-from kvtier.fsm.eviction import POLICIES  # noqa: E402
+from kvtier.fsm.node.eviction import POLICIES  # noqa: E402
 from kvtier.fsm.presets import preset  # noqa: E402
 from kvtier.replay import trace_requests  # noqa: E402
 from kvtier.scheduler import InstantExecutor  # noqa: E402
@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
-#: every eviction policy (kvtier.fsm.eviction.POLICIES), the default first
+#: every eviction policy (kvtier.fsm.node.eviction.POLICIES), the default first
 EVICTIONS = ("lru", *sorted(set(POLICIES) - {"lru"}))
 #: (device blocks, host blocks or None, write policy, eviction policy, exclusive host tier):
 #: the peers' capacities (host 8x), then 4,000 device blocks with host none, 2x and 8x for

@@ -27,7 +27,7 @@ from harness import provenance, record_section
 
 from kvtier.eventlog import EventRecorder
 from kvtier.fsm.errors import IllegalTransition
-from kvtier.fsm.machines import Lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.machines import Lifecycle, request_lifecycle
 from kvtier.replay import ReplaySetup, run_replay, working_set_units
 from kvtier.replay.trace import load_trace
 
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
 
     spec = request_lifecycle().spec
-    from kvtier.fsm.guards import GUARDS
+    from kvtier.fsm.lifecycle.guards import GUARDS
 
     hooked, plain = request_lifecycle(), _Unhooked(spec, GUARDS["request"])
     assert hooked.observer is None

@@ -58,11 +58,11 @@ _NO_HOST = (OPTION, "no host tier (host_pages=None): the core machine builds one
 #: (kind, why the fuzz alone does not take those branches). Keep it current: a group
 #: missing here is printed as "no reason recorded".
 REASONS: dict[tuple[str, str], tuple[str, str]] = {
-    ("fsm/invariants.py", "*"): _INV,
-    ("fsm/fence.py", "*"): _INV,
-    ("fsm/fence.py", "_check_fenced"): (INVARIANT, "the terminal-state check (74->75) is unreachable through "
-                                                   "check_requests: every terminal state owns nothing, so "
-                                                   "forward_fence is raised one check earlier (60->61)"),
+    ("fsm/node/invariants.py", "*"): _INV,
+    ("fsm/request/fence.py", "*"): _INV,
+    ("fsm/request/fence.py", "_check_fenced"): (INVARIANT, "the terminal-state check (74->75) is unreachable through "
+                                                           "check_requests: every terminal state owns nothing, so "
+                                                           "forward_fence is raised one check earlier (60->61)"),
     ("fsm/checks.py", "*"): _BAD,
     ("fsm/checks.py", "check_hashable"): (MISUSE, "unreachable defensive re-raise: the tuple of units did not hash "
                                                   "but every unit hashed alone, which needs a unit whose hash() "
@@ -70,138 +70,138 @@ REASONS: dict[tuple[str, str], tuple[str, str]] = {
     ("fsm/records.py", "CacheGroupSpec.state_pages"): (OPTION, "a history group's state_pages (0): kvtier asks it of "
                                                                "state groups only"),
     ("fsm/records.py", "*"): _BAD,
-    ("fsm/pages.py", "*"): _BAD,
-    ("fsm/spec.py", "*"): (MISUSE, "rejects a malformed lifecycle spec; the shipped spec is well formed"),
+    ("fsm/node/pages.py", "*"): _BAD,
+    ("fsm/lifecycle/spec.py", "*"): (MISUSE, "rejects a malformed lifecycle spec; the shipped spec is well formed"),
     ("fsm/layout.py", "CacheLayout.__post_init__"): _BAD,
     ("fsm/layout.py", "CacheLayout.chunk_rows"): _BAD,
     ("fsm/layout.py", "CacheLayout.group"): _BAD,
-    ("fsm/ledger.py", "as_capacity"): _BAD,
-    ("fsm/ledger.py", "PageLedger.__init__"): _NO_HOST,
-    ("fsm/ledger.py", "PageLedger.check_need"): _BAD,
-    ("fsm/ledger.py", "PageLedger.free_device"): _BAD,
-    ("fsm/core.py", "CacheCore.__init__"): _BAD,
-    ("fsm/core.py", "CacheCore.match"): _BAD,
-    ("fsm/core.py", "CacheCore.complete"): _BAD,
-    ("fsm/core.py", "CacheCore.borrow"): _BAD,
-    ("fsm/core.py", "CacheCore.pin"): _BAD,
-    ("fsm/core.py", "CacheCore.withdraw"): (REACH, "rare: an abort after the request's own writeback was handed out "
-                                                   "(the facade machine aborts finishing and retracting requests at "
-                                                   "random; its preempt rule aborts before the poll)"),
-    ("fsm/core.py", "CacheCore.writeback"): _NO_HOST,
-    ("fsm/tree.py", "RadixTree.members"): _BAD,
-    ("fsm/receipts.py", "ReceiptBook.check_lock"): _BAD,
-    ("fsm/receipts.py", "ReceiptBook.release"): _BAD,
-    ("fsm/optable.py", "OperationTable.classify"): _BAD,
-    ("fsm/optable.py", "OperationTable.poison"): _BAD,
-    ("fsm/optable.py", "OperationTable.in_flight"): (OPTION, "in_flight() without a direction: the facade always "
-                                                            "asks for writebacks, the kit reads ops directly"),
-    ("fsm/eviction.py", "make_policy"): _BAD,
-    ("fsm/eviction.py", "HeapIndex.touch"): (REACH, "the device heap's rebuild: more than 4 x nodes + 256 stale "
-                                                    "device entries, left by nodes touched after their device copy "
-                                                    "went and then removed by host eviction, hundreds in one example "
-                                                    "(the core machine's churn burst rebuilds the host heap only)"),
-    ("fsm/match.py", "match_mode"): _BAD,
-    ("fsm/match.py", "find_match"): (REACH, "rare: a join across several loading nodes of one loadback, a core "
-                                            "without a host tier, a history-replay hit deeper than the span"),
-    ("fsm/machines.py", "*"): (OPTION, "import-time logging set-up (the 'transitions' logger already configured "
-                                       "before kvtier is imported) and a custom describe() label: no Lifecycle in "
-                                       "kvtier is built with one"),
-    ("fsm/names.py", "*"): _BAD,
-    ("fsm/node.py", "Node.discard_ref"): (UNREACHABLE, "not reachable by a correct run (dead-code candidate): a receipt is "
-                                                 "listed on every node it holds (splits copy it), so a release never "
-                                                 "discards from a node without receipts"),
-    ("fsm/reclaim.py", "Reclaimer.evict_host"): _NO_HOST,
-    ("fsm/reclaim.py", "Reclaimer._tail"): (REACH, "rare: exact eviction for several groups at once (an allocation "
-                                                   "short in a state group, or one group already satisfied)"),
-    ("fsm/transfers.py", "Mover._check"): _BAD,
-    ("fsm/transfers.py", "Mover.issue_writebacks"): (REACH, "the one-by-one fallback when the host cannot take the "
-                                                            "batch, with a limit: a rare host-pressure case"),
-    ("fsm/transfers.py", "Mover.load"): (REACH, "a loadback refused after eviction"),
-    ("fsm/transfers.py", "Mover.settle"): (REACH, "failed loadbacks of checkpointed nodes"),
-    ("fsm/publish.py", "Publisher._check_arguments"): _BAD,
-    ("fsm/publish.py", "Publisher._check_pages"): (UNREACHABLE, "a defensive test (150->146): "
-                                                           "all_held_by_caller() was false, so some page is not "
-                                                           "the caller's and the list of bad pages is never empty"),
-    ("fsm/publish.py", "Publisher._commit"): (REACH, "rare: a checkpoint published over a path that stops at a "
-                                                     "loading node (the core machine's load_node with extend, on a "
-                                                     "layout with state groups, after a host hit)"),
-    ("fsm/publish.py", "Publisher._adopt_checkpoint"): (UNREACHABLE, "dead code (a node's checkpoint equal to the one "
-                                                               "given): the caller's checkpoint pages are its own "
-                                                               "(checked) and a node's are the tree's, never the same "
-                                                               "non-empty lists"),
-    ("fsm/publish.py", "Publisher._anchored"): (UNREACHABLE, "an anchor whose pages are the caller's but whose keys are "
-                                                      "not: device pages identify their node, so equal pages mean "
-                                                      "the same path (a defensive check); the core machine passes "
-                                                      "anchors that qualify or not (loading, recomputed)"),
+    ("fsm/node/ledger.py", "as_capacity"): _BAD,
+    ("fsm/node/ledger.py", "PageLedger.__init__"): _NO_HOST,
+    ("fsm/node/ledger.py", "PageLedger.check_need"): _BAD,
+    ("fsm/node/ledger.py", "PageLedger.free_device"): _BAD,
+    ("fsm/node/core.py", "CacheCore.__init__"): _BAD,
+    ("fsm/node/core.py", "CacheCore.match"): _BAD,
+    ("fsm/node/core.py", "CacheCore.complete"): _BAD,
+    ("fsm/node/core.py", "CacheCore.borrow"): _BAD,
+    ("fsm/node/core.py", "CacheCore.pin"): _BAD,
+    ("fsm/node/core.py", "CacheCore.withdraw"): (REACH, "rare: an abort after the request's own writeback was handed out "
+                                                        "(the facade machine aborts finishing and retracting requests at "
+                                                        "random; its preempt rule aborts before the poll)"),
+    ("fsm/node/core.py", "CacheCore.writeback"): _NO_HOST,
+    ("fsm/node/tree.py", "RadixTree.members"): _BAD,
+    ("fsm/node/receipts.py", "ReceiptBook.check_lock"): _BAD,
+    ("fsm/node/receipts.py", "ReceiptBook.release"): _BAD,
+    ("fsm/node/optable.py", "OperationTable.classify"): _BAD,
+    ("fsm/node/optable.py", "OperationTable.poison"): _BAD,
+    ("fsm/node/optable.py", "OperationTable.in_flight"): (OPTION, "in_flight() without a direction: the facade always "
+                                                                 "asks for writebacks, the kit reads ops directly"),
+    ("fsm/node/eviction.py", "make_policy"): _BAD,
+    ("fsm/node/eviction.py", "HeapIndex.touch"): (REACH, "the device heap's rebuild: more than 4 x nodes + 256 stale "
+                                                         "device entries, left by nodes touched after their device copy "
+                                                         "went and then removed by host eviction, hundreds in one example "
+                                                         "(the core machine's churn burst rebuilds the host heap only)"),
+    ("fsm/node/match.py", "match_mode"): _BAD,
+    ("fsm/node/match.py", "find_match"): (REACH, "rare: a join across several loading nodes of one loadback, a core "
+                                                 "without a host tier, a history-replay hit deeper than the span"),
+    ("fsm/lifecycle/machines.py", "*"): (OPTION, "import-time logging set-up (the 'transitions' logger already configured "
+                                                 "before kvtier is imported) and a custom describe() label: no Lifecycle in "
+                                                 "kvtier is built with one"),
+    ("fsm/lifecycle/names.py", "*"): _BAD,
+    ("fsm/node/node.py", "Node.discard_ref"): (UNREACHABLE, "not reachable by a correct run (dead-code candidate): a receipt is "
+                                                      "listed on every node it holds (splits copy it), so a release never "
+                                                      "discards from a node without receipts"),
+    ("fsm/node/reclaim.py", "Reclaimer.evict_host"): _NO_HOST,
+    ("fsm/node/reclaim.py", "Reclaimer._tail"): (REACH, "rare: exact eviction for several groups at once (an allocation "
+                                                        "short in a state group, or one group already satisfied)"),
+    ("fsm/node/transfers.py", "Mover._check"): _BAD,
+    ("fsm/node/transfers.py", "Mover.issue_writebacks"): (REACH, "the one-by-one fallback when the host cannot take the "
+                                                                 "batch, with a limit: a rare host-pressure case"),
+    ("fsm/node/transfers.py", "Mover.load"): (REACH, "a loadback refused after eviction"),
+    ("fsm/node/transfers.py", "Mover.settle"): (REACH, "failed loadbacks of checkpointed nodes"),
+    ("fsm/node/publish.py", "Publisher._check_arguments"): _BAD,
+    ("fsm/node/publish.py", "Publisher._check_pages"): (UNREACHABLE, "a defensive test (150->146): "
+                                                                "all_held_by_caller() was false, so some page is not "
+                                                                "the caller's and the list of bad pages is never empty"),
+    ("fsm/node/publish.py", "Publisher._commit"): (REACH, "rare: a checkpoint published over a path that stops at a "
+                                                          "loading node (the core machine's load_node with extend, on a "
+                                                          "layout with state groups, after a host hit)"),
+    ("fsm/node/publish.py", "Publisher._adopt_checkpoint"): (UNREACHABLE, "dead code (a node's checkpoint equal to the one "
+                                                                    "given): the caller's checkpoint pages are its own "
+                                                                    "(checked) and a node's are the tree's, never the same "
+                                                                    "non-empty lists"),
+    ("fsm/node/publish.py", "Publisher._anchored"): (UNREACHABLE, "an anchor whose pages are the caller's but whose keys are "
+                                                           "not: device pages identify their node, so equal pages mean "
+                                                           "the same path (a defensive check); the core machine passes "
+                                                           "anchors that qualify or not (loading, recomputed)"),
     ("fsm/presets.py", "deepseek_v4"): (MISUSE, "rejects ratios of the wrong count or value (ConfigError); the kit "
                                                "draws valid parameters, explicit ratios included (PRESET_VARIANTS)"),
     ("fsm/presets.py", "_positive"): _BAD,
-    ("fsm/batch.py", "Batcher.step"): (UNREACHABLE, "dead while a request's room is exact (set_room after every change "
-                                              "of its table): a reservation covered() refuses always needs pages, so "
-                                              "reserve_one never returns an empty map here"),
-    ("fsm/batch.py", "Batcher._ids"): _BAD,
-    ("fsm/batch.py", "Batcher.reserve_one"): _BAD,
-    ("fsm/node.py", "Node.parent_on_host"): (UNREACHABLE, "the guard's false value for a parent that is neither on the "
-                                                    "host nor in the same operation: a correct core only submits a "
-                                                    "writeback when it holds (the node machine drives bare subjects, "
-                                                    "not Node)"),
-    ("fsm/admission.py", "Admitter.covered"): (REACH, "a reservation that ends before the one already made"),
-    ("fsm/admission.py", "Admitter.admit"): _BAD,
-    ("fsm/admission.py", "Admitter._admit"): (REACH, "state_recovery without an exact terminal and checkpoint "
-                                                     "borrows need state groups in the facade layout"),
-    ("fsm/admission.py", "Admitter.reserve"): (UNREACHABLE, "dead while a request's room is exact: past covered(), the "
-                                                      "table never covers the reservation, so pages are always "
-                                                      "needed"),
-    ("fsm/completions.py", "*"): (UNREACHABLE, "not reachable by a correct run: a request waits on one loadback at a time "
-                                         "(a match either loads its host nodes or joins one loadback in flight, "
-                                         "never both: host nodes never sit above a loading node), leaves "
-                                         "loading/finishing/retracting only when what it waits on settles, and holds "
-                                         "its lock until then; after a failed loadback its locked path always "
-                                         "contains the failed nodes"),
-    ("fsm/forward.py", "*"): (REACH, "rare: a pass inside a history-replay span (the facade machine draws "
-                                     "history_replay; a history-only hit deeper than the span needs a long "
-                                     "prompt); step_done's more-than-reserved refusal is a misuse"),
-    ("fsm/request.py", "*"): (REACH, "checkpoint borrows and deferred frees of several groups"),
-    ("fsm/request_ends.py", "Ender.abort"): (REACH, "aborting a request with its own writeback in flight"),
-    ("fsm/request_ends.py", "Ender.abort_victim"): (REACH, "the facade machine's abort_victim rule takes both "
+    ("fsm/request/batch.py", "Batcher.step"): (UNREACHABLE, "dead while a request's room is exact (set_room after every change "
+                                                      "of its table): a reservation covered() refuses always needs pages, so "
+                                                      "reserve_one never returns an empty map here"),
+    ("fsm/request/batch.py", "Batcher._ids"): _BAD,
+    ("fsm/request/batch.py", "Batcher.reserve_one"): _BAD,
+    ("fsm/node/node.py", "Node.parent_on_host"): (UNREACHABLE, "the guard's false value for a parent that is neither on the "
+                                                         "host nor in the same operation: a correct core only submits a "
+                                                         "writeback when it holds (the node machine drives bare subjects, "
+                                                         "not Node)"),
+    ("fsm/request/admission.py", "Admitter.covered"): (REACH, "a reservation that ends before the one already made"),
+    ("fsm/request/admission.py", "Admitter.admit"): _BAD,
+    ("fsm/request/admission.py", "Admitter._admit"): (REACH, "state_recovery without an exact terminal and checkpoint "
+                                                             "borrows need state groups in the facade layout"),
+    ("fsm/request/admission.py", "Admitter.reserve"): (UNREACHABLE, "dead while a request's room is exact: past covered(), the "
+                                                              "table never covers the reservation, so pages are always "
+                                                              "needed"),
+    ("fsm/request/completions.py", "*"): (UNREACHABLE, "not reachable by a correct run: a request waits on one loadback at a time "
+                                                 "(a match either loads its host nodes or joins one loadback in flight, "
+                                                 "never both: host nodes never sit above a loading node), leaves "
+                                                 "loading/finishing/retracting only when what it waits on settles, and holds "
+                                                 "its lock until then; after a failed loadback its locked path always "
+                                                 "contains the failed nodes"),
+    ("fsm/request/forward.py", "*"): (REACH, "rare: a pass inside a history-replay span (the facade machine draws "
+                                             "history_replay; a history-only hit deeper than the span needs a long "
+                                             "prompt); step_done's more-than-reserved refusal is a misuse"),
+    ("fsm/request/request.py", "*"): (REACH, "checkpoint borrows and deferred frees of several groups"),
+    ("fsm/request/ends.py", "Ender.abort"): (REACH, "aborting a request with its own writeback in flight"),
+    ("fsm/request/ends.py", "Ender.abort_victim"): (REACH, "the facade machine's abort_victim rule takes both "
                                                            "ways (busy, or a victim); rare when missed"),
-    ("fsm/request_ends.py", "Ender.finish"): (REACH, "finish without a lock (nothing published)"),
-    ("fsm/request_table.py", "RequestTable.get"): _BAD,
-    ("fsm/request_table.py", "RequestTable.check"): (UNREACHABLE, "unreachable with the shipped spec (174->176): every "
+    ("fsm/request/ends.py", "Ender.finish"): (REACH, "finish without a lock (nothing published)"),
+    ("fsm/request/table.py", "RequestTable.get"): _BAD,
+    ("fsm/request/table.py", "RequestTable.check"): (UNREACHABLE, "unreachable with the shipped spec (174->176): every "
                                                              "guarded request event has complementary rows, so a "
                                                              "refusal always shares the false guard 'settled' and "
                                                              "is renamed (174->175); the plain re-raise serves "
                                                              "other specs"),
-    ("fsm/request_table.py", "*"): (UNREACHABLE, "not reachable by a correct run (see fsm/completions.py): one loadback "
-                                           "waited on at a time, so none is left when a request stops waiting; a "
-                                           "request is released and forgotten only once settled, with no pass out "
-                                           "(deferred frees retire at each forward result)"),
+    ("fsm/request/table.py", "*"): (UNREACHABLE, "not reachable by a correct run (see fsm/request/completions.py): one loadback "
+                                                   "waited on at a time, so none is left when a request stops waiting; a "
+                                                   "request is released and forgotten only once settled, with no pass out "
+                                                   "(deferred frees retire at each forward result)"),
     ("src/kvtier/tiered.py", "TieredCache.__init__"): (OPTION, "finish_writeback given explicitly: the kit keeps "
                                                               "the default"),
     ("src/kvtier/tiered.py", "TieredCache.abort_victim"): _BAD,
     ("src/kvtier/tiered.py", "*"): _BAD,
     # the L3 tier (the l3tier machine: two instances over a faulty fake store, 5 % of the steps)
-    ("fsm/l3.py", "L3Tier._on_exists"): (UNREACHABLE, "an exists answered after its prefetch record was replaced "
-                                                     "or forgotten: a record goes only once its op has ended, and "
-                                                     "an ended op's late answer is absorbed before this"),
-    ("fsm/l3.py", "L3Tier._on_get"): (UNREACHABLE, "a get answered after its prefetch record was replaced or "
-                                                  "forgotten (as for the exists)"),
-    ("fsm/l3.py", "L3Tier._on_put"): (UNREACHABLE, "a put without a pin receipt: every put pins the host copies "
-                                                  "it reads (L3Tier._put_units)"),
-    ("fsm/l3checks.py", "*"): (INVARIANT, "raises InvariantViolation; the l3tier machine's corruptions of a copy of "
-                                          "an instance take these (one a corrupt step or sweep)"),
-    ("fsm/fetch.py", "FetchTable.check"): (INVARIANT, "raises InvariantViolation; taken by the l3tier machine's "
-                                                      "corruptions (see fsm/l3checks.py)"),
-    ("fsm/fetch.py", "FetchTable.reserve"): _L3_BAD,
-    ("fsm/fetch.py", "FetchTable.settle"): _L3_BAD,
-    ("fsm/l3options.py", "L3Options.check"): _L3_BAD,
-    ("fsm/l3.py", "L3Tier.__init__"): _L3_BAD,
-    ("fsm/l3.py", "L3Tier.offer"): _L3_BAD,
-    ("fsm/l3.py", "L3Tier.remove"): _L3_BAD,
-    ("fsm/l3.py", "L3Tier.complete"): _L3_BAD,
-    ("fsm/l3.py", "*"): (REACH, "rare L3 interleavings: the l3tier machine runs about 15 examples in 30,000 "
-                                "steps, and some paths need options drawn per example (a put limit met while "
-                                "putting host-eviction victims)"),
+    ("fsm/l3/tier.py", "L3Tier._on_exists"): (UNREACHABLE, "an exists answered after its prefetch record was replaced "
+                                                          "or forgotten: a record goes only once its op has ended, and "
+                                                          "an ended op's late answer is absorbed before this"),
+    ("fsm/l3/tier.py", "L3Tier._on_get"): (UNREACHABLE, "a get answered after its prefetch record was replaced or "
+                                                       "forgotten (as for the exists)"),
+    ("fsm/l3/tier.py", "L3Tier._on_put"): (UNREACHABLE, "a put without a pin receipt: every put pins the host copies "
+                                                       "it reads (L3Tier._put_units)"),
+    ("fsm/l3/checks.py", "*"): (INVARIANT, "raises InvariantViolation; the l3tier machine's corruptions of a copy of "
+                                           "an instance take these (one a corrupt step or sweep)"),
+    ("fsm/node/fetch.py", "FetchTable.check"): (INVARIANT, "raises InvariantViolation; taken by the l3tier machine's "
+                                                           "corruptions (see fsm/l3/checks.py)"),
+    ("fsm/node/fetch.py", "FetchTable.reserve"): _L3_BAD,
+    ("fsm/node/fetch.py", "FetchTable.settle"): _L3_BAD,
+    ("fsm/l3/options.py", "L3Options.check"): _L3_BAD,
+    ("fsm/l3/tier.py", "L3Tier.__init__"): _L3_BAD,
+    ("fsm/l3/tier.py", "L3Tier.offer"): _L3_BAD,
+    ("fsm/l3/tier.py", "L3Tier.remove"): _L3_BAD,
+    ("fsm/l3/tier.py", "L3Tier.complete"): _L3_BAD,
+    ("fsm/l3/tier.py", "*"): (REACH, "rare L3 interleavings: the l3tier machine runs about 15 examples in 30,000 "
+                                     "steps, and some paths need options drawn per example (a put limit met while "
+                                     "putting host-eviction victims)"),
 }
 
 
@@ -298,7 +298,7 @@ def report(total: int, covered: int, groups: dict[tuple[str, str], list[tuple[in
     takeable = total - never
     lines = [f"- campaign: `kvtier fuzz --steps {steps} --seed {seed}` in-process under coverage.py "
              f"(branch mode), {seconds:.0f} s",
-             "- measured: fsm/*.py (the L3 tier's modules included) and src/kvtier/tiered.py",
+             "- measured: fsm/**/*.py (the L3 tier's modules included) and src/kvtier/tiered.py",
              f"- branch coverage: {covered:,}/{total:,} = {pct:.1%} (target >= {TARGET:.0%}: "
              f"{'met' if pct >= TARGET else 'MISSED'}); {total - covered} branches missed in {len(groups)} groups",
              "- missed by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])),

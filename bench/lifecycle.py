@@ -2,10 +2,10 @@
 performance targets (issue 3, "Performance").
 
 - Raw machines: drives N plain ``__slots__`` subjects through realistic cycles with the
-  shared machines (``kvtier.fsm.machines``) and compares with the same cycles done by
+  shared machines (``kvtier.fsm.lifecycle.machines``) and compares with the same cycles done by
   direct state assignment; also times refused events (GuardRejected / IllegalTransition).
 - Core cycle: node lifecycle triggers per second through the real machine inside
-  :class:`~kvtier.fsm.core.CacheCore` (``cache.stats.triggers`` per second) over
+  :class:`~kvtier.fsm.node.core.CacheCore` (``cache.stats.triggers`` per second) over
   insert / writeback+ack / demote / match / load+ack / drop host / remove cycles, and per
   operation the same core with the machine replaced by direct state assignment (the price
   of verification; reported, not gated). Target: >= 100,000 triggers/s.
@@ -43,7 +43,7 @@ from harness import Row, format_table, median_seconds, provenance, record_sectio
 from kvtier.fsm import GuardRejected, IllegalTransition
 from kvtier.fsm import MatchResult, CacheCore
 from kvtier.fsm.layout import CacheLayout
-from kvtier.fsm.machines import Lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.machines import Lifecycle, node_lifecycle, request_lifecycle
 from kvtier.fsm.node import Node
 from kvtier.fsm.presets import preset
 from kvtier.fsm.records import Completion
@@ -240,7 +240,7 @@ class UnverifiedCore(CacheCore):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._fire = direct_fire()  # (a subclass replacing the one hook trigger() calls)
+        self.store.fire = direct_fire()  # (the one hook every node event goes through)
 
 
 class CoreCycle:

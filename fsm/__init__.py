@@ -19,11 +19,11 @@ from .errors import (
     UnknownOperation,
     UsageError,
 )
-from .core import CacheCore
-from .ledger import units_to_pages
-from .match import MatchMode, MatchResult
-from .results import CacheStats, InsertResult, LoadResult
-from .writeback import WritePolicy
+from .node.core import CacheCore
+from .node.ledger import units_to_pages
+from .node.match import MatchMode, MatchResult
+from .node.results import CacheStats, InsertResult, LoadResult
+from .node.writeback import WritePolicy
 from .records import CacheGroupSpec, ComponentSpec, Completion, Direction, Family, GroupTransfer, TransferCommand
 
 __all__ = [

@@ -34,7 +34,7 @@ class Family(str, enum.Enum):
 
     ``HISTORY``: replayable prefix KV; any page-aligned prefix of it can be reused.
     ``STATE``: continuation-only state (sliding-window KV, compressor residue), valid
-    only at the exact token position it was taken at (invariant 15).
+    only at the exact token position it was taken at (invariant ``exact_continuation_state``).
     """
 
     HISTORY = "history"
@@ -238,7 +238,7 @@ class TransferCommand:
             (write-through of pages already published).
         node_ids: the radix nodes whose pages move.
         deadline_step: scheduler step after which the core fails the operation
-            (invariant 7), or ``None`` for no deadline.
+            (invariant ``operation_ends_once``), or ``None`` for no deadline.
     """
 
     op_id: int

@@ -209,10 +209,10 @@ def test_caller_pages_round_trip_and_bad_frees_change_nothing() -> None:
     before = snapshot(c)
     for pages, error, message in [
         ({"zz": [1]}, UsageError, "free_device: unknown cache group 'zz'"),
-        ({"kv": [7]}, KvtierError, "free_device: pages [7] of group 'kv' are not held by a caller"),
-        ({"kv": [0]}, KvtierError, "free_device: pages [0] of group 'kv' are not held by a caller"),
-        ({"kv": [1, 1]}, KvtierError, "free_device: pages [1, 1] of group 'kv' are not held by a caller"),
-        ({"kv": [1, 7]}, KvtierError, "free_device: pages [7] of group 'kv' are not held by a caller"),
+        ({"kv": [7]}, UsageError, "free_device: pages [7] of group 'kv' are not held by a caller"),
+        ({"kv": [0]}, UsageError, "free_device: pages [0] of group 'kv' are not held by a caller"),
+        ({"kv": [1, 1]}, UsageError, "free_device: pages [1, 1] of group 'kv' are not held by a caller"),
+        ({"kv": [1, 7]}, UsageError, "free_device: pages [7] of group 'kv' are not held by a caller"),
     ]:
         with pytest.raises(error) as exc:
             c.free_device(pages)

@@ -10,7 +10,7 @@ import pytest
 from core_helpers import ack, h1, put, snapshot, src
 
 from kvtier.fsm import CacheCore
-from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation, UsageError
+from kvtier.fsm.errors import ConfigError, DuplicateCompletion, UnknownOperation, UsageError
 from kvtier.fsm.records import Completion
 
 
@@ -41,12 +41,12 @@ def test_match_lock_borrow_pin_refusals() -> None:
             "history_replay applies to prefix_reuse matches only")
     lock = c.lock(a)
     c.unlock(lock)
-    refused(c, lambda: c.unlock(lock), KvtierError,
+    refused(c, lambda: c.unlock(lock), UsageError,
             "<lock receipt 2 owner=None node=1> was already released or is unknown (counts_with_receipts)")
-    refused(c, lambda: c.pin([a], "r"), KvtierError, "pin: nodes [1] have no visible host copy")
+    refused(c, lambda: c.pin([a], "r"), UsageError, "pin: nodes [1] have no visible host copy")
     borrow = c.borrow([a], "r")
     c.release(borrow)
-    refused(c, lambda: c.release(borrow), KvtierError,
+    refused(c, lambda: c.release(borrow), UsageError,
             "<borrow receipt 3 owner='r' nodes=[1]> was already released or is unknown (counts_with_receipts)")
 
 
@@ -83,7 +83,7 @@ def test_checkpoint_refusals() -> None:
 def test_completion_and_loadback_refusals() -> None:
     c = CacheCore(h1(), 8, 8, world_size=2)
     a = put(c, "ab").node
-    refused(c, lambda: c.load(c.match(list("ab")), "r"), KvtierError, "load: the match has no host hit to load back")
+    refused(c, lambda: c.load(c.match(list("ab")), "r"), UsageError, "load: the match has no host hit to load back")
     cmd = c.writeback(a)
     assert cmd is not None and cmd.op_id == 1
     refused(c, lambda: c.complete(Completion(99, 0, True)), UnknownOperation, "completion for op 99: never issued")
@@ -102,7 +102,7 @@ def test_completion_and_loadback_refusals() -> None:
     refused(c, lambda: c.poison(99), UnknownOperation, "poison: op 99 is not in flight")
     refused(c, lambda: c.complete(1), UsageError, "complete() takes a Completion, got 1")  # type: ignore[arg-type]
     assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"
-    refused(c, lambda: c.borrow([a], "r"), KvtierError, "borrow: nodes [1] have no device pages")
+    refused(c, lambda: c.borrow([a], "r"), UsageError, "borrow: nodes [1] have no device pages")
     m = c.match(list("ab"))
     lr = c.load(m, "r")
     assert lr.command.op_id == 2
@@ -112,7 +112,7 @@ def test_completion_and_loadback_refusals() -> None:
     c.complete(Completion(2, 0, True, layer=0))
     refused(c, lambda: c.complete(Completion(2, 0, True, layer=0)), DuplicateCompletion,
             "op 2: completion from rank 0 layer 0 arrived twice (or after its ack)")
-    refused(c, lambda: c.load(m, "r2"), KvtierError,
+    refused(c, lambda: c.load(m, "r2"), UsageError,
             "load: match is stale (nodes [1] changed state or were split since the match)")
 
 
@@ -133,7 +133,7 @@ def test_values_that_are_not_this_trees_nodes_or_receipts_are_refused() -> None:
         (lambda: c.release(None), "release takes a pin or borrow receipt (NodeReceipt), got None"),  # type: ignore[arg-type]
         (lambda: c.unlock(None), "unlock takes a LockReceipt, got None"),  # type: ignore[arg-type]
     ]:
-        refused(c, call, KvtierError, message)
+        refused(c, call, UsageError, message)
     refused(c, lambda: c.match(None), UsageError,  # type: ignore[arg-type]
             "match: key must be a sequence of unit keys (not a str or bytes), got None")
     # a str or bytes is a sequence of characters, not of unit keys: an engine passing one has a bug
@@ -161,7 +161,7 @@ def test_receipts_are_marked_released_and_foreign_ones_refused() -> None:
     assert (lock.released, borrow.released) == (True, True)
     other = CacheCore(h1(), 8, 8)
     foreign = other.borrow([put(other, "ab").node], "r")
-    refused(c, lambda: c.release(foreign), KvtierError,
+    refused(c, lambda: c.release(foreign), UsageError,
             "<borrow receipt 2 owner='r' nodes=[1]> was already released or is unknown (counts_with_receipts)")
     assert foreign.released is False and a.borrow_ref == 0
 

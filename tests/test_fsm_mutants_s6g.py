@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.fsm import CacheCore, ConfigError, KvtierError, UsageError
+from kvtier.fsm import CacheCore, ConfigError, UsageError
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text, check_hashable, plain_bool, plain_int
 from kvtier.fsm.spec import LifecycleSpec, Specification, load_spec, parse_spec
@@ -147,7 +147,7 @@ def test_fetch_reserve_refusals_name_the_problem_and_change_nothing() -> None:
           f"fetch_reserve: node {dev.node_id} is device; a fetched chain continues the root or a node with a "
           "visible host copy")
     _says(lambda: c.fetches.reserve(stranger, ["x"], 901),
-          f"fetch_reserve: {stranger!r} is not a node of this cache's tree", KvtierError)
+          f"fetch_reserve: {stranger!r} is not a node of this cache's tree", UsageError)
     assert _host_state(c) == before and c.fetches.nodes(900) == tuple(made)
     c.check_invariants()
 

@@ -80,5 +80,5 @@ def test_an_accepted_or_misnamed_refusal_fails_the_machine() -> None:
         run_variant(m, Variant(lambda m: None, UsageError, "x"))
     with pytest.raises(AssertionError, match="which does not say 'nobody'"):
         run_variant(m, Variant(lambda m: m.cache.core.free_device({"nogroup": [1]}), UsageError, "nobody"))
-    with pytest.raises(AssertionError, match="refused with KvtierError"):
-        run_variant(m, Variant(lambda m: m.cache.core.pin(5), UsageError, "pin"))  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="refused with UnknownOperation"):
+        run_variant(m, Variant(lambda m: m.cache.core.poison(999), UsageError, "poison"))

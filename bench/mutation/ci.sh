@@ -4,7 +4,7 @@
 # when their kill rate is below the target or fsm/ is left mutated. The full run over every
 # module of fsm/ is run.sh's (hours on a 2-core machine; recorded in recorded.json, notes.md).
 # Usage: bench/mutation/ci.sh [--min RATE] [fsm/file.py ...]
-#   (default: --min 0.97 fsm/fence.py fsm/ledger.py, about 120 mutants; an old path of a moved
+#   (default: --min 0.97 fsm/request/fence.py fsm/node/ledger.py, about 120 mutants; an old path of a moved
 #   module is taken at its current path)
 # Needs mutmut 2.5.1, coverage and pytest-cov (the coverage map); mutates fsm/ in place, so
 # run it in a checkout nothing else uses at the same time.
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 min=0.97
 if [ "${1:-}" = "--min" ]; then min=$2; shift 2; fi
 files=("$@")
-[ "${#files[@]}" -gt 0 ] || files=(fsm/fence.py fsm/ledger.py)
+[ "${#files[@]}" -gt 0 ] || files=(fsm/request/fence.py fsm/node/ledger.py)
 # a file that moved (MOVED in src/kvtier/_moved.py) is run at its current path
 mapfile -t files < <(python - "${files[@]}" <<'PY'
 import sys

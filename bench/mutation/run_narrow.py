@@ -1,7 +1,7 @@
 """Every mutant of one fsm/ file, without mutmut's driver: the first pass against a few fast tests.
 
 mutmut 2.5.1 generates the mutants (its own ids and order); each is applied in place (the
-original kept as ``fsm/<file>.py.bak``, as mutmut does) and run first against the TESTs given
+original kept as ``fsm/.../<file>.py.bak``, as mutmut does) and run first against the TESTs given
 (all in the subset, ``tests.txt``), through run.sh's fork server when its socket exists; a
 mutant they do not kill is then run against ``runner.sh``'s selection from the whole subset,
 as in run.sh. A mutant listed in exclusions.txt is recorded as a survivor without a run. The

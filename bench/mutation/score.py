@@ -19,6 +19,9 @@ Module paths: a file that moved since its result was recorded (``MOVED`` in
 src/kvtier/_moved.py, old dotted module path -> new) is scored under its current path, and
 an exclusion or ``--files`` may name either path.
 
+A result file is named after its source's path under fsm/, dotted (:func:`result_name`:
+``results/request.fence.xml`` for ``fsm/request/fence.py``).
+
 Kill rate = (killed + timed out) / (tested - excluded); a timeout counts as killed
 (the mutant made the suite hang), as mutmut itself does.
 
@@ -39,6 +42,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RECORD = HERE / "recorded.json"
 RESULTS = HERE / "results"
+
+
+def result_name(path: str) -> str:
+    """The name of the result file and mutmut cache of an fsm/ source: its path under fsm/,
+    dotted (``fsm/request/fence.py`` -> ``request.fence``), as run.sh names them."""
+    return path.removeprefix("fsm/").removesuffix(".py").replace("/", ".")
 
 
 def mutation_line(diff: str) -> tuple[str, str]:
@@ -195,7 +204,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description="Kill rate of fsm/ from bench/mutation/recorded.json "
                                             "(and a local run's bench/mutation/results/*.xml)")
     p.add_argument("--markdown", action="store_true", help="also list the survivors and the exclusions")
-    p.add_argument("--files", nargs="+", metavar="FSM_FILE", help="only these files (fsm/NAME.py)")
+    p.add_argument("--files", nargs="+", metavar="FSM_FILE", help="only these files (fsm/CHAPTER/NAME.py)")
     p.add_argument("--min", type=float, help="exit 1 when the kill rate (0-1) is below this, or a mutant is not run")
     args = p.parse_args(argv)
     loaded = load()

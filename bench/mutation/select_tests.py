@@ -1,6 +1,6 @@
 """Pick the tests a mutant of fsm/ is run against (called by runner.sh for every mutant).
 
-mutmut 2 applies a mutant in place and keeps the original as ``fsm/<file>.py.bak``. This
+mutmut 2 applies a mutant in place and keeps the original as ``fsm/.../<file>.py.bak``. This
 finds the mutated line (the one line that differs from the backup), the innermost function
 whose body holds it, and every test of the subset (``tests.txt``) that ran any line of that
 function unmutated (``covermap.json``, built by covermap.py): only those tests can see the

@@ -24,6 +24,39 @@ from types import CodeType, ModuleType
 
 #: old dotted module path -> new dotted module path. Filled by the moves themselves.
 MOVED: dict[str, str] = {
+    # fsm: kvtier.fsm grouped by the spec's chapters (lifecycle/, node/, request/, l3/); the old
+    # modules kvtier.fsm.node, kvtier.fsm.request and kvtier.fsm.l3 are now packages that
+    # re-export what those modules exported
+    "kvtier.fsm.admission": "kvtier.fsm.request.admission",
+    "kvtier.fsm.batch": "kvtier.fsm.request.batch",
+    "kvtier.fsm.completions": "kvtier.fsm.request.completions",
+    "kvtier.fsm.core": "kvtier.fsm.node.core",
+    "kvtier.fsm.counters": "kvtier.fsm.request.counters",
+    "kvtier.fsm.eviction": "kvtier.fsm.node.eviction",
+    "kvtier.fsm.fence": "kvtier.fsm.request.fence",
+    "kvtier.fsm.fetch": "kvtier.fsm.node.fetch",
+    "kvtier.fsm.forward": "kvtier.fsm.request.forward",
+    "kvtier.fsm.guards": "kvtier.fsm.lifecycle.guards",
+    "kvtier.fsm.invariants": "kvtier.fsm.node.invariants",
+    "kvtier.fsm.l3checks": "kvtier.fsm.l3.checks",
+    "kvtier.fsm.l3options": "kvtier.fsm.l3.options",
+    "kvtier.fsm.ledger": "kvtier.fsm.node.ledger",
+    "kvtier.fsm.machines": "kvtier.fsm.lifecycle.machines",
+    "kvtier.fsm.match": "kvtier.fsm.node.match",
+    "kvtier.fsm.names": "kvtier.fsm.lifecycle.names",
+    "kvtier.fsm.ops": "kvtier.fsm.node.ops",
+    "kvtier.fsm.optable": "kvtier.fsm.node.optable",
+    "kvtier.fsm.pages": "kvtier.fsm.node.pages",
+    "kvtier.fsm.publish": "kvtier.fsm.node.publish",
+    "kvtier.fsm.receipts": "kvtier.fsm.node.receipts",
+    "kvtier.fsm.reclaim": "kvtier.fsm.node.reclaim",
+    "kvtier.fsm.request_ends": "kvtier.fsm.request.ends",
+    "kvtier.fsm.request_table": "kvtier.fsm.request.table",
+    "kvtier.fsm.results": "kvtier.fsm.node.results",
+    "kvtier.fsm.spec": "kvtier.fsm.lifecycle.spec",
+    "kvtier.fsm.transfers": "kvtier.fsm.node.transfers",
+    "kvtier.fsm.tree": "kvtier.fsm.node.tree",
+    "kvtier.fsm.writeback": "kvtier.fsm.node.writeback",
     # transfer: the backends and their registry in kvtier.transfer.backends
     "kvtier.transfer.backend": "kvtier.transfer.backends",
     "kvtier.transfer.backend_cpu": "kvtier.transfer.backends.cpu",

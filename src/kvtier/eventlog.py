@@ -1,7 +1,7 @@
 """The lifecycle event log: record what a cache does as JSON lines, for ``kvtier check``.
 
 An :class:`EventRecorder` attached to a :class:`~kvtier.tiered.TieredCache` (or a bare
-:class:`~kvtier.fsm.core.CacheCore`) writes one JSON object per line: every node
+:class:`~kvtier.fsm.node.core.CacheCore`) writes one JSON object per line: every node
 and request transition with the guards the implementation evaluated and the facts they
 read, every transfer command issued, every completion received, every operation settled,
 every facade call and every invariant check. The format is documented, versioned and
@@ -9,7 +9,7 @@ independent of Python (docs/eventlog-format.md), so an engine written in another
 emit it; ``kvtier check LOG`` (:mod:`kvtier.cli.check`) replays it offline against the spec.
 
 Cost: with no recorder attached nothing is wrapped, and the only code on the hot path is
-one ``observer is not None`` test per lifecycle transition (:mod:`kvtier.fsm.machines`).
+one ``observer is not None`` test per lifecycle transition (:mod:`kvtier.fsm.lifecycle.machines`).
 Attached, the recorder wraps the cache object's public methods (instance attributes, the
 class is untouched) and serialises each record; ``bench/eventlog.py`` measures both.
 
@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvtier.fsm import Completion, ConfigError, Family, KvtierError, TransferCommand
-from kvtier.fsm.core import CacheCore
+from kvtier.fsm.node.core import CacheCore
 from kvtier.fsm.errors import InvariantViolation
-from kvtier.fsm.machines import Lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.machines import Lifecycle, node_lifecycle, request_lifecycle
 from kvtier.fsm.node import Node
-from kvtier.fsm.ops import LayerProgress, Settled
+from kvtier.fsm.node.ops import LayerProgress, Settled
 from kvtier.fsm.request import Request
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 
 __all__ = ["FORMAT", "VERSION", "EventRecorder", "active_recorder", "attach_active", "record_failure", "recording"]
 

@@ -69,8 +69,8 @@ from prometheus_client.core import (  # type: ignore[import-not-found,unused-ign
 from prometheus_client.registry import Collector  # type: ignore[import-not-found,unused-ignore]
 
 from kvtier.fsm import Direction
-from kvtier.fsm.counters import KNOWN_ABORT_REASONS, OUTCOMES
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.request.counters import KNOWN_ABORT_REASONS, OUTCOMES
+from kvtier.fsm.lifecycle.spec import load_spec
 
 __all__ = ["PREFIX", "KvtierCollector", "MetricsServer", "serve"]
 

@@ -40,18 +40,18 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from kvtier.fsm import Completion, ConfigError, Direction, UsageError
-from kvtier.fsm.admission import Admitter
-from kvtier.fsm.batch import Batcher, ForwardResult, ItemOutcome, Reservation, StepOutcome
+from kvtier.fsm.request.admission import Admitter
+from kvtier.fsm.request.batch import Batcher, ForwardResult, ItemOutcome, Reservation, StepOutcome
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
-from kvtier.fsm.completions import CompletionRouter
-from kvtier.fsm.fence import check_all
+from kvtier.fsm.request.completions import CompletionRouter
+from kvtier.fsm.request.fence import check_all
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.l3 import L3Options, L3Tier
 from kvtier.fsm.node import PageMap
-from kvtier.fsm.forward import ForwardResults
+from kvtier.fsm.request.forward import ForwardResults
 from kvtier.fsm.request import CALLS, TERMINAL, Admission, Outstanding, PollResult, RequestEvent, RequestView
-from kvtier.fsm.request_ends import Ender
-from kvtier.fsm.request_table import DEFAULT_ENDED_HISTORY, CacheCore, RequestTable, WritePolicy
+from kvtier.fsm.request.ends import Ender
+from kvtier.fsm.request.table import DEFAULT_ENDED_HISTORY, CacheCore, RequestTable, WritePolicy
 
 __all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView", "Outstanding", "TERMINAL",
            "DEFAULT_OP_DEADLINE_STEPS", "DEFAULT_ENDED_HISTORY", "ForwardResult", "Reservation", "ItemOutcome",
@@ -87,7 +87,7 @@ class TieredCache:
         ended_history: how many ended requests :meth:`state` and :meth:`request` still
             answer for after :meth:`poll` reported their end (oldest dropped first).
 
-    Capacities: at most :data:`kvtier.fsm.pages.MAX_POOL_PAGES` (2**53) pages per pool and
+    Capacities: at most :data:`kvtier.fsm.node.pages.MAX_POOL_PAGES` (2**53) pages per pool and
     group; memory grows with the pages in use, never with the capacity.
 
     Raises:

@@ -27,22 +27,22 @@ REPO = Path(__file__).resolve().parents[2]
 #: patch name -> (invariant it breaks, [(file, old text, new text), ...])
 BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "01-root-closed-host": ("root_closed_host", [
-        ("fsm/guards.py", '"parent_on_host": lambda n: bool(n.parent_on_host),',
+        ("fsm/lifecycle/guards.py", '"parent_on_host": lambda n: bool(n.parent_on_host),',
          '"parent_on_host": lambda n: True,  # BROKEN'),
-        ("fsm/writeback.py", "            if p.parent is None or p.state in HOST_VISIBLE or p.node_id in taken:\n"
+        ("fsm/node/writeback.py", "            if p.parent is None or p.state in HOST_VISIBLE or p.node_id in taken:\n"
          "                out.append(n)",
          "            if (p.parent is None or p.state in HOST_VISIBLE or p.node_id in taken\n"
          "                    or p.state == NODE_STATE.writing):  # BROKEN\n"
          "                out.append(n)  # a child is written back before its parent's copy is acknowledged"),
     ]),
     "02-host-means-acked": ("host_means_acked", [
-        ("fsm/transfers.py", "            n.pending = self._reserve(transfers, n.dev)",
+        ("fsm/node/transfers.py", "            n.pending = self._reserve(transfers, n.dev)",
          "            n.host = self._reserve(transfers, n.dev)  # BROKEN: visible at once"),
     ]),
     "03-writeback-source-immutable": ("writeback_source_immutable", [
-        ("fsm/reclaim.py", "return (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
+        ("fsm/node/reclaim.py", "return (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
          "return (n.state in (NS.device, NS.backed, NS.writing) and n.lock_ref == 0 and n.borrow_ref == 0"),
-        ("fsm/reclaim.py", "            if n.state == NS.backed:\n                n = self._tail(n, need, freed)",
+        ("fsm/node/reclaim.py", "            if n.state == NS.backed:\n                n = self._tail(n, need, freed)",
          "            if n.state == NS.writing:  # BROKEN: frees the source of a copy in flight\n"
          "                for g, k in self._release_device(n).items():\n"
          "                    freed[g] += k\n"
@@ -50,63 +50,63 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "            if n.state == NS.backed:\n                n = self._tail(n, need, freed)"),
     ]),
     "04-loadback-source-pinned": ("loadback_source_pinned", [
-        ("fsm/guards.py", '"unpinned": lambda n: n.host_pin == 0,', '"unpinned": lambda n: True,  # BROKEN'),
-        ("fsm/reclaim.py", "return (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
+        ("fsm/lifecycle/guards.py", '"unpinned": lambda n: n.host_pin == 0,', '"unpinned": lambda n: True,  # BROKEN'),
+        ("fsm/node/reclaim.py", "return (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
          "return (n.state in (NS.host, NS.backed) and not n.has_host_child  # BROKEN: pins ignored"),
     ]),
     "05-counts-with-receipts": ("counts_with_receipts", [
-        ("fsm/receipts.py", "        for n in node.path():\n            n.lock_ref += 1\n            if owner is None",
-         "        for n in node.path()[:1]:  # BROKEN: the ancestors are not counted\n"
+        ("fsm/node/receipts.py", "        for n in path:\n            n.lock_ref += 1\n            if owner is None",
+         "        for n in path[:1]:  # BROKEN: the ancestors are not counted\n"
          "            n.lock_ref += 1\n            if owner is None"),
     ]),
     "06-split-preserves-ownership": ("split_preserves_ownership", [
-        ("fsm/optable.py", "            op.nodes.insert(op.nodes.index(node), prefix)",
+        ("fsm/node/optable.py", "            op.nodes.insert(op.nodes.index(node), prefix)",
          "            pass  # BROKEN: the new fragment is not part of the operation"),
     ]),
     "07-operation-ends-once": ("operation_ends_once", [
-        ("fsm/optable.py", "        if key in op.seen or c.rank in op.acked:",
+        ("fsm/node/optable.py", "        if key in op.seen or c.rank in op.acked:",
          "        if False:  # BROKEN: duplicate completions are accepted"),
     ]),
     "08-release-once-after-fence": ("release_once_after_fence", [
-        ("fsm/request_ends.py", '        r.poisoned = True\n        self.table.fire(r, "abort")',
-         '        r.poisoned = True\n        self.table.fire(r, "abort")\n'
+        ("fsm/request/ends.py", '        r.poisoned = True\n        self.table.fire(r, RE.abort)',
+         '        r.poisoned = True\n        self.table.fire(r, RE.abort)\n'
          '        if r.state == "aborting":  # BROKEN: released before its work in flight ended\n'
          '            self.table.free_own(r)'),
     ]),
     "09-host-evict-leaves": ("host_evict_leaves", [
-        ("fsm/guards.py", '"has_host_child": lambda n: bool(n.has_host_child),',
+        ("fsm/lifecycle/guards.py", '"has_host_child": lambda n: bool(n.has_host_child),',
          '"has_host_child": lambda n: False,  # BROKEN'),
-        ("fsm/reclaim.py", "return (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
+        ("fsm/node/reclaim.py", "return (n.state in (NS.host, NS.backed) and n.host_pin == 0 and not n.has_host_child",
          "return (n.state in (NS.host, NS.backed) and n.host_pin == 0  # BROKEN: inner nodes too"),
     ]),
     "10-failure-not-success": ("failure_not_success", [
-        ("fsm/transfers.py", "                if not ok:\n                    core.ledger.release_device(n.dev)",
+        ("fsm/node/transfers.py", "                if not ok:\n                    store.ledger.release_device(n.dev)",
          "                if False:  # BROKEN: a failed loadback is reported as success\n"
-         "                    core.ledger.release_device(n.dev)"),
-        ("fsm/transfers.py", "                core.trigger(n, EV.loadback_ack if ok else EV.loadback_fail)",
-         "                core.trigger(n, EV.loadback_ack)"),
+         "                    store.ledger.release_device(n.dev)"),
+        ("fsm/node/transfers.py", "                store.trigger(n, EV.loadback_ack if ok else EV.loadback_fail)",
+         "                store.trigger(n, EV.loadback_ack)"),
     ]),
     "11-atomic-admission": ("atomic_admission", [
-        ("fsm/admission.py", "        except CapacityError:\n            if hold is not None:\n"
+        ("fsm/request/admission.py", "        except CapacityError:\n            if hold is not None:\n"
                                  "                core.unlock(hold)\n            return None",
          "        except CapacityError:\n            return None  # BROKEN: the device-hit lock is not rolled back"),
     ]),
     "12-loaded-equals-written": ("loaded_equals_written", [
-        ("fsm/transfers.py", "                n.dev[g] = self._move(transfers, g, src, core.device[g].alloc(len(src)))",
-         "                n.dev[g] = self._move(transfers, g, src, core.device[g].alloc(len(src)))[::-1]"
+        ("fsm/node/transfers.py", "                n.dev[g] = self._move(transfers, g, src, store.device[g].alloc(len(src)))",
+         "                n.dev[g] = self._move(transfers, g, src, store.device[g].alloc(len(src)))[::-1]"
          "  # BROKEN: the mapping disagrees with the copy"),
     ]),
     "13-conservation": ("conservation", [
-        ("fsm/ledger.py", "        for g, ps in lists.items():\n            self._callers[g].difference_update(ps)",
+        ("fsm/node/ledger.py", "        for g, ps in lists.items():\n            self._callers[g].difference_update(ps)",
          "        for g, ps in lists.items():  # BROKEN: freed pages stay the caller's too"),
     ]),
     "14-borrowed-pages-stay": ("borrowed_pages_stay", [
-        ("fsm/guards.py", '"unborrowed": lambda n: n.borrow_ref == 0,', '"unborrowed": lambda n: True,  # BROKEN'),
-        ("fsm/reclaim.py", "return (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
+        ("fsm/lifecycle/guards.py", '"unborrowed": lambda n: n.borrow_ref == 0,', '"unborrowed": lambda n: True,  # BROKEN'),
+        ("fsm/node/reclaim.py", "return (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0",
          "return (n.state in (NS.device, NS.backed) and n.lock_ref == 0  # BROKEN: borrows ignored"),
     ]),
     "15-exact-continuation-state": ("exact_continuation_state", [
-        ("fsm/match.py", "            if i < d and has_checkpoint(nd.dev_ckpt, n_state):",
+        ("fsm/node/match.py", "            if i < d and has_checkpoint(nd.dev_ckpt, n_state):",
          "            if i < d:  # BROKEN: any device node ends a hit"),
     ]),
     "16-forward-fence": ("forward_fence", [
@@ -142,31 +142,31 @@ SEMANTIC: dict[str, Mutant] = {
         "fsm-core", "a deeper chunk checkpoint drops an ancestor's chunk checkpoint while that "
         "ancestor's writeback (which reads it) is in flight",
         (f"{_C}test_deeper_chunk_checkpoint_keeps_one_being_written",),
-        [("fsm/publish.py", "if (a.chunk_checkpoint and a.state in (NS.device, NS.backed) and a.lock_ref <= 1",
+        [("fsm/node/publish.py", "if (a.chunk_checkpoint and a.state in (NS.device, NS.backed) and a.lock_ref <= 1",
           "if (a.chunk_checkpoint and a.state in (NS.device, NS.backed, NS.writing) and a.lock_ref <= 1"
           "  # BROKEN")]),
     "s02-exact-eviction-frees-prefix": Mutant(
         "fsm-core", "exact eviction splits the victim leaf but frees the prefix fragment (an inner "
         "node) instead of the tail",
         (_seq("s02-exact-eviction-frees-prefix"),),
-        [("fsm/reclaim.py", "        if k < units:\n            self.core.split(n, units - k)  # n keeps the last k units\n"
-                            "        return n",
-          "        if k < units:\n            return self.core.split(n, units - k)  # BROKEN: frees the prefix fragment\n"
+        [("fsm/node/reclaim.py", "        if k < units:\n            self.store.split(n, units - k)  # n keeps the last k units\n"
+                                 "        return n",
+          "        if k < units:\n            return self.store.split(n, units - k)  # BROKEN: frees the prefix fragment\n"
           "        return n")]),
     "s03-exclusive-drops-pinned-duplicate": Mutant(
         "fsm-core", "an exclusive host tier drops a loaded-back node's duplicate host copy even "
         "while it is pinned (or has a host child)",
         (f"{_C}test_exclusive_host_tier_keeps_pinned_duplicates",),
-        [("fsm/reclaim.py", "            if not self.host_victim(n):\n                continue\n"
-                            "            n = self._tail(n, need, freed)\n            got = core.ledger.release_host",
-          "            if not self.host_victim(n) and not (core.exclusive and n.reloaded and n.state == NS.backed):\n"
+        [("fsm/node/reclaim.py", "            if not self.host_victim(n):\n                continue\n"
+                                 "            n = self._tail(n, need, freed)\n            got = store.ledger.release_host",
+          "            if not self.host_victim(n) and not (store.exclusive and n.reloaded and n.state == NS.backed):\n"
           "                continue  # BROKEN: a duplicate copy is always droppable\n"
-          "            n = self._tail(n, need, freed)\n            got = core.ledger.release_host")]),
+          "            n = self._tail(n, need, freed)\n            got = store.ledger.release_host")]),
     "s04-op-pin-not-split": Mutant(
         "fsm-core", "splitting a loading node moves the receipts' nodes but not the loadback's own "
         "pin (receipt -op_id) onto the new prefix fragment",
         (_seq("s04-op-pin-not-split"), f"{_C}test_split_of_a_loading_node_pins_both_fragments"),
-        [("fsm/receipts.py", "        for rid in node.refs:\n            prefix.add_ref(rid)",
+        [("fsm/node/receipts.py", "        for rid in node.refs:\n            prefix.add_ref(rid)",
           "        for rid in node.refs:\n            if rid < 0:\n"
           "                continue  # BROKEN: an operation's own pin stays on the cut node only\n"
           "            prefix.add_ref(rid)")]),
@@ -174,37 +174,37 @@ SEMANTIC: dict[str, Mutant] = {
         "fsm-core", "every lock counts a reuse, so one request re-locking its path at each publish "
         "looks like many requests (selective write-through backs up one-off prompts)",
         (f"{_C}test_reuse_counts_distinct_requests",),
-        [("fsm/receipts.py", "            if owner is None or owner != n.last_owner:",
+        [("fsm/node/receipts.py", "            if owner is None or owner != n.last_owner:",
           "            if True:  # BROKEN: every lock counts a reuse")]),
     "s06-lru-unlock-no-stamp": Mutant(
         "fsm-core", "an unlock does not stamp the path, so LRU goes by lock time: a long-running "
         "request's prefix is evicted before one released earlier",
         (f"{_C}test_lru_goes_by_release_time",),
-        [("fsm/receipts.py", "            if stamp is not None:\n                n.last_access = stamp\n"
+        [("fsm/node/receipts.py", "            if stamp is not None:\n                n.last_access = stamp\n"
                              "            self._touch(n)",
           "            self._touch(n)  # BROKEN: the unlock does not stamp the path")]),
     "s07-layer-progress-fastest-rank": Mutant(
         "fsm-core", "a loadback's layer progress is taken from the fastest rank, not the slowest",
         (f"{_C}test_layer_progress_waits_for_every_rank",),
-        [("fsm/optable.py", "        return min(op.layers.get(r, -1) for r in range(self.world_size))",
+        [("fsm/node/optable.py", "        return min(op.layers.get(r, -1) for r in range(self.world_size))",
           "        return max(op.layers.get(r, -1) for r in range(self.world_size))  # BROKEN: fastest rank")]),
     "s08-queued-child-dropped": Mutant(
         "fsm-core", "a node queued behind its parent's writeback in flight is dropped from the "
         "queue instead of waiting: its writeback is never issued",
         (f"{_C}test_queued_child_is_issued_after_its_parent",),
-        [("fsm/writeback.py", "            elif p.state == NODE_STATE.device and p.node_id not in self._queue:",
+        [("fsm/node/writeback.py", "            elif p.state == NODE_STATE.device and p.node_id not in self._queue:",
           "            elif p.node_id not in self._queue:  # BROKEN: also drops nodes whose parent is being written")]),
     "s09-load-refusal-leaks-pin": Mutant(
         "fsm-core", "a loadback refused for lack of device pages keeps the host pin it took",
         (_seq("s09-load-refusal-leaks-pin"),),
-        [("fsm/transfers.py", "            free = core.device[g].free\n            core.receipts.release(pin)\n",
-          "            free = core.device[g].free  # BROKEN: the pin is not rolled back\n")]),
+        [("fsm/node/transfers.py", "            free = store.device[g].free\n            store.receipts.release(pin)\n",
+          "            free = store.device[g].free  # BROKEN: the pin is not rolled back\n")]),
     "s10-failed-loadback-keeps-checkpoint": Mutant(
         "fsm-core", "a failed loadback frees the history pages it reserved but keeps the "
         "checkpoint's destination pages on a node now only on the host",
         (_seq("s10-failed-loadback-keeps-checkpoint"),),
-        [("fsm/transfers.py", "                    if n is op.checkpoint:\n"
-                              "                        core.ledger.release_device(n.dev_ckpt)\n"
+        [("fsm/node/transfers.py", "                    if n is op.checkpoint:\n"
+                              "                        store.ledger.release_device(n.dev_ckpt)\n"
                               "                        n.dev_ckpt = {}",
           "                    if n is op.checkpoint:\n"
           "                        pass  # BROKEN: the checkpoint's device pages are kept")]),
@@ -212,67 +212,67 @@ SEMANTIC: dict[str, Mutant] = {
         "fsm-core", "write_through_selective queues a hot node for writeback although it already "
         "has a host copy (backed)",
         (_seq("s11-selective-queues-backed"),),
-        [("fsm/writeback.py", "                and node.hit_count >= self.threshold and node.state == NODE_STATE.device):",
+        [("fsm/node/writeback.py", "                and node.hit_count >= self.threshold and node.state == NODE_STATE.device):",
           "                and node.hit_count >= self.threshold):  # BROKEN: backed nodes too")]),
     # -- request lifecycle (fsm/) --------------------------------------------------------------
     "s12-layer-ready-off-by-one": Mutant(
         "fsm-request", "layer_ready confuses a layer count with a layer index: the layer after "
         "the last loaded one reads as ready",
         (f"{_C}test_layer_ready_is_exact",),
-        [("fsm/completions.py", "            if done < layer:\n                return False",
+        [("fsm/request/completions.py", "            if done < layer:\n                return False",
           "            if done + 1 < layer:  # BROKEN: count vs index\n                return False")]),
     "s13-joined-layers-fastest-rank": Mutant(
         "fsm-request", "a request joining a loadback in flight takes its layer progress from the "
         "fastest rank",
         (f"{_C}test_joined_loadback_layers_from_the_slowest_rank",),
-        [("fsm/admission.py", "                r.layers[op] = min(ops[op].layers.get(k, -1) for k in range(core.world_size))",
+        [("fsm/request/admission.py", "                r.layers[op] = min(ops[op].layers.get(k, -1) for k in range(core.world_size))",
           "                r.layers[op] = max(ops[op].layers.get(k, -1) for k in range(core.world_size))"
           "  # BROKEN")]),
     "s14-double-release-after-success": Mutant(
         "fsm-request", "a successful loadback releases the request's pins but keeps them on its "
         "record: the release at its end releases them again",
         (_seq("s14-double-release-after-success"),),
-        [("fsm/completions.py", "                self.core.release(pin)\n            r.pins = []\n"
-                                "            t.fire(r, \"loadback_ack\")",
-          "                self.core.release(pin)\n            t.fire(r, \"loadback_ack\")  # BROKEN: pins stay listed")]),
+        [("fsm/request/completions.py", "                self.core.release(pin)\n            r.pins = []\n"
+                                "            t.fire(r, RE.loadback_ack)",
+          "                self.core.release(pin)\n            t.fire(r, RE.loadback_ack)  # BROKEN: pins stay listed")]),
     "s15-aborted-writeback-published": Mutant(
         "fsm-request", "abort does not poison the request's own writeback in flight: its possibly "
         "corrupt KV is published on the ack",
         (f"{_C}test_aborted_request_writeback_is_not_published",),
-        [("fsm/request_ends.py", "        for op in own:\n            self.core.poison(op)",
+        [("fsm/request/ends.py", "        for op in own:\n            self.core.poison(op)",
           "        for op in own:\n            pass  # BROKEN: not poisoned")]),
     "s16-whole-prompt-reused": Mutant(
         "fsm-request", "a fully cached, aligned prompt is reused whole: no token is left to compute "
         "the first logits from",
         (f"{_C}test_whole_prompt_is_never_reused",),
-        [("fsm/admission.py", "        usable = (prompt_tokens - 1) // t.align",
+        [("fsm/request/admission.py", "        usable = (prompt_tokens - 1) // t.align",
           "        usable = prompt_tokens // t.align  # BROKEN: the whole prompt may be a hit")]),
     "s17-fence-broken-on-loadback-failure": Mutant(
         "fsm-request", "a loadback that fails while the request's pass is out lets go of the lock "
         "at once, though the pass still reads the device hit",
         (_seq("s17-fence-broken-on-loadback-failure"),),
-        [("fsm/completions.py", "        if not r.settled:\n            self._keep_held_prefix(r)\n"
-                                "        t.fire(r, \"loadback_fail\")",
+        [("fsm/request/completions.py", "        if not r.settled:\n            self._keep_held_prefix(r)\n"
+                                "        t.fire(r, RE.loadback_fail)",
           "        if not r.settled and r.lock is not None:\n"
           "            self.core.unlock(r.lock)  # BROKEN: the pass out still reads the hit\n"
-          "        t.fire(r, \"loadback_fail\")")]),
+          "        t.fire(r, RE.loadback_fail)")]),
     "s18-deferred-frees-released-early": Mutant(
         "fsm-request", "frees deferred until a later pass returns are released at the first "
         "result (overlapped scheduling: the next pass still reads them)",
         (f"{_C}test_deferred_frees_wait_for_their_pass",),
-        [("fsm/request_table.py", "        while r.deferred and r.deferred[0][0] <= r.results:",
+        [("fsm/request/table.py", "        while r.deferred and r.deferred[0][0] <= r.results:",
           "        while r.deferred:  # BROKEN: every deferred free goes at the next result")]),
     "s19-fenced-layers-readable": Mutant(
         "fsm-request", "a failed loadback clears what the request waited on but does not mark its "
         "layers failed: a fenced request reads every layer as ready",
         (_seq("s17-fence-broken-on-loadback-failure"),),
-        [("fsm/completions.py", "        t.stop_waiting(r)\n        r.layers_failed = True\n        if not r.settled:",
+        [("fsm/request/completions.py", "        t.stop_waiting(r)\n        r.layers_failed = True\n        if not r.settled:",
           "        t.stop_waiting(r)  # BROKEN: layers not marked failed\n        if not r.settled:")]),
     "s20-publish-leaks-old-lock": Mutant(
         "fsm-request", "publishing moves the request's lock to the new terminal without releasing "
         "the old lock",
         (_seq("s20-publish-leaks-old-lock"),),
-        [("fsm/forward.py", "            new_lock = core.lock(result.node, r.request_id)\n"
+        [("fsm/request/forward.py", "            new_lock = core.lock(result.node, r.request_id)\n"
                             "            if r.lock is not None:\n                core.unlock(r.lock)\n"
                             "            r.lock = new_lock",
           "            r.lock = core.lock(result.node, r.request_id)  # BROKEN: the old lock leaks")]),
@@ -280,15 +280,15 @@ SEMANTIC: dict[str, Mutant] = {
         "fsm-request", "finish starts the request's own writeback but does not wait on it: the "
         "request stays finishing forever and never releases",
         (_seq("s21-finish-forgets-own-writeback"),),
-        [("fsm/request_ends.py", "        self.table.fire(r, \"finish\")\n        self._wait_own(r, cmd)\n",
-          "        self.table.fire(r, \"finish\")  # BROKEN: its own writeback is not waited on\n")]),
+        [("fsm/request/ends.py", "        self.table.fire(r, RE.finish)\n        self._wait_own(r, cmd)\n",
+          "        self.table.fire(r, RE.finish)  # BROKEN: its own writeback is not waited on\n")]),
     "s22-overlapped-reserve-restarts": Mutant(
         "fsm-request", "a pass reserved while the previous one is out starts where the computed "
         "tokens end, so it reserves no new room",
         (f"{_C}test_overlapped_reserve_starts_after_the_pass_out",),
-        [("fsm/admission.py", "        start = r.reserved if r.passes > r.results else r.tokens",
+        [("fsm/request/admission.py", "        start = r.reserved if r.passes > r.results else r.tokens",
           "        start = r.tokens  # BROKEN: ignores the pass out"),
-         ("fsm/admission.py", "        upto = (r.reserved if r.passes > r.results else r.tokens) + tokens",
+         ("fsm/request/admission.py", "        upto = (r.reserved if r.passes > r.results else r.tokens) + tokens",
           "        upto = r.tokens + tokens  # BROKEN: ignores the pass out")]),
     # -- facade (src/kvtier/tiered.py) ---------------------------------------------------------
     "s23-poll-quota-off-by-one": Mutant(

@@ -64,7 +64,7 @@ from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, ConfigError, D
 from kvtier.fsm import GroupTransfer, TransferCommand
 from kvtier.fsm import CacheCore as Core  # the one import of the core class
 from kvtier.fsm.errors import CapacityError
-from kvtier.fsm.eviction import EvictionPolicy
+from kvtier.fsm.node.eviction import EvictionPolicy
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.node import HOST_VISIBLE, LockReceipt, Node, NodeReceipt, PageMap
 
@@ -129,7 +129,7 @@ def _keys(n: Node) -> tuple[bytes, ...]:
 
 
 class _Victims:
-    """The core's eviction policy, decorated (an :class:`~kvtier.fsm.eviction.EvictionPolicy`).
+    """The core's eviction policy, decorated (an :class:`~kvtier.fsm.node.eviction.EvictionPolicy`).
 
     Records every node the core considered for host eviction (so the manager learns which
     chunks it evicted: ``evicted_keys`` and removal events), and can restrict the device
@@ -183,7 +183,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             ``store_threshold``; 1: store on the first offer). Offers are counted in a
             least-recently-offered table of ``max_tracker_size`` keys.
         max_tracker_size: keys the offer counter tracks (with ``store_threshold >= 2``).
-        eviction: the core's host eviction policy (:data:`kvtier.fsm.eviction.POLICIES`:
+        eviction: the core's host eviction policy (:data:`kvtier.fsm.node.eviction.POLICIES`:
             ``"lru"``, ``"lru_turns"``, ``"lru2"``).
         chain: hang a store's run of chunks under its stored parent chunk (one radix
             tree per conversation: a head is never evicted before its tails). ``False``:

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvtier.fsm.names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE
-from kvtier.fsm.spec import INTERNAL, LifecycleSpec, TransitionSpec, load_spec
+from kvtier.fsm.lifecycle.names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE
+from kvtier.fsm.lifecycle.spec import INTERNAL, LifecycleSpec, TransitionSpec, load_spec
 
 __all__ = ["CheckResult", "Violation", "check_log", "check_records", "read_log"]
 
 # The guards' meanings, as spec/lifecycle.toml's [node.guards] docs state them, over the
-# node state sets the spec's [node.resources] declare (kvtier.fsm.names derives them):
+# node state sets the spec's [node.resources] declare (kvtier.fsm.lifecycle.names derives them):
 #: parent_readable: its device pages may be read by any request (device, writing, backed)
 _READABLE = DEVICE_READABLE
 #: parent_on_device / has_device_child: holds device pages (also loading)

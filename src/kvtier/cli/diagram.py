@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtier.fsm.spec import INTERNAL, LifecycleSpec, load_spec
+from kvtier.fsm.lifecycle.spec import INTERNAL, LifecycleSpec, load_spec
 
 __all__ = ["FORMATS", "TEXT_FORMATS", "render", "write_diagrams", "check_diagrams", "DiagramError"]
 

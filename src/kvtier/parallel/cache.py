@@ -24,10 +24,10 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from kvtier.fsm import Completion
-from kvtier.fsm.ops import LayerProgress, Settled
+from kvtier.fsm.node.ops import LayerProgress, Settled
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.node import Node, PageMap
-from kvtier.fsm.batch import ForwardResult, Reservation, StepOutcome
+from kvtier.fsm.request.batch import ForwardResult, Reservation, StepOutcome
 from kvtier.fsm.request import Admission, PollResult
 
 from ..tiered import TieredCache

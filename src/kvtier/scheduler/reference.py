@@ -9,7 +9,7 @@ from time import perf_counter
 from typing import Any
 
 from kvtier.fsm import Direction, TransferCommand
-from kvtier.fsm.batch import OK, SHORT
+from kvtier.fsm.request.batch import OK, SHORT
 
 from ..replay.costmodel import CostModel
 from ..tiered import Admission, Reservation, TieredCache

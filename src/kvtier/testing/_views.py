@@ -3,7 +3,7 @@
 The kit's machines check invariants against the state of the system under test: the
 tree's nodes, the operations in flight, the receipts, the facade's request records.
 Every such read goes through one function here, so that the kit depends on the
-read-only views of :class:`~kvtier.fsm.core.CacheCore`'s parts and of
+read-only views of :class:`~kvtier.fsm.node.core.CacheCore`'s parts and of
 :class:`~kvtier.tiered.TieredCache` in this module only. Accessors return snapshots
 (copies) unless they say otherwise: callers only read them.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.node import LockReceipt, Node, NodeReceipt
-from kvtier.fsm.ops import Operation
+from kvtier.fsm.node.ops import Operation
 from kvtier.fsm.records import StoreCommand, TransferCommand
 
 if TYPE_CHECKING:

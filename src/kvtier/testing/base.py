@@ -24,7 +24,7 @@ from kvtier.fsm import CacheGroupSpec, ComponentSpec, Family
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.presets import preset
 from kvtier.fsm.request import TERMINAL as _REQUEST_TERMINAL
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 
 from .sequence import EventSequence, Step, machine_name
 

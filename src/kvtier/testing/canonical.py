@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.fsm import Direction, WritePolicy
 from kvtier.fsm.errors import InvariantViolation
-from kvtier.fsm.machines import request_lifecycle
+from kvtier.fsm.lifecycle.machines import request_lifecycle
 from kvtier.fsm.node import Node
 from kvtier.fsm.request import TERMINAL
 

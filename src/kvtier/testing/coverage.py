@@ -16,7 +16,7 @@ guard value some transition accepts with; a guard value that only refuses (``unl
 false``, ``has_device_child = true``) is exempt, since a correct core never fires a
 trigger its guards refuse, and so are rejections.
 
-Recording wraps :meth:`kvtier.fsm.machines.Lifecycle.fire` and ``check`` in the test
+Recording wraps :meth:`kvtier.fsm.lifecycle.machines.Lifecycle.fire` and ``check`` in the test
 process (``with coverage.recording(): ...``); ``fsm/`` itself is not changed. A guard's
 value is recorded whenever a candidate transition that names it is considered.
 """
@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.fsm.errors import IllegalTransition
-from kvtier.fsm.machines import Lifecycle
-from kvtier.fsm.spec import INTERNAL, Specification, TransitionSpec, load_spec
+from kvtier.fsm.lifecycle.machines import Lifecycle
+from kvtier.fsm.lifecycle.spec import INTERNAL, Specification, TransitionSpec, load_spec
 
 __all__ = ["CoverageItem", "LifecycleCoverage", "transition_label", "UNREACHABLE_BY_PRODUCT"]
 
 #: Spec transitions a correct core and facade never take, with the reason (exempt from
 #: the product requirement, listed in every report; the raw request machine fires them).
-#: Abort poisons the request's own writebacks (``fsm/request_ends.py``, ``Ender.abort``),
+#: Abort poisons the request's own writebacks (``fsm/request/ends.py``, ``Ender.abort``),
 #: so in ``aborting`` they always end in ``writeback_fail``; and an aborting request owns
 #: at most one writeback (from ``finishing`` or ``retracting``, both entered settled: no
 #: forward result, no loadback), so that failure always settles it.
@@ -49,7 +49,7 @@ UNREACHABLE_BY_PRODUCT: dict[str, str] = {
     "request: aborting --writeback_fail [!settled]--> aborting":
         "an aborting request's own writeback is its only owed item (finishing and retracting are entered settled)",
     "node: fetching --split--> fetching":
-        "an L3 get reserves one node per unit (fsm/fetch.py), and a split cuts inside a node, so a fetching "
+        "an L3 get reserves one node per unit (fsm/node/fetch.py), and a split cuts inside a node, so a fetching "
         "node is never split",
 }
 

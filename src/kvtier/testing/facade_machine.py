@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from kvtier.fsm import Completion, Direction
-from kvtier.fsm.batch import OK, REFUSED, SHORT, SKIPPED, Reservation
+from kvtier.fsm.request.batch import OK, REFUSED, SHORT, SKIPPED, Reservation
 from kvtier.fsm.errors import (DuplicateCompletion, InvariantViolation, KvtierError, LifecycleError, UnknownOperation,
                                UsageError)
 from kvtier.fsm.layout import CacheLayout
-from kvtier.fsm.machines import request_lifecycle
+from kvtier.fsm.lifecycle.machines import request_lifecycle
 from kvtier.fsm.node import HOST_VISIBLE, Node
-from kvtier.fsm.ops import Operation
+from kvtier.fsm.node.ops import Operation
 
 from ..eventlog import attach_active
 from ..tiered import TieredCache

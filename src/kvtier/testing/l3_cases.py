@@ -10,7 +10,7 @@
   forgetting an owner with nothing finished, removing no keys): each returns the
   documented "nothing" value and changes nothing.
 - :data:`CORRUPTIONS`: on a deep copy of one instance, a state the ``l3_*`` invariants
-  (:func:`kvtier.fsm.l3checks.check_l3`, :meth:`kvtier.fsm.fetch.FetchTable.check`) forbid;
+  (:func:`kvtier.fsm.l3.checks.check_l3`, :meth:`kvtier.fsm.node.fetch.FetchTable.check`) forbid;
   the check must raise :class:`~kvtier.fsm.errors.InvariantViolation` naming the
   invariant.
 
@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import ConfigError, KvtierError
 from kvtier.fsm.l3 import L3Options, L3Tier, StoreOp, StoreResult
-from kvtier.fsm.machines import l3_lifecycle, node_lifecycle
-from kvtier.fsm.names import HOST_VISIBLE, L3_STATE, NODE_STATE
+from kvtier.fsm.lifecycle.machines import l3_lifecycle, node_lifecycle
+from kvtier.fsm.lifecycle.names import HOST_VISIBLE, L3_STATE, NODE_STATE
 from kvtier.fsm.node import Node
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 
 from . import _views as views
 from .base import kit_layout

@@ -1,4 +1,4 @@
-"""The L3 machine: two instances, each a :class:`~kvtier.fsm.core.CacheCore` with an
+"""The L3 machine: two instances, each a :class:`~kvtier.fsm.node.core.CacheCore` with an
 :class:`~kvtier.fsm.l3.L3Tier`, sharing one fake store that misbehaves.
 
 It drives the product the way two engines and a store driver would: requests publish

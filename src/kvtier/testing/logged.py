@@ -6,7 +6,7 @@ the end of the example replay the log through ``kvtier check``
 (:func:`kvtier.cli.check.check_records`): every node and request transition the recorder saw
 must be one of the spec's, with the guards it evaluated, and the operations must end once.
 This checks the event log (what an engine ships to ``kvtier check``) against the run that
-produced it, and drives the lifecycle observer (:attr:`kvtier.fsm.machines.Lifecycle.observer`).
+produced it, and drives the lifecycle observer (:attr:`kvtier.fsm.lifecycle.machines.Lifecycle.observer`).
 No example records while another recorder is installed (``kvtier fuzz --event-log``).
 """
 

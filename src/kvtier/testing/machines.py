@@ -9,7 +9,7 @@ with one job each:
   checks, configuration), the run counters and the kit's small layout;
 - :mod:`kvtier.testing.content`: the byte-content model behind invariant 12;
 - :mod:`kvtier.testing.core_machine`: :class:`CoreMachine` drives a
-  :class:`~kvtier.fsm.core.CacheCore` the way a scheduler plus a transfer engine
+  :class:`~kvtier.fsm.node.core.CacheCore` the way a scheduler plus a transfer engine
   would (inserts, matches, locks, loadbacks, writebacks, completions in any order across
   ranks, failures, deadlines, pressure), with the byte-content model;
 - :mod:`kvtier.testing.facade_machine`: :class:`FacadeMachine` drives the

@@ -12,7 +12,7 @@ checked by the machine, as for every case).
 Most variants go through the calls an engine makes (:class:`~kvtier.tiered.TieredCache`,
 :class:`~kvtier.fsm.CacheCore`, the records of :mod:`kvtier.fsm`); a few call the public
 part that is the only way in: the cache's page allocators (``core.device[g]``,
-:class:`~kvtier.fsm.pages.PageAllocator`: the core checks counts and ownership first),
+:class:`~kvtier.fsm.node.pages.PageAllocator`: the core checks counts and ownership first),
 ``kvtier.fsm.checks.as_int`` with an open lower bound (no kvtier call passes one) and the
 spec parser. :func:`run_variant` is what the machine and tests/test_misuse_cases.py call.
 """
@@ -31,10 +31,10 @@ from kvtier.fsm.checks import as_int
 from kvtier.fsm.errors import (CapacityError, ConfigError, GuardRejected, InvariantViolation, KvtierError,
                                SpecNameError, UnknownOperation, UsageError)
 from kvtier.fsm.layout import CacheLayout
-from kvtier.fsm.names import NODE_EVENT, NODE_STATE
-from kvtier.fsm.pages import MAX_POOL_PAGES, PageAllocator
+from kvtier.fsm.lifecycle.names import NODE_EVENT, NODE_STATE
+from kvtier.fsm.node.pages import MAX_POOL_PAGES, PageAllocator
 from kvtier.fsm.presets import preset
-from kvtier.fsm.spec import parse_spec, spec_text
+from kvtier.fsm.lifecycle.spec import parse_spec, spec_text
 
 from ..tiered import TieredCache
 from .base import PRESET_PARAMS, kit_layout

@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, Direction, Family
-from kvtier.fsm.core import CacheCore
+from kvtier.fsm.node.core import CacheCore
 from kvtier.fsm.errors import InvariantViolation, KvtierError
 from kvtier.fsm.layout import CacheLayout
-from kvtier.fsm.names import NODE_STATE
+from kvtier.fsm.lifecycle.names import NODE_STATE
 from kvtier.fsm.presets import preset
 from kvtier.fsm.records import GroupTransfer, TransferCommand
-from kvtier.fsm.spec import load_spec, parse_spec, spec_text
+from kvtier.fsm.lifecycle.spec import load_spec, parse_spec, spec_text
 
 from ..tiered import TieredCache
 from . import _views as views

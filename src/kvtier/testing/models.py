@@ -11,7 +11,7 @@ reimplementation says it must answer:
   and every loadback it waits on reached ``layer`` on *every* rank (the slowest rank
   counts; an off-by-one or progress taken from the fastest rank disagrees).
 - :func:`eviction_key` / :func:`check_eviction_order`: a shadow of the eviction order.
-  The documented policies (``fsm/eviction.py``: ``lru``, ``lru2`` and the exclusive host
+  The documented policies (``fsm/node/eviction.py``: ``lru``, ``lru2`` and the exclusive host
   tier) are reimplemented here; after an eviction call every node it took must come
   before, in the policy's order, every candidate it left behind.
 - Liveness (:func:`liveness_bound`): after a bounded number of rounds of "poll, deliver
@@ -122,7 +122,7 @@ class LayerModel:
 # -- eviction order ----------------------------------------------------------------------
 
 def eviction_key(n: Node, policy: str, tier: str, exclusive: bool, window: int = 0) -> tuple[int, ...]:
-    """The documented order of ``fsm/eviction.py``, restated: ``lru`` is oldest use first,
+    """The documented order of ``fsm/node/eviction.py``, restated: ``lru`` is oldest use first,
     then deepest, then node id; ``lru_turns`` adds ``window x log2(turns)`` (linear
     between powers of two) to the last use, on both tiers; ``lru2`` orders the host by the
     second-to-last use by a distinct request first; an exclusive host tier takes nodes a

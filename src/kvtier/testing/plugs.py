@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvtier.fsm import Completion, Direction
-from kvtier.fsm.batch import SHORT
+from kvtier.fsm.request.batch import SHORT
 from kvtier.fsm.records import TransferCommand
 
 from ..tiered import Admission, ForwardResult, PollResult, Reservation, TieredCache

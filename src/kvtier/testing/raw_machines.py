@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from kvtier.fsm.errors import InvariantViolation, LifecycleError
-from kvtier.fsm.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.spec import load_spec
 
 from .base import TERMINAL, KitMachine, recorded
 from .sequence import register_machine

@@ -28,7 +28,7 @@ from typing import Any
 
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from kvtier.fsm.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
 
 from .machines import FacadeMachine, KitMachine
 from .sequence import EventSequence, Step, check_all, classify, machine_name

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 
 from . import _views as views
 from .models import ModelViolation
