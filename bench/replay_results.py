@@ -103,7 +103,7 @@ def render() -> str:
 
 NOTES = """Reading the tables:
 - The exact counts (hits, tokens computed, bytes and pages moved) are the headline; times to
-  first token are modeled by `kvtier.costmodel` (constants and sources in its docstring).
+  first token are modeled by `kvtier.replay.costmodel` (constants and sources in its docstring).
 - DeepSeek V4 needs exact continuation state: the history-only bound shows the hit a
   history-only rule would allow; the gap is the price of invariant 15.
 - On the H200, the measured transfer time is the backend's CUDA-event time of its flushes, the

@@ -345,7 +345,7 @@ class TieredCache:
         return self.outstanding().quiescent
 
     def check_invariants(self) -> None:
-        """The core's invariants plus the requests' (:func:`kvtier.fsm.fence.check_all`):
+        """The core's invariants plus the requests' (:func:`kvtier.fsm.request.fence.check_all`):
         raises InvariantViolation naming the invariant and the request or node."""
         check_all(self._table)
 

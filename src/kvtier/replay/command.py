@@ -364,7 +364,7 @@ MULTI_DEFAULTS = {"preset": "llama-3-8b", "layers": 2, "page_tokens": 512, "poli
                   "exclusive": False}
 
 _ROUTERS = ("round-robin", "conversation")  # .router.ROUTERS (not imported: the parser stays light)
-_WRITE_POLICIES = ("host_write", "selective", "host_eviction")  # kvtier.fsm.l3options.WRITE_POLICIES
+_WRITE_POLICIES = ("host_write", "selective", "host_eviction")  # kvtier.fsm.l3.options.WRITE_POLICIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
