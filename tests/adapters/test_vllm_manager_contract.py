@@ -10,7 +10,8 @@
 # - this header, the block after vLLM's imports (the `manager_kind` fixture: every case runs
 #   for both managers; VLLM_INTERNALS: the cases that assert vLLM internals are skipped for
 #   kvtier, each with its reason);
-# - make_cpu_manager builds the manager of the running kind (for kvtier, cache_policy is not
+# - make_cpu_manager builds the manager of the running kind (for kvtier: a model of two
+#   full-attention KV cache groups, as the cases use group indices 0 and 1; cache_policy is not
 #   passed: it names vLLM's policies, and kvtier's spec refuses them);
 # - verify_store_output / verify_load_output compare kvtier's host slots with the slots vLLM
 #   gives the same keys (kvtier hands out freed slots before never-used ones: docs/vllm.md,
@@ -56,6 +57,7 @@ pytestmark = pytest.mark.vllm
 #: case (function or class name) -> why it does not apply to kvtier's manager
 VLLM_INTERNALS = {
     "test_cpu_manager_reports_allocation_size_on_allocation_failure": "patches CPUOffloadingManager._allocate_chunks",
+    "test_cpu_manager": "asserts vLLM lru's order for keys without token positions, heads first (kvtier: tails)",
     "test_lru_batch_eviction_failure_is_atomic": "calls vLLM's LRUCachePolicy (manager._policy) directly",
     "test_lru_repeated_pin_cycles_compact_lazy_heap_entries": "asserts the size of LRUCachePolicy's private heap",
     "test_reset_discards_stale_request_access_classification": "asserts vLLM's ARC lists (manager._policy.t1/t2)",
@@ -116,7 +118,9 @@ def make_cpu_manager(
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
         )
-        return make_spec(extra, enable_events=enable_events).get_manager()
+        # two full-attention KV cache groups: the cases use group indices 0 and 1
+        spec = make_spec(extra, enable_events=enable_events, groups=(None, None))
+        return spec.get_manager()
     return CPUOffloadingManager(
         num_chunks=num_chunks,
         cache_policy=cache_policy,

@@ -24,7 +24,8 @@ from vllm.v1.kv_offload.config import (  # type: ignore[import-untyped, import-n
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-__all__ = ["KVTIER_SPEC", "kvtier_extra_config", "make_spec", "offloading_config"]
+__all__ = ["KVTIER_SPEC", "kvtier_extra_config", "make_spec", "offloading_config", "prometheus_recorder",
+           "vllm_config"]
 
 #: ``kv_connector_extra_config`` keys that select kvtier's spec (``vllm serve
 #: --kv-transfer-config``, docs/vllm.md)
@@ -69,3 +70,36 @@ def make_spec(extra_config: Mapping[str, Any], **config: Any) -> Any:
     """The spec vLLM's ``OffloadingSpecFactory`` creates for ``extra_config`` (keyword
     arguments: :func:`offloading_config`'s)."""
     return OffloadingSpecFactory.create_spec(offloading_config(extra_config, **config))
+
+
+def vllm_config(extra_config: Mapping[str, Any], block_tokens: int = 16) -> Any:
+    """A ``VllmConfig`` on the CPU device with the ``OffloadingConnector`` configured by
+    ``extra_config`` and GPU prefix caching on (no model: its config needs a model hub).
+    Import :mod:`kvtier.adapters.vllm_stubs` first on a ``--no-deps`` install."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+    return VllmConfig(device_config=DeviceConfig(device="cpu"),
+                      cache_config=CacheConfig(block_size=block_tokens, enable_prefix_caching=True),
+                      kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                                          kv_connector_extra_config=dict(extra_config)))
+
+
+def prometheus_recorder(config: Any) -> tuple[Any, Any]:
+    """vLLM's own Prometheus recorder for the KV connector of ``config`` (``KVConnectorProm``:
+    for the ``OffloadingConnector`` it builds ``OffloadPromMetrics`` from the spec's metric
+    definitions, as ``vllm serve``'s stats logger does), on a registry of its own; returns
+    (recorder, registry). ``recorder.observe(stats.data, 0)`` records one stats payload,
+    engine 0 labelled ``model_name="model"``, ``engine="0"``."""
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+    registry = CollectorRegistry()
+
+    class Recorder(KVConnectorProm):  # type: ignore[misc, unused-ignore]
+        _gauge_cls = partial(Gauge, registry=registry)
+        _counter_cls = partial(Counter, registry=registry)
+        _histogram_cls = partial(Histogram, registry=registry)
+
+    return Recorder(config, ["model_name", "engine"], {0: ["model", "0"]}), registry
