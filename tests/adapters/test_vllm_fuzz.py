@@ -1,7 +1,8 @@
-"""kvtier.testing's machine for the vLLM adapter: vLLM's call sequence with failed stores
-and loads, aborts of queued, running and preempted requests, preemption and re-admission,
-full-attention-only and hybrid (full + sliding-window) models. Every invariant is checked
-after every step, and nothing may be left after draining (``check_drained``)."""
+"""kvtier.testing's machine for the vLLM adapter inside vLLM's real offloading connector:
+late and failed stores and loads, aborts of queued, loading and running requests,
+preemption and re-admission, full-attention-only and hybrid (full + sliding-window)
+models. Every invariant is checked after every step, and nothing may be left after
+draining (``check_drained``)."""
 
 import pytest
 from vllm_guard import require_vllm

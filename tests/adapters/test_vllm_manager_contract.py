@@ -9,7 +9,7 @@
 # spec_module_path). What kvtier changed in vLLM's file, each place marked "kvtier:":
 # - this header, the block after vLLM's imports (the `manager_kind` fixture: every case runs
 #   for both managers; VLLM_INTERNALS: the cases that assert vLLM internals are skipped for
-#   kvtier, each with its reason);
+#   kvtier, each with its reason; VLLM_FAILS: the case vLLM's own manager fails, marked xfail);
 # - make_cpu_manager builds the manager of the running kind (for kvtier: a model of two
 #   full-attention KV cache groups, as the cases use group indices 0 and 1; cache_policy is not
 #   passed: it names vLLM's policies, and kvtier's spec refuses them);
@@ -72,6 +72,12 @@ VLLM_INTERNALS = {
     "test_arc_pending_chunk_is_not_a_frequency_hit": "asserts vLLM's ARC lists",
 }
 
+#: case -> why vLLM 0.33.0's own manager fails it (expected to fail, strictly)
+VLLM_FAILS = {
+    "test_cpu_manager": "the 0.33.0 wheel also reports a failed store's chunk as a removed "
+    "(metadata_only) event, which this copy of the case does not expect",
+}
+
 _KIND = "vllm"
 #: kvtier: the slot vLLM gives a key -> the slot kvtier gave it (the same keys stored alike)
 _SLOTS: dict[int, int] = {}
@@ -87,6 +93,10 @@ def manager_kind(request):
         )
         if reason:
             pytest.skip(f"vLLM internals: {reason}")
+    elif request.node.originalname in VLLM_FAILS:
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason=VLLM_FAILS[request.node.originalname])
+        )
     _KIND = request.param
     _SLOTS.clear()
     yield request.param

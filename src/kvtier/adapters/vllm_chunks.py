@@ -298,3 +298,22 @@ class ChunkTier:
         """Stamp the recency of ``node``'s path (a lock and an unlock on the core's
         logical clock)."""
         self.core.unlock(self.core.lock(node, owner=owner))
+
+    def stamp_heads(self, order: Any, node: Node, st: Any) -> None:
+        """Stamp, after ``node``, the chunks of request ``st`` that precede it in another
+        tree (a run stored under the root because its parent was not acknowledged on the
+        host), following the request's chain ``order``: a head then stays more recent
+        than its tail."""
+        seen: set[int] = set()
+        n = node
+        while True:
+            top = self.top(n)
+            c = st.coord.get(node_keys(top)[0])
+            pc = order.pred(c, st) if c is not None else None
+            pk = st.seq.get(pc) if pc is not None else None
+            p = self.resolve(pk) if pk is not None else None
+            if p is None or p.node_id in seen or self.top(p) is top:
+                return
+            seen.add(p.node_id)
+            self.stamp(p, st.req_id)
+            n = p

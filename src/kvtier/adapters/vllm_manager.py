@@ -16,7 +16,6 @@ manager's contract (``tests/adapters/test_vllm_manager_contract.py`` runs vLLM's
 from __future__ import annotations
 
 import itertools
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -34,12 +33,12 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, import-not
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-from kvtier.fsm import ConfigError, KvtierError, UsageError
+from kvtier.fsm import ConfigError, UsageError
 from kvtier.fsm.node import HOST_VISIBLE, Node
 
-from .vllm_chunks import ChunkTier, node_keys
+from .vllm_chunks import ChunkTier
 from .vllm_records import (ChainOrder, LoadRecord, OfferCounter, RequestRecord, StoreRecord, check_ctx, check_key,
-                           check_keys, short_hex)
+                           check_keys, check_records, short_hex)
 from .vllm_stats import CONFIG_INFO_KEYS, manager_stats
 
 __all__ = ["KvtierOffloadingManager"]
@@ -94,9 +93,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         self.chain = chain
         self.medium = Medium.CPU
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
-        #: seconds spent inside this manager's calls (scheduler-side time), and the calls
-        self.busy_s = 0.0
-        self.calls = 0
         self.refused_stores = 0
         self.rootless_chunks = 0
         self.evicted_chunks = 0
@@ -135,29 +131,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             st = self._reqs[ctx.req_id] = RequestRecord(ctx.req_id)
         return st
 
-    def _timed(self, t0: float) -> None:
-        self.busy_s += time.perf_counter() - t0
-        self.calls += 1
-
-    def _stamp_heads(self, node: Node, st: RequestRecord) -> None:
-        """Stamp, after ``node``, the request's chunks that precede it in another tree
-        (a run stored under the root because its parent was not on the host): a head
-        then stays more recent than its tail."""
-        tier = self.tier
-        seen: set[int] = set()
-        n = node
-        while True:
-            top = tier.top(n)
-            c = st.coord.get(node_keys(top)[0])
-            pc = self.order.pred(c, st) if c is not None else None
-            pk = st.seq.get(pc) if pc is not None else None
-            p = tier.resolve(pk) if pk is not None else None
-            if p is None or p.node_id in seen or tier.top(p) is top:
-                return
-            seen.add(p.node_id)
-            tier.stamp(p, st.req_id)
-            n = p
-
     def _held(self) -> Iterator[Node]:
         """Nodes the host must keep: pinned by loads in flight or being written."""
         for st in self._reqs.values():
@@ -181,9 +154,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
 
     # ------------------------------------------------------------------ vLLM API
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        t0 = time.perf_counter()
         self._req(check_ctx(req_context, "on_new_request"))
-        self._timed(t0)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -193,7 +164,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         Raises:
             UsageError: ``key`` is not an OffloadKey, or ``req_context`` not a ReqContext.
         """
-        t0 = time.perf_counter()
         key = check_key(key, "lookup")
         ctx = check_ctx(req_context, "lookup")
         n = self.tier.resolve(key)
@@ -208,7 +178,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         st = self._reqs.get(ctx.req_id)
         if st is not None and out is not LookupResult.MISS:  # (a request vLLM announced)
             self.order.coord(key, ctx, st)
-        self._timed(t0)
         return out
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
@@ -225,7 +194,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             UsageError: bad keys (a key listed twice) or context, or a key without an
                 acknowledged host copy (lookup did not say HIT). Nothing changes.
         """
-        t0 = time.perf_counter()
         keys_ = check_keys(keys, "prepare_load", unique=True)
         ctx = check_ctx(req_context, "prepare_load")
         tier = self.tier
@@ -243,10 +211,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         pin = tier.core.pin(order, owner=st.req_id) if order else None
         locks = [tier.core.lock(n, owner=st.req_id) for n in order]
         if order:
-            self._stamp_heads(order[-1], st)
+            self.tier.stamp_heads(self.order, order[-1], st)
         st.loads.append(LoadRecord(frozenset(keys_), pin, locks))
         self._loading.update(keys_)
-        self._timed(t0)
         return CPULoadStoreSpec(slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -256,7 +223,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         Raises:
             UsageError: bad keys or context.
         """
-        t0 = time.perf_counter()
         keys_ = check_keys(keys, "touch", unique=False)
         ctx = check_ctx(req_context, "touch")
         done: set[int] = set()
@@ -265,7 +231,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if n is not None and n.node_id not in done:
                 done.add(n.node_id)
                 self.tier.stamp(n, ctx.req_id)
-        self._timed(t0)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Release the pin and locks taken by the :meth:`prepare_load` of these keys.
@@ -274,7 +239,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             UsageError: bad keys or context, or no load of exactly these keys is in flight
                 for the request (nothing changes).
         """
-        t0 = time.perf_counter()
         want = frozenset(check_keys(keys, "complete_load", unique=False))
         ctx = check_ctx(req_context, "complete_load")
         st = self._reqs.get(ctx.req_id)
@@ -289,13 +253,12 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         for lock in load.locks:
             core.unlock(lock)
         if load.locks and core.tree.has(load.locks[-1].node):
-            self._stamp_heads(load.locks[-1].node, st)
+            self.tier.stamp_heads(self.order, load.locks[-1].node, st)
         self._loading.subtract(want)
         for k in want:
             if self._loading[k] <= 0:
                 del self._loading[k]
         self._maybe_drop(st)
-        self._timed(t0)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Start the writeback of the offered chunks that the host does not hold yet.
@@ -316,12 +279,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         Raises:
             UsageError: bad keys (a key listed twice) or context; nothing changes.
         """
-        t0 = time.perf_counter()
-        try:
-            return self._prepare_store(check_keys(keys, "prepare_store", unique=True),
-                                       check_ctx(req_context, "prepare_store"))
-        finally:
-            self._timed(t0)
+        return self._prepare_store(check_keys(keys, "prepare_store", unique=True),
+                                   check_ctx(req_context, "prepare_store"))
 
     def _prepare_store(self, keys: list[bytes], ctx: ReqContext) -> PrepareStoreOutput | None:
         tier = self.tier
@@ -397,7 +356,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             self._pending[k] = store
         heads = {id(tier.top(n)): n for n in created}
         for n in heads.values():
-            self._stamp_heads(n, st)
+            self.tier.stamp_heads(self.order, n, st)
         keys_to_store = [k for k in keys if k in new_keys]
         slots = [tier.host_slot(tier.index[k], k) for k in keys_to_store]
         tier.sweep()
@@ -415,7 +374,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             UsageError: bad keys, context or ``success`` (not a bool), a key neither being
                 stored nor on the host, or keys covering part of one store; nothing changes.
         """
-        t0 = time.perf_counter()
         if type(success) is not bool:
             raise UsageError(f"complete_store: success must be a bool, got {type(success).__name__} {success!r:.40}")
         keys_ = check_keys(keys, "complete_store", unique=False)
@@ -447,15 +405,12 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if owner is not None:
                 self._maybe_drop(owner)
         self._event(done, removed=not success, metadata_only=not success)
-        self._timed(t0)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        t0 = time.perf_counter()
         st = self._reqs.get(check_ctx(req_context, "on_request_finished").req_id)
         if st is not None:
             st.finished = True
             self._maybe_drop(st)
-        self._timed(t0)
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         if self.events is None:
@@ -496,31 +451,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         return self.tier.used()
 
     def check_invariants(self) -> None:
-        """The core's invariants, then the adapter's: every store in flight names live
-        ``writing`` operations and is indexed by its keys, every load holds a live pin,
-        and every staged node holds a host copy or is being written.
+        """The core's invariants, then the adapter's (:func:`~kvtier.adapters.vllm_records.check_records`).
 
         Raises:
             InvariantViolation: from the core.
             KvtierError: an adapter record disagrees with the core.
         """
-        core = self.tier.core
-        core.check_invariants()
-        ops = core.operations()
-        indexed = 0
-        for r in self._reqs.values():
-            for s in r.stores:
-                missing = [o for o in s.op_ids if o not in ops]
-                if missing:
-                    raise KvtierError(f"request {r.req_id!r}: store ops {missing} are not in flight")
-                if any(self._pending.get(k) is not s for k in s.keys):
-                    raise KvtierError(f"request {r.req_id!r}: a store's keys are not indexed as in flight")
-                indexed += len(s.keys)
-            for ld in r.loads:
-                if (ld.pin is not None and ld.pin.released) or any(lk.released for lk in ld.locks):
-                    raise KvtierError(f"request {r.req_id!r}: a load's pin or lock was released early")
-        if indexed != len(self._pending):
-            raise KvtierError(f"{len(self._pending)} keys indexed as being stored, {indexed} in the stores in flight")
-        orphans = [n.node_id for n in core.nodes() if n.state == "device"]
-        if orphans:
-            raise KvtierError(f"nodes {orphans[:8]} hold only a staging copy (no host copy, no writeback)")
+        check_records(self.tier.core, self._reqs.values(), self._pending)

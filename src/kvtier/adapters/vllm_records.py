@@ -7,14 +7,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-from kvtier.fsm import UsageError
+from kvtier.fsm import KvtierError, UsageError
 from kvtier.fsm.node import LockReceipt, NodeReceipt
 
 __all__ = ["ChainOrder", "Coord", "LoadRecord", "OfferCounter", "RequestRecord", "StoreRecord", "check_ctx",
-           "check_key", "check_keys", "short_hex"]
+           "check_key", "check_keys", "check_records", "short_hex"]
 
 #: a full-attention chunk's place in its request: (end token position, KV cache group)
 Coord = tuple[int, int]
@@ -175,3 +176,33 @@ class OfferCounter:
                 unprotected -= 1
             counts[k] = 1
         return {k for k in keys if counts.get(k, 0) >= self.threshold}
+
+
+def check_records(core: Any, reqs: Iterable[RequestRecord], pending: Mapping[bytes, StoreRecord]) -> None:
+    """The core's invariants, then the manager's records against it: every store in
+    flight names live ``writing`` operations and is indexed by its keys, every load holds
+    a live pin, and every staged node holds a host copy or is being written.
+
+    Raises:
+        InvariantViolation: from the core.
+        KvtierError: a record disagrees with the core.
+    """
+    core.check_invariants()
+    ops = core.operations()
+    indexed = 0
+    for r in reqs:
+        for s in r.stores:
+            missing = [o for o in s.op_ids if o not in ops]
+            if missing:
+                raise KvtierError(f"request {r.req_id!r}: store ops {missing} are not in flight")
+            if any(pending.get(k) is not s for k in s.keys):
+                raise KvtierError(f"request {r.req_id!r}: a store's keys are not indexed as in flight")
+            indexed += len(s.keys)
+        for ld in r.loads:
+            if (ld.pin is not None and ld.pin.released) or any(lk.released for lk in ld.locks):
+                raise KvtierError(f"request {r.req_id!r}: a load's pin or lock was released early")
+    if indexed != len(pending):
+        raise KvtierError(f"{len(pending)} keys indexed as being stored, {indexed} in the stores in flight")
+    orphans = [n.node_id for n in core.nodes() if n.state == "device"]
+    if orphans:
+        raise KvtierError(f"nodes {orphans[:8]} hold only a staging copy (no host copy, no writeback)")
