@@ -97,26 +97,36 @@ class ChunkTier:
                               policy="write_through", eviction=eviction)
         self.victims = _Victims(self.core.eviction)
         self.core.eviction = self.victims
-        #: key -> the node that held it (a split moves a key into a new ancestor)
-        self.index: dict[bytes, Node] = {}
+        #: key -> (the node that held it, its offset from that node's end): a split keeps
+        #: a node's suffix and moves its prefix into a new parent, so the offset finds the
+        #: key again, in the node or walking up
+        self.index: dict[bytes, tuple[Node, int]] = {}
 
-    # ------------------------------------------------------------------ keys
     def resolve(self, key: bytes) -> Node | None:
-        """The live node holding ``key``, or None. A split moves a key into a new
-        ancestor (the split node keeps the suffix), so the walk goes up from the indexed
-        node."""
-        n: Node | None = self.index.get(key)
-        if n is None:
+        """The live node holding ``key``, or None."""
+        got = self.index.get(key)
+        if got is None:
             return None
-        start = n
-        while n is not None and n.parent is not None and key not in n.key:
-            n = n.parent
-        if n is None or n.parent is None or not self.core.tree.has(n):
+        n, d = got
+        k = n.key
+        if len(k) > d and k[-1 - d] == key and self.core.tree.has(n):
+            return n
+        a: Node | None = n
+        while a is not None and a.parent is not None and len(a.key) <= d:
+            d -= len(a.key)
+            a = a.parent
+        if a is None or a.parent is None or a.key[-1 - d] != key or not self.core.tree.has(a):
             del self.index[key]
             return None
-        if n is not start:
-            self.index[key] = n
-        return n
+        self.index[key] = (a, d)
+        return a
+
+    def add_to_index(self, n: Node) -> None:
+        """Index the keys of a new node."""
+        keys = node_keys(n)
+        last = len(keys) - 1
+        for i, k in enumerate(keys):
+            self.index[k] = (n, last - i)
 
     @staticmethod
     def path_to(node: Node, key: bytes) -> tuple[bytes, ...]:
@@ -262,8 +272,7 @@ class ChunkTier:
                 self.core.free_device(spare)
             created.extend(res.created)
             for n in res.created:
-                for k in node_keys(n):
-                    self.index[k] = n
+                self.add_to_index(n)
         op_ids = [c.op_id for c in self.core.issue_writebacks()]
         stuck = [n.node_id for n in created if n.state != "writing"]
         if stuck:

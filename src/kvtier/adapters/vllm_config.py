@@ -98,8 +98,8 @@ def prometheus_recorder(config: Any) -> tuple[Any, Any]:
     registry = CollectorRegistry()
 
     class Recorder(KVConnectorProm):  # type: ignore[misc, unused-ignore]
-        _gauge_cls = partial(Gauge, registry=registry)
-        _counter_cls = partial(Counter, registry=registry)
-        _histogram_cls = partial(Histogram, registry=registry)
+        _gauge_cls = partial(Gauge, registry=registry)  # type: ignore[assignment, unused-ignore]
+        _counter_cls = partial(Counter, registry=registry)  # type: ignore[assignment, unused-ignore]
+        _histogram_cls = partial(Histogram, registry=registry)  # type: ignore[assignment, unused-ignore]
 
     return Recorder(config, ["model_name", "engine"], {0: ["model", "0"]}), registry

@@ -234,7 +234,7 @@ class Engine:
         self.preempted_ids.add(r.req.request_id)
 
     def _want(self, r: EngineRequest, budget: int) -> int:
-        left = r.req.num_tokens - r.req.num_computed_tokens
+        left = int(r.req.num_tokens - r.req.num_computed_tokens)
         return max(0, min(left, budget, self.chunk if self.chunk is not None else left))
 
     # -------------------------------------------------------------- a step
@@ -269,9 +269,10 @@ class Engine:
         ext, is_async = 0, False
         if req.num_computed_tokens == 0:
             blocks, n_local, _ = self._kvm("get_computed_blocks", req)
-            ext, is_async = self.connector.get_num_new_matched_tokens(req, n_local)
-            if ext is None:
+            matched, is_async = self.connector.get_num_new_matched_tokens(req, n_local)
+            if matched is None:
                 return 0
+            ext = int(matched)
         else:
             blocks, n_local = self.kvm.empty_kv_cache_blocks, 0
         computed = req.num_computed_tokens + n_local + ext
@@ -342,12 +343,12 @@ class Engine:
             for r in holding + [r for r in self.waiting if r not in holding]:  # kv_holding_waiting first
                 if budget <= 0:
                     break
-                n = self._admit(r, budget, out)
-                if n is None:
+                got = self._admit(r, budget, out)
+                if got is None:
                     break
-                if n:
-                    sched[r.req.request_id] = n
-                    budget -= n
+                if got:
+                    sched[r.req.request_id] = got
+                    budget -= got
         cached = out["cached"]
         so = SchedulerOutput(
             scheduled_new_reqs=out["new"],

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # type: ignore[impor
 from kvtier.fsm import ConfigError, UsageError
 from kvtier.fsm.node import HOST_VISIBLE, Node
 
-from .vllm_chunks import ChunkTier
+from .vllm_chunks import GROUP, ChunkTier, node_keys
 from .vllm_records import (ChainOrder, LoadRecord, OfferCounter, RequestRecord, StoreRecord, check_ctx, check_key,
                            check_keys, check_records, short_hex)
 from .vllm_stats import CONFIG_INFO_KEYS, manager_stats
@@ -164,9 +164,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         Raises:
             UsageError: ``key`` is not an OffloadKey, or ``req_context`` not a ReqContext.
         """
-        key = check_key(key, "lookup")
         ctx = check_ctx(req_context, "lookup")
-        n = self.tier.resolve(key)
+        n = self.tier.resolve(check_key(key, "lookup"))
         if n is None:
             out = LookupResult.MISS
         elif n.state in HOST_VISIBLE:
@@ -177,7 +176,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             out = LookupResult.MISS
         st = self._reqs.get(ctx.req_id)
         if st is not None and out is not LookupResult.MISS:  # (a request vLLM announced)
-            self.order.coord(key, ctx, st)
+            self.order.coord(bytes(key), ctx, st)
         return out
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
@@ -283,45 +282,52 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                                    check_ctx(req_context, "prepare_store"))
 
     def _prepare_store(self, keys: list[bytes], ctx: ReqContext) -> PrepareStoreOutput | None:
-        tier = self.tier
+        tier, order = self.tier, self.order
         st = self._req(ctx)
         eligible = self._offers.offer(keys) if self._offers is not None else None
-        chained: list[tuple[tuple[int, int], bytes]] = []
+        chained: list[tuple[tuple[int, int], bytes, int]] = []
         flat: list[bytes] = []
         reused: dict[int, Node] = {}
         skipped = 0
-        for key in keys:
-            c = self.order.coord(key, ctx, st)
+        prev: Node | None = None
+        for i, key in enumerate(keys):
             n = tier.resolve(key)
             if n is not None:
                 if n.state in HOST_VISIBLE:
                     reused[n.node_id] = n
+                    if self.chain and prev is not None and n is not prev and n.parent is not prev:
+                        order.coord(keys[i - 1], ctx, st)  # a tree boundary inside the prefix: the
+                        order.coord(key, ctx, st)  # request's order across it (stamp_heads)
+                prev = n
                 continue  # (being stored by another call: it becomes visible on its ack)
+            prev = None
             if eligible is not None and key not in eligible:
                 skipped += 1
                 continue
-            if c is None or not self.chain:
+            c = order.coord(key, ctx, st) if self.chain else None
+            if c is None:
                 flat.append(key)
             else:
-                chained.append((c, key))
+                chained.append((c, key, i))
         self.stores_skipped += skipped
         self._batch_skipped += skipped
-        for n in reversed(list(reused.values())):  # a reuse: the offer's head the most recent
-            tier.stamp(n, st.req_id)
+        if keys and self.chain:
+            order.coord(keys[-1], ctx, st)  # the parent of the request's next store, likely
         if not chained and not flat:
+            self._stamp_reused(reused.values(), (), st)
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         need = len(chained) + len(flat)
         self._batch_alloc.append(need)  # refused calls count too, as vLLM's
+        runs: list[list[tuple[tuple[int, int], bytes, int]]] = []
+        for item in sorted(chained):
+            if runs and order.follows(item[0], runs[-1][-1][0], st):
+                runs[-1].append(item)
+            else:
+                runs.append([item])
         paths: list[tuple[bytes, ...]] = []
         parents: dict[int, Node] = {}
-        runs: list[list[tuple[tuple[int, int], bytes]]] = []
-        for c, key in sorted(chained):
-            if runs and self.order.pred(c, st) == runs[-1][-1][0]:
-                runs[-1].append((c, key))
-            else:
-                runs.append([(c, key)])
         for run in reversed(runs):  # the deepest run inserted (stamped) first
-            pc = self.order.pred(run[0][0], st)
+            pc = self._parent_coord(run[0], keys, ctx, st)
             pkey = st.seq.get(pc) if pc is not None else None
             parent = tier.resolve(pkey) if pkey is not None else None
             prefix: tuple[bytes, ...] = ()
@@ -330,13 +336,14 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                 parents[parent.node_id] = parent
             elif pc is not None:
                 self.rootless_chunks += len(run)  # parent in vLLM's GPU cache, or still being written
-            paths.append(prefix + tuple(k for _, k in run))
+            paths.append(prefix + tuple(k for _, k, _ in run))
         paths.extend((k,) for k in reversed(flat))  # the last offered goes first
         guarded = {**reused, **parents}
         if not tier.can_free(need, itertools.chain(guarded.values(), self._held())):
+            self._stamp_reused(reused.values(), (), st)
             self.refused_stores += 1
             return None
-        pages = []
+        pages: list[dict[str, list[int]]] = []
         for path in paths:  # staging before eviction: a refusal must change nothing stored
             pm = tier.stage(len(path))
             if pm is None:
@@ -348,20 +355,50 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         evicted = tier.make_room(need, guarded.values())
         self.evicted_chunks += len(evicted)
         self._event(evicted, removed=True)
+        self._stamp_reused(reused.values(), parents.values(), st)
         created, op_ids = tier.insert(paths, pages)
-        new_keys = frozenset(k for _, k in chained) | frozenset(flat)
-        store = StoreRecord(new_keys, op_ids, st.req_id)
+        slot = {k: s for n in created for k, s in zip(node_keys(n), n.pending[GROUP])}
+        store = StoreRecord(frozenset(slot), op_ids, st.req_id)
         st.stores.append(store)
-        for k in new_keys:
+        for k in slot:
             self._pending[k] = store
         heads = {id(tier.top(n)): n for n in created}
         for n in heads.values():
-            self.tier.stamp_heads(self.order, n, st)
-        keys_to_store = [k for k in keys if k in new_keys]
-        slots = [tier.host_slot(tier.index[k], k) for k in keys_to_store]
+            tier.stamp_heads(order, n, st)
+        keys_to_store = [k for k in keys if k in slot]
         tier.sweep()
         return PrepareStoreOutput(keys_to_store=[OffloadKey(k) for k in keys_to_store],
-                                  store_spec=CPULoadStoreSpec(slots), evicted_keys=[OffloadKey(k) for k in evicted])
+                                  store_spec=CPULoadStoreSpec([slot[k] for k in keys_to_store]),
+                                  evicted_keys=[OffloadKey(k) for k in evicted])
+
+    def _parent_coord(self, first: tuple[tuple[int, int], bytes, int], keys: list[bytes], ctx: ReqContext,
+                      st: RequestRecord) -> tuple[int, int] | None:
+        """The chain position of a run's parent. The keys the offer holds before the run
+        are read (their positions) only when the request has not shown the parent yet:
+        the key just before, then (several groups) every earlier one."""
+        order = self.order
+        pc = order.pred(first[0], st)
+        i = first[2]
+        if pc is None and i > 0:
+            order.coord(keys[i - 1], ctx, st)
+            pc = order.pred(first[0], st)
+            if pc is None and len(order.groups) > 1:
+                for k in keys[:i - 1]:
+                    order.coord(k, ctx, st)
+                pc = order.pred(first[0], st)
+        return pc
+
+    def _stamp_reused(self, reused: Iterable[Node], parents: Iterable[Node], st: RequestRecord) -> None:
+        """Stamp the chunks an offer holds that are already stored (a reuse, as vLLM's lru
+        records it), the offer's head the most recent: in reverse offer order, skipping
+        those the stamp of a deeper one (or the coming insert under a parent) covers."""
+        covered: set[int] = set()
+        for p in parents:
+            covered.update(a.node_id for a in p.path())
+        for n in reversed(list(reused)):
+            if n.node_id not in covered:
+                self.tier.stamp(n, st.req_id)
+                covered.update(a.node_id for a in n.path())
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Acknowledge (``success``) or fail the writebacks of the stores ``keys`` cover.

@@ -77,7 +77,10 @@ def check_keys(keys: object, what: str, *, unique: bool) -> list[bytes]:
     if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Iterable):
         raise UsageError(f"{what}: keys must be a collection of vLLM OffloadKeys, got {type(keys).__name__} "
                          f"{keys!r:.60}")
-    out = [check_key(k, what) for k in keys]
+    out = list(keys)
+    for k in out:
+        if type(k) is not bytes or len(k) < 4:
+            check_key(k, what)  # (a bytes subclass passes; anything else raises)
     if unique and len(set(out)) != len(out):
         seen: set[bytes] = set()
         for k in out:
@@ -106,6 +109,7 @@ class ChainOrder:
     def __init__(self, tokens_per_chunk: Mapping[int, int]) -> None:
         self.groups = sorted(tokens_per_chunk.items())
         self.tokens = dict(self.groups)
+        self._single = self.groups[0] if len(self.groups) == 1 else None
 
     def coord(self, key: bytes, ctx: ReqContext, st: RequestRecord) -> Coord | None:
         """``key``'s place in the request's chain (recorded in ``st``), or None: another
@@ -129,6 +133,9 @@ class ChainOrder:
         lookups, loads and stores): the nearest earlier chunk of each group, latest
         first. None: ``c`` is the first chunk the request has of its prefix."""
         pos, g = c
+        if self._single is not None:  # one full-attention group: the chunk before
+            before = (pos - self._single[1], g)
+            return before if before in st.seq else None
         near = []
         for g2, t2 in self.groups:
             p2 = pos - pos % t2 if g2 < g else (pos - 1) - (pos - 1) % t2
@@ -138,6 +145,12 @@ class ChainOrder:
             if cand in st.seq:
                 return cand
         return None
+
+    def follows(self, c: Coord, before: Coord, st: RequestRecord) -> bool:
+        """Whether chain position ``c`` comes right after ``before`` in the request."""
+        if self._single is not None:
+            return c[1] == before[1] and c[0] == before[0] + self._single[1]
+        return self.pred(c, st) == before
 
     def tail_first(self, keys: list[bytes], ctx: ReqContext, st: RequestRecord) -> list[bytes]:
         """``keys`` in the order their recency is stamped: chained chunks deepest first,
