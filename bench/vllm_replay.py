@@ -16,7 +16,7 @@ objects built before the replay are frozen out of it (gc.freeze, as vLLM's engin
 after start-up).
 
     python bench/vllm_replay.py TRACE [--limit N] [--device 4000] [--host-ratio 2 8]
-        [--arc] [--eviction lru] [--json OUT]
+        [--arc] [--eviction lru [lru_turns ...]] [--json OUT]
 
 Prints one Markdown table row per (manager, host size) and the ratios kvtier / vLLM.
 """
@@ -40,19 +40,18 @@ GC_EVERY = 50  # requests between young-generation garbage collections (untimed)
 FULL_GC_EVERY = 2000  # requests between full ones
 
 
-def managers(host: int, eviction: str, arc: bool) -> dict[str, dict[str, Any]]:
-    out = {
-        f"kvtier ({eviction})": kvtier_extra_config(num_host_chunks=host, kvtier_eviction=eviction),
-        "vLLM lru": {**cpu_extra_config(host, BLOCK), "eviction_policy": "lru"},
-    }
+def managers(host: int, evictions: list[str], arc: bool) -> dict[str, dict[str, Any]]:
+    out = {f"kvtier ({e})": kvtier_extra_config(num_host_chunks=host, kvtier_eviction=e) for e in evictions}
+    out["vLLM lru"] = {**cpu_extra_config(host, BLOCK), "eviction_policy": "lru"}
     if arc:
         out["vLLM arc"] = {**cpu_extra_config(host, BLOCK), "eviction_policy": "arc"}
     return out
 
 
-def run_ratio(recs: list[Any], device: int, ratio: int, eviction: str, arc: bool, every: int) -> list[dict[str, Any]]:
+def run_ratio(recs: list[Any], device: int, ratio: int, evictions: list[str], arc: bool,
+              every: int) -> list[dict[str, Any]]:
     host = device * ratio
-    configs = managers(host, eviction, arc)
+    configs = managers(host, evictions, arc)
     hasher = SharedHasher(len(configs), block_tokens=BLOCK)
     players = {name: Replayer(extra, device, BLOCK, hasher=hasher) for name, extra in configs.items()}
     for name, p in players.items():
@@ -93,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--device", type=int, default=4000)
     ap.add_argument("--host-ratio", type=int, nargs="+", default=[2, 8])
-    ap.add_argument("--eviction", default="lru", help="kvtier's host eviction policy (lru, lru2, lru_turns)")
+    ap.add_argument("--eviction", nargs="+", default=["lru"],
+                    help="kvtier's host eviction policies, each a manager of its own (lru, lru2, lru_turns)")
     ap.add_argument("--arc", action="store_true", help="also run vLLM's arc policy")
     ap.add_argument("--progress", type=int, default=1000, help="print progress every N requests (0: never)")
     ap.add_argument("--json", default=None)
@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"{100 * r['host_hit']:.2f} % | {100 * r['total_hit']:.2f} % | {r['manager_us']:.0f} | "
                   f"{r['kvm_us']:.0f} | {r['hash_us']:.0f} | {r['refused_stores']} |", flush=True)
     for ratio in a.host_ratio:
-        k = next(r for r in rows if r["manager"].startswith("kvtier") and r["host_ratio"] == ratio)
-        for o in (r for r in rows if not r["manager"].startswith("kvtier") and r["host_ratio"] == ratio):
-            print(f"x{ratio}: kvtier / {o['manager']}: hit {k['total_hit'] / o['total_hit']:.4f} "
-                  f"({100 * (k['total_hit'] - o['total_hit']):+.2f} points), "
-                  f"manager time {k['manager_us'] / o['manager_us']:.2f}")
+        for k in (r for r in rows if r["manager"].startswith("kvtier") and r["host_ratio"] == ratio):
+            for o in (r for r in rows if not r["manager"].startswith("kvtier") and r["host_ratio"] == ratio):
+                print(f"x{ratio}: {k['manager']} / {o['manager']}: hit {k['total_hit'] / o['total_hit']:.4f} "
+                      f"({100 * (k['total_hit'] - o['total_hit']):+.2f} points), "
+                      f"manager time {k['manager_us'] / o['manager_us']:.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
