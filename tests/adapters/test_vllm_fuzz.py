@@ -19,7 +19,7 @@ FullAttention = VllmAdapterMachine.configured(fault_rate=0.2)
 Hybrid = VllmAdapterMachine.configured(fault_rate=0.2, groups=(None, 32))
 
 TestFullAttention = FullAttention.TestCase
-TestFullAttention.settings = settings(TestFullAttention.settings, max_examples=25, stateful_step_count=40,
+TestFullAttention.settings = settings(TestFullAttention.settings, max_examples=25, stateful_step_count=60,
                                       deadline=None)
 TestHybrid = Hybrid.TestCase
-TestHybrid.settings = settings(TestHybrid.settings, max_examples=25, stateful_step_count=40, deadline=None)
+TestHybrid.settings = settings(TestHybrid.settings, max_examples=25, stateful_step_count=60, deadline=None)

@@ -77,8 +77,8 @@ class VllmAdapterMachine(KitMachine):
     kit_invariants = ("check_adapter",)
     #: per KV cache group: None (full attention) or a sliding window in tokens
     groups: ClassVar[tuple[int | None, ...]] = (None,)
-    device_blocks: ClassVar[int] = 24
-    host_chunks: ClassVar[int] = 10
+    device_blocks: ClassVar[int] = 16
+    host_chunks: ClassVar[int] = 12
 
     def __init__(self) -> None:
         super().__init__()
@@ -105,12 +105,13 @@ class VllmAdapterMachine(KitMachine):
         prompt = [t for b in blocks for t in range(b * T, b * T + T)] + list(range(7, 7 + tail))
         self.engine.add(rid, prompt)
 
-    @rule(delay=st.integers(0, 3), roll=st.integers(0, 999))
+    @rule(steps=st.integers(1, 3), delay=st.integers(0, 3), roll=st.integers(0, 999))
     @recorded
-    def step(self, delay: int, roll: int) -> None:
-        """A scheduler step; its jobs complete ``delay`` steps late and fail per ``roll``."""
+    def step(self, steps: int, delay: int, roll: int) -> None:
+        """Scheduler steps; their jobs complete ``delay`` steps late and fail per ``roll``."""
         self.delay, self.fail_roll = delay, roll
-        self.engine.step()
+        for _ in range(steps):
+            self.engine.step()
 
     @rule(i=st.integers(0, 7), phase=st.sampled_from(["waiting", "loading", "running", "finished"]))
     @recorded

@@ -295,7 +295,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if n is not None:
                 if n.state in HOST_VISIBLE:
                     reused[n.node_id] = n
-                    if self.chain and prev is not None and n is not prev and n.parent is not prev:
+                    if prev is not None and n is not prev and n.parent is not prev:
                         order.coord(keys[i - 1], ctx, st)  # a tree boundary inside the prefix: the
                         order.coord(key, ctx, st)  # request's order across it (stamp_heads)
                 prev = n
@@ -304,14 +304,14 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if eligible is not None and key not in eligible:
                 skipped += 1
                 continue
-            c = order.coord(key, ctx, st) if self.chain else None
+            c = order.coord(key, ctx, st)
             if c is None:
                 flat.append(key)
             else:
                 chained.append((c, key, i))
         self.stores_skipped += skipped
         self._batch_skipped += skipped
-        if keys and self.chain:
+        if keys:
             order.coord(keys[-1], ctx, st)  # the parent of the request's next store, likely
         if not chained and not flat:
             self._stamp_reused(reused.values(), (), st)
@@ -331,7 +331,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             pkey = st.seq.get(pc) if pc is not None else None
             parent = tier.resolve(pkey) if pkey is not None else None
             prefix: tuple[bytes, ...] = ()
-            if parent is not None and pkey is not None and parent.state in HOST_VISIBLE:
+            if parent is not None and pkey is not None and parent.state in HOST_VISIBLE and self.chain:
                 prefix = tier.path_to(parent, pkey)
                 parents[parent.node_id] = parent
             elif pc is not None:
