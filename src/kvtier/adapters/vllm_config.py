@@ -68,14 +68,23 @@ def offloading_config(extra_config: Mapping[str, Any], *, tokens_per_block: int 
 
 def make_spec(extra_config: Mapping[str, Any], **config: Any) -> Any:
     """The spec vLLM's ``OffloadingSpecFactory`` creates for ``extra_config`` (keyword
-    arguments: :func:`offloading_config`'s)."""
+    arguments: :func:`offloading_config`'s). The factory's logging imports
+    ``vllm.distributed``: on a ``--no-deps`` install, :mod:`kvtier.adapters.vllm_stubs`
+    stands in for the serving packages it names (nothing is shadowed on a full install)."""
+    from . import vllm_stubs
+
+    vllm_stubs.install()
     return OffloadingSpecFactory.create_spec(offloading_config(extra_config, **config))
 
 
 def vllm_config(extra_config: Mapping[str, Any], block_tokens: int = 16) -> Any:
     """A ``VllmConfig`` on the CPU device with the ``OffloadingConnector`` configured by
-    ``extra_config`` and GPU prefix caching on (no model: its config needs a model hub).
-    Import :mod:`kvtier.adapters.vllm_stubs` first on a ``--no-deps`` install."""
+    ``extra_config`` and GPU prefix caching on (no model: its config needs a model hub;
+    :mod:`kvtier.adapters.vllm_stubs` stands in for the serving packages on a ``--no-deps``
+    install)."""
+    from . import vllm_stubs
+
+    vllm_stubs.install()
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
     return VllmConfig(device_config=DeviceConfig(device="cpu"),
