@@ -1,23 +1,29 @@
 """Hit rate and scheduler-side time of kvtier's vLLM offloading manager against vLLM's own
-CPUOffloadingManager (lru, arc), on the Mooncake conversation trace, through vLLM's real
-KVCacheManager with the connector scheduler's call order (kvtier.adapters.vllm_kit).
+CPUOffloadingManager, side by side in one run, on the Mooncake conversation trace, inside
+vLLM 0.33's real OffloadingConnectorScheduler and KVCacheManager (kvtier.adapters.vllm_kit).
 
 Metadata only (no bytes), one request at a time, prompt only, instant transfers, 512-token
-blocks = offload chunks, as the peers' replays in bench/RESULTS.md. Needs kvtier[vllm].
-
-The managers run in lockstep: each request goes through every manager (each with its own
-KVCacheManager) before the next request, in an order that rotates per request, so their
-times are measured under the same machine load and their ratios compare within one run.
-Block hashes are computed once per request and shared (``hash us`` is that one hashing).
+blocks = offload chunks. Each manager is configured as a vLLM user configures it
+(kv_connector_extra_config through vLLM's OffloadingSpecFactory: kvtier's spec, or vLLM's
+CPU spec with eviction_policy lru / arc). The managers run in lockstep: each request goes
+through every manager (each with its own connector and KVCacheManager) before the next
+request, in an order that rotates per request, so their times are measured under the same
+machine load and their ratios compare within one run. Block hashes are computed once per
+request and shared. Scheduler-side time: the time spent in the manager's calls. Python's
+cyclic garbage collector runs between requests, outside every manager's timed calls (a
+collection's pause would otherwise land on whichever call happens to trigger it); the
+objects built before the replay are frozen out of it (gc.freeze, as vLLM's engine core does
+after start-up).
 
     python bench/vllm_replay.py TRACE [--limit N] [--device 4000] [--host-ratio 2 8]
-        [--eviction lru] [--json OUT]
+        [--arc] [--eviction lru [lru_turns ...]] [--json OUT]
 
 Prints one Markdown table row per (manager, host size) and the ratios kvtier / vLLM.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -25,40 +31,57 @@ import sys
 import time
 from typing import Any
 
-from kvtier.adapters.vllm import KvtierOffloadingManager
-from kvtier.adapters.vllm_kit import Replayer, SharedHasher
+from kvtier.adapters.vllm_config import kvtier_extra_config
+from kvtier.adapters.vllm_kit import Replayer, SharedHasher, cpu_extra_config
 from kvtier.replay.trace import load_trace
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # after vllm_kit (its stubs)
 
-MANAGERS = ("kvtier", "vLLM lru", "vLLM arc")
+BLOCK = 512
+GC_EVERY = 50  # requests between young-generation garbage collections (untimed)
+FULL_GC_EVERY = 2000  # requests between full ones
 
 
-def run_ratio(recs: list[Any], device: int, ratio: int, eviction: str, every: int) -> list[dict[str, Any]]:
+def managers(host: int, evictions: list[str], arc: bool) -> dict[str, dict[str, Any]]:
+    out = {f"kvtier ({e})": kvtier_extra_config(num_host_chunks=host, kvtier_eviction=e) for e in evictions}
+    out["vLLM lru"] = {**cpu_extra_config(host, BLOCK), "eviction_policy": "lru"}
+    if arc:
+        out["vLLM arc"] = {**cpu_extra_config(host, BLOCK), "eviction_policy": "arc"}
+    return out
+
+
+def run_ratio(recs: list[Any], device: int, ratio: int, evictions: list[str], arc: bool,
+              every: int) -> list[dict[str, Any]]:
     host = device * ratio
-    hasher = SharedHasher(len(MANAGERS))
-    makers = {
-        "kvtier": lambda: KvtierOffloadingManager(host, tokens_per_chunk={0: 512}, eviction=eviction),
-        "vLLM lru": lambda: CPUOffloadingManager(num_chunks=host, cache_policy="lru"),
-        "vLLM arc": lambda: CPUOffloadingManager(num_chunks=host, cache_policy="arc"),
-    }
-    players = [Replayer(makers[m](), device, block_hasher=hasher) for m in MANAGERS]
+    configs = managers(host, evictions, arc)
+    hasher = SharedHasher(len(configs), block_tokens=BLOCK)
+    players = {name: Replayer(extra, device, BLOCK, hasher=hasher) for name, extra in configs.items()}
+    for name, p in players.items():
+        got = p.engine.manager
+        assert (type(got).__name__ == "KvtierOffloadingManager") == name.startswith("kvtier"), (name, got)
+        assert getattr(got, "num_chunks", getattr(got, "_num_chunks", None)) == host, (name, host)
+    order = list(players.values())
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     t0 = time.perf_counter()
     loads = []
     for i, rec in enumerate(recs):
-        k = i % len(players)
-        for p in players[k:] + players[:k]:
+        k = i % len(order)
+        for p in order[k:] + order[:k]:
             p.step(str(i), rec)
+        if i % GC_EVERY == GC_EVERY - 1:
+            gc.collect(1 if i % FULL_GC_EVERY != FULL_GC_EVERY - 1 else 2)
         if every and (i + 1) % every == 0:
             loads.append(os.getloadavg()[0])
             print(f"x{ratio}: {i + 1} requests, {time.perf_counter() - t0:.0f} s, "
-                  + ", ".join(f"{m} {100 * p.result()['total_hit']:.2f} %" for m, p in zip(MANAGERS, players)),
+                  + ", ".join(f"{m} {100 * p.result()['total_hit']:.3f} %" for m, p in players.items()),
                   file=sys.stderr, flush=True)
+    gc.enable()
+    gc.unfreeze()
     rows = []
-    for m, p in zip(MANAGERS, players):
+    for m, p in players.items():
         r = p.result()
         r.update(manager=m, host_ratio=ratio, host_chunks=host, hash_us=hasher.hash_s / max(1, len(recs)) * 1e6,
-                 wall_s=time.perf_counter() - t0, load=max(loads, default=os.getloadavg()[0]),
-                 eviction=eviction if m == "kvtier" else None)
+                 wall_s=time.perf_counter() - t0, load=max(loads, default=os.getloadavg()[0]))
         rows.append(r)
     return rows
 
@@ -69,28 +92,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--device", type=int, default=4000)
     ap.add_argument("--host-ratio", type=int, nargs="+", default=[2, 8])
-    ap.add_argument("--eviction", default="lru", help="kvtier's host eviction policy (lru, lru2)")
+    ap.add_argument("--eviction", nargs="+", default=["lru"],
+                    help="kvtier's host eviction policies, each a manager of its own (lru, lru2, lru_turns)")
+    ap.add_argument("--arc", action="store_true", help="also run vLLM's arc policy")
     ap.add_argument("--progress", type=int, default=1000, help="print progress every N requests (0: never)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     recs = load_trace(a.trace, limit=a.limit).requests
-    print(f"{len(recs)} requests, device {a.device} blocks of 512 tokens; load average "
+    print(f"{len(recs)} requests, device {a.device} blocks of {BLOCK} tokens; load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores ({platform.processor() or platform.machine()})",
           file=sys.stderr)
     rows: list[dict[str, Any]] = []
+    print("| manager | host chunks | device hit | host hit | total hit | manager us / request | "
+          "KVCacheManager us / request | hashing us / request | stores refused |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for ratio in a.host_ratio:
-        for r in run_ratio(recs, a.device, ratio, a.eviction, a.progress):
+        for r in run_ratio(recs, a.device, ratio, a.eviction, a.arc, a.progress):
             rows.append(r)
             print(f"| {r['manager']} | x{ratio} ({r['host_chunks']:,}) | {100 * r['device_hit']:.2f} % | "
                   f"{100 * r['host_hit']:.2f} % | {100 * r['total_hit']:.2f} % | {r['manager_us']:.0f} | "
                   f"{r['kvm_us']:.0f} | {r['hash_us']:.0f} | {r['refused_stores']} |", flush=True)
     for ratio in a.host_ratio:
-        k = next(r for r in rows if r["manager"] == "kvtier" and r["host_ratio"] == ratio)
-        for other in MANAGERS[1:]:
-            o = next(r for r in rows if r["manager"] == other and r["host_ratio"] == ratio)
-            print(f"x{ratio}: kvtier / {other}: hit {k['total_hit'] / o['total_hit']:.4f} "
-                  f"({100 * (k['total_hit'] - o['total_hit']):+.2f} points), "
-                  f"manager time {k['manager_us'] / o['manager_us']:.2f}")
+        for k in (r for r in rows if r["manager"].startswith("kvtier") and r["host_ratio"] == ratio):
+            for o in (r for r in rows if not r["manager"].startswith("kvtier") and r["host_ratio"] == ratio):
+                print(f"x{ratio}: {k['manager']} / {o['manager']}: hit {k['total_hit'] / o['total_hit']:.4f} "
+                      f"({100 * (k['total_hit'] - o['total_hit']):+.2f} points), "
+                      f"manager time {k['manager_us'] / o['manager_us']:.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

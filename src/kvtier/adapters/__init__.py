@@ -1,11 +1,14 @@
 """Adapters that embed kvtier in inference engines.
 
-- :mod:`kvtier.adapters.vllm` (extra ``kvtier[vllm]``): kvtier as vLLM's offloading
-  manager (``OffloadingSpec``, ``OffloadingManager``, ``OffloadingWorker``), plugged into
-  vLLM's ``OffloadingConnector`` through ``kv_connector_extra_config``.
-- :mod:`kvtier.adapters.vllm_kit` (extras ``vllm`` and ``testing``): drives the adapter
-  through vLLM's own ``KVCacheManager`` with the calls and order of vLLM's
-  ``OffloadingConnectorScheduler`` (the replay, the tests and the fuzzing machine).
+- :mod:`kvtier.adapters.vllm` (extra ``kvtier[vllm]``): kvtier as vLLM's offloading tier
+  (``OffloadingSpec``; the scheduler side in :mod:`~kvtier.adapters.vllm_manager` on
+  :mod:`~kvtier.adapters.vllm_chunks`, the worker side in :mod:`~kvtier.adapters.vllm_worker`,
+  metrics in :mod:`~kvtier.adapters.vllm_stats`), plugged into vLLM's ``OffloadingConnector``
+  through ``kv_connector_extra_config`` (docs/vllm.md).
+- The kit (extras ``vllm`` and ``testing``): :mod:`~kvtier.adapters.vllm_engine` runs vLLM's
+  real ``OffloadingConnectorScheduler`` and ``KVCacheManager`` in a scheduler loop with a
+  simulated worker (the tests, the fuzzing machine :mod:`~kvtier.adapters.vllm_machine`,
+  and the trace replay :mod:`~kvtier.adapters.vllm_kit` behind ``bench/vllm_replay.py``).
 
 Importing this package imports nothing from vLLM; the submodules do.
 """

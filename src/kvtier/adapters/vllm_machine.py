@@ -1,14 +1,15 @@
 """The kit's state machine for the vLLM adapter (extras ``vllm`` and ``testing``).
 
-:class:`VllmAdapterMachine` drives :class:`~kvtier.adapters.vllm.KvtierOffloadingManager`
-through vLLM's own ``KVCacheManager`` with the call order of vLLM's connector scheduler
-(:class:`~kvtier.adapters.vllm_kit.ConnectorDriver`): requests sharing prefixes are added,
-admitted (GPU hit, offload lookups, loads), computed in chunks (stores), preempted and
-re-admitted, finished, and aborted while queued, running or preempted; transfer jobs
-complete in any order or fail (failed stores are ``complete_store(success=False)``,
-failed loads make the request recompute). After every step the core's invariants and
-the adapter's records are checked; at the end everything drains and nothing may be
-left: no request state, no pin, lock, operation, reserved or staged page.
+:class:`VllmAdapterMachine` drives :class:`~kvtier.adapters.vllm_manager.KvtierOffloadingManager`
+through vLLM's real offloading connector, KV cache manager and requests
+(:class:`~kvtier.adapters.vllm_engine.Engine`): requests sharing prefixes are added,
+scheduler steps run (chunked prefill, GPU prefix hits, offload lookups, loads and stores
+whose jobs complete zero to three steps late, and fail at the campaign's fault rate),
+requests are preempted, and aborted while waiting, loading, running or with stores in
+flight. After every step the core's invariants and the adapter's records are checked
+(every job the workers still hold is a transfer the manager tracks); at the end
+everything drains and nothing may be left: no request state, no pin, lock, operation,
+reserved or staged page.
 
 ``VllmAdapterMachine.configured(groups=(None, 32))`` runs a hybrid model (full attention
 plus a sliding window of 32 tokens).
@@ -19,14 +20,16 @@ from __future__ import annotations
 from typing import ClassVar
 
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, precondition, rule
+from hypothesis.stateful import rule
 
-from .vllm import GROUP, KvtierOffloadingManager
-from .vllm_kit import ConnectorDriver
 from kvtier.fsm.errors import InvariantViolation
-from ..testing.machines import KitMachine, recorded
 
-__all__ = ["VllmAdapterMachine", "check_drained"]
+from ..testing.machines import KitMachine, recorded
+from .vllm import GROUP, KvtierOffloadingManager
+from .vllm_config import kvtier_extra_config
+from .vllm_engine import Engine, SimWorker
+
+__all__ = ["VllmAdapterMachine", "check_drained", "check_engine"]
 
 T = 16  # tokens per block / chunk
 
@@ -37,8 +40,8 @@ def check_drained(manager: KvtierOffloadingManager) -> None:
     core = manager.core
     manager.check_invariants()
     if manager.in_flight() or manager.tracked_requests():
-        raise InvariantViolation("drained", "the vLLM adapter", f"{manager.in_flight()} transfers and {manager.tracked_requests()} "
-                                 "requests still tracked after draining")
+        raise InvariantViolation("drained", "the vLLM adapter", f"{manager.in_flight()} transfers and "
+                                 f"{manager.tracked_requests()} requests still tracked after draining")
     if core.operations():
         raise InvariantViolation("drained", "the vLLM adapter", f"operations still in flight: {sorted(core.operations())}")
     held = 0
@@ -46,34 +49,50 @@ def check_drained(manager: KvtierOffloadingManager) -> None:
         if n.lock_ref or n.host_pin or n.borrow_ref:
             raise InvariantViolation("drained", "the vLLM adapter", f"node {n.node_id} still locked/pinned/borrowed")
         if n.state not in ("host", "backed"):
-            raise InvariantViolation("drained", "the vLLM adapter", f"node {n.node_id} left in state {n.state!r} (expected an "
-                                     "acknowledged host copy)")
+            raise InvariantViolation("drained", "the vLLM adapter", f"node {n.node_id} left in state {n.state!r} "
+                                     "(expected an acknowledged host copy)")
         held += len(n.host.get(GROUP, ()))
     if held != manager.host_chunks_used():
-        raise InvariantViolation("drained", "the vLLM adapter", f"host pages used {manager.host_chunks_used()} but nodes hold {held}")
+        raise InvariantViolation("drained", "the vLLM adapter", f"host pages used {manager.host_chunks_used()} but "
+                                 f"nodes hold {held}")
     if core.external_pages(GROUP):
-        raise InvariantViolation("drained", "the vLLM adapter", f"staging pages leaked: {sorted(core.external_pages(GROUP))[:8]}")
+        raise InvariantViolation("drained", "the vLLM adapter", f"staging pages leaked: "
+                                 f"{sorted(core.external_pages(GROUP))[:8]}")
+
+
+def check_engine(engine: Engine) -> None:
+    """kvtier's invariants after a step of ``engine`` (an observer for ``Engine.on_step``):
+    the core's and the adapter's, and one manager transfer per job the workers hold."""
+    m = engine.manager
+    assert isinstance(m, KvtierOffloadingManager)
+    m.check_invariants()
+    if m.in_flight() != len(engine.worker.jobs):
+        raise InvariantViolation("adapter_records", "the vLLM adapter", f"{m.in_flight()} transfers tracked, "
+                                 f"{len(engine.worker.jobs)} jobs with the workers")
 
 
 class VllmAdapterMachine(KitMachine):
-    """Stateful test of the adapter under vLLM's call sequence (see module docstring)."""
+    """Stateful test of the adapter inside vLLM's connector loop (see module docstring)."""
 
     kit_invariants = ("check_adapter",)
     #: per KV cache group: None (full attention) or a sliding window in tokens
     groups: ClassVar[tuple[int | None, ...]] = (None,)
-    device_blocks: ClassVar[int] = 24
-    host_chunks: ClassVar[int] = 10
+    device_blocks: ClassVar[int] = 16
+    host_chunks: ClassVar[int] = 12
 
     def __init__(self) -> None:
         super().__init__()
-        tpc = {g: T for g, w in enumerate(self.groups) if w is None}
-        sparse = [g for g, w in enumerate(self.groups) if w is not None]
-        self.manager = KvtierOffloadingManager(self.host_chunks, tokens_per_chunk=tpc, sliding_window_groups=sparse)
-        self.driver = ConnectorDriver(self.manager, self.device_blocks, T, self.groups, max_model_len=T * 64)
+        self.delay = 0
+        self.fail_roll = 0
+        self.worker = SimWorker(delay=lambda job: self.delay, fail=lambda job: self.kit_fail(self.fail_roll))
+        self.engine = Engine(kvtier_extra_config(num_host_chunks=self.host_chunks), self.device_blocks, T,
+                             self.groups, chunk_tokens=2 * T, worker=self.worker, max_model_len=T * 64)
+        assert isinstance(self.engine.manager, KvtierOffloadingManager)
+        self.manager = self.engine.manager
         self.next_id = 0
 
-    def _pick(self, i: int, states: tuple[str, ...]) -> str | None:
-        ids = sorted((rid for rid, r in self.driver.reqs.items() if r.status in states), key=int)
+    def _pick(self, i: int, phases: tuple[str, ...]) -> str | None:
+        ids = sorted((rid for rid, r in self.engine.reqs.items() if r.phase in phases), key=int)
         return ids[i % len(ids)] if ids else None
 
     # ------------------------------------------------------------------ rules
@@ -84,76 +103,40 @@ class VllmAdapterMachine(KitMachine):
         self.next_id += 1
         blocks = [family * 1000 + i for i in range(shared)] + [10_000 + self.next_id * 10 + i for i in range(own)]
         prompt = [t for b in blocks for t in range(b * T, b * T + T)] + list(range(7, 7 + tail))
-        self.driver.add(rid, prompt)
+        self.engine.add(rid, prompt)
 
-    @rule(i=st.integers(0, 7))
+    @rule(steps=st.integers(1, 3), delay=st.integers(0, 3), roll=st.integers(0, 999))
     @recorded
-    def admit(self, i: int) -> None:
-        rid = self._pick(i, ("waiting", "preempted"))
+    def step(self, steps: int, delay: int, roll: int) -> None:
+        """Scheduler steps; their jobs complete ``delay`` steps late and fail per ``roll``."""
+        self.delay, self.fail_roll = delay, roll
+        for _ in range(steps):
+            self.engine.step()
+
+    @rule(i=st.integers(0, 7), phase=st.sampled_from(["waiting", "loading", "running", "finished"]))
+    @recorded
+    def abort(self, i: int, phase: str) -> None:
+        """Abort a queued, loading or running request; a finished one with stores in
+        flight is aborted again (nothing changes)."""
+        rid = self._pick(i, (phase,))
         if rid is not None:
-            self.driver.admit(rid)
-
-    @rule(i=st.integers(0, 7), tokens=st.sampled_from([T, 2 * T, 3 * T, 1000]))
-    @recorded
-    def compute(self, i: int, tokens: int) -> None:
-        rid = self._pick(i, ("running",))
-        if rid is not None:
-            self.driver.compute(rid, tokens)
-
-    @precondition(lambda self: bool(self.driver.jobs))
-    @rule(i=st.integers(0, 7), roll=st.integers(0, 999))
-    @recorded
-    def complete(self, i: int, roll: int) -> None:
-        jobs = sorted(self.driver.jobs)
-        self.driver.complete(jobs[i % len(jobs)], ok=not self.kit_fail(roll))
-
-    @rule(i=st.integers(0, 7))
-    @recorded
-    def finish(self, i: int) -> None:
-        rid = self._pick(i, ("running",))
-        if rid is not None and self.driver.reqs[rid].computed >= self.driver.reqs[rid].req.num_tokens:
-            self.driver.finish(rid)
-
-    @rule(i=st.integers(0, 7), which=st.sampled_from(["waiting", "running", "preempted"]))
-    @recorded
-    def abort(self, i: int, which: str) -> None:
-        rid = self._pick(i, (which,))
-        if rid is not None:
-            self.driver.finish(rid, aborted=True)
-
-    @rule()
-    @recorded
-    def abort_untracked(self) -> None:
-        self.driver.abort_untracked(f"u{self.next_id}", [1, 2, 3])
-        self.next_id += 1
+            self.engine.abort(rid)
 
     @rule(i=st.integers(0, 7))
     @recorded
     def preempt(self, i: int) -> None:
         rid = self._pick(i, ("running",))
         if rid is not None:
-            self.driver.preempt(rid)
+            self.engine.preempt(rid)
 
     # ------------------------------------------------------------------ checks
     def check_adapter(self) -> None:
-        self.manager.check_invariants()
-        pins = sum(1 for r in self.manager._reqs.values() for ld in r.loads if ld.pin is not None)
-        loads = sum(1 for j in self.driver.jobs.values() if not j.is_store)
-        if self.manager.in_flight() != len(self.driver.jobs):
-            raise InvariantViolation("adapter_records", "the vLLM adapter", f"{self.manager.in_flight()} transfers tracked, "
-                                     f"{len(self.driver.jobs)} jobs in flight")
-        if pins > loads:
-            raise InvariantViolation("adapter_records", "the vLLM adapter", f"{pins} pins for {loads} loads in flight")
-
-    @invariant()
-    def hit_keys_readable(self) -> None:
-        # every key the manager reports HIT has an acknowledged host copy
-        for node in self.manager.core.nodes():
-            if node.state == "writing" and not node.wb_op:
-                raise InvariantViolation("adapter_records", "the vLLM adapter", f"node {node.node_id} writing without an operation")
+        check_engine(self.engine)
 
     def teardown(self) -> None:
-        self.driver.drain()
+        self.delay = 0
+        self.fail_roll = 999
+        self.worker.fail = lambda job: False
+        self.engine.drain()
         check_drained(self.manager)
         super().teardown()
-

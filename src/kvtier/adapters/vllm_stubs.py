@@ -9,8 +9,9 @@ packages are never shadowed, so with a full vLLM install it does nothing. Every
 placeholder attribute read is recorded in :data:`READS` (the tests assert the cache code
 paths read none at call time).
 
-Only the test kit (:mod:`kvtier.adapters.vllm_kit`), the tests and ``bench/`` use it; the
-adapter (:mod:`kvtier.adapters.vllm`) imports nothing that needs it.
+Only the kit (:mod:`kvtier.adapters.vllm_config`, :mod:`kvtier.adapters.vllm_engine`,
+:mod:`kvtier.adapters.vllm_kit`), the tests and ``bench/`` use it; the adapter
+(:mod:`kvtier.adapters.vllm` and the modules it imports) imports nothing that needs it.
 """
 
 from __future__ import annotations
