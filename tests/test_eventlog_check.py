@@ -236,8 +236,10 @@ def test_check_cli_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert f"REJECTED at line {i + 1}: spec: event 'demote' is not allowed in state 'host'" in out
     assert out.count("\n   ") >= 3
     (tmp_path / "junk.kvlog").write_text("not json\n")
-    assert main(["check", str(tmp_path / "junk.kvlog")]) == 2
-    assert "line 1 is not JSON" in capsys.readouterr().err
+    assert main(["check", str(tmp_path / "junk.kvlog")]) == 1  # a log that is not JSON is rejected
+    assert "REJECTED at line 1: format: not JSON" in capsys.readouterr().out
+    assert main(["check", str(tmp_path / "missing.kvlog")]) == 2  # a file that cannot be opened
+    assert "missing.kvlog" in capsys.readouterr().err
 
 
 def test_l3_fetch_log_is_accepted_and_a_fetch_without_its_get_rejected(tmp_path: Path) -> None:
