@@ -45,7 +45,9 @@ from typing import Any
 from kvtier.fsm.names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE
 from kvtier.fsm.spec import INTERNAL, LifecycleSpec, TransitionSpec, load_spec
 from kvtier.logreader import LogFormatError, read_log, record_problem
-from kvtier.trace import MAX_DECOMPRESSED_BYTES, _count
+from kvtier.fsm import ConfigError
+from kvtier.fsm.checks import as_int
+from kvtier.trace import MAX_DECOMPRESSED_BYTES
 
 __all__ = ["CheckResult", "Violation", "check_log", "check_records", "read_log"]  # read_log: kvtier.logreader
 
@@ -83,7 +85,8 @@ class Violation:
         out = [f"line {self.line}: {self.rule}: {self.message}", "events leading to it:"]
         for ln, rec in self.context:
             out.append(f"  {ln:>7}  {_brief(rec)}")
-        out.append(f"> {self.line:>7}  {_brief(self.record) if self.record else '(no record: the line is unreadable)'}")
+        shown = _brief(self.record) if self.record else "(no record: the line is unreadable)"
+        out.append(f"> {self.line:>7}  {shown}")
         return "\n".join(out)
 
 
@@ -450,7 +453,7 @@ def check_records(records: Iterable[tuple[int, dict[str, Any]]], context: int = 
     Raises:
         kvtier.fsm.ConfigError: ``context`` not an int >= 0.
     """
-    c = _Checker(_count(context, "context", 0))
+    c = _Checker(as_int(context, "context", minimum=0, error=ConfigError))
     held: tuple[int, dict[str, Any]] | None = None  # a completion, until we know it was not refused
     unreadable: LogFormatError | None = None
     try:

@@ -326,9 +326,10 @@ class EventRecorder:
     def _ours(self, node: Node) -> bool:
         """Whether ``node`` belongs to the attached core: it (or, for a node not linked yet or
         just unlinked, its nearest linked ancestor) is in that core's tree, or under its root."""
-        tree, m = self._tree, node
+        tree = self._tree
         if tree is None:
             return False
+        m: Node | None = node
         while m is not None:
             if m is self._root or tree.has(m):
                 return True

@@ -16,8 +16,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvtier.fsm import ConfigError
+from kvtier.fsm.checks import as_int
+
 # the trace reader's line reader and limits, reused (not copied): one set of input limits
-from kvtier.trace import MAX_DECOMPRESSED_BYTES, MAX_JSON_DEPTH, TraceFormatError, _count, _Lines, _too_deep
+from kvtier.trace import MAX_DECOMPRESSED_BYTES, MAX_JSON_DEPTH, TraceFormatError, _Lines, _too_deep
 
 __all__ = ["FIELDS", "LogFormatError", "describe", "read_log", "record_problem"]
 
@@ -52,7 +55,7 @@ def read_log(path: str | Path, *, max_decompressed_bytes: int = MAX_DECOMPRESSED
             reached: the records before it are yielded first).
         OSError: the file cannot be opened or read (at the first record).
     """
-    return _records(str(path), _count(max_decompressed_bytes, "max_decompressed_bytes", 1))
+    return _records(str(path), as_int(max_decompressed_bytes, "max_decompressed_bytes", minimum=1, error=ConfigError))
 
 
 def _records(source: str, max_out: int) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -259,7 +259,8 @@ HOSTILE_LOGS: list[Any] = [
     pytest.param([dict(LOG1[0], version=True)] + LOG1[1:], 1, "format", ("version True",), id="version-true"),
     pytest.param(LOG1[:5] + [["not", "a", "record"]] + LOG1[5:], 6, "format",  # type: ignore[list-item]
                  ("a record must be a JSON object", "['not', 'a', 'record']"), id="record-not-an-object"),
-    pytest.param(LOG1[:5] + [{"k": ["node"]}] + LOG1[5:], 6, "format", ("field 'k'", "['node']"), id="kind-not-a-string"),
+    pytest.param(LOG1[:5] + [{"k": ["node"]}] + LOG1[5:], 6, "format", ("field 'k'", "['node']"),
+                 id="kind-not-a-string"),
 ]
 
 
