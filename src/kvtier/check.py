@@ -42,12 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.fsm.names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE
-from kvtier.fsm.spec import INTERNAL, LifecycleSpec, TransitionSpec, load_spec
-from kvtier.logreader import LogFormatError, read_log, record_problem
 from kvtier.fsm import ConfigError
 from kvtier.fsm.checks import as_int
-from kvtier.trace import MAX_DECOMPRESSED_BYTES
+from kvtier.fsm.names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE
+from kvtier.fsm.spec import INTERNAL, LifecycleSpec, TransitionSpec, load_spec
+
+from .logreader import LogFormatError, read_log, record_problem
+from .trace import MAX_DECOMPRESSED_BYTES
 
 __all__ = ["CheckResult", "Violation", "check_log", "check_records", "read_log"]  # read_log: kvtier.logreader
 

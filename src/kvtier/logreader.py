@@ -20,7 +20,7 @@ from kvtier.fsm import ConfigError
 from kvtier.fsm.checks import as_int
 
 # the trace reader's line reader and limits, reused (not copied): one set of input limits
-from kvtier.trace import MAX_DECOMPRESSED_BYTES, MAX_JSON_DEPTH, TraceFormatError, _Lines, _too_deep
+from .trace import MAX_DECOMPRESSED_BYTES, MAX_JSON_DEPTH, TraceFormatError, _Lines, _too_deep
 
 __all__ = ["FIELDS", "LogFormatError", "describe", "read_log", "record_problem"]
 

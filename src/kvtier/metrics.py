@@ -91,7 +91,8 @@ from prometheus_client.registry import Collector  # type: ignore[import-not-foun
 from kvtier.fsm import ConfigError, Direction
 from kvtier.fsm.counters import KNOWN_ABORT_REASONS, OUTCOMES
 from kvtier.fsm.spec import load_spec
-from kvtier.tiered import TieredCache
+
+from .tiered import TieredCache
 
 __all__ = ["MAX_ABORT_REASONS", "MAX_LABEL_CHARS", "PREFIX", "KvtierCollector", "MetricsServer", "serve"]
 
