@@ -158,6 +158,7 @@ def test_broken_variant_logs_are_rejected(patch: Path, tmp_path: Path) -> None:
         res = check_log(log)
         v = res.violation
         assert v is not None, f"{path.stem}: the log of {patch.name} was accepted"
+        assert main(["check", str(log)]) == 1  # the command rejects it with exit status 1, never 4
         recorded = "check_invariants() failed" in v.message
         if patch.stem in INDEPENDENT:
             assert not recorded and v.rule == INDEPENDENT[patch.stem], v.render()

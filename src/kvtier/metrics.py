@@ -232,6 +232,7 @@ class KvtierCollector(Collector):  # type: ignore[misc,unused-ignore]
         self._cond = threading.Condition()
         self._wanted = False  # a scrape waits for the driving thread's snapshot
         self._driven = False
+        self._driver = 0  # the driving thread's id
         self._taken = 0  # snapshots the driving thread took
         self._last: _Snapshot | None = None
         self.cache = cache
@@ -268,9 +269,11 @@ class KvtierCollector(Collector):  # type: ignore[misc,unused-ignore]
     def driving(self) -> Iterator[None]:
         """``with collector.driving():`` around the loop of the thread that drives the cache,
         which calls :meth:`step` between its steps: meanwhile scrapes take their values
-        from those snapshots and never read the cache themselves."""
+        from those snapshots and never read the cache themselves (a scrape on the driving
+        thread itself reads it directly)."""
         with self._cond:
             self._driven = True
+            self._driver = threading.get_ident()
         try:
             yield
         finally:
@@ -291,7 +294,7 @@ class KvtierCollector(Collector):  # type: ignore[misc,unused-ignore]
 
     def _snapshot(self) -> _Snapshot:
         with self._cond:
-            if self._driven:
+            if self._driven and threading.get_ident() != self._driver:
                 taken = self._taken
                 self._wanted = True
                 self._cond.wait_for(lambda: self._taken != taken or not self._driven, timeout=self.snapshot_wait_s)

@@ -156,6 +156,24 @@ def test_a_scrape_waiting_when_driving_ends_reads_the_cache_itself() -> None:
     assert not t.is_alive() and got and b"kvtier:pages_free" in got[0]
 
 
+def test_a_scrape_on_the_driving_thread_reads_the_cache_at_once() -> None:
+    """An engine serving its metrics from its scheduler's own thread: the scrape does not
+    wait for a snapshot that thread would have to take."""
+    cache = _cache()
+    collector = KvtierCollector(cache, snapshot_wait_s=GUARD_S * 10)  # far past the join's guard
+    reg = _registry(collector)
+    got: list[bytes] = []
+
+    def driver() -> None:
+        with collector.driving():
+            got.append(generate_latest(reg))
+
+    t = threading.Thread(target=driver, daemon=True)
+    t.start()
+    t.join(GUARD_S)
+    assert not t.is_alive() and got and b"kvtier:pages_free" in got[0]
+
+
 def test_a_driver_between_steps_for_long_serves_the_last_snapshot() -> None:
     """The driving thread stalls (no step()) after one snapshot: a scrape serves that
     snapshot after ``snapshot_wait_s``, without reading the cache on the server's thread."""
