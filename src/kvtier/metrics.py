@@ -234,7 +234,7 @@ class KvtierCollector(Collector):  # type: ignore[misc,unused-ignore]
         self._driven = False
         self._driver = 0  # the driving thread's id
         self._taken = 0  # snapshots the driving thread took
-        self._last: _Snapshot | None = None
+        self._last: _Snapshot | Exception | None = None  # the last snapshot, or why it failed
         self.cache = cache
         self.engine = engine
 
@@ -283,9 +283,15 @@ class KvtierCollector(Collector):  # type: ignore[misc,unused-ignore]
 
     def step(self) -> None:
         """Between two steps of the driving thread: if a scrape waits, read every value
-        now, into an immutable snapshot, and hand it over (one attribute test otherwise)."""
+        now, into an immutable snapshot, and hand it over (one attribute test otherwise).
+        Never raises: an error reading (e.g. a bad ``engine.stats()``) is raised by the
+        scrape, and the driving thread goes on."""
         if self._wanted:
-            snap = _read(self._cache, self._engine)
+            snap: _Snapshot | Exception
+            try:
+                snap = _read(self._cache, self._engine)
+            except Exception as exc:  # the scrape's failure, not the scheduler's
+                snap = exc
             with self._cond:
                 self._last = snap
                 self._taken += 1
@@ -293,14 +299,17 @@ class KvtierCollector(Collector):  # type: ignore[misc,unused-ignore]
                 self._cond.notify_all()
 
     def _snapshot(self) -> _Snapshot:
+        last = None
         with self._cond:
             if self._driven and threading.get_ident() != self._driver:
                 taken = self._taken
                 self._wanted = True
                 self._cond.wait_for(lambda: self._taken != taken or not self._driven, timeout=self.snapshot_wait_s)
-                if self._last is not None and (self._taken != taken or self._driven):
-                    return self._last  # fresh, or (the driving thread is between steps for long) the last one
-        return _read(self._cache, self._engine)  # nothing drives the cache (or no snapshot yet)
+                if self._taken != taken or self._driven:
+                    last = self._last  # fresh, or (the driving thread is between steps for long) the last one
+        if isinstance(last, Exception):
+            raise last
+        return last if last is not None else _read(self._cache, self._engine)  # nothing drives the cache
 
     # -- building ------------------------------------------------------------------------
     def collect(self) -> Iterator[Any]:

@@ -340,8 +340,25 @@ class _Engine:
                                    {"cumulative": {"writeback": {"seconds": None}}}], ids=repr)
 def test_an_engine_whose_stats_are_not_the_engine_s_is_a_clear_scrape_error(stats: Any) -> None:
     collector = KvtierCollector(_cache(), _Engine(stats))
+    reg = _registry(collector)
     with pytest.raises(ConfigError, match="KvtierCollector: engine"):
-        generate_latest(_registry(collector))
+        generate_latest(reg)
+    # driven: the driving thread's step() does not raise; the scrape does
+    errors: list[BaseException] = []
+
+    def scrape() -> None:
+        try:
+            generate_latest(reg)
+        except ConfigError as exc:
+            errors.append(exc)
+
+    with collector.driving():
+        t = threading.Thread(target=scrape, daemon=True)
+        t.start()
+        while t.is_alive():  # bounded by the scrape's own wait
+            collector.step()
+            t.join(0.01)
+    assert len(errors) == 1 and "KvtierCollector: engine" in str(errors[0])
 
 
 def test_a_good_engine_s_values_are_exported() -> None:
