@@ -158,6 +158,7 @@ def test_broken_variant_logs_are_rejected(patch: Path, tmp_path: Path) -> None:
         res = check_log(log)
         v = res.violation
         assert v is not None, f"{path.stem}: the log of {patch.name} was accepted"
+        assert main(["check", str(log)]) == 1  # the command rejects it with exit status 1, never 4
         recorded = "check_invariants() failed" in v.message
         if patch.stem in INDEPENDENT:
             assert not recorded and v.rule == INDEPENDENT[patch.stem], v.render()
@@ -236,8 +237,10 @@ def test_check_cli_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert f"REJECTED at line {i + 1}: spec: event 'demote' is not allowed in state 'host'" in out
     assert out.count("\n   ") >= 3
     (tmp_path / "junk.kvlog").write_text("not json\n")
-    assert main(["check", str(tmp_path / "junk.kvlog")]) == 2
-    assert "line 1 is not JSON" in capsys.readouterr().err
+    assert main(["check", str(tmp_path / "junk.kvlog")]) == 1  # a log that is not JSON is rejected
+    assert "REJECTED at line 1: format: not JSON" in capsys.readouterr().out
+    assert main(["check", str(tmp_path / "missing.kvlog")]) == 2  # a file that cannot be opened
+    assert "missing.kvlog" in capsys.readouterr().err
 
 
 def test_l3_fetch_log_is_accepted_and_a_fetch_without_its_get_rejected(tmp_path: Path) -> None:

@@ -78,6 +78,7 @@ MOVED: dict[str, str] = {
     "kvtier.facade_views": "kvtier.tiered",
     "kvtier.fingerprint": "kvtier.replay.fingerprint",
     "kvtier.l3replay": "kvtier.replay.l3replay",
+    "kvtier.logreader": "kvtier.cli.logreader",
     "kvtier.model_replay": "kvtier.replay.model_replay",
     "kvtier.multi_cli": "kvtier.replay.command",
     "kvtier.plot": "kvtier.replay.plot",

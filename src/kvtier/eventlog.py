@@ -14,8 +14,10 @@ Attached, the recorder wraps the cache object's public methods (instance attribu
 class is untouched) and serialises each record; ``bench/eventlog.py`` measures both.
 
 One recorder at a time per process, recording one cache at a time: attaching another
-cache starts a new segment of the log (a ``cache`` record); lifecycle transitions of other
-subjects (e.g. the kit's raw lifecycle machines) are not recorded.
+cache starts a new segment of the log (a ``cache`` record). Only the attached cache's nodes
+and requests are recorded: transitions of other caches alive in the process (the L3
+machine's two instances, the misuse machine's caches) and of other subjects (the kit's raw
+lifecycle machines) are left out, and so is everything while no cache is attached.
 
 Example::
 
@@ -122,6 +124,9 @@ class EventRecorder:
         self._lcs = (node_lifecycle(), request_lifecycle())
         self._closed = False
         self._call: dict[str, Any] | None = None
+        self._tree: Any = None  # the attached core's radix tree, root and (facade) request table
+        self._root: Node | None = None
+        self._table: Any = None
         self._write({"k": "header", "format": FORMAT, "version": VERSION, "spec_version": spec.version})
         self.install()
 
@@ -191,6 +196,8 @@ class EventRecorder:
         if not isinstance(core, CacheCore):
             raise ConfigError(f"attach() takes a TieredCache or a CacheCore, got {cache!r}")
         self.detach()
+        self._tree, self._root = core.tree, core.root
+        self._table = cache.table if core is not cache else None
         self._segments += 1
         layout = core.layout
         self._write({
@@ -215,6 +222,7 @@ class EventRecorder:
 
     def detach(self) -> None:
         """Stop recording the attached cache (its methods are restored)."""
+        self._tree = self._root = self._table = None
         for obj, name in reversed(self._wrapped):
             try:
                 delattr(obj, name)
@@ -315,11 +323,24 @@ class EventRecorder:
         return make
 
     # -- the lifecycle observer ----------------------------------------------------------
+    def _ours(self, node: Node) -> bool:
+        """Whether ``node`` belongs to the attached core: it (or, for a node not linked yet or
+        just unlinked, its nearest linked ancestor) is in that core's tree, or under its root."""
+        tree = self._tree
+        if tree is None:
+            return False
+        m: Node | None = node
+        while m is not None:
+            if m is self._root or tree.has(m):
+                return True
+            m = m.parent
+        return False
+
     def _transition(self, lc: Lifecycle, subject: Any, event: str, source: str, dest: str) -> None:
         guards = self._guards.get((lc.name, source, event), ())
         if lc.name == "node":
-            if not isinstance(subject, Node):
-                return  # the kit's raw lifecycle machines
+            if not isinstance(subject, Node) or not self._ours(subject):
+                return  # another cache's node, or the kit's raw lifecycle machines
             n = subject
             p = n.parent
             kids: dict[str, int] = {}
@@ -338,8 +359,9 @@ class EventRecorder:
                 "guards": {g: bool(lc.guards[g](n)) for g in guards},
             })
             return
-        if not isinstance(subject, Request):
-            return  # the kit's raw lifecycle machines
+        if not isinstance(subject, Request) or self._table is None \
+                or self._table.find(subject.request_id) is not subject:
+            return  # another cache's request, or the kit's raw lifecycle machines
         r = subject
         self._write({
             "k": "request", "id": r.request_id, "ev": event, "from": source, "to": dest,

@@ -6,7 +6,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["positive_int", "int_in_range", "positive_float", "fraction"]
+__all__ = ["positive_int", "int_in_range", "positive_float", "float_in_range", "fraction"]
 
 
 def _int(text: str) -> int:
@@ -49,6 +49,18 @@ def positive_float(text: str) -> float:
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return v
+
+
+def float_in_range(low: float, high: float) -> Callable[[str], float]:
+    """argparse type: a finite float in ``low .. high``."""
+
+    def parse(text: str) -> float:
+        v = _float(text)
+        if not math.isfinite(v) or not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number between {low:g} and {high:g}")
+        return v
+
+    return parse
 
 
 def fraction(text: str) -> float:

@@ -23,23 +23,34 @@ reports the first record that breaks a rule, with the records leading to it:
   state its transitions say (``return`` records).
 * **recorded checks**: an ``invariants`` record with ``"ok": false`` (the producer's own
   ``check_invariants()`` failed) rejects the log too, naming the invariant.
+* **format**: one header, first; every other record inside a segment (after a ``cache``
+  record); the fields the checker reads hold values of their type
+  (:data:`kvtier.cli.logreader.FIELDS`: a ``world_size`` >= 1, a completion's rank below it);
+  the file within the trace reader's input limits (:func:`kvtier.cli.logreader.read_log`).
 
-Exit status of the command: 0 the log conforms, 1 it does not, 2 unreadable input.
+Exit status of the command: 0 the log conforms; 1 it does not (a broken rule, a malformed
+record, a line past a limit, invalid or truncated gzip data); 2 the file cannot be opened.
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from kvtier.fsm import ConfigError
+from kvtier.fsm.checks import as_int
 from kvtier.fsm.lifecycle.names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE
 from kvtier.fsm.lifecycle.spec import INTERNAL, LifecycleSpec, TransitionSpec, load_spec
 
-__all__ = ["CheckResult", "Violation", "check_log", "check_records", "read_log"]
+from .logreader import LogFormatError, read_log, record_problem
+from ..replay.trace_lines import MAX_DECOMPRESSED_BYTES
+
+__all__ = ["CheckResult", "Violation", "check_log", "check_records", "read_log"]  # read_log: kvtier.cli.logreader
 
 # The guards' meanings, as spec/lifecycle.toml's [node.guards] docs state them, over the
 # node state sets the spec's [node.resources] declare (kvtier.fsm.lifecycle.names derives them):
@@ -75,7 +86,8 @@ class Violation:
         out = [f"line {self.line}: {self.rule}: {self.message}", "events leading to it:"]
         for ln, rec in self.context:
             out.append(f"  {ln:>7}  {_brief(rec)}")
-        out.append(f"> {self.line:>7}  {_brief(self.record)}")
+        shown = _brief(self.record) if self.record else "(no record: the line is unreadable)"
+        out.append(f"> {self.line:>7}  {shown}")
         return "\n".join(out)
 
 
@@ -110,6 +122,12 @@ class CheckResult:
 
 
 def _brief(rec: dict[str, Any]) -> str:
+    if record_problem(rec) is not None:  # a malformed record: as it was read, cut short
+        try:
+            text = json.dumps(rec, separators=(",", ":"), default=repr)
+        except (ValueError, RecursionError):  # a circular or deeply nested object given to check_records
+            text = reprlib.repr(rec)
+        return text if len(text) <= 300 else text[:297] + "..."
     k = rec.get("k")
     if k in ("node", "request"):
         g = rec.get("guards") or {}
@@ -193,12 +211,17 @@ class _Checker:
     def feed(self, line: int, rec: dict[str, Any]) -> None:
         self.result.records += 1
         try:
+            problem = record_problem(rec)
+            if problem is not None:
+                raise _Bad("format", f"malformed {rec.get('k') if isinstance(rec, dict) else None!r} record: "
+                                     f"{problem}")
             try:
                 self._record(rec)
             except (KeyError, TypeError, ValueError) as exc:
                 raise _Bad("format", f"malformed {rec.get('k')!r} record ({type(exc).__name__}: {exc})") from None
         except _Bad as bad:
-            self.result.violation = Violation(line, bad.rule, bad.message, rec, tuple(self.context))
+            self.result.violation = Violation(line, bad.rule, bad.message, rec if isinstance(rec, dict) else {},
+                                              tuple(self.context))
             return
         self.context.append((line, rec))
 
@@ -215,18 +238,23 @@ class _Checker:
             if k != "header" or rec.get("format") != "kvtier-events":
                 raise _Bad("format", "the first record must be the header {\"k\": \"header\", \"format\": "
                                      "\"kvtier-events\", ...}")
-            if rec.get("version") != 1:
+            if rec.get("version") != 1 or isinstance(rec.get("version"), bool):
                 raise _Bad("format", f"log format version {rec.get('version')!r}: this kvtier reads version 1")
-            if rec.get("spec_version") != self.spec_version:
+            if rec.get("spec_version") != self.spec_version or isinstance(rec.get("spec_version"), bool):
                 raise _Bad("format", f"log written against spec version {rec.get('spec_version')!r}, "
                                      f"the spec here is version {self.spec_version}")
             self.header = True
             return
+        if k == "header":
+            raise _Bad("format", "a second header record (one log per file: two logs concatenated?)")
         if k == "cache":
             self._reset()
-            self.world = int(rec.get("world_size", 1))
+            self.world = rec.get("world_size", 1)
             self.result.segments += 1
-        elif k == "node":
+            return
+        if not self.result.segments and k != "invariants":
+            raise _Bad("format", f"a {k!r} record before the first 'cache' record (whose cache is it?)")
+        if k == "node":
             self._node(rec)
         elif k == "request":
             self._request(rec)
@@ -256,7 +284,7 @@ class _Checker:
                            f"the producer's check_invariants() failed: {rec.get('detail')}")
         elif k == "return":
             self._return(rec)
-        elif k in ("call", "refused", "layer", "header"):
+        elif k in ("call", "refused", "layer"):
             return
         else:
             raise _Bad("format", f"unknown record kind {k!r}")
@@ -270,7 +298,10 @@ class _Checker:
             # it may not settle again nor move a node (both checked when recorded)
             op.absorbed += 1
             return
-        key = (int(rec["rank"]), rec.get("layer"))
+        key = (rec["rank"], rec.get("layer"))
+        if key[0] >= self.world:
+            raise _Bad("format", f"op {rec['op']}: a completion from rank {key[0]} taken, but the cache has "
+                                 f"world_size {self.world} (ranks 0 .. {self.world - 1})")
         if key in op.seen or key[0] in op.acked:
             raise _Bad("operation_ends_once", f"op {rec['op']}: completion from rank {key[0]} layer {key[1]} "
                                               f"accepted twice (or after that rank's ack)")
@@ -391,7 +422,6 @@ class _Checker:
             del self.aborting_own[rid]
         self.requests[rid] = dst
 
-
     def _fence(self, rid: str, rec: dict[str, Any]) -> None:
         held = self.aborting_own.get(rid)
         if held is not None and rec.get("table", 0) != held:
@@ -413,64 +443,55 @@ class _Checker:
             self._fence(rid, rec)
 
 
-def read_log(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, record) for each non-empty line of a log (``.gz`` read transparently).
-
-    Raises:
-        ValueError: a line that is not a JSON object (naming the line).
-        OSError: the file cannot be read.
-    """
-    import gzip
-
-    p = Path(path)
-    f: IO[str] = gzip.open(p, "rt", encoding="utf-8") if p.suffix == ".gz" else open(p, encoding="utf-8")
-    with f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {i} is not JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}: line {i} is not a JSON object")
-            yield i, rec
-
-
 def check_records(records: Iterable[tuple[int, dict[str, Any]]], context: int = 12) -> CheckResult:
-    """Check (line, record) pairs; stops at the first violation.
+    """Check (line, record) pairs; stops at the first violation. A
+    :class:`~kvtier.cli.logreader.LogFormatError` raised by ``records`` (:func:`read_log`'s) is
+    a ``format`` violation at its line.
 
     Args:
-        context: how many earlier records a violation shows.
+        context: how many earlier records a violation shows (an int >= 0).
+
+    Raises:
+        kvtier.fsm.ConfigError: ``context`` not an int >= 0.
     """
-    c = _Checker(context)
+    c = _Checker(as_int(context, "context", minimum=0, error=ConfigError))
     held: tuple[int, dict[str, Any]] | None = None  # a completion, until we know it was not refused
-    for line, rec in records:
-        if held is not None:
-            if rec.get("k") == "refused" and rec.get("name") == "complete":
-                held[1]["refused"] = rec.get("error", True)  # refused: it changed nothing
-            c.feed(*held)
-            held = None
+    unreadable: LogFormatError | None = None
+    try:
+        for line, rec in records:
+            if held is not None:
+                if isinstance(rec, dict) and rec.get("k") == "refused" and rec.get("name") == "complete":
+                    # refused: it changed nothing (the caller's record is left as it is)
+                    held = (held[0], {**held[1], "refused": rec.get("error") or True})
+                c.feed(*held)
+                held = None
+                if c.result.violation is not None:
+                    return c.result
+            if isinstance(rec, dict) and rec.get("k") == "completion" and not rec.get("refused"):
+                held = (line, rec)
+                continue
+            c.feed(line, rec)
             if c.result.violation is not None:
-                break
-        if rec.get("k") == "completion" and not rec.get("refused"):
-            held = (line, rec)
-            continue
-        c.feed(line, rec)
-        if c.result.violation is not None:
-            break
-    else:
-        if held is not None:
-            c.feed(*held)
-        if c.result.violation is None and not c.header:
-            c.result.violation = Violation(0, "format", "empty log: no header record", {})
+                return c.result
+    except LogFormatError as exc:
+        unreadable = exc
+    if held is not None:
+        c.feed(*held)
+    if c.result.violation is None and unreadable is not None:
+        c.result.violation = Violation(unreadable.line, "format", unreadable.detail, {}, tuple(c.context))
+    elif c.result.violation is None and not c.header:
+        c.result.violation = Violation(0, "format", "empty log: no header record", {})
     return c.result
 
 
-def check_log(path: str | Path, context: int = 12) -> CheckResult:
-    """Check the log file at ``path`` (see :func:`check_records`).
+def check_log(path: str | Path, context: int = 12, *,
+              max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> CheckResult:
+    """Check the log file at ``path`` (see :func:`check_records`), read by :func:`read_log`
+    (plain or gzip, within the trace reader's input limits): a line past a limit, not a
+    JSON object, or invalid or truncated gzip data is a ``format`` violation.
 
     Raises:
-        ValueError, OSError: as :func:`read_log`.
+        kvtier.fsm.ConfigError: ``context`` or ``max_decompressed_bytes`` out of range.
+        OSError: the file cannot be opened or read.
     """
-    return check_records(read_log(path), context)
+    return check_records(read_log(path, max_decompressed_bytes=max_decompressed_bytes), context)

@@ -16,8 +16,9 @@ class ExitCode(enum.IntEnum):
     OK = 0
     """Success: the run completed and every check passed."""
     FAILED = 1
-    """A check failed: fuzz or verify found (or a replayed file reproduced) a violation, the
-    committed diagrams differ from the spec, or a replay read back wrong bytes or stalled."""
+    """A check failed: fuzz or verify found (or a replayed file reproduced) a violation, check
+    rejected an event log, the committed diagrams differ from the spec, or a replay read back
+    wrong bytes or stalled."""
     USAGE = 2
     """Bad input: an invalid option or value, a malformed trace or sequence file, a file that
     cannot be read, a missing optional dependency, or a backend this machine lacks."""
@@ -32,8 +33,8 @@ class ExitCode(enum.IntEnum):
 
 _SHORT = {
     ExitCode.OK: "success",
-    ExitCode.FAILED: "a check failed (a violation found or reproduced, diagrams out of date, "
-                     "wrong bytes read back, a stalled replay)",
+    ExitCode.FAILED: "a check failed (a violation found or reproduced, an event log rejected, "
+                     "diagrams out of date, wrong bytes read back, a stalled replay)",
     ExitCode.USAGE: "bad input (option, value, trace or sequence file, unreadable file, "
                     "missing optional dependency, backend without CUDA)",
     ExitCode.INCOMPLETE: "stopped before the end (verify --max-seconds, fuzz --require-coverage)",

@@ -245,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "that emits the format) offline against spec/lifecycle.toml and the "
                                    "invariants. Prints the first event the spec does not allow or the first "
                                    "invariant broken, with the events leading to it. Exit status: 0 the log "
-                                   "conforms, 1 it does not, 2 unreadable input.")
+                                   "conforms; 1 it does not (a broken rule, a malformed record, a line past "
+                                   "the trace reader's limits, invalid or truncated gzip data); 2 the file "
+                                   "cannot be opened.")
     p.add_argument("log", metavar="LOG", help="the event log (.jsonl, or .gz)")
     p.add_argument("--context", type=positive_int, default=12, metavar="N",
                    help="events shown before a violation (default %(default)s)")

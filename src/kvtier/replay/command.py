@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -17,16 +18,19 @@ import time
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from ..cli.argtypes import int_in_range, positive_float, positive_int
+from ..cli.argtypes import float_in_range, int_in_range, positive_float, positive_int
 from ..cli.exitcodes import ExitCode, LineFormatter, epilog
 
 __all__ = ["add_parser", "run", "Capacity", "CAPACITY_HELP", "DEFAULT_DEVICE_FRACTION", "DEFAULT_HOST_FRACTION",
-           "LineProgress", "add_arguments", "run_multi_cli", "refuse_multi_only", "MULTI_DEFAULTS"]
+           "LineProgress", "add_arguments", "run_multi_cli", "refuse_multi_only", "MULTI_DEFAULTS",
+           "MAX_METRICS_HOLD_S"]
 
 DEFAULT_DEVICE_FRACTION = 0.05
 """Default ``--device``: 5 % of the trace's unbounded working set."""
 DEFAULT_HOST_FRACTION = 0.5
 """Default ``--host``: 50 % of the trace's unbounded working set."""
+MAX_METRICS_HOLD_S = 86_400
+"""Longest ``--metrics-hold``, in seconds (one day)."""
 
 CAPACITY_HELP = ("CAP is a fraction of the trace's unbounded working set, written 0.05 or 5%% (a bare "
                  "number must be in (0, 1]: 1 is the whole working set), or a token count with a 't' "
@@ -168,9 +172,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--metrics-port", type=int_in_range(0, 65535), default=None, metavar="N",
                    help="serve Prometheus metrics of the running configuration at http://127.0.0.1:N/metrics "
                         "while the replay runs (needs prometheus_client: pip install 'kvtier[metrics]')")
-    p.add_argument("--metrics-hold", type=float, default=0.0, metavar="S",
+    p.add_argument("--metrics-hold", type=float_in_range(0, MAX_METRICS_HOLD_S), default=0.0, metavar="S",
                    help="with --metrics-port: keep serving the final values S seconds after the replay "
-                        "(default %(default)s)")
+                        f"(0 .. {MAX_METRICS_HOLD_S:,}; default %(default)s)")
     p.add_argument("--event-log", default=None, metavar="FILE",
                    help="record the lifecycle event log of every configuration (JSON lines; check it with "
                         "kvtier check FILE). Recording costs bookkeeping time: see bench/RESULTS.md")
@@ -267,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
         return LineProgress(name, total, sys.stderr)  # a plain log: one line every few seconds
 
     hooks: list[Any] = []
-    server = None
+    server = collector = None
+    on_step: Any = None
     if args.metrics_port is not None:
         try:
             from ..metrics import KvtierCollector, serve
@@ -276,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
                 from None
         collector = KvtierCollector()
         server = serve(collector, args.metrics_port)
+        on_step = collector.step  # scrapes take the scheduler's snapshots, between its steps
 
         def point(name: str, cache: Any, executor: Any) -> None:
             collector.cache = cache
@@ -302,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
                   f"tokens, host {setup.host_units * layout.alignment:,} tokens; backend {args.backend}",
                   flush=True)
         try:
-            results, summary = run_replay(trace, setup, progress=progress, on_start=on_start)
+            with collector.driving() if collector is not None else contextlib.nullcontext():
+                results, summary = run_replay(trace, setup, progress=progress, on_start=on_start, on_step=on_step)
         finally:
             if recorder is not None:
                 recorder.close()

@@ -190,12 +190,14 @@ def capacity_bounds(trace: Trace, layout: CacheLayout) -> tuple[int, int]:
 def run_config(name: str, requests: Sequence[SchedRequest], layout: CacheLayout, device_units: int,
                host_units: int | None, setup: ReplaySetup, executor: Executor | None = None,
                cost: CostModel | None = None, progress: Callable[[int], None] | None = None,
-               on_start: Callable[[str, TieredCache, Executor], None] | None = None) -> ConfigResult:
+               on_start: Callable[[str, TieredCache, Executor], None] | None = None,
+               on_step: Callable[[], None] | None = None) -> ConfigResult:
     """Run one configuration over fresh copies of ``requests``.
 
     Args:
         on_start: called with (name, cache, executor) before the first step (e.g. to point
             a metrics collector or an event recorder at this configuration's cache).
+        on_step: called between steps (:meth:`ReferenceScheduler.run`).
     """
     cache = TieredCache(layout, device_units, host_units, policy=setup.policy, eviction=setup.eviction,
                         exclusive=setup.exclusive)
@@ -204,7 +206,7 @@ def run_config(name: str, requests: Sequence[SchedRequest], layout: CacheLayout,
     if on_start is not None:
         on_start(name, cache, sched.executor)
     t0 = time.perf_counter()
-    stats = sched.run(reqs, progress=progress)
+    stats = sched.run(reqs, progress=progress, on_step=on_step)
     wall = time.perf_counter() - t0
     cs = cache.core.stats
     a = layout.alignment
@@ -251,13 +253,14 @@ def run_replay(trace: Trace, setup: ReplaySetup, *,
                progress: Callable[[str, int], Callable[[int], None]] | None = None,
                cost: CostModel | None = None,
                on_start: Callable[[str, TieredCache, Executor], None] | None = None,
+               on_step: Callable[[], None] | None = None,
                ) -> tuple[list[ConfigResult], dict[str, Any]]:
     """Replay ``trace`` in the three configurations.
 
     Args:
         executor_factory: (layout, device units, host units) -> executor; default
             :func:`make_executor` for ``setup.backend``.
-        on_start: as :func:`run_config`, for each configuration.
+        on_start, on_step: as :func:`run_config`, for each configuration.
 
     Returns:
         The three results (device-only, device+host, unbounded) and a setup summary.
@@ -276,7 +279,7 @@ def run_replay(trace: Trace, setup: ReplaySetup, *,
         ex = (executor_factory(layout, dev, host) if executor_factory is not None
               else make_executor(setup, layout, dev, host))
         cb = progress(name, len(reqs)) if progress is not None else None
-        results.append(run_config(name, reqs, layout, dev, host, setup, ex, cost, cb, on_start))
+        results.append(run_config(name, reqs, layout, dev, host, setup, ex, cost, cb, on_start, on_step))
     bound = results[-1].hit_tokens
     for r in results:
         r.hit_rate_vs_unbounded = r.hit_tokens / bound if bound else 0.0

@@ -147,7 +147,7 @@ class ReferenceScheduler:
 
     # -- the loop --------------------------------------------------------------------
     def run(self, requests: Sequence[SchedRequest], *, progress: Callable[[int], None] | None = None,
-            max_steps: int | None = None) -> RunStats:
+            max_steps: int | None = None, on_step: Callable[[], None] | None = None) -> RunStats:
         """Run every request to its end; returns the statistics.
 
         Each step: arrivals, completions and deadlines, decode tokens (:meth:`_decode`),
@@ -164,6 +164,8 @@ class ReferenceScheduler:
             requests: the requests, by arrival time (fresh: never run before).
             progress: called with the number of requests that ended since the last call.
             max_steps: stop after this many steps (``None``: until every request ended).
+            on_step: called before every iteration, between steps, where the cache is
+                consistent (e.g. :meth:`kvtier.metrics.KvtierCollector.step`).
 
         Raises:
             ConfigError: a request that is not a :class:`SchedRequest`, has a bad field
@@ -182,6 +184,8 @@ class ReferenceScheduler:
         ended_before = 0
         iterations = idle = ended_seen = 0
         while self._pending or self._live:
+            if on_step is not None:
+                on_step()
             if max_steps is not None and self.stats.steps >= max_steps:
                 break
             iterations += 1
