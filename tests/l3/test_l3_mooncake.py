@@ -283,9 +283,12 @@ def test_multi_instance_replay_l3_recovers_routing_loss(mooncake_master: Mooncak
         blocks = [i % 3, 1000 + i]
         reqs.append(_req(f"q{i}", blocks, 900))
         ids.append(blocks)
-    opts = L3Options(model="t", lease_s=mooncake_master.lease_s)
+    # the L3 tier's clock is the test's (it never runs out), and each request's puts land
+    # before the next request: the counts do not depend on the machine's speed or load
+    opts = L3Options(model="t", lease_s=mooncake_master.lease_s, deadline_s=120.0)
     no = run_configuration(reqs, ids, LAYOUT, 4, 256, 1024, "rr", None)
-    l3 = run_configuration(reqs, ids, LAYOUT, 4, 256, 1024, "rr", mooncake_master.url(), opts)
+    l3 = run_configuration(reqs, ids, LAYOUT, 4, 256, 1024, "rr", mooncake_master.url(), opts,
+                           clock=lambda: 0.0, settle_puts=True)
     one = run_configuration(reqs, ids, LAYOUT, 1, 1024, 4096, "rr", None)
     lost = one[-1].hit_tokens - no[-1].hit_tokens
     assert lost > 0, (one[-1], no[-1])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,12 +147,22 @@ class Instance:
         policy: the host tier's write policy (``write_through``: every prefix reaches the
             host, so the L3 policy ``host_write`` sees it).
         eviction, exclusive: the core's eviction policy and exclusive host tier.
+        clock: the L3 tier's clock in seconds (its deadlines and leases), default
+            ``time.monotonic``; a test gives a clock it controls, so that no deadline depends
+            on the machine's speed or load.
+        settle_puts: after each request's offer, wait until its puts have ended, so the next
+            request (on any instance) sees them: with a clock that does not run out, the
+            replay's counts are then the same on every run. Off by default: a real fleet
+            does not wait.
     """
 
     def __init__(self, name: str, layout: CacheLayout, device_units: int, host_units: int,
                  store_url: str | None = None, options: L3Options | None = None, byte_scale: int = 1024,
-                 seed: int = 0, policy: str = "write_through", eviction: str = "lru", exclusive: bool = False) -> None:
+                 seed: int = 0, policy: str = "write_through", eviction: str = "lru", exclusive: bool = False,
+                 clock: Callable[[], float] = time.monotonic, settle_puts: bool = False) -> None:
         self.name = name
+        self.clock = clock
+        self.settle_puts = settle_puts
         self.cache = TieredCache(layout, device_units, host_units, policy=policy, eviction=eviction,
                                  exclusive=exclusive, l3=(options or L3Options()) if store_url else None)
         self.executor = _Executor(scaled_layout(layout, byte_scale), units_to_pages(layout, device_units),
@@ -170,7 +180,7 @@ class Instance:
     def _pump(self) -> None:
         l3, drv = self.cache.l3, self.driver
         assert l3 is not None and drv is not None
-        now = time.monotonic()
+        now = self.clock()
         for res in drv.poll():
             l3.complete(res, now)
         l3.expire(now, drv.cancel)
@@ -184,7 +194,7 @@ class Instance:
         t0 = time.perf_counter()
         if l3 is not None and drv is not None:
             self._pump()
-            if l3.prefetch(req.request_id, req.units, time.monotonic()):
+            if l3.prefetch(req.request_id, req.units, self.clock()):
                 asked = True
                 self._pump()
                 while l3.prefetching(req.request_id):
@@ -210,8 +220,10 @@ class Instance:
         r.hit_tokens += dev + host
         r.l3_asked += asked
         if l3 is not None:
-            l3.offer(req.units, time.monotonic())
+            l3.offer(req.units, self.clock())
             self._pump()
+            if self.settle_puts:
+                self.flush()
         if dev > 0 and host == 0:
             took = time.perf_counter() - t0
             r.device_only_requests += 1
@@ -224,7 +236,8 @@ class Instance:
                 r.device_only_prefetch_times.append(t_prefetch)
 
     def flush(self) -> None:
-        """Wait for the store operations in flight to end (at most the deadline)."""
+        """Wait for the store operations in flight to end (at most the deadline, in wall time:
+        a bound against a store that never answers, whatever :attr:`clock` says)."""
         l3, drv = self.cache.l3, self.driver
         if l3 is not None and drv is not None:
             end = time.monotonic() + l3.options.deadline_s
