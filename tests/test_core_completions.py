@@ -267,3 +267,70 @@ def test_advance_step_refuses_a_non_positive_step():
         with pytest.raises(UsageError, match=rf"^advance_step: steps must be an int >= 1, got {bad!r}$"):
             c.advance_step(bad)  # type: ignore[arg-type]
     assert c.step == 0
+
+
+def keys(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+# ------------------------------------------------------------------ withdraw
+def test_each_withdrawal_counts_once_and_only_unpolled_ops_are_withdrawn() -> None:
+    c = CacheCore(h1(), 8, 8, policy="write_through")
+    a = put(c, keys("a", 2)).node
+    b = put(c, keys("b", 2)).node
+    (cmd,) = c.issue_writebacks()  # both parents are the root: one batched operation
+    assert cmd.node_ids == (a.node_id, b.node_id)
+    c2 = CacheCore(h1(), 8, 8, policy="write_through")
+    x = put(c2, keys("x", 2)).node
+    (cx,) = c2.issue_writebacks()
+    y = put(c2, keys("y", 2)).node
+    (cy,) = c2.issue_writebacks()
+    assert (cx.node_ids, cy.node_ids) == ((x.node_id,), (y.node_id,))
+    assert c2.stats.withdrawn_ops == 0
+    sx = c2.withdraw(cx.op_id)
+    assert sx is not None and (sx.op_id, sx.ok, sx.node_ids) == (cx.op_id, False, (x.node_id,))
+    assert c2.stats.withdrawn_ops == 1
+    sy = c2.withdraw(cy.op_id)
+    assert sy is not None and (sy.op_id, sy.ok, sy.node_ids) == (cy.op_id, False, (y.node_id,))
+    assert c2.stats.withdrawn_ops == 2
+    assert c2.poll_commands() == []  # never handed out
+    assert c2.withdraw(cx.op_id) is None and c2.stats.withdrawn_ops == 2  # settled: not in flight
+    assert (x.state, y.state, free(c2, "host")) == ("device", "device", {"kv": 8})
+    c2.check_invariants()
+    # handed out already: not withdrawn (the caller poisons it instead), nothing counted
+    assert c.poll_commands() == [cmd]
+    assert c.withdraw(cmd.op_id) is None
+    assert c.stats.withdrawn_ops == 0 and c.ops_in_flight() == 1
+    assert c.withdraw(10_000) is None and c.stats.withdrawn_ops == 0  # unknown op id
+    c.check_invariants()
+
+
+# ------------------------------------------------------------------ optable
+def test_a_failed_acknowledgement_settles_with_ok_false_exactly() -> None:
+    """A rank's failed acknowledgement makes the operation's ``ok`` the bool False: the
+    Settled record says False (not merely falsy), and a failed loadback leaves its node
+    with ``reloaded`` False."""
+    from kvtier.fsm import Completion, Direction
+
+    c = CacheCore(h1(), 4, 4, policy="write_through", world_size=2)
+    n = put(c, keys("a", 2)).node
+    (cmd,) = c.issue_writebacks()
+    assert c.complete(Completion(cmd.op_id, rank=0, ok=False)) == []
+    assert c.optable.get(cmd.op_id).ok is False
+    (s,) = c.complete(Completion(cmd.op_id, rank=1, ok=True))
+    assert (s.op_id, s.direction, s.ok, s.request_id, s.node_ids, s.expired) == (
+        cmd.op_id, Direction.WRITEBACK, False, None, (n.node_id,), False)
+    assert s.ok is False and n.state == "device"
+    again = c.writeback(n)  # written again, this time on both ranks
+    assert again is not None
+    ack(c, again)
+    assert c.evict_device({"kv": 2}) == {"kv": 2} and n.state == "host"
+    load = c.load(c.match(keys("a", 2)), "r1")
+    assert load.command is not None
+    assert c.complete(Completion(load.command.op_id, rank=1, ok=False)) == []
+    (s,) = c.complete(Completion(load.command.op_id, rank=0, ok=True))
+    assert (s.direction, s.ok) == (Direction.LOADBACK, False) and s.ok is False
+    assert n.reloaded is False and n.state == "host"
+    c.release(load.pin)
+    c.unlock(load.lock)
+    c.check_invariants()

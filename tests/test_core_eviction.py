@@ -9,9 +9,9 @@ import pytest
 from core_helpers import ack, free, h1, h2, put, src, state
 
 from kvtier.fsm import CacheCore
-from kvtier.fsm.node import Node
 from kvtier.fsm.errors import CapacityError, UsageError
 from kvtier.fsm.eviction import HeapIndex
+from kvtier.fsm.node import Node
 
 
 def lru(c: CacheCore) -> HeapIndex:
@@ -385,4 +385,42 @@ def test_a_demoted_chunk_checkpoint_comes_back_as_a_final_one():
     c.unlock(lr.lock)
     rab = put(c, "ab", c.device_pages(a), ckpt=True)  # a deeper checkpoint does not drop it now
     assert a.dev_ckpt and not a.chunk_checkpoint and rab.node.dev_ckpt
+    c.check_invariants()
+
+
+def keys(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+# ------------------------------------------------------------------ host_only eviction
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_host_only_eviction_spares_a_backed_node_that_was_never_loaded_back(exclusive: bool) -> None:
+    c = CacheCore(h1(), 8, 8, policy="write_through", exclusive=exclusive)
+    n = put(c, keys("a", 2)).node
+    for cmd in c.issue_writebacks():
+        ack(c, cmd)
+    assert (n.state, n.reloaded, c.exclusive) == ("backed", False, exclusive)
+    assert c.evict_host({"kv": 2}, host_only=True) == {"kv": 0}
+    assert n.state == "backed" and n.host == {"kv": [0, 1]} and c.stats.host_drops == 0
+    assert c.evict_host({"kv": 2}) == {"kv": 2}  # without host_only it is dropped
+    assert n.state == "device" and c.stats.host_drops == 1
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_host_only_eviction_drops_a_reloaded_copy_only_when_exclusive(exclusive: bool) -> None:
+    c = CacheCore(h1(), 4, 4, policy="write_through", exclusive=exclusive)
+    hot = put(c, keys("h", 2)).node
+    for cmd in c.issue_writebacks():
+        ack(c, cmd)
+    assert c.evict_device({"kv": 2}) == {"kv": 2} and hot.state == "host"
+    load = c.load(c.match(keys("h", 2)), "r1")
+    assert load.command is not None
+    ack(c, load.command)
+    c.release(load.pin)
+    c.unlock(load.lock)
+    assert (hot.state, hot.reloaded) == ("backed", True)
+    assert c.evict_host({"kv": 2}, host_only=True) == ({"kv": 2} if exclusive else {"kv": 0})
+    assert hot.state == ("device" if exclusive else "backed")
+    assert c.stats.host_drops == (1 if exclusive else 0)
     c.check_invariants()

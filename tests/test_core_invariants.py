@@ -429,3 +429,42 @@ def test_borrowed_pages_demoted_detected():
     with pytest.raises(InvariantViolation) as exc:
         c.check_invariants()
     assert exc.value.invariant == "borrowed_pages_stay"
+
+
+def _violation(c: CacheCore) -> tuple[str, str]:
+    """The invariant ``check_invariants`` names and its message (it must raise)."""
+    with pytest.raises(InvariantViolation) as e:
+        c.check_invariants()
+    return e.value.invariant, str(e.value)
+
+
+def test_a_child_filed_under_another_key_than_its_first_unit_breaks_the_tree_links() -> None:
+    """invariants.py:98: a node whose first unit is not the key its parent files it under
+    (here its second unit is) breaks ``split_preserves_ownership``."""
+    c = CacheCore(h1(), 8, 8)
+    n = put(c, ("a", "b")).node
+    n.key = ("x", "a")  # filed under "a"
+    assert _violation(c) == ("split_preserves_ownership", "invariant 'split_preserves_ownership' violated by "
+                             "node 1 (device): tree links are inconsistent")
+    n.key = ("a", "b")
+    c.check_invariants()
+
+
+def test_a_loadback_whose_own_pin_does_not_list_exactly_its_nodes_is_reported() -> None:
+    """invariants.py:148-151: a loadback's own pin (receipt ``-op_id``) must list exactly its
+    nodes; one that lists none breaks ``loadback_source_pinned``, naming the op."""
+    c = CacheCore(h1(), 8, 8)
+    n = put(c, ("a", "b")).node
+    ack(c, c.writeback(n))
+    c.evict_device({"kv": 8})
+    assert n.state == "host"
+    res = c.load(c.match(("a", "b")), "r1")
+    assert res.command is not None and n.state == "loading"
+    op_id = res.command.op_id
+    pin = c.receipts.get(-op_id)
+    assert pin.nodes == [n] and pin.owner == f"op {op_id}"
+    pin.nodes = []
+    assert _violation(c) == ("loadback_source_pinned", f"invariant 'loadback_source_pinned' violated by node 1 "
+                             f"(loading): loadback op {op_id} does not pin exactly its nodes")
+    pin.nodes = [n]
+    c.check_invariants()

@@ -431,3 +431,53 @@ def test_load_of_several_nodes_reserves_all_their_pages():
     assert len(lr.device_pages["kv"]) == 4 and x.node_id not in state(c) and y.state == "device"
     ack(c, lr.command)
     c.check_invariants()
+
+
+def keys(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+def test_a_history_replay_loadback_without_a_host_checkpoint_loads_history_only() -> None:
+    """transfers.py:59: with state groups, a loadback loads the terminal's checkpoint only
+    when the terminal has one on the host; a history-replay hit ends at a node without
+    one, so only its ``fh`` pages move and no ``swa`` page is taken."""
+    c = CacheCore(src(), {"fh": 8, "swa": 8}, {"fh": 8, "swa": 8})
+    r = put(c, "abcde")
+    ack(c, c.writeback(r.node))
+    assert c.evict_device({"fh": 5}) == {"fh": 5, "swa": 0}
+    m = c.match(list("abcde"), history_replay=True)
+    assert (m.host_nodes, m.terminal, m.recompute_tokens) == ((r.node,), r.node, 16)
+    assert r.node.host_ckpt == {}
+    res = c.load(m, "r1")
+    assert res.command is not None
+    assert [(t.group, len(t.src_pages), len(t.dst_pages)) for t in res.command.transfers] == [("fh", 5, 5)]
+    assert (free(c), r.node.dev_ckpt) == ({"fh": 3, "swa": 8}, {})
+    assert c.receipts.get(-res.command.op_id).owner == f"op {res.command.op_id}"
+    ack(c, res.command)
+    c.release(res.pin)
+    c.unlock(res.lock)
+    assert (r.node.state, r.node.dev_ckpt, free(c)) == ("backed", {}, {"fh": 3, "swa": 8})
+    c.check_invariants()
+
+
+def test_the_loadback_own_pin_is_owned_by_its_operation() -> None:
+    """transfers.py:129: the operation's own pin (receipt id -op_id) names the op."""
+    c = CacheCore(h1(), 4, 4, policy="write_through")
+    n = put(c, keys("h", 2)).node
+    for cmd in c.issue_writebacks():
+        ack(c, cmd)
+    assert c.evict_device({"kv": 2}) == {"kv": 2} and n.state == "host"
+    res = c.load(c.match(keys("h", 2)), "r1")
+    assert res.command is not None
+    op = res.command.op_id
+    own = c.receipts.get(-op)
+    assert (own.kind, own.owner, [x.node_id for x in own.nodes]) == ("pin", f"op {op}", [n.node_id])
+    assert res.pin.owner == "r1" and n.host_pin == 2
+    assert repr(own) == f"<pin receipt {-op} owner='op {op}' nodes=[{n.node_id}]>"
+    ack(c, res.command)
+    with pytest.raises(KeyError):
+        c.receipts.get(-op)
+    c.release(res.pin)
+    c.unlock(res.lock)
+    assert n.host_pin == 0
+    c.check_invariants()

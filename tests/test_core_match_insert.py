@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from core_helpers import ack, free, h1, h2, put, snapshot, src, state
 
-from kvtier.fsm import MatchMode, CacheCore
+from kvtier.fsm import CacheCore, MatchMode
 from kvtier.fsm.errors import KvtierError, UsageError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import CacheGroupSpec, ComponentSpec, Family
@@ -523,3 +523,120 @@ def test_insert_stops_at_loading_node_and_keeps_caller_pages():
     res = c2.insert(("a", "b"), {"fh": lr2.device_pages["fh"] + got["fh"]}, {"swa": got["swa"]})
     c2.check_invariants()
     assert (res.node, res.published_units, res.kept) == (c2.root, 0, {"fh": got["fh"], "swa": got["swa"]})
+
+
+def keys(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+# ------------------------------------------------------------------ publish: the anchor fast path
+def test_an_anchor_whose_pages_are_not_the_callers_is_ignored() -> None:
+    """The caller's pages for the anchor's range are its own copies, not the anchor's
+    canonical pages: the anchor is ignored, the whole key is walked and those copies come
+    back as duplicates."""
+    c = CacheCore(h1(), 16)
+    n = put(c, keys("a", 4)).node
+    lk = c.lock(n, "r")
+    mine = c.alloc_device({"kv": 6}, evict=False)["kv"]
+    res = c.insert(keys("a", 4) + ("x", "y"), {"kv": mine}, anchor=n)
+    assert res.duplicates == {"kv": mine[:4]} and res.kept == {}
+    assert res.pages == {"kv": n.dev["kv"] + mine[4:]} and res.published_units == 6
+    c.unlock(lk)
+    c.check_invariants()
+
+
+def test_an_anchor_off_the_keys_prefix_is_ignored() -> None:
+    """An anchor whose path is not the key's prefix (here: ('x', 'a') against a key that
+    starts ('a', 'x', 'a')) is ignored even when the pages match its path: the full walk
+    then finds the anchor's pages are not the caller's for that range."""
+    import pytest as _pytest
+
+    from kvtier.fsm.errors import UsageError
+
+    c = CacheCore(h1(), 16)
+    n = put(c, ("x", "a")).node
+    lk = c.lock(n, "r")
+    mine = c.alloc_device({"kv": 2}, evict=False)["kv"]
+    before = sorted((x.key, x.state) for x in c.nodes())
+    with _pytest.raises(UsageError, match="not held by the caller"):
+        c.insert(("a", "x", "a", "b"), {"kv": n.dev["kv"] + mine}, anchor=n)
+    assert sorted((x.key, x.state) for x in c.nodes()) == before
+    c.unlock(lk)
+    c.check_invariants()
+
+
+def test_an_anchor_three_nodes_deep_is_checked_unit_by_unit() -> None:
+    """Path ('a',) -> ('b', 'c') -> ('c',): a key ('a', 'b', 'c', 'z', ...) shares the
+    first two nodes but not the third (its unit 3 is 'z'), so the anchor is ignored and
+    the anchor's last page, not the caller's, is refused."""
+    import pytest as _pytest
+
+    from kvtier.fsm.errors import UsageError
+
+    c = CacheCore(h1(), 16)
+    put(c, ("a", "b", "c", "c"))
+    c.walk(("a", "x"))  # a walk splits where the key diverges
+    c.walk(("a", "b", "c", "y"))
+    anchor = c.match(("a", "b", "c", "c")).device_node
+    assert [x.key for x in reversed(anchor.path())] == [("a",), ("b", "c"), ("c",)]
+    lk = c.lock(anchor, "r")
+    mine = c.alloc_device({"kv": 2}, evict=False)["kv"]
+    with _pytest.raises(UsageError, match="not held by the caller"):
+        c.insert(("a", "b", "c", "z", "q", "r"), {"kv": c.device_pages(anchor)["kv"] + mine}, anchor=anchor)
+    c.unlock(lk)
+    c.check_invariants()
+
+
+def test_an_anchor_two_nodes_deep_is_checked_at_each_nodes_offset() -> None:
+    """Path ('a', 'a') -> ('b',): the key ('a', 'a', 'c', 'b', 'z') has 'b' only at unit 3,
+    not at unit 2 where the anchor's second node sits, so the anchor is ignored and the
+    anchor's page is refused as not the caller's."""
+    import pytest as _pytest
+
+    from kvtier.fsm.errors import UsageError
+
+    c = CacheCore(h1(), 16)
+    put(c, ("a", "a", "b"))
+    c.walk(("a", "a", "x"))  # a walk splits where the key diverges
+    anchor = c.match(("a", "a", "b")).device_node
+    assert [x.key for x in reversed(anchor.path())] == [("a", "a"), ("b",)]
+    lk = c.lock(anchor, "r")
+    mine = c.alloc_device({"kv": 2}, evict=False)["kv"]
+    before = sorted((x.key, x.state) for x in c.nodes())
+    with _pytest.raises(UsageError, match="not held by the caller"):
+        c.insert(("a", "a", "c", "b", "z"), {"kv": c.device_pages(anchor)["kv"] + mine}, anchor=anchor)
+    assert sorted((x.key, x.state) for x in c.nodes()) == before
+    c.unlock(lk)
+    c.check_invariants()
+
+
+def test_insert_checks_every_history_group_of_a_node_it_walks() -> None:
+    """h2(): one unit is 2 ``a`` pages and 1 ``b`` page. The caller's ``a`` pages for the
+    existing unit are the canonical ones, its ``b`` page is neither the canonical one nor
+    its own: refused, even though ``a`` passed first."""
+    import pytest as _pytest
+    from core_helpers import h2, snapshot
+
+    from kvtier.fsm.errors import UsageError
+
+    c = CacheCore(h2(), 8)
+    n = put(c, ("u",)).node
+    mine = c.alloc_device({"a": 2, "b": 1}, evict=False)
+    stray = next(p for p in range(8) if p not in n.dev["b"] and p not in mine["b"])
+    before = snapshot(c)
+    with _pytest.raises(UsageError, match=rf"page {stray} of group 'b' at unit 0 is neither the caller's nor node {n.node_id}'s"):
+        c.insert(("u", "v"), {"a": n.dev["a"] + mine["a"], "b": [stray] + mine["b"]})
+    assert snapshot(c) == before
+    c.check_invariants()
+
+
+def test_keys_equal_but_not_identical_match_inside_a_node() -> None:
+    """The radix walk compares units by equality, not only identity: token ids built apart
+    (ints above CPython's small-int cache) still match inside a node, where the walk
+    compares unit by unit (the query ends inside the node)."""
+    c = CacheCore(h1(), 8)
+    stored = [int(s) for s in ("1000", "1001", "1002", "1003")]
+    put(c, stored)
+    query = [int(s) for s in ("1000", "1001", "1002")]
+    assert all(a is not b for a, b in zip(stored, query))
+    assert c.match(query).device_units == 3

@@ -6,17 +6,19 @@ hold each resource; the spec's resource vocabulary is enforced when it is parsed
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 from core_helpers import h1, put, snapshot
 
-from kvtier.fsm import CacheCore, ConfigError, IllegalTransition, KvtierError, SpecNameError
-from kvtier.fsm import names
+from kvtier.fsm import CacheCore, ConfigError, IllegalTransition, KvtierError, SpecNameError, names
 from kvtier.fsm.names import (
     DEVICE_READABLE,
     DEVICE_RESIDENT,
     HOST_PENDING,
     HOST_VISIBLE,
+    L3_EVENT,
+    L3_STATE,
     NODE_EVENT,
     NODE_STATE,
     REQUEST_EVENT,
@@ -145,3 +147,22 @@ def test_a_misspelt_event_in_core_code_fails_at_first_use_and_changes_nothing() 
         c.trigger(a, NODE_EVENT.demote)
     assert snapshot(c) == before and a.state == "device"
     c.check_invariants()
+
+
+SPEC = load_spec()
+
+
+# ---------------------------------------------------------------------------- names
+@pytest.mark.parametrize("table, what, declared", [
+    (REQUEST_EVENT, "request event", SPEC.request.events),
+    (L3_STATE, "l3 state", SPEC.l3.state_names if SPEC.l3 else ()),
+    (L3_EVENT, "l3 event", SPEC.l3.events if SPEC.l3 else ()),
+])
+def test_request_and_l3_name_tables_name_themselves_in_errors(table: Any, what: str, declared: Any) -> None:
+    assert declared and list(table) == sorted(declared)
+    with pytest.raises(SpecNameError) as exc:
+        table.no_such_name  # noqa: B018
+    assert str(exc.value) == f"the spec declares no {what} 'no_such_name'; declared: {sorted(declared)}"
+    with pytest.raises(AttributeError) as ro:
+        table.no_such_name = "x"
+    assert str(ro.value) == f"{what} names are read-only"

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from core_helpers import ack, h1, put, snapshot, src
+from core_helpers import ack, h1, put, snapshot, src, state
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation, UsageError
@@ -187,3 +187,55 @@ def test_insert_over_a_host_node_refuses_a_page_not_the_callers() -> None:
     assert c.evict_device({"kv": 2}) == {"kv": 2} and a.state == "host"
     refused(c, lambda: c.insert(("a", "b"), {"kv": [6, 7]}), UsageError,
             "insert: page 6 of group 'kv' at unit 0 is neither the caller's nor node 1's")
+
+
+@pytest.mark.parametrize("key", ["ab", b"ab", 5, None])
+def test_walk_refuses_a_key_that_is_not_a_sequence_of_unit_keys(key: Any) -> None:
+    """Was: "ab" walked the units 'a', 'b' and split node ('a', 'b', 'c') silently (b"ab"
+    walked ints 97, 98); 5 and None raised a bare TypeError."""
+    c = CacheCore(h1(), 8, 8)
+    put(c, "abc")
+    before = snapshot(c)
+    with pytest.raises(UsageError) as exc:
+        c.walk(key)
+    assert type(exc.value) is UsageError
+    assert str(exc.value) == f"walk: key must be a sequence of unit keys (not a str or bytes), got {key!r}"
+    assert snapshot(c) == before
+    assert [n.key for n in c.nodes()] == [("a", "b", "c")]
+    c.check_invariants()
+    # the same units as a list are walked, splitting the node where the key ends
+    assert [n.key for n in c.walk(list("ab"))] == [("a", "b")]
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("need, message", [
+    ({"zz": 1}, "unknown cache group 'zz'; groups: ['kv']"),
+    ({"kv": 1, "zz": 1}, "unknown cache group 'zz'; groups: ['kv']"),
+    ({"kv": -1}, "page count for group 'kv' must be an int >= 0, got -1"),
+    ({"kv": 1.5}, "page count for group 'kv' must be an int >= 0, got 1.5"),
+    ({"kv": True}, "page count for group 'kv' must be an int >= 0, got True"),
+    ({"kv": "2"}, "page count for group 'kv' must be an int >= 0, got '2'"),
+])
+@pytest.mark.parametrize("host", [8, None])
+def test_evict_host_refuses_unknown_groups_and_bad_counts(need: dict[str, Any], message: str,
+                                                          host: int | None) -> None:
+    """Was: a bare KeyError for an unknown group ({} with no host tier), {'kv': 0} for
+    -1, 1.5 and True, a bare TypeError for '2'. Refused as evict_device refuses them,
+    before any eviction: with {"kv": 1, "zz": 1} the host leaf ('a', 'b') stays."""
+    c = CacheCore(h1(), 8, host)
+    put(c, "ab")
+    if host is not None:
+        ack(c, c.writeback(c.nodes()[0]))
+        assert c.evict_device({"kv": 2}) == {"kv": 2}
+        assert state(c) == {1: "host"}
+    before = snapshot(c)
+    with pytest.raises(UsageError) as exc:
+        c.evict_host(need)
+    assert type(exc.value) is UsageError
+    assert str(exc.value) == message
+    assert snapshot(c) == before
+    c.check_invariants()
+    # the same call with a good need frees the host copy (none without a host tier)
+    assert c.evict_host({"kv": 2}) == ({"kv": 2} if host is not None else {})
+    assert state(c) == ({} if host is not None else {1: "device"})
+    c.check_invariants()

@@ -368,3 +368,102 @@ def test_a_writeback_evicts_exactly_its_host_shortfall():
     assert (olds[0].node_id in state(c), olds[1].state) == (False, "host")  # the older one went
     ack(c, cmd)
     c.check_invariants()
+
+
+def keys(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+# ------------------------------------------------------------------ write_back pledges
+def test_write_back_eviction_sums_the_pages_of_every_queued_leaf() -> None:
+    """Each queued leaf pledges its pages (2 here); the demand (4) is met by two leaves,
+    so the third is not queued."""
+    c = CacheCore(h1(), 6, 8, policy="write_back")
+    a, b, d = (put(c, keys(p, 2)).node for p in "abd")
+    assert c.evict_device({"kv": 4}) == {"kv": 0}  # queued, freed later
+    assert c.queued_writebacks() == [a.node_id, b.node_id]
+    assert state(c) == {a.node_id: "device", b.node_id: "device", d.node_id: "device"}
+    c.check_invariants()
+
+
+def test_a_writeback_ack_clears_reloaded_even_on_a_node_a_loadback_brought_back() -> None:
+    """transfers.py:163: a writeback acknowledgement makes the host copy the node's own
+    (``reloaded`` False): with an exclusive host tier, host-only eviction then spares it.
+    The node here was loaded back (reloaded True), lost its host copy to an exclusive
+    host eviction (state device, the flag kept) and was written back again."""
+    c = CacheCore(h1(), 4, 4, policy="write_through", exclusive=True)
+    n = put(c, keys("h", 2)).node
+    (cmd,) = c.issue_writebacks()
+    ack(c, cmd)
+    assert (n.state, n.reloaded) == ("backed", False) and n.reloaded is False
+    assert c.evict_host({"kv": 2}, host_only=True) == {"kv": 0}  # its own copy: spared
+    assert c.evict_device({"kv": 2}) == {"kv": 2} and n.state == "host"
+    res = c.load(c.match(keys("h", 2)), "r1")
+    assert res.command is not None
+    ack(c, res.command)
+    c.release(res.pin)
+    c.unlock(res.lock)
+    assert (n.state, n.reloaded) == ("backed", True)
+    assert c.evict_host({"kv": 2}, host_only=True) == {"kv": 2}  # a duplicate: dropped
+    assert (n.state, n.reloaded) == ("device", True)
+    cmd = c.writeback(n, "r2")
+    assert cmd is not None and cmd.node_ids == (n.node_id,)
+    ack(c, cmd)
+    assert (n.state, n.reloaded) == ("backed", False) and n.reloaded is False
+    assert c.evict_host({"kv": 2}, host_only=True) == {"kv": 0}
+    assert n.state == "backed" and c.stats.host_drops == 1
+    c.check_invariants()
+
+
+def test_issue_writebacks_with_limit_zero_submits_nothing() -> None:
+    """transfers.py:249: a limit below 1 submits no operation, even when the whole batch
+    would fit; the queue stays as it was."""
+    c = CacheCore(h1(), 8, 8, policy="write_through")
+    a = put(c, keys("a", 2)).node
+    b = put(c, keys("b", 2)).node
+    assert c.queued_writebacks() == [a.node_id, b.node_id]
+    assert c.issue_writebacks(limit=0) == []
+    assert c.issue_writebacks(limit=-1) == []
+    assert (c.queued_writebacks(), c.ops_in_flight(), c.poll_commands()) == ([a.node_id, b.node_id], 0, [])
+    assert (a.state, b.state, free(c, "host"), c.stats.writebacks) == ("device", "device", {"kv": 8}, 0)
+    (cmd,) = c.issue_writebacks(limit=1)  # the batch is one operation
+    assert cmd.node_ids == (a.node_id, b.node_id)
+    c.check_invariants()
+
+
+def test_one_by_one_writebacks_skip_a_node_whose_parent_lost_its_host_copy_and_go_on() -> None:
+    """transfers.py:267: the batch of three queued nodes does not fit the host; one by one,
+    N1's writeback takes the tail of P's host copy (P is split), so N2 (below P) waits, and
+    N3 (below R) is still written back, taking the rest of P's copy.
+
+    h1: one page per unit. Host 6 pages: P (2) and R (2) backed, 2 free. Queued, all at
+    depth 3, in this order: N1 (3 units under the root), N2 (1 unit under P), N3 (1 unit
+    under R). The batch (5 pages, P and R protected) is refused; N1 needs 3, evicts 1 page
+    (P's last unit), N2's parent is now device-only, N3 needs 1 and evicts P's first unit."""
+    c = CacheCore(h1(), 16, 6, policy="write_through")
+    p = put(c, ["p0", "p1"]).node
+    r = put(c, ["r0", "r1"]).node
+    (cmd,) = c.issue_writebacks()
+    ack(c, cmd)
+    assert (p.state, r.state, free(c, "host")) == ("backed", "backed", {"kv": 2})
+    lk = c.lock(r, "keep-r-recent")  # P is the least recently used host leaf
+    c.unlock(lk)
+    n1 = put(c, ["a0", "a1", "a2"]).node
+    n2 = put(c, ["p0", "p1", "q0"], {"kv": p.dev["kv"]}).node
+    n3 = put(c, ["r0", "r1", "c0"], {"kv": r.dev["kv"]}).node
+    assert (n1.depth, n2.depth, n3.depth) == (3, 3, 3)
+    assert (n2.parent, n3.parent) == (p, r)
+    assert c.queued_writebacks() == [n1.node_id, n2.node_id, n3.node_id]
+    out = c.issue_writebacks()
+    assert [cmd.node_ids for cmd in out] == [(n1.node_id,), (n3.node_id,)]
+    assert (n1.state, n2.state, n3.state) == ("writing", "device", "writing")
+    assert p.state == "device" and p.key == ("p1",) and p.parent is not None
+    p_head = p.parent
+    assert (p_head.key, p_head.state) == (("p0",), "device")
+    assert r.state == "backed" and c.stats.host_drops == 2
+    assert c.queued_writebacks() == [n2.node_id]
+    assert free(c, "host") == {"kv": 0}
+    for cmd in out:
+        ack(c, cmd)
+    assert (n1.state, n3.state) == ("backed", "backed")
+    c.check_invariants()

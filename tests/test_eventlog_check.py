@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from broken_support import BROKEN, REGRESSIONS, patched_tree, run_python
+from facade_helpers import readme_cache, serve_readme_example
+
 from kvtier import Completion
 from kvtier.check import check_log, check_records
 from kvtier.cli import main
@@ -40,49 +41,16 @@ RECORDED = {"03-writeback-source-immutable", "05-counts-with-receipts", "06-spli
             "11-atomic-admission", "12-loaded-equals-written", "13-conservation", "15-exact-continuation-state"}
 
 
-def _serve(cache: TieredCache) -> None:
-    """The README's embedding example (four requests, a host round trip)."""
-    def engine_round() -> None:
-        for cmd in cache.poll().commands:
-            cache.complete(Completion(cmd.op_id))
-
-    def serve(rid: str, units: list[Any], prompt: int) -> None:
-        adm = cache.admit(rid, units, prompt_tokens=prompt, chunk_tokens=32)
-        assert adm is not None
-        tokens, step = adm.start_token, adm.chunk_tokens
-        while True:
-            engine_round()
-            cache.step_done(rid, step)
-            tokens += step
-            if tokens == prompt + 3:
-                break
-            step = min(32, prompt - tokens) if tokens < prompt else 1
-            assert cache.reserve(rid, step) is not None
-        cache.finish(rid)
-        engine_round()
-        cache.check_invariants()
-
-    system = [("system", i) for i in range(4)]
-    serve("a", system, 70)
-    serve("b", system, 70)
-    serve("c", [("other", i) for i in range(6)], 100)
-    serve("d", system, 70)
-
-
-def _cache() -> TieredCache:
-    return TieredCache(preset("llama-3-8b"), device_pages=8, host_pages=64, policy="write_through")
-
-
 def _records(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
 def test_facade_log_records_every_kind_and_is_accepted(tmp_path: Path) -> None:
     log = tmp_path / "run.kvlog"
-    cache = _cache()
+    cache = readme_cache()
     with EventRecorder(log) as rec:
         rec.attach(cache)
-        _serve(cache)
+        serve_readme_example(cache)
     recs = _records(log.read_text())
     assert recs[0] == {"k": "header", "format": "kvtier-events", "version": 1, "spec_version": 1}
     kinds = {r["k"] for r in recs}
@@ -110,7 +78,7 @@ def test_one_recorder_at_a_time_and_closed_recorders_refuse() -> None:
     finally:
         a.close()
     with pytest.raises(KvtierError, match="closed"):
-        a.attach(_cache())
+        a.attach(readme_cache())
     b = EventRecorder(io.StringIO())
     try:
         with pytest.raises(Exception, match="TieredCache or a CacheCore"):
@@ -221,10 +189,10 @@ def test_header_version_and_spec_version_are_checked() -> None:
 
 def test_check_cli_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = tmp_path / "good.kvlog"
-    cache = _cache()
+    cache = readme_cache()
     with EventRecorder(good) as rec:
         rec.attach(cache)
-        _serve(cache)
+        serve_readme_example(cache)
     assert main(["check", str(good)]) == 0
     assert "conforms" in capsys.readouterr().out
     lines = good.read_text().splitlines()

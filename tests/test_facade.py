@@ -20,69 +20,11 @@ from typing import Any
 
 import pytest
 from core_helpers import h1, snapshot, src
+from facade_helpers import ack, free, fsnap, held, layer, only_node, prefill, seeded
 
 from kvtier.fsm import Completion, ConfigError, Direction, KvtierError
 from kvtier.fsm.errors import GuardRejected, IllegalTransition, UsageError
 from kvtier.tiered import RequestEvent, TieredCache
-
-
-def ack(c: TieredCache, op: int, ok: bool = True) -> None:
-    """Acknowledge ``op`` on every rank; the invariants hold after each."""
-    for rank in range(c.core.world_size):
-        c.complete(Completion(op, rank, ok))
-        c.check_invariants()
-
-
-def layer(c: TieredCache, op: int, upto: int, ranks: Any = None) -> None:
-    for rank in range(c.core.world_size) if ranks is None else ranks:
-        c.complete(Completion(op, rank, True, upto))
-        c.check_invariants()
-
-
-def prefill(c: TieredCache, rid: str, key: str, prompt: int, checkpoint: bool = False) -> None:
-    """Admit ``rid`` with its whole prompt as one chunk and report the forward pass."""
-    adm = c.admit(rid, list(key), prompt_tokens=prompt, chunk_tokens=prompt)
-    assert adm is not None and adm.loadback_op is None
-    c.step_done(rid, adm.chunk_tokens, checkpoint=checkpoint)
-    c.check_invariants()
-
-
-def free(c: TieredCache, pool: str = "device") -> dict[str, int]:
-    allocs = c.core.device if pool == "device" else c.core.host
-    assert allocs is not None
-    return {g: a.free for g, a in allocs.items()}
-
-
-def held(c: TieredCache) -> dict[str, int]:
-    """Device pages held outside the tree (by requests), per group."""
-    return {g: len(c.core.external_pages(g)) for g in c.core.device}
-
-
-def only_node(c: TieredCache):
-    (n,) = c.core.nodes()
-    return n
-
-
-def seeded(world: int = 1, device: int = 8, **kw: Any) -> TieredCache:
-    """h1 cache whose tree holds ``abcd`` (4 units) on the host only (host pages 0-3)."""
-    c = TieredCache(h1(), device, 8, policy="write_back", world_size=world, finish_writeback=True, **kw)
-    prefill(c, "seed", "abcd", 9)
-    c.finish("seed")
-    assert c.state("seed") == "finishing"
-    (cmd,) = c.poll().commands
-    ack(c, cmd.op_id)
-    assert [e.state for e in c.poll().events] == ["finished"]
-    assert c.core.evict_device({"kv": 8}) == {"kv": 4}
-    assert only_node(c).state == "host" and free(c) == {"kv": device}
-    c.check_invariants()
-    return c
-
-
-def fsnap(c: TieredCache) -> tuple[Any, ...]:
-    """Everything observable about the facade and its core (through public views)."""
-    reqs = [(v, c.page_table(v.request_id), c.unit_keys(v.request_id),
-             [c.layer_ready(v.request_id, i) for i in range(c.layout.num_layers)]) for v in c.requests()]
-    return (sorted(reqs, key=repr), c.table.pending_events(), c.aborted_by_scheduler, snapshot(c.core))
 
 
 # ---------------------------------------------------------------------------- abort vs loadback

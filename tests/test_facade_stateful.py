@@ -30,7 +30,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, Direction, Family, GuardRejected, KvtierError
+from kvtier.fsm import CacheGroupSpec, Completion, ComponentSpec, Direction, Family, GuardRejected, KvtierError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import request_lifecycle
 from kvtier.fsm.node import DEVICE_READABLE, HOST_VISIBLE
@@ -734,3 +734,13 @@ TestFacadeStateful = FacadeMachine.TestCase
 TestFacadeStateful.settings = settings(TestFacadeStateful.settings,
                                        stateful_step_count=max(100, TestFacadeStateful.settings.stateful_step_count),
                                        max_examples=max(150, TestFacadeStateful.settings.max_examples))
+
+
+class FacadeMachineShortRun(FacadeMachine):
+    """The facade machine, few examples: fast enough for every mutant of the request lifecycle."""
+
+
+TestFacadeShortRun = FacadeMachineShortRun.TestCase
+
+
+TestFacadeShortRun.settings = settings(TestFacadeShortRun.settings, max_examples=25, stateful_step_count=40)

@@ -4,10 +4,14 @@ that survived bench/mutation)."""
 from __future__ import annotations
 
 import logging
+import typing
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from kvtier.fsm import machines
 from kvtier.fsm.errors import GuardRejected, IllegalTransition
 from kvtier.fsm.guards import GUARDS
 from kvtier.fsm.machines import Lifecycle, node_lifecycle, request_lifecycle
@@ -114,3 +118,17 @@ def test_guard_type_alias_is_public_and_callable_typed() -> None:
 
     assert "Guard" in guards.__all__
     assert guards.Guard == Callable[[Any], bool]
+
+
+# ---------------------------------------------------------------------------- Observer
+def test_the_observer_alias_names_the_lifecycle_class() -> None:
+    """``Observer`` is a public alias an engine annotates its event-log callback with: it
+    resolves (in kvtier.fsm.machines) to a callable of (Lifecycle, subject, event, source,
+    dest) returning None."""
+    def hook(callback: machines.Observer) -> None: ...
+
+    hints = typing.get_type_hints(hook, globalns=vars(machines), localns={"machines": machines})
+    assert hints["callback"] == Callable[[machines.Lifecycle, Any, str, str, str], None]
+    params, ret = typing.get_args(machines.Observer)
+    assert params == ["Lifecycle", Any, str, str, str] and ret is None
+    assert typing.get_origin(machines.Observer) is Callable

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("prometheus_client")  # the metrics extra; CI installs it with [test]
+from facade_helpers import readme_cache, serve_readme_example  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvtier.metrics import KvtierCollector, serve  # noqa: E402
-from test_eventlog_check import _cache, _serve  # noqa: E402
 
 GROUP = "llama.full_attention"
 
@@ -51,7 +51,7 @@ def test_every_series_exists_with_zero_values_before_any_work() -> None:
     from prometheus_client import CollectorRegistry
 
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(KvtierCollector(_cache()))
+    reg.register(KvtierCollector(readme_cache()))
     got = _samples(generate_latest(reg).decode())
     missing = _expected_series([GROUP]) - set(got)
     assert not missing, sorted(missing)
@@ -64,8 +64,8 @@ def test_every_series_exists_with_zero_values_before_any_work() -> None:
 def test_values_follow_the_cache_statistics() -> None:
     from prometheus_client import CollectorRegistry
 
-    cache = _cache()
-    _serve(cache)
+    cache = readme_cache()
+    serve_readme_example(cache)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(KvtierCollector(cache))
     got = _samples(generate_latest(reg).decode())
@@ -89,7 +89,7 @@ def test_values_follow_the_cache_statistics() -> None:
 
 
 def test_serve_on_loopback_and_bad_port() -> None:
-    server = serve(KvtierCollector(_cache()), 0)
+    server = serve(KvtierCollector(readme_cache()), 0)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
         assert "kvtier:prompt_tokens_total 0.0" in body

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from core_helpers import free, h1, put
 
+from kvtier.fsm import CacheCore
 from kvtier.fsm.node import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE, LockReceipt, Node, NodeReceipt
 from kvtier.fsm.ops import LayerProgress, Operation, Settled
 from kvtier.fsm.records import Direction, TransferCommand
@@ -116,3 +118,66 @@ def test_operation_record() -> None:
         assert not hasattr(record, "__dict__")  # slotted
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(record, field, 1)
+
+
+def keys(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+def _fetched(c: CacheCore, ks: list[str], op_id: int = 900) -> list:
+    """Two-step L3 get of ``ks`` under the root, every node acknowledged (state host)."""
+    nodes = c.fetches.reserve(c.root, ks, op_id)
+    assert [n.state for n in nodes] == ["fetching"] * len(ks)
+    assert c.fetches.settle(op_id, len(ks)) == nodes
+    c.check_invariants()
+    return nodes
+
+
+# ------------------------------------------------------------------ node defaults
+def test_a_new_node_has_no_reuse_owner_so_an_empty_owner_counts_its_first_reuse() -> None:
+    """node.py:85: ``last_owner`` starts as None (no request counted a reuse yet), so a
+    lock by the owner ``""`` counts one (only an owner equal to the last one does not)."""
+    c = CacheCore(h1(), 8, 8)
+    n = put(c, keys("a", 2)).node
+    assert (n.hit_count, n.last_owner) == (0, None)
+    lk = c.lock(n, "")
+    assert (n.hit_count, n.last_owner) == (1, "")
+    c.unlock(lk)
+    lk = c.lock(n, "")  # the same owner again: no second reuse
+    assert (n.hit_count, n.last_owner) == (1, "")
+    c.unlock(lk)
+    f = _fetched(c, ["f0"])[0]  # a node made by an L3 get starts the same way
+    assert (f.hit_count, f.last_owner) == (0, None)
+    c.check_invariants()
+
+
+def test_a_fetched_node_starts_at_turn_one_and_so_does_a_request_extending_it() -> None:
+    """node.py:86: a node an L3 get created has turn 1 (publish sets the turn only of the
+    nodes it creates); a request publishing below such a leaf used by no other request
+    continues its turn (1), so the new leaf and the path keep turn 1."""
+    c = CacheCore(h1(), 8, 8, policy="write_back")
+    f0, f1 = _fetched(c, ["f0", "f1"])
+    assert (f0.turns, f1.turns) == (1, 1)
+    assert (f0.state, f1.state, f1.hit_count) == ("host", "host", 0)
+    r = put(c, ["f0", "f1", "g0"])  # republishes the fetched nodes, creates one leaf below
+    assert [n.node_id for n in r.created] == [r.node.node_id]
+    assert r.node.parent is f1
+    assert (f0.state, f1.state) == ("backed", "backed")
+    assert (f0.turns, f1.turns, r.node.turns) == (1, 1, 1)
+
+
+def test_a_republished_fetched_node_is_not_a_loaded_back_duplicate() -> None:
+    """node.py:94: ``reloaded`` starts False: a node an L3 get created and a request then
+    republished is ``backed`` without a loadback, so host-only host eviction spares it even
+    with an exclusive host tier (only loaded-back copies are duplicates there)."""
+    c = CacheCore(h1(), 8, 4, policy="write_back", exclusive=True)
+    f0, f1 = _fetched(c, ["f0", "f1"])
+    assert (f0.reloaded, f1.reloaded) == (False, False)
+    assert f0.reloaded is False and f1.reloaded is False
+    put(c, ["f0", "f1"])
+    assert (f0.state, f1.state, f1.reloaded) == ("backed", "backed", False)
+    assert f0.reloaded is False and f1.reloaded is False
+    assert c.evict_host({"kv": 2}, host_only=True) == {"kv": 0}
+    assert (f0.state, f1.state, c.stats.host_drops) == ("backed", "backed", 0)
+    assert free(c, "host") == {"kv": 2}
+    c.check_invariants()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from kvtier.fsm.errors import CapacityError, ConfigError, InvariantViolation
@@ -124,3 +125,40 @@ def test_alloc_counts_are_checked_and_zero_is_nothing() -> None:
             a.alloc(bad)  # type: ignore[arg-type]
         assert str(exc.value) == f"device pool of group 'kv': page count must be an int >= 0, got {bad!r}"
     assert a.free == 4 and a.free_order() == (3, 2, 1, 0)
+
+
+def test_released_numpy_page_ids_are_stored_and_handed_out_as_plain_ints() -> None:
+    """pages.py:98: numpy integer page ids are converted to plain ints on release."""
+    a = PageAllocator("device", "kv", 4)
+    assert a.alloc(3) == [0, 1, 2]
+    a.release([np.int64(1), np.int32(2)])
+    state = a.free_state()
+    assert state == (1, (1, 2))
+    assert [type(p) for p in state[1]] == [int, int]
+    got = a.alloc(2)
+    assert got == [2, 1] and [type(p) for p in got] == [int, int]
+    assert a.free_pages() == frozenset({3}) and a.used == 3
+
+
+@pytest.mark.parametrize("bad", [1.0, True, "1"])
+def test_releasing_a_page_id_that_is_not_an_integer_is_refused(bad: object) -> None:
+    """pages.py:98: a float, a bool or a str is not a page id (nothing is released)."""
+    a = PageAllocator("host", "kv", 4)
+    assert a.alloc(2) == [0, 1]
+    with pytest.raises(InvariantViolation, match="release of pages that are not allocated"):
+        a.release([bad])
+    assert a.free_state() == (2, ()) and a.used == 2 and a.free == 2
+
+
+def test_free_state_counts_the_ids_never_allocated() -> None:
+    """pages.py:119: (capacity - ids handed out so far, the freed ids in release order)."""
+    a = PageAllocator("device", "kv", 8)
+    assert a.free_state() == (8, ())
+    assert a.alloc(3) == [0, 1, 2]
+    assert a.free_state() == (5, ())
+    a.release([1, 0])
+    assert a.free_state() == (5, (1, 0))
+    assert a.alloc(1) == [0]
+    assert a.free_state() == (5, (1,))
+    assert a.alloc(6) == [1, 3, 4, 5, 6, 7]
+    assert a.free_state() == (0, ())

@@ -4,7 +4,6 @@ policies by name and their determinism (issue: cache policies that beat LRU)."""
 from __future__ import annotations
 
 import pytest
-
 from core_helpers import ack, free, h1, put
 
 from kvtier.fsm import CacheCore, ConfigError, MatchMode
@@ -297,3 +296,35 @@ def test_lru_turns_keeps_a_returning_conversation_over_a_slightly_newer_one_turn
     c2.evict_device({"kv": 4})
     assert (conv.state, once.state) == ("removed", "device")
     c.check_invariants()
+
+
+def test_eviction_policies_by_name_and_their_defaults() -> None:
+    import pytest
+
+    from kvtier.fsm.errors import ConfigError
+    from kvtier.fsm.eviction import HeapIndex, lru_key, make_policy
+
+    c = CacheCore(h1(), 4, 8, eviction="lru2")
+    assert c.eviction.name == "lru2"
+    p = make_policy("lru", c.tree.__iter__, c.tree.__len__, c.tree.has)
+    assert p.name == "lru" and p.dev_key is lru_key and p.host_key is lru_key  # not exclusive unless asked
+    h = HeapIndex("lru", c.tree.__iter__, c.tree.__len__, c.tree.has)
+    assert h.host_key is h.dev_key
+    assert make_policy("lru", c.tree.__iter__, c.tree.__len__, c.tree.has, exclusive=True).host_key is not lru_key
+    with pytest.raises(ConfigError) as exc:
+        make_policy("fifo", c.tree.__iter__, c.tree.__len__, c.tree.has)
+    assert str(exc.value) == "eviction policy must be one of ['lru', 'lru2', 'lru_turns'], got 'fifo'"
+
+
+def test_lru2_breaks_ties_deepest_first_like_lru() -> None:
+    from kvtier.fsm.eviction import lru2_key
+
+    c = CacheCore(h1(), 8)
+    put(c, list("ab"))
+    put(c, list("abcd"))
+    short, deep = c.match(list("ab")).device_node, c.match(list("abcd")).device_node
+    assert deep.depth > short.depth
+    for n in (short, deep):
+        n.prev_use, n.last_access = 3, 7
+    assert lru2_key(deep) < lru2_key(short)
+    assert lru2_key(deep) == (3, 7, -deep.depth, deep.node_id)

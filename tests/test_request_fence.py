@@ -86,3 +86,122 @@ def test_every_invariant_check_and_failure_is_counted() -> None:
         with pytest.raises(InvariantViolation):
             c.check_invariants()
     assert (c.stats()["facade"]["invariant_checks"], c.stats()["facade"]["invariant_failures"]) == (5, 2)
+
+
+# ----------------------------------------------------------------------------- fence
+def _violation(c: TieredCache) -> tuple[str, str]:
+    from kvtier.fsm import InvariantViolation
+
+    with pytest.raises(InvariantViolation) as exc:
+        c.check_invariants()
+    return exc.value.invariant, str(exc.value)
+
+
+def borrowing() -> TieredCache:
+    """src(): ``a`` published 2 units with the checkpoint at 8 tokens; ``b`` hit them and
+    owes its first pass, which copies that checkpoint (borrowed)."""
+    from core_helpers import src
+
+    c = TieredCache(src(), 16, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    assert c.step_done("a", 9, checkpoint=True) == {"swa": [4, 5, 6, 7]}
+    c.finish("a")
+    adm = c.admit("b", list("abcd"), prompt_tokens=12, chunk_tokens=4)
+    assert adm is not None and adm.checkpoint_pages == {"swa": [4, 5, 6, 7]}
+    r = c.table.get("b")
+    assert (r.canon, r.own, r.ckpt_pages) == ({"fh": [0, 1]}, {"fh": [2], "swa": [3, 2, 1, 0]}, {"swa": [4, 5, 6, 7]})
+    c.check_invariants()
+    return c
+
+
+def test_a_page_held_by_two_requests_is_caught() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("ab"), prompt_tokens=5, chunk_tokens=5)
+    c.admit("b", list("cd"), prompt_tokens=5, chunk_tokens=5)
+    c.table.get("b").own["kv"].append(c.table.get("a").own["kv"][0])
+    assert _violation(c) == ("conservation", "invariant 'conservation' violated by request 'b': "
+                                             "page 0 of 'kv' also held by 'a'")
+
+
+def test_a_caller_page_no_request_holds_is_caught() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("ab"), prompt_tokens=5, chunk_tokens=5)
+    c.core.alloc_device({"kv": 2})
+    assert _violation(c) == ("conservation", "invariant 'conservation' violated by the request table: "
+                                             "5 caller pages in the core, 3 held by requests")
+
+
+def test_a_settled_request_sent_back_with_pages_is_caught() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("ab"), prompt_tokens=5, chunk_tokens=5)
+    c.step_done("a", 5)
+    c.table.get("a").state = "waiting"
+    assert _violation(c) == ("release_once_after_fence", "invariant 'release_once_after_fence' violated by "
+                             "request 'a': waiting but still holds pages, locks, pins or borrows")
+
+
+def test_canonical_pages_off_the_locked_path_are_caught() -> None:
+    c = borrowing()
+    c.table.get("b").canon["fh"] = [1, 0]
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "canonical pages of 'fh' are no longer its locked path's device pages")
+
+
+def test_a_live_lock_with_its_pages_passes_and_a_released_one_is_caught() -> None:
+    c = borrowing()
+    r = c.table.get("b")
+    c.core.unlock(r.lock)
+    r.lock = None
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "reads canonical pages without a live lock")
+
+
+def test_a_checkpoint_copied_without_its_borrow_is_caught() -> None:
+    c = borrowing()
+    r = c.table.get("b")
+    c.core.release(r.ckpt_borrow)
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "copies a checkpoint it no longer borrows")
+    r.ckpt_borrow = None
+    assert _violation(c)[1].endswith("copies a checkpoint it no longer borrows")
+
+
+def test_a_checkpoint_that_left_the_borrowed_node_is_caught() -> None:
+    c = borrowing()
+    c.table.get("b").ckpt_pages = {"swa": [4, 5, 6, 8]}
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "the checkpoint it copies left the borrowed node")
+
+
+def test_a_fenced_request_with_readable_layers_is_caught() -> None:
+    c = borrowing()
+    r = c.table.get("b")
+    r.state = "fenced"
+    assert _violation(c) == ("forward_fence", "invariant 'forward_fence' violated by request 'b': "
+                                              "fenced after a failed loadback, but layers read as ready")
+    r.layers_failed = True
+    c.check_invariants()
+
+
+def test_the_borrowed_checkpoint_is_let_go_when_the_pass_that_copies_it_returns() -> None:
+    c = borrowing()
+    r = c.table.get("b")
+    borrow = r.ckpt_borrow
+    c.step_done("b", 4)
+    assert (r.ckpt_borrow, r.ckpt_pages, borrow.released) == (None, {}, True)
+    c.check_invariants()
+
+
+def test_a_settled_request_sent_back_with_only_its_lock_is_caught() -> None:
+    c = TieredCache(h1(), 12, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    c.step_done("a", 9)
+    c.finish("a")
+    c.admit("b", list("abcd"), prompt_tokens=9, chunk_tokens=1)
+    c.step_done("b", 1)
+    r = c.table.get("b")
+    c.table.free_own(r)
+    r.state = "waiting"
+    assert (r.lock is not None, r.pins, r.ckpt_borrow, r.own) == (True, [], None, {"kv": []})
+    assert _violation(c) == ("release_once_after_fence", "invariant 'release_once_after_fence' violated by "
+                             "request 'b': waiting but still holds pages, locks, pins or borrows")

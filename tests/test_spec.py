@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.fsm import ConfigError
-from kvtier.fsm.spec import INTERNAL, GuardRef, load_spec, parse_spec, spec_text
+from kvtier.fsm.spec import INTERNAL, GuardRef, LifecycleSpec, Specification, load_spec, parse_spec, spec_text
 
 INVARIANTS_MD = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "invariants.md"
 
@@ -225,3 +225,58 @@ def test_prose_names_every_state_event_guard_and_invariant() -> None:
 def test_prose_invariant_table_is_in_reference_order() -> None:
     rows = re.findall(r"^\| (\d+) \| `([a-z_]+)` \|", spec_text("README.md"), flags=re.M)
     assert [(int(n), name) for n, name in rows] == [(k, name) for k, (_, name) in REFERENCE_INVARIANTS.items()]
+
+
+def test_spec_records_default_to_no_calls_and_no_l3_and_a_call_of_an_undeclared_state_is_refused() -> None:
+    """spec.py:84, 138: a lifecycle built without calls has none (a fresh dict), a
+    specification built without an L3 lifecycle has ``l3`` None; spec.py:180: a call that
+    lists an undeclared state is refused naming both."""
+    from pathlib import Path
+
+    from kvtier.fsm.spec import LifecycleSpec, Specification, load_spec, parse_spec
+
+    shipped = load_spec()
+    node = shipped.node
+    bare = LifecycleSpec(node.name, node.title, node.description, node.subject, node.initial, node.states,
+                         node.transitions, node.guards, node.resources)
+    assert bare.calls == {} and bare.calls is not LifecycleSpec(
+        node.name, node.title, node.description, node.subject, node.initial, node.states, node.transitions,
+        node.guards, node.resources).calls
+    assert Specification(shipped.version, shipped.node, shipped.request, shipped.invariants).l3 is None
+    text = (Path(__file__).parents[1] / "spec" / "lifecycle.toml").read_text(encoding="utf-8")
+    bad = text.replace('reserve = ["loading", "running"]', 'reserve = ["loading", "nowhere"]')
+    assert bad != text
+    with pytest.raises(ConfigError) as e:
+        parse_spec(bad)
+    assert str(e.value) == "spec [request]: call 'reserve' lists undeclared state 'nowhere'"
+
+
+def test_a_lifecycle_built_without_calls_accepts_no_call() -> None:
+    """spec.py:84: ``LifecycleSpec.calls`` defaults to an empty dict (``[<lifecycle>.calls]``
+    may be absent), a fresh one per record."""
+    node = load_spec().node
+    a = LifecycleSpec(node.name, node.title, node.description, node.subject, node.initial,
+                      node.states, node.transitions, node.guards, node.resources)
+    b = LifecycleSpec(node.name, node.title, node.description, node.subject, node.initial,
+                      node.states, node.transitions, node.guards, node.resources)
+    assert a.calls == {} and type(a.calls) is dict
+    assert a.calls is not b.calls
+
+
+def test_a_specification_built_without_l3_has_two_lifecycles() -> None:
+    """spec.py:138: ``Specification.l3`` defaults to None (a spec without ``[l3]``), and
+    ``lifecycles`` then holds only the node and request lifecycles."""
+    full = load_spec()
+    spec = Specification(full.version, full.node, full.request, full.invariants)
+    assert spec.l3 is None
+    assert spec.lifecycles == (full.node, full.request)
+    assert full.l3 is not None and full.lifecycles == (full.node, full.request, full.l3)
+
+
+def test_a_call_naming_an_undeclared_state_is_refused_with_the_exact_message() -> None:
+    """spec.py:180: the whole message, naming the lifecycle, the call and the state."""
+    text = MINIMAL.replace('[request.guards.ok]\ndoc = "G"\n',
+                           '[request.guards.ok]\ndoc = "G"\n\n[request.calls]\nreserve = ["a", "zz"]\n')
+    with pytest.raises(ConfigError) as exc:
+        parse_spec(text)
+    assert str(exc.value) == "spec [request]: call 'reserve' lists undeclared state 'zz'"

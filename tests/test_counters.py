@@ -1,9 +1,6 @@
-"""Exact values of fsm/ that the mutation run (bench/mutation, issue 12) found unchecked,
-session 6 (helper A): the facade's operator counters (``TieredCache.stats()["facade"]``,
-:class:`kvtier.fsm.counters.FacadeCounters`) and their Prometheus series after a scripted
-sequence whose every count is derived in the comments; the store operation kinds and a
-bare :class:`StoreResult`'s defaults as the L3 tier sees them; the messages of the
-request-event and L3 name tables; the :data:`kvtier.fsm.machines.Observer` alias.
+"""The request side's operator counters (kvtier.fsm.counters, ``TieredCache.stats()["facade"]``):
+every count after a scripted sequence whose counts are derived in the comments, the same
+counts in the Prometheus exposition, and :class:`FacadeCounters` record by record.
 
 Layout ``h1`` (tests/core_helpers.py): one history group ``kv``, 2 tokens per page,
 alignment 2 (one unit = 2 tokens = 1 page), 2 layers.
@@ -11,23 +8,14 @@ alignment 2 (one unit = 2 tokens = 1 page), 2 layers.
 
 from __future__ import annotations
 
-import typing
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from core_helpers import ack as core_ack
-from core_helpers import h1, put
+from core_helpers import h1
 
-from kvtier.fsm import CacheCore, Completion, InvariantViolation, SpecNameError
-from kvtier.fsm import machines
+from kvtier.fsm import Completion, InvariantViolation
 from kvtier.fsm.counters import KNOWN_ABORT_REASONS, FacadeCounters
-from kvtier.fsm.l3 import L3Options, L3Tier, StoreOp, StoreResult
-from kvtier.fsm.names import L3_EVENT, L3_STATE, REQUEST_EVENT
-from kvtier.fsm.spec import load_spec
 from kvtier.tiered import TieredCache
-
-SPEC = load_spec()
 
 
 def ack(c: TieredCache, op: int, ok: bool = True) -> None:
@@ -233,133 +221,3 @@ def test_facade_counters_record_by_record() -> None:
         "settled": {"loadback/ok": 1, "loadback/deadline": 1, "loadback/failed": 1, "writeback/deadline": 2,
                     "writeback/ok": 1},
         "invariant_checks": 0, "invariant_failures": 0}
-
-
-# ---------------------------------------------------------------------------- L3 store records
-def l3_pair() -> tuple[CacheCore, L3Tier, CacheCore, L3Tier]:
-    """Two h1 cores with L3 tiers (deadline 1 s, no lease); the first holds units abcd on
-    the host (backed: written back and acknowledged)."""
-    a, b = CacheCore(h1(), 16, 16), CacheCore(h1(), 16, 16)
-    res = put(a, tuple("abcd"))
-    cmd = a.writeback(res.node)
-    assert cmd is not None
-    core_ack(a, cmd)
-    return a, L3Tier(a, L3Options(deadline_s=1.0)), b, L3Tier(b, L3Options(deadline_s=1.0))
-
-
-def test_store_commands_carry_their_kind_by_name() -> None:
-    """A backend (or a log) reads a command's kind by its value: exists, put, get, remove;
-    an object left in the wrong state names its operation's kind in the invariant."""
-    assert [(k.name, k.value) for k in StoreOp] == [("EXISTS", "exists"), ("PUT", "put"), ("GET", "get"),
-                                                    ("REMOVE", "remove")]
-    assert [StoreOp(v) for v in ("exists", "put", "get", "remove")] == list(StoreOp)
-    _, ta, _, tb = l3_pair()
-    assert ta.offer(tuple("abcd"), 0.0) == 4
-    (put_cmd,) = ta.poll_commands()
-    assert put_cmd.kind.value == "put" and len(put_cmd.keys) == 4
-    obj = ta.objects[put_cmd.keys[0]]
-    state, obj.state = obj.state, L3_STATE.leased
-    with pytest.raises(InvariantViolation) as exc:
-        ta.check_invariants()
-    assert (exc.value.invariant, str(exc.value).endswith(f"in put op {put_cmd.op_id} but leased")) == (
-        "l3_ends_by_deadline", True), str(exc.value)
-    obj.state = state
-    ta.complete(StoreResult(put_cmd.op_id, ok=(True,) * 4), 0.0)
-    stored = set(put_cmd.keys)
-    assert tb.prefetch("r", tuple("abcd") + ("e",), 0.0)
-    (exists,) = tb.poll_commands()
-    assert exists.kind.value == "exists" and len(exists.keys) == 5
-    tb.complete(StoreResult(exists.op_id, present=4), 0.0)
-    (get,) = tb.poll_commands()
-    assert get.kind.value == "get" and set(get.keys) == stored
-    obj = tb.objects[get.keys[1]]
-    state, obj.state = obj.state, L3_STATE.leased
-    with pytest.raises(InvariantViolation) as exc:
-        tb.check_invariants()
-    assert str(exc.value).endswith(f"in get op {get.op_id} but leased"), str(exc.value)
-    obj.state = state
-    tb.complete(StoreResult(get.op_id, ok=(True,) * 4), 0.0)
-    assert tb.remove(list(get.keys[:2]), 0.0) == 2
-    (rm,) = tb.poll_commands()
-    assert rm.kind.value == "remove" and rm.keys == get.keys[:2]
-    obj = tb.objects[rm.keys[0]]
-    state, obj.state = obj.state, L3_STATE.leased
-    with pytest.raises(InvariantViolation) as exc:
-        tb.check_invariants()
-    assert str(exc.value).endswith(f"in remove op {rm.op_id} but leased"), str(exc.value)
-    obj.state = state
-    tb.complete(StoreResult(rm.op_id, ok=(True, True)), 0.0)
-    tb.check_invariants()
-
-
-def test_a_bare_store_result_moved_nothing_and_succeeded_at_nothing() -> None:
-    """StoreResult's defaults: no key ok, none present, nothing corrupt, 0 bytes in 0 s, no
-    error; so a bare result of an exists finds nothing, of a put stores nothing, and the
-    failures the tier makes itself at a deadline add no bytes and no seconds."""
-    r = StoreResult(7)
-    assert (r.op_id, r.ok, r.present, r.corrupt, r.nbytes, r.seconds, r.error) == (7, (), 0, (), 0, 0.0, None)
-    assert type(r.seconds) is float and type(r.nbytes) is int and type(r.present) is int
-    a, ta, b, tb = l3_pair()
-    # a put answered by a bare result (no error): no key was stored
-    assert ta.offer(tuple("abcd"), 0.0) == 4
-    (put1,) = ta.poll_commands()
-    ta.complete(StoreResult(put1.op_id), 0.0)
-    assert (ta.stats.put_ok, ta.stats.put_failed, ta.stats.bytes_out, ta.stats.seconds) == (0, 4, 0, 0.0)
-    assert all(n.host_pin == 0 for n in a.walk(tuple("abcd")))
-    # the put again, past its deadline: failed by the tier, 0 bytes in 0 seconds
-    assert ta.offer(tuple("abcd"), 1.0) == 4
-    (put2,) = ta.poll_commands()
-    assert ta.expire(2.0) == [put2.op_id]
-    assert (ta.stats.put_failed, ta.stats.expired_ops, ta.stats.bytes_out, ta.stats.seconds) == (8, 1, 0, 0.0)
-    ta.check_invariants()
-    # an exists answered by a bare result: none present, so no get
-    assert tb.prefetch("r", tuple("abcd"), 0.0)
-    (ex,) = tb.poll_commands()
-    tb.complete(StoreResult(ex.op_id), 0.0)
-    assert (tb.stats.exists_present, tb.poll_commands(), tb.prefetching("r")) == (0, [], False)
-    assert (tb.stats.get_seconds, tb.stats.seconds) == (0.0, 0.0)
-    # a get past its deadline adds no bytes and no seconds either
-    ta.offer(tuple("abcd"), 3.0)
-    (put3,) = ta.poll_commands()
-    ta.complete(StoreResult(put3.op_id, ok=(True,) * 4, nbytes=400, seconds=0.25), 3.0)
-    assert (ta.stats.put_ok, ta.stats.bytes_out, ta.stats.seconds) == (4, 400, 0.25)
-    tb.forget("r")
-    assert tb.prefetch("r2", tuple("abcd"), 3.0)
-    (ex2,) = tb.poll_commands()
-    tb.complete(StoreResult(ex2.op_id, present=4, seconds=0.5), 3.0)
-    (get,) = tb.poll_commands()
-    assert tb.expire(5.0) == [get.op_id]
-    assert (tb.stats.bytes_in, tb.stats.get_seconds, tb.stats.seconds, tb.stats.expired_ops) == (0, 0.5, 0.5, 1)
-    assert b.match(tuple("abcd")).host_units == 0
-    tb.check_invariants()
-    b.check_invariants()
-
-
-# ---------------------------------------------------------------------------- names
-@pytest.mark.parametrize("table, what, declared", [
-    (REQUEST_EVENT, "request event", SPEC.request.events),
-    (L3_STATE, "l3 state", SPEC.l3.state_names if SPEC.l3 else ()),
-    (L3_EVENT, "l3 event", SPEC.l3.events if SPEC.l3 else ()),
-])
-def test_request_and_l3_name_tables_name_themselves_in_errors(table: Any, what: str, declared: Any) -> None:
-    assert declared and list(table) == sorted(declared)
-    with pytest.raises(SpecNameError) as exc:
-        table.no_such_name  # noqa: B018
-    assert str(exc.value) == f"the spec declares no {what} 'no_such_name'; declared: {sorted(declared)}"
-    with pytest.raises(AttributeError) as ro:
-        table.no_such_name = "x"
-    assert str(ro.value) == f"{what} names are read-only"
-
-
-# ---------------------------------------------------------------------------- Observer
-def test_the_observer_alias_names_the_lifecycle_class() -> None:
-    """``Observer`` is a public alias an engine annotates its event-log callback with: it
-    resolves (in kvtier.fsm.machines) to a callable of (Lifecycle, subject, event, source,
-    dest) returning None."""
-    def hook(callback: machines.Observer) -> None: ...
-
-    hints = typing.get_type_hints(hook, globalns=vars(machines), localns={"machines": machines})
-    assert hints["callback"] == Callable[[machines.Lifecycle, Any, str, str, str], None]
-    params, ret = typing.get_args(machines.Observer)
-    assert params == ["Lifecycle", Any, str, str, str] and ret is None
-    assert typing.get_origin(machines.Observer) is Callable

@@ -1,9 +1,8 @@
-"""The node-resource checks of ``check_invariants()`` (fsm/invariants.py ``_HOLDS``,
+"""The node-resource checks of ``check_invariants()`` (kvtier.fsm.invariants: ``_HOLDS``,
 ``_OPTIONAL``) name the exact invariant for every (resource, holds / lacks) pair a bug can
-produce, and accept the states that legally hold an optional resource (session 6, the
-surviving mutants of fsm/invariants.py; tests/test_core_invariants.py covers the pairs not
-repeated here). Each case builds a valid core, breaks one node in one way and asserts the
-whole message: invariant, subject and detail."""
+produce, and accept the states that legally hold an optional resource (the other checks
+are in the tests of kvtier.fsm.invariants). Each case builds a valid core, breaks one node
+in one way and asserts the whole message: invariant, subject and detail."""
 
 from __future__ import annotations
 
@@ -16,6 +15,61 @@ from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node import Node
 from kvtier.fsm.spec import load_spec
+
+
+def _violation(c: CacheCore) -> tuple[str, str]:
+    """The invariant ``check_invariants`` names and its message (it must raise)."""
+    with pytest.raises(InvariantViolation) as e:
+        c.check_invariants()
+    return e.value.invariant, str(e.value)
+
+
+def test_a_resource_held_against_the_nodes_state_names_its_invariant() -> None:
+    """invariants.py:31-37 (``_HOLDS``): a node holding a resource its state does not
+    declare, or lacking one it declares, is reported under that resource's invariant:
+    pending host pages on a device node or missing on a writing one and missing host pages
+    on a host node break ``state_matches_resources``; a loading node without its loadback
+    op breaks ``loadback_source_pinned``; an L3 get's op on a node not being fetched, or a
+    fetching node without one, breaks ``l3_get_invisible``. Each corruption is undone
+    before the next."""
+    c = CacheCore(h1(), 8, 8)
+    n = put(c, ("a", "b")).node
+    assert (n.node_id, n.state) == (1, "device")
+    n.pending = {"kv": [7]}
+    assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
+                             "(device): holds pending_host but state 'device' declares ['device_pages', 'shared_read']")
+    n.pending = {}
+    cmd = c.writeback(n)
+    assert cmd is not None and n.state == "writing"
+    pending, n.pending = n.pending, {}
+    assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
+                             "(writing): state 'writing' declares pending_host but the node has none")
+    n.pending = pending
+    ack(c, cmd)
+    assert n.state == "backed"
+    n.state = "loading"  # no loadback op (nor pin) behind it
+    assert _violation(c) == ("loadback_source_pinned", "invariant 'loadback_source_pinned' violated by node 1 "
+                             "(loading): state 'loading' declares loadback_op but the node has none")
+    n.state = "backed"
+    c.evict_device({"kv": 8})
+    assert n.state == "host"
+    host, n.host = n.host, {}
+    assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
+                             "(host): state 'host' declares host_pages but the node has none")
+    n.host = host
+    c.check_invariants()
+    n.fetch_op = 5  # an L3 get's op on a node not being fetched
+    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 1 (host): "
+                             "holds fetch_op but state 'host' declares ['host_pages']")
+    n.fetch_op = None
+    [f] = c.fetches.reserve(c.root, ["f0"], 900)
+    assert (f.node_id, f.state, f.fetch_op) == (2, "fetching", 900)
+    f.fetch_op = None
+    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 2 (fetching): "
+                             "state 'fetching' declares fetch_op but the node has none")
+    f.fetch_op = 900
+    c.check_invariants()
+
 
 _DEVICE = "['device_pages', 'shared_read']"
 
@@ -66,8 +120,6 @@ def fetching() -> tuple[CacheCore, dict[str, Node]]:
     assert [(n.node_id, n.state, n.fetch_op) for n in (f, x)] == [(1, "fetching", 40), (2, "device", None)]
     return c, {"f": f, "x": x}
 
-
-# -- the corruptions: one resource held without its state declaring it, or lacked ----------
 
 def backed_without_host_pages(c: CacheCore, n: dict[str, Node]) -> None:
     n["a"].host = {}
@@ -185,7 +237,6 @@ def test_pins_on_visible_host_copies_are_legal() -> None:
     h.pin([m["a"]], "r2")
     h.check_invariants()
     assert (n["a"].state, n["a"].host_pin, m["a"].state, m["a"].host_pin) == ("backed", 1, "host", 2)
-
 
 
 def test_a_key_equal_to_its_childrens_dict_key_is_consistent() -> None:
