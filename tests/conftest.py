@@ -1,6 +1,40 @@
 """Shared pytest setup: load kvtier's Hypothesis profile (HYPOTHESIS_PROFILE, else
-kvtier-ci under CI, else kvtier-dev)."""
+kvtier-ci under CI, else kvtier-dev), and the fixtures that start a real store for the L3
+tests (tests/store_servers.py): ``redis_server`` and ``mooncake_master``, one per test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
+from store_servers import MooncakeMaster, RedisServer, mooncake_binary
 
 from kvtier.testing import load_profile
 
 load_profile()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI") or os.environ.get("KVTIER_REQUIRE_REDIS"):
+            pytest.fail("redis-server is not installed (scripts/test.sh installs it with apt-get)")
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    pytest.importorskip("redis")
+    srv = RedisServer(binary)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    srv = MooncakeMaster(mooncake_binary())
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvtier.fsm import InsertResult, CacheCore
+from kvtier.fsm import CacheCore, InsertResult
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import CacheGroupSpec, Completion, ComponentSpec, Family, TransferCommand
 
@@ -64,6 +64,16 @@ def ack(cache: CacheCore, cmd: TransferCommand | int, ok: bool | Sequence[bool] 
         out = cache.complete(Completion(op_id, rank=rank, ok=r_ok))
         cache.check_invariants()
     return out
+
+
+def backed_chain(policy: str = "write_through_selective") -> tuple[CacheCore, object, object]:
+    """h1 cache (8 device / 8 host units): A=(a,b) pages 0,1 and B=(c,d) pages 2,3, both backed."""
+    c = CacheCore(h1(), 8, 8, policy=policy)
+    ra = put(c, "ab")
+    ack(c, c.writeback(ra.node))
+    rb = put(c, "abcd", ra.pages)
+    ack(c, c.writeback(rb.node))
+    return c, ra.node, rb.node
 
 
 def free(cache: CacheCore, pool: str = "device") -> dict[str, int]:

@@ -9,12 +9,12 @@ check must catch it: ``check_invariants()`` on the spoiled copy must raise
 :class:`~kvtier.fsm.errors.InvariantViolation` with exactly that ``invariant``. There is
 one corruption per raising check of ``fsm/invariants.py`` and ``fsm/fence.py`` (each
 chosen so that no earlier check catches it first; ``says`` is a fragment of the message
-that check writes, which ``tests/test_corruptions.py`` asserts) but one:
+that check writes, which ``tests/kit/test_corruptions.py`` asserts) but one:
 ``_check_fenced``'s terminal-state check, which ``check_requests`` always pre-empts (a
 terminal state owns nothing, so ``forward_fence`` is raised one check earlier). The node
 resource check (``_check_declared_resources``) names a different invariant per resource
 held without its state declaring it or lacked while declared: it has one corruption per
-such pair a kit cache can reach (a fetching node needs an L3 tier: ``tests/test_invariants_mutants_s6.py``).
+such pair a kit cache can reach (a fetching node needs an L3 tier: ``tests/fsm/node/test_invariants_resources.py``).
 
 A corruption applies to the state it finds (a writing node, a request holding pages,
 ...); where the state has nothing it needs it raises :class:`NotApplicable` and the

@@ -14,7 +14,7 @@ Most variants go through the calls an engine makes (:class:`~kvtier.tiered.Tiere
 part that is the only way in: the cache's page allocators (``core.device[g]``,
 :class:`~kvtier.fsm.pages.PageAllocator`: the core checks counts and ownership first),
 ``kvtier.fsm.checks.as_int`` with an open lower bound (no kvtier call passes one) and the
-spec parser. :func:`run_variant` is what the machine and tests/test_misuse_cases.py call.
+spec parser. :func:`run_variant` is what the machine and tests/kit/test_misuse_cases.py call.
 """
 
 from __future__ import annotations

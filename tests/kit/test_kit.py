@@ -1,0 +1,212 @@
+"""The testing kit itself (kvtier.testing): event sequences, coverage from the spec,
+the fuzz campaign, bounded verification, the command line, and the README's example of
+an engine plugging its scheduler and transfer backend into the facade machine."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+from kvtier.cli import main
+from kvtier.fsm.spec import load_spec
+from kvtier.testing.coverage import LifecycleCoverage
+from kvtier.testing.fuzz import campaign, replay_file
+from kvtier.testing.machines import CoreMachine, FacadeMachine
+from kvtier.testing.sequence import EventSequence, SequenceError, Step, replay
+from kvtier.testing.verify import clone, verify
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _facade_finish() -> EventSequence:
+    return EventSequence("facade", [
+        FacadeMachine.verify_setup(),
+        Step.of("admit", dict(req=0, key=["a", "b"], chunk=2, tail=False)),
+        Step.of("step_done", dict(req=0, checkpoint=False, discard=False)),
+        Step.of("finish", dict(req=0)),
+        Step.of("poll", {}),
+        Step.of("deliver", dict(i=0, ok=False)),
+    ], name="finish-writeback-fails")
+
+
+def test_sequence_round_trips_and_renders(tmp_path: Path) -> None:
+    seq = _facade_finish()
+    path = seq.save(tmp_path / "s.json")
+    raw = json.loads(path.read_text())
+    assert raw["format"] == "kvtier-sequence" and raw["version"] == 1 and raw["machine"] == "facade"
+    back = EventSequence.load(path)
+    assert back.steps == seq.steps and back.name == seq.name
+    assert "3. step_done(req=0, checkpoint=False, discard=False)" in back.render()
+    assert "admit(req=0, key='ab', chunk=2, tail=False)" in back.render()
+    raw["version"] = 99
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(SequenceError, match="version"):
+        EventSequence.load(tmp_path / "bad.json")
+
+
+def test_replay_checks_every_step_and_names_the_invariant() -> None:
+    res = replay(_facade_finish())
+    assert res.outcome == "pass" and res.steps_run == 6
+    bad = EventSequence("facade", [FacadeMachine.verify_setup(), Step.of("no_such_rule", {})])
+    with pytest.raises(SequenceError, match="no rule"):
+        replay(bad)
+
+
+def test_coverage_items_come_from_the_spec() -> None:
+    spec = load_spec()
+    cov = LifecycleCoverage(spec)
+    totals = cov.totals()
+    assert totals["transition"][1] == sum(len(lc.transitions) for lc in spec.lifecycles)
+    assert totals["guard"][1] == 2 * sum(len(lc.guards) for lc in spec.lifecycles)
+    pairs = sum(len(lc.state_names) * len(lc.events) for lc in spec.lifecycles)
+    allowed = sum(len({(t.source, t.event) for t in lc.transitions}) for lc in spec.lifecycles)
+    assert totals["rejection"][1] == pairs - allowed
+    with cov.recording(), cov.attributed("facade"):
+        assert replay(_facade_finish()).outcome == "pass"
+    done = {i.label for i in cov.covered("transition", {"facade"})}
+    assert "request: running --finish [has_own_writeback, settled]--> finishing" in done
+    assert "request: finishing --writeback_fail--> finished" in done
+    assert "node: writing --writeback_fail--> device" in done
+    assert not cov.complete and cov.missing("rejection")
+
+
+def test_campaign_runs_reproducibly_and_reports() -> None:
+    runs = [campaign(steps=1500, seed_value=3, progress=False) for _ in range(2)]
+    a, b = runs
+    assert a.ok and a.steps >= 1500 and a.checks > 0 and set(a.steps_by_machine) == {"core", "facade", "engine", "node",
+                                                                                     "request", "l3", "l3tier", "misuse"}
+    assert a.steps_by_machine == b.steps_by_machine  # same seed, same campaign
+    text = a.report()
+    assert "steps run:" in text and "invariants checked:" in text and "coverage (from the spec)" in text
+    assert "result: no violation" in text
+    assert "driven by the product (core, engine, facade, l3tier):" in text and "raw machines only" in text
+
+
+def test_verify_small_bound_and_clone_independence() -> None:
+    res = verify(4)
+    assert res.ok and res.depth == 4 and res.states > 50 and not res.fixpoint
+    assert res.per_depth[0] >= 1 and "states explored" in res.report()
+    m = FacadeMachine()
+    m.setup(**FacadeMachine.verify_setup().args)
+    c = clone(m)
+    c.admit(req=0, key=["a"], chunk=1, tail=False)
+    assert len(m.cache.table) == 0 and len(c.cache.table) == 1
+    assert m.kit_canonical() != c.kit_canonical()
+
+
+def test_cli_fuzz_verify_and_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fuzz", "--steps", "800", "--seed", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "steps run:" in out and "never exercised" in out
+    assert main(["verify", "--depth", "3", "--quiet"]) == 0
+    assert "states explored" in capsys.readouterr().out
+    path = _facade_finish().save(tmp_path / "s.json")
+    assert main(["fuzz", "--replay", str(path)]) == 0
+    assert "as expected" in capsys.readouterr().out
+    buf = io.StringIO()
+    assert replay_file(path, buf).outcome == "pass"
+
+
+def test_cli_without_hypothesis_names_the_extra() -> None:
+    code = ("import sys; sys.modules['hypothesis'] = None\n"
+            "from kvtier.cli import main\n"
+            "sys.exit(main(['fuzz', '--steps', '10']) * 10 + main(['verify', '--depth', '1']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 22, done.stderr
+    assert "kvtier fuzz needs the testing extra" in done.stderr and "kvtier verify needs the testing extra" in done.stderr
+    assert "pip install 'kvtier[testing]'" in done.stderr
+
+
+def test_core_machine_subclass_records_a_replayable_run() -> None:
+    class Mine(CoreMachine):
+        pass
+
+    Mine.TestCase.settings = settings(max_examples=3, stateful_step_count=20, deadline=None, database=None)
+    Mine.TestCase().runTest()
+    last = Mine.kit_current()
+    assert last is not None and last.kit_trace
+    seq = last.kit_sequence()
+    assert seq.machine.endswith(":test_core_machine_subclass_records_a_replayable_run.<locals>.Mine") or seq.machine
+    again = EventSequence("core", seq.steps)
+    assert replay(again).outcome == "pass"
+
+
+def test_readme_kit_example_runs(tmp_path: Path) -> None:
+    """The README's engine example, saved as the README says (``tests/conftest.py`` and
+    ``tests/test_engine_lifecycle.py`` of a fresh folder) and run by pytest: the test class
+    takes its settings from the profile ``HYPOTHESIS_PROFILE`` names (``kvtier-fuzz``, cut
+    to 3 examples by ``KVTIER_FUZZ_EXAMPLES``; without the conftest it would run
+    Hypothesis' default 100). Then the README's ``kvtier fuzz --machine`` command fuzzes
+    the example's machine, which only ``PYTHONPATH`` makes importable."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Fuzzing and verification", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    files = {block.splitlines()[0].removeprefix("# "): block for block in blocks}
+    assert set(files) == {"tests/conftest.py", "tests/test_engine_lifecycle.py"}, list(files)
+    assert "max_examples" not in files["tests/test_engine_lifecycle.py"]  # the profile sets it
+    for name, block in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(block, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
+    env.update(HYPOTHESIS_PROFILE="kvtier-fuzz", KVTIER_FUZZ_EXAMPLES="3", KVTIER_FUZZ_DB=str(tmp_path / "db"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--hypothesis-show-statistics", "tests/test_engine_lifecycle.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 passed" in done.stdout and "Stopped because settings.max_examples=3" in done.stdout, done.stdout[-3000:]
+
+    command = next(line for line in section.splitlines() if line.startswith("PYTHONPATH=tests kvtier fuzz --machine"))
+    assignment, program, *args = shlex.split(command.replace("--steps 20000", "--steps 300"))
+    kvtier = Path(sys.executable).parent / program
+    assert assignment == "PYTHONPATH=tests" and kvtier.exists()
+    refused = subprocess.run([str(kvtier), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             check=False, timeout=600)
+    assert refused.returncode == 2 and refused.stdout == "" and "PYTHONPATH=." in refused.stderr, refused.stderr
+    fuzzed = subprocess.run([str(kvtier), *args, "--no-progress"], cwd=tmp_path, env=dict(env, PYTHONPATH="tests"),
+                            capture_output=True, text=True, check=False, timeout=600)
+    assert fuzzed.returncode == 0, fuzzed.stdout[-3000:] + fuzzed.stderr[-3000:]
+    assert "(test_engine_lifecycle:EngineLifecycle 30" in fuzzed.stdout and "result: no violation" in fuzzed.stdout
+
+
+def test_cli_fuzz_names_the_default_mix_and_refuses_bad_input_before_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import FUZZ_DEFAULT_MACHINES
+    from kvtier.testing.fuzz import DEFAULT_MIX
+
+    assert FUZZ_DEFAULT_MACHINES == tuple(DEFAULT_MIX)
+    with pytest.raises(SystemExit) as done:
+        main(["fuzz", "--help"])
+    assert done.value.code == 0
+    fuzz_help = " ".join(capsys.readouterr().out.split())
+    assert "(core, facade, engine, node, request, l3, l3tier, misuse)" in fuzz_help
+    # an unknown or unimportable machine: one line on stderr, status 2, and nothing printed before it
+    assert main(["fuzz", "--machine", "core", "--machine", "nope", "--steps", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "unknown machine 'nope'" in err
+    assert main(["fuzz", "--machine", "no_such_module_w17:Engine", "--steps", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "cannot be imported" in err and "PYTHONPATH=." in err
+    assert main(["fuzz", "--machine", "json:JSONDecoder", "--steps", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "not a kvtier.testing state machine" in err
+    # --replay: a missing file and a file of another format name the file and what was expected
+    missing = tmp_path / "missing.json"
+    assert main(["fuzz", "--replay", str(missing)]) == 2
+    assert capsys.readouterr().err == f"kvtier fuzz: cannot read sequence file {missing}: No such file or directory\n"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "x", "version": 1, "machine": "core", "steps": []}))
+    assert main(["fuzz", "--replay", str(other)]) == 2
+    assert capsys.readouterr().err == (f"kvtier fuzz: {other}: not a kvtier event sequence: format 'x', "
+                                       f"expected 'kvtier-sequence'\n")
+    other.write_text("[1, 2]")
+    assert main(["fuzz", "--replay", str(other)]) == 2
+    assert "expected an object with \"format\": 'kvtier-sequence'" in capsys.readouterr().err
