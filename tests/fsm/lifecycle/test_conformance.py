@@ -11,6 +11,8 @@ be exercised.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from transitions import MachineError
@@ -19,19 +21,17 @@ from kvtier.fsm import GuardRejected, IllegalTransition, KvtierError
 from kvtier.fsm.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
 from kvtier.fsm.spec import load_spec
 
-from lifecycle_stubs import GUARD_ATTRS, Subject
-
 LIFECYCLES = {"node": node_lifecycle, "request": request_lifecycle, "l3": l3_lifecycle}
 
 
-def test_stub_table_covers_every_spec_guard() -> None:
+def test_stub_table_covers_every_spec_guard(guard_attrs: dict[str, dict[str, Any]]) -> None:
     spec = load_spec()
     for lc in spec.lifecycles:
-        assert set(GUARD_ATTRS[lc.name]) == set(lc.guards), lc.name
+        assert set(guard_attrs[lc.name]) == set(lc.guards), lc.name
 
 
 @pytest.mark.parametrize("name", ["node", "request", "l3"])
-def test_every_state_event_pair_and_guard_combination(name: str) -> None:
+def test_every_state_event_pair_and_guard_combination(name: str, make_subject: Callable[..., Any]) -> None:
     machine: Lifecycle = LIFECYCLES[name]()
     spec = machine.spec
     fired: set[tuple[str, str, str]] = set()
@@ -42,7 +42,7 @@ def test_every_state_event_pair_and_guard_combination(name: str) -> None:
             involved = sorted({g.name for t in rows for g in t.guards})
             for combo in itertools.product([False, True], repeat=len(involved)):
                 values = dict(zip(involved, combo))
-                subject = Subject(name, state, values)
+                subject = make_subject(name, state, values)
                 before = subject.snapshot()
                 expected = next((t for t in rows
                                  if all(values[g.name] != g.negated for g in t.guards)), None)
@@ -75,9 +75,9 @@ def test_every_state_event_pair_and_guard_combination(name: str) -> None:
     assert every_guard <= guard_values, f"guard values never seen: {sorted(every_guard - guard_values)}"
 
 
-def test_errors_name_subject_state_event_and_subclass_machine_error() -> None:
+def test_errors_name_subject_state_event_and_subclass_machine_error(make_subject: Callable[..., Any]) -> None:
     machine = node_lifecycle()
-    subject = Subject("node", "backed", {"unlocked": False, "unborrowed": True})
+    subject = make_subject("node", "backed", {"unlocked": False, "unborrowed": True})
     with pytest.raises(GuardRejected) as info:
         machine.fire(subject, "demote")
     err = info.value
@@ -88,14 +88,14 @@ def test_errors_name_subject_state_event_and_subclass_machine_error() -> None:
         machine.fire(subject, "create")
 
 
-def test_unknown_event_is_illegal_not_a_silent_false() -> None:
+def test_unknown_event_is_illegal_not_a_silent_false(make_subject: Callable[..., Any]) -> None:
     with pytest.raises(IllegalTransition):
-        request_lifecycle().fire(Subject("request", "running"), "teleport")
+        request_lifecycle().fire(make_subject("request", "running"), "teleport")
 
 
-def test_one_shared_machine_registers_no_models() -> None:
+def test_one_shared_machine_registers_no_models(make_subject: Callable[..., Any]) -> None:
     machine = node_lifecycle()
-    subjects = [Subject("node", "new", {"parent_readable": True}) for _ in range(100)]
+    subjects = [make_subject("node", "new", {"parent_readable": True}) for _ in range(100)]
     for s in subjects:
         machine.fire(s, "create")
     assert all(s.state == "device" for s in subjects)

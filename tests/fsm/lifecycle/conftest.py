@@ -1,12 +1,16 @@
-"""Plain subjects for driving the raw lifecycle machines in tests.
+"""Fixtures of the lifecycle tests: plain subjects for driving the raw lifecycle machines.
 
-Each guard of the spec maps to the attribute that decides it and the values that make
-it true or false; a test fails if the spec gains a guard missing here.
+Each guard of the spec maps to the attribute that decides it and the values that make it
+true or false (``guard_attrs``); a test fails if the spec gains a guard missing here.
+``make_subject(lifecycle, state, values)`` builds a subject with a ``state`` and every
+guard attribute of one lifecycle.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
 
 # guard name -> (attribute, value making the guard true, value making it false)
 GUARD_ATTRS: dict[str, dict[str, tuple[str, Any, Any]]] = {
@@ -47,3 +51,15 @@ class Subject:
 
     def snapshot(self) -> dict[str, Any]:
         return {"state": self.state, **vars(self)}
+
+
+@pytest.fixture
+def guard_attrs() -> dict[str, dict[str, tuple[str, Any, Any]]]:
+    """Guard name -> (attribute, value making it true, value making it false), per lifecycle."""
+    return GUARD_ATTRS
+
+
+@pytest.fixture
+def make_subject() -> type[Subject]:
+    """The subject class: ``make_subject(lifecycle, state, {guard: value})``."""
+    return Subject
