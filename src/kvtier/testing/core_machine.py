@@ -27,7 +27,6 @@ from .logged import LogCheck
 from .content import check_tree_bytes, content, node_prefix
 from .models import (ModelViolation, check_eviction_order, check_queue_exits, check_use, liveness_bound,
                      snapshot_candidates, snapshot_use)
-from .sequence import register_machine
 
 __all__ = ["CoreMachine"]
 
@@ -612,6 +611,3 @@ class CoreMachine(KitMachine):
         check_queue_exits(self.queued, after, views.nodes(c), self.submitted,
                           lambda nid: views.writeback_refused(c, nid))
         self.queued, self.submitted = after, set()
-
-
-register_machine("core", CoreMachine)

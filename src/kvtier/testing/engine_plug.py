@@ -58,7 +58,6 @@ from .base import recorded
 from .facade_machine import FacadeMachine
 from .models import ModelViolation
 from .plugs import TransferBackend
-from .sequence import register_machine
 
 __all__ = ["EngineTransfer", "EngineFacadeMachine", "FaultyBackend"]
 
@@ -354,4 +353,3 @@ class EngineFacadeMachine(FacadeMachine):
 
 
 _ = TieredCache
-register_machine("engine", EngineFacadeMachine)

@@ -55,7 +55,6 @@ from .base import FAULT_LEVEL, LAYOUTS, ROLL, KitMachine, layout_named, recorded
 from .content import check_tree_bytes, content, node_prefix
 from .l3_cases import CORRUPTIONS, HOSTILE, INERT, Skip, copy_instance, fingerprint
 from .models import ModelViolation
-from .sequence import register_machine
 
 __all__ = ["L3TierMachine"]
 
@@ -853,6 +852,3 @@ class L3TierMachine(KitMachine):
     def check_loaded_equals_written(self) -> None:
         for core, dev, host in zip(self.cores, self.dev, self.host):
             check_tree_bytes(core, dev, host)
-
-
-register_machine("l3tier", L3TierMachine)
