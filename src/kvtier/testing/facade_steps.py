@@ -1,4 +1,4 @@
-"""The facade machine's state and the steps its rules share (:mod:`kvtier.testing.facade_machine`).
+"""The facade machine's state and the steps its rules share (kvtier.testing.facade_machine).
 
 :class:`FacadeSteps` holds what the machine tracks beside the cache (the unit keys of each
 request, the operations in flight, the reference models, the poisoned writebacks) and the
@@ -41,7 +41,8 @@ ABORT_ALWAYS = frozenset({"loading", "fenced", "finishing", "retracting", "retra
 
 
 class FacadeSteps(KitMachine):
-    """The facade machine's state and shared steps (see :class:`~kvtier.testing.facade_machine.FacadeMachine`)."""
+    """The facade machine's state and shared steps (see
+    :class:`~kvtier.testing.facade_machine.FacadeMachine`)."""
 
     def __init__(self) -> None:
         super().__init__()
