@@ -324,6 +324,7 @@ class EngineFacadeMachine(FacadeMachine):
     ``engine``)."""
 
     kit_deadlines: ClassVar[bool] = False
+    kit_host_optional: ClassVar[bool] = False  # the engine's pools need a host tier
     kit_invariants: ClassVar[tuple[str, ...]] = (*FacadeMachine.kit_invariants, "check_engine_waits")
 
     def check_engine_waits(self) -> None:

@@ -92,6 +92,9 @@ class FacadeChecks(FacadeSteps):
             if r.state == "aborting" and r.settled:
                 raise InvariantViolation("release_once_after_fence", f"request {rid!r}",
                                          "aborting with nothing owed: never released")
+            if r.state == "loading" and not r.ops:
+                raise InvariantViolation("operation_ends_once", f"request {rid!r}",
+                                         "loading without a loadback to wait on")
             if r.state == "loading" and not r.pins:
                 raise InvariantViolation("loadback_source_pinned", f"request {rid!r}", "loading without a pin")
             if r.state in TERMINAL and r.ops:
@@ -112,3 +115,14 @@ class FacadeChecks(FacadeSteps):
         if leaked:
             raise InvariantViolation("atomic_admission", "the facade",
                                      f"receipts {sorted(leaked)} are held by no request (a reservation not rolled back)")
+
+    def check_passes_out(self) -> None:
+        """Model: every request owes exactly the forward results of the passes the engine
+        has out (admitted, resumed or reserved, no result reported yet)."""
+        if not hasattr(self, "cache"):
+            return
+        for rid, r in views.requests(self.cache).items():
+            if r.owed_forward != self.passes_out.get(rid, 0):
+                raise ModelViolation("model_passes", f"request {rid!r} ({r.state})",
+                                     f"owes {r.owed_forward} forward results; the engine has "
+                                     f"{self.passes_out.get(rid, 0)} passes out")

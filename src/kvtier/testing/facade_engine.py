@@ -15,6 +15,7 @@ from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, Lifecycle
 
 from . import _views as views
 from .base import ROLL, TERMINAL, recorded
+from .facade_models import check_drained
 from .facade_steps import RARE, REQUESTS, FacadeSteps
 from .models import ModelViolation, liveness_bound
 from .pass_model import check_reserve
@@ -74,13 +75,17 @@ class FacadeTransferRules(FacadeSteps):
         want = None if busy or not blocked else min(
             blocked, key=lambda rid: (-max(reqs[rid].tokens, reqs[rid].prompt_tokens), rid))
         before = {rid: r.state for rid, r in reqs.items()}
+        kept = views.fingerprint(self.cache)
         got = self.cache.abort_victim(blocked)
         after = {rid: r.state for rid, r in views.requests(self.cache).items()}
         if want is not None:
             before[want] = "aborted"
-        if got != want or after != before:
+        if got != want or after != before or (want is None and views.fingerprint(self.cache) != kept):
             raise ModelViolation("model_views", f"abort_victim({blocked})",
-                                 f"aborted {got!r} (states {after}); the model: {want!r} (states {before})")
+                                 f"aborted {got!r} (states {after}); the model: {want!r} (states {before}, "
+                                 f"nothing else changed when it aborts none)")
+        if got is not None:
+            self.ends.victims.add(got)
         self._sync()
 
     @rule(mask=st.integers(1, 2 ** (REQUESTS + 1) - 1), units=st.integers(0, 2), stop=st.booleans())
@@ -112,6 +117,8 @@ class FacadeTransferRules(FacadeSteps):
             short = short or (st_ == SHORT and stop)
             if rid in before:
                 check_reserve(self.cache, rid, before[rid], st_ == OK, tokens)
+            if st_ == OK:
+                self.passes_out[rid] = self.passes_out.get(rid, 0) + 1
         for rid in set(before) - set(rids):  # requests not in the batch: untouched
             check_reserve(self.cache, rid, before[rid], False, tokens)
         self._sync()
@@ -124,7 +131,14 @@ class FacadeTransferRules(FacadeSteps):
         if ok is None:
             ok = not self.kit_fail(roll)
         self.kit_set_args(i=i, ok=ok)
-        self._poll()
+        self._deliver(i, ok)
+
+    def _deliver(self, i: int, ok: bool, poll: bool = True) -> None:
+        """(Poll, then) deliver the ``i``-th pending completion (mod their count) with ``ok``;
+        a completion of a settled op is absorbed, the same completion again refused while its
+        op is in flight and absorbed once it settled."""
+        if poll:
+            self._poll()
         ready = self.xfer.ready()
         if not ready:
             return
@@ -178,7 +192,7 @@ class FacadeTransferRules(FacadeSteps):
         g = g if isinstance(g, str) else history[g % len(history)]
         if tier == "device":
             core.evict_device({g: n})
-        else:
+        elif core.host is not None:  # (a cache without a host tier has nothing to evict there)
             core.evict_host({g: n})
         self._sync()
 
@@ -206,3 +220,57 @@ class FacadeTransferRules(FacadeSteps):
             raise ModelViolation("model_liveness", "the facade",
                                  f"after {bound} rounds: writebacks queued {sorted(left)}, operations in "
                                  f"flight {sorted(views.ops(core))}, requests waiting {stuck}")
+
+    @precondition(lambda self: any(o.command.direction is Direction.LOADBACK
+                                   for o in views.ops(self.cache.core).values()))
+    @rule(i=st.integers(0, 100))
+    @recorded
+    def layers_progress(self, i: int) -> None:
+        """A loadback's layer completions arrive on every rank, its acknowledgement later:
+        every rank delivers the layer completions its transfer backend queued before the
+        acknowledgement of the ``i``-th loadback in flight."""
+        self._poll()
+        loads = sorted(op for op, o in views.ops(self.cache.core).items() if o.command.direction is Direction.LOADBACK)
+        if not loads:
+            return
+        op = loads[i % len(loads)]
+        for rank in range(self.world):
+            while (nxt := self.xfer.upcoming(op, rank)) is not None and nxt.layer is not None:
+                self._complete(self.xfer.take(op, rank, True))
+                self._sync()
+
+    @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=6), roll=ROLL)
+    @recorded
+    def engine_round(self, picks: list[int], roll: int = 0) -> None:
+        """The engine polls once, then several completions arrive in any order (the
+        ``picks``-th pending ones), each failing with the example's fault rate."""
+        self._poll()
+        for k, i in enumerate(picks):
+            if self.xfer.ready():
+                self._deliver(i, not self.kit_fail((roll + 7919 * k) % 1000), poll=False)
+
+    @rule(go=st.integers(0, 9))
+    @recorded
+    def shutdown(self, go: int = 0) -> None:
+        """The engine shuts down (one draw in ten): every request that may still be aborted
+        is, every forward result owed comes back (discarded), every transfer completes and
+        every command and event is polled, until nothing moves. Model: nothing is then held,
+        in flight or tracked (:func:`~kvtier.testing.facade_models.check_drained`), and every
+        request's end was reported exactly once (the polls' checks)."""
+        if go != 0:
+            return
+        for rid in sorted(views.requests(self.cache)):
+            if self._state(rid) not in ("aborting", *TERMINAL):
+                self._abort(rid)
+        core = self.cache.core
+        for _ in range(liveness_bound(len(views.nodes(core))) + 2):
+            for rid, r in sorted(views.requests(self.cache).items()):
+                while r.owed_forward > 0:
+                    self._forward(rid, False, True)
+            self._pump()
+            self._poll()
+            owed = any(r.owed_forward for r in views.requests(self.cache).values())
+            if not (self.xfer.ready() or views.ops(core) or views.outbox(core) or views.writeback_queue(core)
+                    or owed):
+                break
+        check_drained(self.cache)

@@ -49,7 +49,7 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
 
     kit_invariants: ClassVar[tuple[str, ...]] = (
         "check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
-        "check_request_records", "check_layer_ready", "check_views", "check_ended_views")
+        "check_request_records", "check_layer_ready", "check_views", "check_ended_views", "check_passes_out")
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3
@@ -58,12 +58,14 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
     verify_tail: ClassVar[bool] = False
     #: whether the setup may draw operation deadlines
     kit_deadlines: ClassVar[bool] = True
+    #: whether the setup may draw a cache without a host tier (a plain device cache)
+    kit_host_optional: ClassVar[bool] = True
 
     # -- plug points -----------------------------------------------------------------
-    def make_cache(self, world: int, policy: str, dev_units: int, host_units: int, deadline: int | None,
+    def make_cache(self, world: int, policy: str, dev_units: int, host_units: int | None, deadline: int | None,
                    wb_limit: int) -> TieredCache:
-        """The cache under test on ``self.layout`` (the layout the setup drew); override to
-        change the options."""
+        """The cache under test on ``self.layout`` (the layout the setup drew; ``host_units``
+        None: no host tier); override to change the options."""
         extra: dict[str, Any] = {} if self.ended_history is None else {"ended_history": self.ended_history}
         return TieredCache(self.layout, dev_units, host_units, policy=policy, world_size=world,
                            op_deadline_steps=deadline, max_writebacks_in_flight=wb_limit,
@@ -79,35 +81,37 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
 
     @initialize(world=st.sampled_from([1, 2]), policy=st.sampled_from(
         ["write_through", "write_through_selective", "write_back"]), dev_units=st.integers(3, 10),
-        host_units=st.integers(2, 10), deadline=st.sampled_from([None, 4]), wb_limit=st.sampled_from([1, 2]),
+        host_units=st.integers(2, 10), deadline=st.sampled_from([None, 2, 4]), wb_limit=st.sampled_from([1, 2]),
         layout=st.sampled_from(("kit+state", *LAYOUTS)), faults=FAULT_LEVEL,
         finish_wb=st.sampled_from([None, True, False]), ended=st.sampled_from([None, None, 0, 1, 2]),
         replay=st.sampled_from([False, False, True]), single=st.sampled_from([False, False, True]),
-        logged=st.integers(0, 9).map(lambda x: x == 9))
+        logged=st.integers(0, 9).map(lambda x: x == 9), host=st.sampled_from([True, True, True, False]))
     @recorded
     def setup(self, world: int, policy: str, dev_units: int, host_units: int, deadline: int | None,
               wb_limit: int, layout: str | None = None, faults: int | None = None,
               finish_wb: bool | None = None, ended: int | None = None, replay: bool = False,
-              single: bool = False, logged: bool = False) -> None:
+              single: bool = False, logged: bool = False, host: bool = True) -> None:
         """Build the cache. ``ended``: how many forgotten ended requests ``request()`` still
         answers for (``None``: the default); ``replay``: ``history_replay`` admissions;
         ``single``: the scheduler adapter reserves and reports results through the
         single-request calls instead of one-item batches; ``logged``: record the example's
-        event log and check it at the end (:mod:`kvtier.testing.logged`)."""
+        event log and check it at the end (:mod:`kvtier.testing.logged`); without ``host``, the
+        cache has no host tier (``host_units`` is then unused)."""
         if self.world_size is not None and not self.kit_replaying:
             world = self.world_size
         if not self.kit_deadlines:
             deadline = None
+        host = host or not self.kit_host_optional
         self.kit_set_args(world=world, policy=policy, dev_units=dev_units, host_units=host_units,
                           deadline=deadline, wb_limit=wb_limit, layout=layout, faults=faults, finish_wb=finish_wb,
-                          ended=ended, replay=replay, single=single, logged=logged)
+                          ended=ended, replay=replay, single=single, logged=logged, host=host)
         self.finish_writeback = finish_wb
         self.ended_history, self.history_replay = ended, replay
         self.kit_fault_level(faults)
         self.layout = layout_named(layout or "kit")
         self.world = world
         self.deadline = deadline
-        self.cache = self.make_cache(world, policy, dev_units, host_units, deadline, wb_limit)
+        self.cache = self.make_cache(world, policy, dev_units, host_units if host else None, deadline, wb_limit)
         attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
         self.log = LogCheck.start(self.cache, logged)
         self.sched = self.make_scheduler(self.cache)

@@ -25,6 +25,7 @@ from ..tiered import TieredCache
 from . import _views as views
 from .base import TERMINAL, KitMachine, layout_named
 from .content import content, node_prefix
+from .facade_models import EndModel, check_admission, check_blocked, check_poll, held
 from .logged import LogCheck
 from .models import LayerModel, ModelViolation
 from .pass_model import PassModel, check_chunk_rows, check_reserve
@@ -66,6 +67,9 @@ class FacadeSteps(KitMachine):
         self.pass_model = PassModel()
         # an aborted request's own writebacks (poisoned): op -> (request, destination host pages, nodes)
         self.poisoned: dict[int, tuple[str, dict[str, set[int]], list[Node]]] = {}
+        # the engine's own count of each request's forward passes out (reserved, no result yet)
+        self.passes_out: dict[str, int] = {}
+        self.ends = EndModel()  # the request ends a poll may report
 
     # -- helpers -----------------------------------------------------------------------
     @staticmethod
@@ -146,14 +150,23 @@ class FacadeSteps(KitMachine):
             for j, p in enumerate(pages):
                 self.xfer.dev[(g, p)] = content(prefix, g, j, ppu)
 
-    def _expect_refused(self, rid: str, call: Callable[[], Any]) -> None:
-        before = self._state(rid)
+    def _expect_refused(self, rid: str, call: Callable[[], Any], guards: tuple[str, ...] | None = None) -> None:
+        """``call`` (on request ``rid``) must be refused with an error naming the request
+        (by ``guards``, when given) and change nothing (:func:`~kvtier.testing._views.fingerprint`)."""
+        before, kept = self._state(rid), views.fingerprint(self.cache)
         try:
             call()
-        except (LifecycleError, KvtierError):
+        except (LifecycleError, KvtierError) as exc:
             if self._state(rid) != before:
                 raise InvariantViolation("state_matches_resources", f"request {rid!r}",
                                          f"a refused call moved it from {before} to {self._state(rid)}") from None
+            if views.fingerprint(self.cache) != kept:
+                raise ModelViolation("model_refusal", f"request {rid!r} ({before})",
+                                     f"a refused call changed the cache: {exc}") from None
+            if repr(rid) not in str(exc) or (guards is not None and getattr(exc, "guards", None) != guards):
+                raise ModelViolation("model_refusal", f"request {rid!r} ({before})",
+                                     f"refused with {type(exc).__name__}: {exc}; expected an error naming the "
+                                     f"request{'' if guards is None else f' and the guards {guards}'}") from None
             return
         raise AssertionError(f"request {rid!r} in state {before}: the call was accepted")
 
@@ -189,15 +202,39 @@ class FacadeSteps(KitMachine):
                                              f"reads device page {table[g][j]} of {g!r} (position {j}): {got!r}")
 
     def _admit(self, rid: str, prompt: int, chunk_tokens: int) -> None:
+        before = held(self.cache)
+        self.ends.admitted(rid, self._state(rid))
         adm = self.sched.admit(rid, list(self.units[rid]), prompt, chunk_tokens)
         if adm is not None:
             if adm.hit_tokens >= prompt:
                 raise ModelViolation("model_whole_prompt", f"request {rid!r}",
                                      f"admission reuses {adm.hit_tokens} of its {prompt} prompt tokens: "
                                      f"the last token must be computed")
-            self.layer_model.admitted(rid, adm.wait_ops)
+            self._admitted(rid, adm)
             self._check_read(rid, adm.device_hit_tokens)
+        else:
+            self.passes_out[rid] = 0
+            check_blocked(self.cache, rid, before)
         self._sync()
+
+    def _admitted(self, rid: str, adm: Any) -> None:
+        """An admission or a resume of ``rid`` was accepted: its first pass is out; the
+        layer model and the admission model follow it."""
+        self.passes_out[rid] = 1
+        self.layer_model.admitted(rid, adm.wait_ops)
+        check_admission(self.cache, rid, adm, self.units[rid], self.xfer.dev)
+
+    def _resume(self, rid: str, chunk_tokens: int) -> None:
+        """``resume``; one that finds no room leaves the request retracted and every page
+        and receipt where it was (``atomic_admission``)."""
+        before = held(self.cache)
+        adm = self.sched.resume(rid, chunk_tokens)
+        if adm is not None:
+            self._admitted(rid, adm)
+        elif self._state(rid) != "retracted" or held(self.cache) != before:
+            raise InvariantViolation("atomic_admission", f"request {rid!r}",
+                                     f"a blocked resume left it {self._state(rid)}, pages and receipts held "
+                                     f"{before} -> {held(self.cache)}")
 
     def _demote(self) -> None:
         """Time passes under memory pressure: every transfer completes successfully, then
@@ -247,6 +284,11 @@ class FacadeSteps(KitMachine):
             if r is not None:
                 self._expect_refused(rid, lambda: self.sched.step_done(rid, 0, (), False))
             return
+        if r.owed_forward != self.passes_out.get(rid, 0):
+            raise ModelViolation("model_passes", f"request {rid!r} ({r.state})",
+                                 f"owes {r.owed_forward} forward results; the engine has "
+                                 f"{self.passes_out.get(rid, 0)} passes out")
+        tokens, state = r.tokens, r.state
         computed = 0
         if r.state in ("running", "loading") and not discard:
             computed = r.reserved - r.tokens
@@ -263,6 +305,12 @@ class FacadeSteps(KitMachine):
         self.pass_model.check_before_result(self.cache, rid, self.xfer.dev,
                                             lambda g, j: content(prefix, g, j, ppu))
         self._fill_checkpoint(rid, self.sched.step_done(rid, computed, new, checkpoint))
+        self.passes_out[rid] -= 1
+        after = views.requests(self.cache).get(rid)
+        live = ("running", "loading")
+        if after is not None and state in live and after.state in live and after.tokens != tokens + computed:
+            raise ModelViolation("model_passes", f"request {rid!r} ({after.state})",
+                                 f"has {after.tokens} tokens after a result of {computed} computed on {tokens}")
         self._sync()
 
     def _reserve(self, rid: str, tokens: int) -> None:
@@ -271,6 +319,8 @@ class FacadeSteps(KitMachine):
         before = (r.reserved, r.tokens, r.passes, r.results)
         got = self.sched.reserve(rid, tokens)
         check_reserve(self.cache, rid, before, got is not None, tokens)
+        if got is not None:
+            self.passes_out[rid] = self.passes_out.get(rid, 0) + 1
         self._sync()
 
     def _lifecycle_call(self, rid: str, legal: bool, call: Callable[[], Any]) -> None:
@@ -313,6 +363,7 @@ class FacadeSteps(KitMachine):
                 del self.remembered[0]
         for cmd in out.commands:
             self.xfer.submit(cmd)
+        check_poll(self.cache, out, self.ends)
         lc = request_lifecycle()
         for ev in out.events:
             if ev.state not in lc.spec.state_names:
