@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import pytest
+
 from kvtier.fsm import CacheCore, InsertResult
+from kvtier.fsm.errors import InvariantViolation, UsageError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import CacheGroupSpec, Completion, ComponentSpec, Family, TransferCommand
 
@@ -111,8 +114,6 @@ def snapshot(cache: CacheCore) -> tuple:
 def fake_async_engine(chunk_layers: int):  # type: ignore[no-untyped-def]
     """A TransferEngine on the fake-asynchronous backend: one history group of 8 layers,
     16 host and 12 device pages of random bytes (skips the test without torch)."""
-    import pytest
-
     torch = pytest.importorskip("torch")
     from kvtier.transfer import DevicePool, HostPool, TransferEngine
 
@@ -122,3 +123,22 @@ def fake_async_engine(chunk_layers: int):  # type: ignore[no-untyped-def]
         for k in pool.keys():
             pool.region(*k).copy_(torch.randint(0, 256, tuple(pool.region(*k).shape), dtype=torch.uint8))
     return TransferEngine(specs, host, dev, "fake-async", chunk_layers=chunk_layers)
+
+
+def keys(prefix: str, n: int) -> tuple[str, ...]:
+    """``n`` unit keys ``prefix0``, ``prefix1``, ...."""
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+def violation(c: CacheCore) -> tuple[str, str]:
+    """The invariant ``check_invariants`` names and its message (it must raise)."""
+    with pytest.raises(InvariantViolation) as e:
+        c.check_invariants()
+    return e.value.invariant, str(e.value)
+
+
+def says(call: object, message: str, error: type[Exception] = UsageError) -> None:
+    """``call()`` raises exactly ``error`` with exactly ``message``."""
+    with pytest.raises(error) as exc:
+        call()  # type: ignore[operator]
+    assert type(exc.value) is error and str(exc.value) == message

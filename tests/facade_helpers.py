@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_helpers import h1, snapshot
+from core_helpers import h1, snapshot, src
 
 from kvtier.fsm import Completion
 from kvtier.fsm.presets import preset
@@ -107,3 +107,35 @@ def serve_readme_example(cache: TieredCache) -> None:
 def readme_cache() -> TieredCache:
     """Llama 3 8B, 8 device and 64 host pages, write_through: the README example's cache."""
     return TieredCache(preset("llama-3-8b"), device_pages=8, host_pages=64, policy="write_through")
+
+
+def borrowing() -> TieredCache:
+    """src(): ``a`` published 2 units with the checkpoint at 8 tokens; ``b`` hit them and
+    owes its first pass, which copies that checkpoint (borrowed)."""
+    c = TieredCache(src(), 16, None)
+    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
+    assert c.step_done("a", 9, checkpoint=True) == {"swa": [4, 5, 6, 7]}
+    c.finish("a")
+    adm = c.admit("b", list("abcd"), prompt_tokens=12, chunk_tokens=4)
+    assert adm is not None and adm.checkpoint_pages == {"swa": [4, 5, 6, 7]}
+    r = c.table.get("b")
+    assert (r.canon, r.own, r.ckpt_pages) == ({"fh": [0, 1]}, {"fh": [2], "swa": [3, 2, 1, 0]}, {"swa": [4, 5, 6, 7]})
+    c.check_invariants()
+    return c
+
+
+def two_decoding() -> TieredCache:
+    """Requests a and b decoding: prompts of 8 tokens computed and published, 1 more token reserved."""
+    c = TieredCache(h1(), 32, None)
+    for rid, key in (("a", "abcd"), ("b", "efgh")):
+        assert c.admit(rid, list(key), prompt_tokens=8, chunk_tokens=8) is not None
+        assert c.step_done(rid, 8) == {}
+        assert c.reserve(rid, 1) is not None
+    return c
+
+
+def seen(c: TieredCache) -> tuple[Any, ...]:
+    """What a call may change: the counters, every request's record and the tree."""
+    recs = [(r.request_id, r.state, r.tokens, r.reserved, r.passes, r.results, list(r.units),
+             {g: list(p) for g, p in r.own.items()}) for r in c.table]
+    return c.stats(), recs, snapshot(c.core)

@@ -62,3 +62,41 @@ def make(lease: float = 0.0, **kw: object) -> tuple[CacheCore, L3Tier]:
 
 
 KEY = ("a", "b", "c", "d")
+
+
+# ------------------------------------------------------------------ L3 helpers
+def answer_at_once(store: dict[str, object], cmd: StoreCommand) -> StoreResult:
+    """A store answered at once: exists counts the leading keys it holds, put stores
+    (16 bytes a key), get serves what it holds, remove drops."""
+    if cmd.kind is StoreOp.EXISTS:
+        n = 0
+        while n < len(cmd.keys) and cmd.keys[n] in store:
+            n += 1
+        return StoreResult(cmd.op_id, present=n)
+    if cmd.kind is StoreOp.PUT:
+        store.update(zip(cmd.keys, cmd.pages))
+        return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys), nbytes=16 * len(cmd.keys))
+    if cmd.kind is StoreOp.GET:
+        return StoreResult(cmd.op_id, ok=tuple(k in store for k in cmd.keys))
+    for k in cmd.keys:
+        store.pop(k, None)
+    return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys))
+
+
+def h1_tier(**kw: object) -> L3Tier:
+    return L3Tier(CacheCore(h1(), 16, 16), L3Options(deadline_s=1.0, **kw))  # type: ignore[arg-type]
+
+
+def one_command(tier: L3Tier) -> StoreCommand:
+    [cmd] = tier.poll_commands()
+    return cmd
+
+
+def stored(key: tuple[str, ...]) -> dict[str, object]:
+    """A store holding every object of ``key``'s prefix, put by a tier that had it backed."""
+    store: dict[str, object] = {}
+    ta = h1_tier()
+    backed(ta.core, key)
+    assert ta.offer(key, 0.0) == len(key)
+    ta.complete(answer_at_once(store, one_command(ta)), 0.0)
+    return store

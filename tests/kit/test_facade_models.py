@@ -21,8 +21,15 @@ from kvtier.fsm.errors import InvariantViolation
 from kvtier.testing import _views as views
 from kvtier.testing.base import kit_layout
 from kvtier.testing.content import content
-from kvtier.testing.facade_models import (VICTIM_REASON, EndModel, check_admission, check_blocked, check_drained,
-                                          check_poll, held)
+from kvtier.testing.facade_models import (
+    VICTIM_REASON,
+    EndModel,
+    check_admission,
+    check_blocked,
+    check_drained,
+    check_poll,
+    held,
+)
 from kvtier.testing.machines import FacadeMachine
 from kvtier.testing.models import MODELS, ModelViolation
 from kvtier.tiered import PollResult, RequestEvent, TieredCache

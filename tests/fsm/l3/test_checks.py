@@ -6,59 +6,11 @@ from __future__ import annotations
 
 import pytest
 from core_helpers import ack, h1, put
+from l3_helpers import answer_at_once, backed, h1_tier, one_command, stored
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import InvariantViolation
-from kvtier.fsm.l3 import L3Options, L3Tier, StoreCommand, StoreOp, StoreResult
-from kvtier.fsm.names import HOST_VISIBLE
-
-
-# ------------------------------------------------------------------ L3 helpers
-def _answer(store: dict[str, object], cmd: StoreCommand) -> StoreResult:
-    """A store answered at once: exists counts the leading keys it holds, put stores
-    (16 bytes a key), get serves what it holds, remove drops."""
-    if cmd.kind is StoreOp.EXISTS:
-        n = 0
-        while n < len(cmd.keys) and cmd.keys[n] in store:
-            n += 1
-        return StoreResult(cmd.op_id, present=n)
-    if cmd.kind is StoreOp.PUT:
-        store.update(zip(cmd.keys, cmd.pages))
-        return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys), nbytes=16 * len(cmd.keys))
-    if cmd.kind is StoreOp.GET:
-        return StoreResult(cmd.op_id, ok=tuple(k in store for k in cmd.keys))
-    for k in cmd.keys:
-        store.pop(k, None)
-    return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys))
-
-
-def _tier(**kw: object) -> L3Tier:
-    return L3Tier(CacheCore(h1(), 16, 16), L3Options(deadline_s=1.0, **kw))  # type: ignore[arg-type]
-
-
-def _backed(core: CacheCore, key: tuple[str, ...]) -> None:
-    """Publish ``key`` on the device and acknowledge its writeback (host-visible)."""
-    res = put(core, key)
-    cmd = core.writeback(res.node)
-    assert cmd is not None
-    ack(core, cmd)
-    assert res.node.state in HOST_VISIBLE
-
-
-def _one(tier: L3Tier) -> StoreCommand:
-    [cmd] = tier.poll_commands()
-    return cmd
-
-
-def _stored(key: tuple[str, ...]) -> dict[str, object]:
-    """A store holding every object of ``key``'s prefix, put by a tier that had it backed."""
-    store: dict[str, object] = {}
-    ta = _tier()
-    _backed(ta.core, key)
-    assert ta.offer(key, 0.0) == len(key)
-    ta.complete(_answer(store, _one(ta)), 0.0)
-    return store
-
+from kvtier.fsm.l3 import L3Options, L3Tier, StoreResult
 
 KEY = ("a", "b", "c")
 
@@ -68,8 +20,8 @@ def test_l3_checks_name_the_object_or_the_tier_and_what_is_wrong() -> None:
     node lost its pin (still host-visible), and fetching nodes of a get the tier does not
     have in flight are each reported under their invariant, naming the object (its key's
     first 12 characters and state) or the L3 tier."""
-    t = _tier()
-    _backed(t.core, KEY)
+    t = h1_tier()
+    backed(t.core, KEY)
     assert t.offer(KEY[:1], 0.0) == 1
     [o] = t.objects.values()
     label = t.keys_for(KEY[:1])[0][:12]
@@ -101,12 +53,12 @@ def test_l3_checks_of_gets_and_of_objects_without_an_operation() -> None:
     """l3checks.py:33-50: a get whose fetching nodes are gone, an object fetched without the
     store's answer, and an object in flight that no operation lists are reported under
     their invariants, naming the object."""
-    store = _stored(KEY)
-    t = _tier()
+    store = stored(KEY)
+    t = h1_tier()
     label = t.keys_for(KEY)[0][:12]
     t.prefetch("r1", KEY, 0.0)
-    t.complete(_answer(store, _one(t)), 0.0)
-    get = _one(t)
+    t.complete(answer_at_once(store, one_command(t)), 0.0)
+    get = one_command(t)
     o = t.objects[t.keys_for(KEY)[0]]
     o.store_answered = False
     with pytest.raises(InvariantViolation) as e:
@@ -121,8 +73,8 @@ def test_l3_checks_of_gets_and_of_objects_without_an_operation() -> None:
         t.check_invariants()
     assert (e.value.invariant, str(e.value)) == ("l3_get_invisible", f"invariant 'l3_get_invisible' violated by "
                                                  f"object {label} (getting): get 2 owns no fetching nodes")
-    tp = _tier()
-    _backed(tp.core, KEY)
+    tp = h1_tier()
+    backed(tp.core, KEY)
     tp.offer(KEY[:1], 0.0)
     [p] = tp.objects.values()
     tp.operations[1].objects.clear()  # no operation lists it any more

@@ -12,59 +12,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from core_helpers import ack, h1, put, src
+from core_helpers import h1, put, src
+from l3_helpers import answer_at_once, backed, h1_tier, one_command, stored
 
 from kvtier.fsm import CacheCore, ConfigError, UsageError
-from kvtier.fsm.l3 import L3Options, L3Stats, L3Tier, StoreCommand, StoreOp, StoreResult
-from kvtier.fsm.names import HOST_VISIBLE
-
-
-# ------------------------------------------------------------------ L3 helpers
-def _answer(store: dict[str, object], cmd: StoreCommand) -> StoreResult:
-    """A store answered at once: exists counts the leading keys it holds, put stores
-    (16 bytes a key), get serves what it holds, remove drops."""
-    if cmd.kind is StoreOp.EXISTS:
-        n = 0
-        while n < len(cmd.keys) and cmd.keys[n] in store:
-            n += 1
-        return StoreResult(cmd.op_id, present=n)
-    if cmd.kind is StoreOp.PUT:
-        store.update(zip(cmd.keys, cmd.pages))
-        return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys), nbytes=16 * len(cmd.keys))
-    if cmd.kind is StoreOp.GET:
-        return StoreResult(cmd.op_id, ok=tuple(k in store for k in cmd.keys))
-    for k in cmd.keys:
-        store.pop(k, None)
-    return StoreResult(cmd.op_id, ok=(True,) * len(cmd.keys))
-
-
-def _tier(**kw: object) -> L3Tier:
-    return L3Tier(CacheCore(h1(), 16, 16), L3Options(deadline_s=1.0, **kw))  # type: ignore[arg-type]
-
-
-def _backed(core: CacheCore, key: tuple[str, ...]) -> None:
-    """Publish ``key`` on the device and acknowledge its writeback (host-visible)."""
-    res = put(core, key)
-    cmd = core.writeback(res.node)
-    assert cmd is not None
-    ack(core, cmd)
-    assert res.node.state in HOST_VISIBLE
-
-
-def _one(tier: L3Tier) -> StoreCommand:
-    [cmd] = tier.poll_commands()
-    return cmd
-
-
-def _stored(key: tuple[str, ...]) -> dict[str, object]:
-    """A store holding every object of ``key``'s prefix, put by a tier that had it backed."""
-    store: dict[str, object] = {}
-    ta = _tier()
-    _backed(ta.core, key)
-    assert ta.offer(key, 0.0) == len(key)
-    ta.complete(_answer(store, _one(ta)), 0.0)
-    return store
-
+from kvtier.fsm.l3 import L3Stats, L3Tier, StoreCommand, StoreOp, StoreResult
 
 KEY = ("a", "b", "c")
 
@@ -88,8 +40,8 @@ def test_l3_store_commands_are_numbered_1_2_3_in_the_order_they_are_issued() -> 
     one tier carry op ids 1, 2, 3 ..., whether put/remove (``_new_op``) or a prefetch's
     exists then its get (numbered when the exists is answered)."""
     store: dict[str, object] = {}
-    ta = _tier()
-    _backed(ta.core, KEY)
+    ta = h1_tier()
+    backed(ta.core, KEY)
     assert ta.offer(KEY[:1], 0.0) == 1
     assert ta.offer(KEY[:2], 0.0) == 1  # "a" is still being put: only "b"
     assert ta.remove(["not-there"], 0.0) == 1
@@ -97,7 +49,7 @@ def test_l3_store_commands_are_numbered_1_2_3_in_the_order_they_are_issued() -> 
     assert [(c.op_id, c.kind) for c in cmds] == [(1, StoreOp.PUT), (2, StoreOp.PUT), (3, StoreOp.REMOVE)]
     assert ta.operations.keys() == {1, 2, 3}
     for c in cmds:
-        ta.complete(_answer(store, c), 0.0)
+        ta.complete(answer_at_once(store, c), 0.0)
     assert len(store) == 2 and ta.ops_in_flight() == 0
     assert (ta.stats.put_ops, ta.stats.put_keys, ta.stats.put_ok, ta.stats.remove_ops, ta.stats.remove_keys) == (
         2, 2, 2, 1, 1)
@@ -113,16 +65,16 @@ def test_l3_store_commands_are_numbered_1_2_3_in_the_order_they_are_issued() -> 
     assert str(e.value) == "l3 complete: op_id must be an int, got True"
     assert ta.stats.absorbed_late_results == 0
 
-    tb = _tier()
+    tb = h1_tier()
     assert tb.prefetch("r1", KEY, 0.0)
-    exists = _one(tb)
+    exists = one_command(tb)
     assert (exists.op_id, exists.kind) == (1, StoreOp.EXISTS)
-    tb.complete(_answer(store, exists), 0.0)
-    get = _one(tb)
+    tb.complete(answer_at_once(store, exists), 0.0)
+    get = one_command(tb)
     assert (get.op_id, get.kind, len(get.keys)) == (2, StoreOp.GET, 2)
     assert tb.remove(["not-there"], 0.0) == 1
-    assert _one(tb).op_id == 3
-    tb.complete(_answer(store, get), 0.0)
+    assert one_command(tb).op_id == 3
+    tb.complete(answer_at_once(store, get), 0.0)
     assert tb.fetched_units("r1") == 2
 
 
@@ -133,22 +85,22 @@ def test_a_record_taken_while_in_flight_reads_as_unknown_with_no_op_and_no_answe
     (``store_answered`` False: the guard of ``get_submit`` needs an answer issued after the
     object was last unknown, spec ``[l3.guards.store_answered]``)."""
     store: dict[str, object] = {}
-    ta = _tier()
-    _backed(ta.core, KEY[:1])
+    ta = h1_tier()
+    backed(ta.core, KEY[:1])
     ta.offer(KEY[:1], 0.0)
     [rec] = ta.objects.values()
     put_op = ta.operations[1]
     assert (rec.state, rec.op_id, rec.store_answered) == ("putting", 1, False)
-    ta.complete(_answer(store, _one(ta)), 0.0)
+    ta.complete(answer_at_once(store, one_command(ta)), 0.0)
     assert ta.objects == {} and put_op.objects == [rec]
     assert rec.state == "unknown" and rec.op_id is None and rec.store_answered is False
 
-    tb = _tier()  # no read lease: an acknowledged get ends in unknown
+    tb = h1_tier()  # no read lease: an acknowledged get ends in unknown
     tb.prefetch("r1", KEY[:1], 0.0)
-    tb.complete(_answer(store, _one(tb)), 0.0)
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
     [rec] = tb.objects.values()
     assert (rec.state, rec.op_id, rec.store_answered) == ("getting", 2, True)
-    tb.complete(_answer(store, _one(tb)), 0.0)
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
     assert tb.fetched_units("r1") == 1 and tb.objects == {}
     assert rec.state == "unknown" and rec.op_id is None and rec.store_answered is False
 
@@ -157,23 +109,23 @@ def test_the_hint_remembers_exactly_hint_size_keys_and_drops_the_oldest() -> Non
     """l3.py:163-164: after a put is acknowledged its keys are remembered (not put again on
     the next offer) up to ``hint_size`` keys, the least recently put dropped first."""
     store: dict[str, object] = {}
-    t3 = _tier(hint_size=3)
-    _backed(t3.core, KEY)
+    t3 = h1_tier(hint_size=3)
+    backed(t3.core, KEY)
     assert t3.offer(KEY, 0.0) == 3
-    t3.complete(_answer(store, _one(t3)), 0.0)
+    t3.complete(answer_at_once(store, one_command(t3)), 0.0)
     assert t3.offer(KEY, 0.0) == 0  # all three remembered
 
-    t2 = _tier(hint_size=2)
-    _backed(t2.core, KEY)
+    t2 = h1_tier(hint_size=2)
+    backed(t2.core, KEY)
     k = t2.keys_for(KEY)
     assert t2.offer(KEY, 0.0) == 3
-    t2.complete(_answer(store, _one(t2)), 0.0)  # remembered in order k0, k1, k2: k0 dropped
+    t2.complete(answer_at_once(store, one_command(t2)), 0.0)  # remembered in order k0, k1, k2: k0 dropped
     assert t2.offer(KEY, 0.0) == 1
-    cmd = _one(t2)
+    cmd = one_command(t2)
     assert cmd.keys == (k[0],)
-    t2.complete(_answer(store, cmd), 0.0)  # k0 again, the most recent: now k1 is the oldest, dropped
+    t2.complete(answer_at_once(store, cmd), 0.0)  # k0 again, the most recent: now k1 is the oldest, dropped
     assert t2.offer(KEY, 0.0) == 1
-    assert _one(t2).keys == (k[1],)
+    assert one_command(t2).keys == (k[1],)
 
 
 def test_a_prefetch_asks_beyond_host_only_nodes_and_stops_before_fetching_ones() -> None:
@@ -181,23 +133,23 @@ def test_a_prefetch_asks_beyond_host_only_nodes_and_stops_before_fetching_ones()
     not device-readable) and ends before a node being fetched (neither): a second
     prefetch of a longer prefix while a get is in flight asks the store again from there."""
     full = KEY + ("d",)
-    store = _stored(full)
-    tb = _tier()
+    store = stored(full)
+    tb = h1_tier()
     k = tb.keys_for(full)
     assert tb.prefetch("r1", full[:1], 0.0)
-    tb.complete(_answer(store, _one(tb)), 0.0)
-    tb.complete(_answer(store, _one(tb)), 0.0)
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
     assert [n.state for n in tb.core.walk(full[:1])] == ["host"]
     assert tb.prefetch("r2", KEY, 0.0)  # the hit ends after the host node "a"
-    exists = _one(tb)
+    exists = one_command(tb)
     assert exists.keys == tuple(k[1:3])
-    tb.complete(_answer(store, exists), 0.0)
-    get = _one(tb)
+    tb.complete(answer_at_once(store, exists), 0.0)
+    get = one_command(tb)
     assert get.keys == tuple(k[1:3])
     assert [n.state for n in tb.core.walk(full)] == ["host", "fetching", "fetching"]
     assert tb.prefetch("r3", full, 0.0)  # the hit ends before the fetching "b"
-    assert _one(tb).keys == tuple(k[1:4])
-    tb.complete(_answer(store, get), 0.0)
+    assert one_command(tb).keys == tuple(k[1:4])
+    tb.complete(answer_at_once(store, get), 0.0)
     assert tb.fetched_units("r2") == 2
     tb.core.check_invariants()
     tb.check_invariants()
@@ -206,7 +158,7 @@ def test_a_prefetch_asks_beyond_host_only_nodes_and_stops_before_fetching_ones()
 def test_a_prefetch_is_refused_with_its_exact_message_or_skipped_after_a_device_only_end() -> None:
     """l3.py:191, 193, 329, 396, 398: bad arguments name the value; l3.py:199: when the local hit ends on a
     node with no host copy (device only) nothing is asked and the prefetch returns False."""
-    t = _tier()
+    t = h1_tier()
     with pytest.raises(UsageError) as e:
         t.prefetch(5, KEY, 0.0)  # type: ignore[arg-type]
     assert str(e.value) == "l3 prefetch: owner must be a request id string, got 5"
@@ -234,16 +186,16 @@ def test_prefetch_counters_count_every_prefetch_and_exists() -> None:
     (exists of 2, 4 and 2 keys, all present), two gets of 2 keys each, one exists whose
     keys were already being fetched (4 keys answered present, no room)."""
     full = KEY + ("d",)
-    store = _stored(full)
-    tb = _tier()
+    store = stored(full)
+    tb = h1_tier()
     assert tb.prefetch("r1", full[:2], 0.0) and tb.prefetch("r2", full, 0.0)
     for _ in range(2):  # the two exists, then r1's get
         for c in tb.poll_commands():
-            tb.complete(_answer(store, c), 0.0)
+            tb.complete(answer_at_once(store, c), 0.0)
     assert (tb.fetched_units("r1"), tb.fetched_units("r2"), tb.prefetching("r2")) == (2, 0, False)
     assert tb.prefetch("r2", full, 0.0)  # again, from the fetched prefix
     for _ in range(2):
-        tb.complete(_answer(store, _one(tb)), 0.0)
+        tb.complete(answer_at_once(store, one_command(tb)), 0.0)
     assert tb.fetched_units("r2") == 2
     zero = {f.name: f.default for f in dataclasses.fields(L3Stats) if f.name != "errors"}
     assert dataclasses.asdict(tb.stats) == {**zero, "errors": {}, "prefetches": 3, "exists_ops": 3,
@@ -254,13 +206,13 @@ def test_prefetch_counters_count_every_prefetch_and_exists() -> None:
 def test_an_owner_named_by_the_empty_string_gets_its_prefetch() -> None:
     """l3.py:213 (and the get's end): the owner is any string, the empty one too: its
     exists answer leads to its get, and the get's end is recorded for it."""
-    store = _stored(KEY)
-    tb = _tier()
+    store = stored(KEY)
+    tb = h1_tier()
     assert tb.prefetch("", KEY, 0.0) and tb.prefetching("")
-    tb.complete(_answer(store, _one(tb)), 0.0)
-    get = _one(tb)
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+    get = one_command(tb)
     assert get.kind is StoreOp.GET and len(get.keys) == 3
-    tb.complete(_answer(store, get), 0.0)
+    tb.complete(answer_at_once(store, get), 0.0)
     assert not tb.prefetching("") and tb.fetched_units("") == 3
     assert [n.state for n in tb.core.walk(KEY)] == ["host"] * 3
 
@@ -268,10 +220,10 @@ def test_an_owner_named_by_the_empty_string_gets_its_prefetch() -> None:
 def test_an_exists_that_failed_counts_nothing_present_and_gets_nothing() -> None:
     """l3.py:214: an exists answered with an error counts 0 keys present, ends the prefetch
     and submits no get (the store's answer is the only source of presence)."""
-    store = _stored(KEY)
-    tb = _tier()
+    store = stored(KEY)
+    tb = h1_tier()
     assert tb.prefetch("r1", KEY, 0.0)
-    exists = _one(tb)
+    exists = one_command(tb)
     tb.complete(StoreResult(exists.op_id, present=3, error="ConnectionError: refused"), 0.0)
     assert tb.poll_commands() == [] and not tb.prefetching("r1") and tb.fetched_units("r1") == 0
     assert (tb.stats.exists_present, tb.stats.get_ops, tb.stats.op_errors) == (0, 0, 1)
@@ -285,14 +237,14 @@ def test_get_answers_count_acks_misses_and_failures_exactly_and_leave_read_lease
     asked (too many or too few) change nothing; every object of a get is leased for
     ``lease_s`` (0.5 s: any lease above 0 holds)."""
     full = KEY + ("d",)
-    store = _stored(full)
-    tb = _tier(lease_s=0.5)
+    store = stored(full)
+    tb = h1_tier(lease_s=0.5)
     k = tb.keys_for(full)
 
     def get(owner: str, ok: tuple[bool, ...]) -> StoreCommand:
         assert tb.prefetch(owner, full, 0.0)
-        tb.complete(_answer(store, _one(tb)), 0.0)
-        cmd = _one(tb)
+        tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+        cmd = one_command(tb)
         tb.complete(StoreResult(cmd.op_id, ok=ok), 0.0)
         return cmd
 
@@ -319,8 +271,8 @@ def test_get_answers_count_acks_misses_and_failures_exactly_and_leave_read_lease
 def test_a_put_pins_its_host_copies_under_the_owner_l3_put() -> None:
     """l3.py:297: the pin a put holds on the host copies it reads is owned by ``l3-put``;
     l3.py:304: its objects' records read ``host_visible`` False once submitted."""
-    t = _tier()
-    _backed(t.core, KEY)
+    t = h1_tier()
+    backed(t.core, KEY)
     assert t.offer(KEY, 0.0) == 3
     receipt = t.operations[1].receipt
     assert receipt is not None and receipt.owner == "l3-put" and receipt.kind == "pin"
@@ -330,7 +282,7 @@ def test_a_put_pins_its_host_copies_under_the_owner_l3_put() -> None:
     recs = t.objects
     assert [(o.state, o.op_id, o.host_visible, o.store_answered) for o in recs.values()] == [
         ("putting", 1, False, False)] * 3
-    t.complete(_answer({}, _one(t)), 0.0)
+    t.complete(answer_at_once({}, one_command(t)), 0.0)
     assert receipt.released and t.core.walk(KEY)[0].host_pin == 0
 
 
@@ -339,18 +291,18 @@ def test_host_eviction_puts_each_unit_of_a_victim_under_its_own_key_unless_recen
     hint under its own key: with a hint of one key, the last unit put is skipped when the
     victim is offered again, and the first two are put again, in order."""
     store: dict[str, object] = {}
-    t = _tier(write_policy="host_eviction", hint_size=1)
-    _backed(t.core, KEY)
+    t = h1_tier(write_policy="host_eviction", hint_size=1)
+    backed(t.core, KEY)
     t.core.evict_device({"kv": 16})
     [node] = t.core.walk(KEY)
     assert node.state == "host" and t.core.evictable_on_host(node)
     k = t.keys_for(KEY)
     assert t.offer((), 0.0) == 3
-    cmd = _one(t)
+    cmd = one_command(t)
     assert cmd.keys == tuple(k)
-    t.complete(_answer(store, cmd), 0.0)  # remembered k0, k1, k2 in turn: only k2 is kept
+    t.complete(answer_at_once(store, cmd), 0.0)  # remembered k0, k1, k2 in turn: only k2 is kept
     assert t.offer((), 0.0) == 2
-    assert _one(t).keys == (k[0], k[1])
+    assert one_command(t).keys == (k[0], k[1])
 
 
 def test_removes_wait_for_leases_and_every_end_of_an_operation_is_counted_exactly() -> None:
@@ -359,42 +311,42 @@ def test_removes_wait_for_leases_and_every_end_of_an_operation_is_counted_exactl
     remove; an expired operation is cancelled, failed and counted as expired (not as a
     backend error), its late result absorbed; a backend error counts by its kind; bytes
     and seconds add up."""
-    store = _stored(KEY)
-    t = _tier(lease_s=0.5)
+    store = stored(KEY)
+    t = h1_tier(lease_s=0.5)
     k = t.keys_for(KEY)
     assert t.prefetch("r1", KEY, 0.0)
-    exists = _one(t)
+    exists = one_command(t)
     t.complete(StoreResult(exists.op_id, present=3, seconds=0.125), 0.0)
-    get = _one(t)
+    get = one_command(t)
     t.complete(StoreResult(get.op_id, ok=(True, True, False), corrupt=(k[2],), nbytes=64, seconds=0.25), 0.0)
     assert t.fetched_units("r1") == 2
     assert {key: o.state for key, o in t.objects.items()} == {key: "leased" for key in k}
     assert t.remove([k[0], "zz", "zz"], 0.1) == 1  # k0 leased: waits; the second "zz" waits for the first
-    rm1 = _one(t)
+    rm1 = one_command(t)
     assert (rm1.op_id, rm1.kind, rm1.keys, rm1.deadline) == (3, StoreOp.REMOVE, ("zz",), 1.1)
     t.complete(StoreResult(rm1.op_id, ok=(True,)), 0.2)
     assert t.expire(0.4) == []  # "zz" is free again: its second remove goes; the leases hold until 0.5
-    rm2 = _one(t)
+    rm2 = one_command(t)
     assert (rm2.op_id, rm2.keys, rm2.deadline) == (4, ("zz",), 1.4)
     t.complete(StoreResult(rm2.op_id, ok=(True,)), 0.4)
     cancelled: list[int] = []
     assert t.expire(0.5, cancelled.append) == []  # the leases end: the waiting removes go, in order
-    rm3 = _one(t)
+    rm3 = one_command(t)
     assert (rm3.op_id, rm3.keys, rm3.deadline) == (5, (k[2], k[0]), 1.5)
     assert t.expire(1.4, cancelled.append) == [] and cancelled == []
     assert t.expire(1.5, cancelled.append) == [5] and cancelled == [5]
     assert t.objects == {} and t.ops_in_flight() == 0
     t.complete(StoreResult(5, ok=(True, True)), 1.6)  # too late: absorbed
     assert t.remove(["q"], 2.0) == 1
-    t.complete(StoreResult(_one(t).op_id, error="TimeoutError: " + "x" * 80, seconds=0.5), 2.1)
+    t.complete(StoreResult(one_command(t).op_id, error="TimeoutError: " + "x" * 80, seconds=0.5), 2.1)
     for key in ("q2", "q3"):  # an error kind is the text before the first ':', at most 60 characters
         assert t.remove([key], 2.0) == 1
-        t.complete(StoreResult(_one(t).op_id, error="E" * 70 + ": no: detail"), 2.1)
+        t.complete(StoreResult(one_command(t).op_id, error="E" * 70 + ": no: detail"), 2.1)
     assert t.prefetch("r2", KEY, 2.2)  # c again, after the local hit a, b: 1 key, 32 bytes
-    exists = _one(t)
+    exists = one_command(t)
     assert exists.keys == (k[2],)
     t.complete(StoreResult(exists.op_id, present=1, seconds=0.0625), 2.2)
-    t.complete(StoreResult(_one(t).op_id, ok=(True,), nbytes=32, seconds=0.0625), 2.2)
+    t.complete(StoreResult(one_command(t).op_id, ok=(True,), nbytes=32, seconds=0.0625), 2.2)
     assert t.fetched_units("r2") == 1
     assert t.remove(["q4"], 3.0) == 1 and t.remove(["q5"], 3.0) == 1  # two operations expire at once
     assert [c.op_id for c in t.poll_commands()] == [11, 12]

@@ -8,7 +8,7 @@ never handed out, each counted once."""
 from __future__ import annotations
 
 import pytest
-from core_helpers import ack, free, h1, put, snapshot, state
+from core_helpers import ack, free, h1, keys, put, snapshot, state
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation, UsageError
@@ -269,10 +269,6 @@ def test_advance_step_refuses_a_non_positive_step():
         with pytest.raises(UsageError, match=rf"^advance_step: steps must be an int >= 1, got {bad!r}$"):
             c.advance_step(bad)  # type: ignore[arg-type]
     assert c.step == 0
-
-
-def keys(prefix: str, n: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}" for i in range(n))
 
 
 # ------------------------------------------------------------------ withdraw

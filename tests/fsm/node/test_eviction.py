@@ -8,7 +8,7 @@ loaded back."""
 from __future__ import annotations
 
 import pytest
-from core_helpers import ack, free, h1, h2, put, src, state
+from core_helpers import ack, free, h1, h2, keys, put, src, state
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import CapacityError, UsageError
@@ -388,10 +388,6 @@ def test_a_demoted_chunk_checkpoint_comes_back_as_a_final_one():
     rab = put(c, "ab", c.device_pages(a), ckpt=True)  # a deeper checkpoint does not drop it now
     assert a.dev_ckpt and not a.chunk_checkpoint and rab.node.dev_ckpt
     c.check_invariants()
-
-
-def keys(prefix: str, n: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}" for i in range(n))
 
 
 # ------------------------------------------------------------------ host_only eviction

@@ -6,17 +6,10 @@ checks."""
 from __future__ import annotations
 
 import pytest
-from core_helpers import ack, h1, put
+from core_helpers import ack, h1, put, says, violation
 
 from kvtier.fsm import CacheCore, KvtierError, UsageError
 from kvtier.fsm.errors import InvariantViolation
-
-
-def _violation(c: CacheCore) -> tuple[str, str]:
-    """The invariant ``check_invariants`` names and its message (it must raise)."""
-    with pytest.raises(InvariantViolation) as e:
-        c.check_invariants()
-    return e.value.invariant, str(e.value)
 
 
 def test_fetch_reservations_and_settlements_exactly() -> None:
@@ -50,12 +43,12 @@ def test_fetch_reservations_and_settlements_exactly() -> None:
             c.fetches.settle(5, bad)
         assert str(e.value) == f"fetch_settle: acked must be an int in 0..3, got {bad!r}"
     nodes[1].fetch_op = 4
-    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 3 (fetching): "
+    assert violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 3 (fetching): "
                              "in get 5 but not fetching for it")
     nodes[1].fetch_op = 5
     listed = c.fetches._ops[5]  # corrupt the table itself: its get no longer lists the last node
     last = listed.pop()
-    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 4 (fetching): "
+    assert violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 4 (fetching): "
                              "fetching but no get in flight lists it")
     listed.append(last)
     c.check_invariants()
@@ -92,12 +85,6 @@ def test_a_fetch_reclaims_host_room_and_refuses_a_parent_of_another_tree() -> No
     c.check_invariants()
 
 
-def _says(call: object, message: str, error: type[Exception] = UsageError) -> None:
-    with pytest.raises(error) as exc:
-        call()  # type: ignore[operator]
-    assert type(exc.value) is error and str(exc.value) == message
-
-
 def _host_state(c: CacheCore) -> tuple:
     return (len(c.fetches), c.fetches.items(), c.host["kv"].free, len(list(c.tree)), c.stats.fetches)
 
@@ -111,12 +98,12 @@ def test_fetch_reserve_refusals_name_the_problem_and_change_nothing() -> None:
     dev = put(c, ["d1", "d2"]).node
     stranger = put(CacheCore(h1(), 8, 4), ["z"]).node
     before = _host_state(c)
-    _says(lambda: c.fetches.reserve(c.root, ["x"], 900), "fetch_reserve: op 900 is already in flight")
-    _says(lambda: c.fetches.reserve(c.root, [], 901), "fetch_reserve: no unit keys")
-    _says(lambda: c.fetches.reserve(dev, ["x"], 901),
+    says(lambda: c.fetches.reserve(c.root, ["x"], 900), "fetch_reserve: op 900 is already in flight")
+    says(lambda: c.fetches.reserve(c.root, [], 901), "fetch_reserve: no unit keys")
+    says(lambda: c.fetches.reserve(dev, ["x"], 901),
           f"fetch_reserve: node {dev.node_id} is device; a fetched chain continues the root or a node with a "
           "visible host copy")
-    _says(lambda: c.fetches.reserve(stranger, ["x"], 901),
+    says(lambda: c.fetches.reserve(stranger, ["x"], 901),
           f"fetch_reserve: {stranger!r} is not a node of this cache's tree", KvtierError)
     assert _host_state(c) == before and c.fetches.nodes(900) == tuple(made)
     c.check_invariants()
@@ -159,7 +146,7 @@ def test_fetch_settle_bounds_and_exact_counters() -> None:
     made = c.fetches.reserve(c.root, ["a", "b", "c"], 7)
     before = (_host_state(c), [(n.state, n.pending, n.fetch_op) for n in made])
     for bad in (4, -1, True, "1", 1.0):
-        _says(lambda: c.fetches.settle(7, bad), f"fetch_settle: acked must be an int in 0..3, got {bad!r}")
+        says(lambda: c.fetches.settle(7, bad), f"fetch_settle: acked must be an int in 0..3, got {bad!r}")
     with pytest.raises(KeyError):
         c.fetches.settle(8, 0)
     assert (_host_state(c), [(n.state, n.pending, n.fetch_op) for n in made]) == before

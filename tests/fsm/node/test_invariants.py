@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from core_helpers import ack, h1, put, src
+from core_helpers import ack, h1, put, src, violation
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import InvariantViolation
@@ -433,20 +433,13 @@ def test_borrowed_pages_demoted_detected():
     assert exc.value.invariant == "borrowed_pages_stay"
 
 
-def _violation(c: CacheCore) -> tuple[str, str]:
-    """The invariant ``check_invariants`` names and its message (it must raise)."""
-    with pytest.raises(InvariantViolation) as e:
-        c.check_invariants()
-    return e.value.invariant, str(e.value)
-
-
 def test_a_child_filed_under_another_key_than_its_first_unit_breaks_the_tree_links() -> None:
     """invariants.py:98: a node whose first unit is not the key its parent files it under
     (here its second unit is) breaks ``split_preserves_ownership``."""
     c = CacheCore(h1(), 8, 8)
     n = put(c, ("a", "b")).node
     n.key = ("x", "a")  # filed under "a"
-    assert _violation(c) == ("split_preserves_ownership", "invariant 'split_preserves_ownership' violated by "
+    assert violation(c) == ("split_preserves_ownership", "invariant 'split_preserves_ownership' violated by "
                              "node 1 (device): tree links are inconsistent")
     n.key = ("a", "b")
     c.check_invariants()
@@ -466,7 +459,7 @@ def test_a_loadback_whose_own_pin_does_not_list_exactly_its_nodes_is_reported() 
     pin = c.receipts.get(-op_id)
     assert pin.nodes == [n] and pin.owner == f"op {op_id}"
     pin.nodes = []
-    assert _violation(c) == ("loadback_source_pinned", f"invariant 'loadback_source_pinned' violated by node 1 "
+    assert violation(c) == ("loadback_source_pinned", f"invariant 'loadback_source_pinned' violated by node 1 "
                              f"(loading): loadback op {op_id} does not pin exactly its nodes")
     pin.nodes = [n]
     c.check_invariants()

@@ -9,19 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from core_helpers import ack, h1, put
+from core_helpers import ack, h1, put, violation
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node import Node
 from kvtier.fsm.spec import load_spec
-
-
-def _violation(c: CacheCore) -> tuple[str, str]:
-    """The invariant ``check_invariants`` names and its message (it must raise)."""
-    with pytest.raises(InvariantViolation) as e:
-        c.check_invariants()
-    return e.value.invariant, str(e.value)
 
 
 def test_a_resource_held_against_the_nodes_state_names_its_invariant() -> None:
@@ -36,36 +29,36 @@ def test_a_resource_held_against_the_nodes_state_names_its_invariant() -> None:
     n = put(c, ("a", "b")).node
     assert (n.node_id, n.state) == (1, "device")
     n.pending = {"kv": [7]}
-    assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
+    assert violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
                              "(device): holds pending_host but state 'device' declares ['device_pages', 'shared_read']")
     n.pending = {}
     cmd = c.writeback(n)
     assert cmd is not None and n.state == "writing"
     pending, n.pending = n.pending, {}
-    assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
+    assert violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
                              "(writing): state 'writing' declares pending_host but the node has none")
     n.pending = pending
     ack(c, cmd)
     assert n.state == "backed"
     n.state = "loading"  # no loadback op (nor pin) behind it
-    assert _violation(c) == ("loadback_source_pinned", "invariant 'loadback_source_pinned' violated by node 1 "
+    assert violation(c) == ("loadback_source_pinned", "invariant 'loadback_source_pinned' violated by node 1 "
                              "(loading): state 'loading' declares loadback_op but the node has none")
     n.state = "backed"
     c.evict_device({"kv": 8})
     assert n.state == "host"
     host, n.host = n.host, {}
-    assert _violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
+    assert violation(c) == ("state_matches_resources", "invariant 'state_matches_resources' violated by node 1 "
                              "(host): state 'host' declares host_pages but the node has none")
     n.host = host
     c.check_invariants()
     n.fetch_op = 5  # an L3 get's op on a node not being fetched
-    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 1 (host): "
+    assert violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 1 (host): "
                              "holds fetch_op but state 'host' declares ['host_pages']")
     n.fetch_op = None
     [f] = c.fetches.reserve(c.root, ["f0"], 900)
     assert (f.node_id, f.state, f.fetch_op) == (2, "fetching", 900)
     f.fetch_op = None
-    assert _violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 2 (fetching): "
+    assert violation(c) == ("l3_get_invisible", "invariant 'l3_get_invisible' violated by node 2 (fetching): "
                              "state 'fetching' declares fetch_op but the node has none")
     f.fetch_op = 900
     c.check_invariants()

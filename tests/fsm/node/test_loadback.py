@@ -7,7 +7,7 @@ history only, and the operation's own pin is owned by ``op <id>``."""
 from __future__ import annotations
 
 import pytest
-from core_helpers import ack, free, h1, h2, put, snapshot, src, state
+from core_helpers import ack, free, h1, h2, keys, put, snapshot, src, state
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import CapacityError, KvtierError
@@ -432,10 +432,6 @@ def test_load_of_several_nodes_reserves_all_their_pages():
     assert len(lr.device_pages["kv"]) == 4 and x.node_id not in state(c) and y.state == "device"
     ack(c, lr.command)
     c.check_invariants()
-
-
-def keys(prefix: str, n: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}" for i in range(n))
 
 
 def test_a_history_replay_loadback_without_a_host_checkpoint_loads_history_only() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from core_helpers import free, h1, put
+from core_helpers import free, h1, keys, put
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.node import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE, LockReceipt, Node, NodeReceipt
@@ -120,10 +120,6 @@ def test_operation_record() -> None:
         assert not hasattr(record, "__dict__")  # slotted
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(record, field, 1)
-
-
-def keys(prefix: str, n: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}" for i in range(n))
 
 
 def _fetched(c: CacheCore, ks: list[str], op_id: int = 900) -> list:

@@ -5,14 +5,10 @@ tie-breaks."""
 from __future__ import annotations
 
 import pytest
-from core_helpers import ack, free, h1, put
+from core_helpers import ack, free, h1, keys, put
 
 from kvtier.fsm import CacheCore, ConfigError, MatchMode
 from kvtier.fsm.eviction import POLICIES
-
-
-def keys(prefix: str, n: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}" for i in range(n))
 
 
 # ------------------------------------------------------------------ reuse counting

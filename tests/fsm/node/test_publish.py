@@ -8,7 +8,7 @@ group by group."""
 from __future__ import annotations
 
 import pytest
-from core_helpers import ack, backed_chain, free, h1, h2, put, snapshot, src
+from core_helpers import ack, backed_chain, free, h1, h2, keys, put, snapshot, src
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import UsageError
@@ -290,10 +290,6 @@ def test_insert_stops_at_loading_node_and_keeps_caller_pages():
     res = c2.insert(("a", "b"), {"fh": lr2.device_pages["fh"] + got["fh"]}, {"swa": got["swa"]})
     c2.check_invariants()
     assert (res.node, res.published_units, res.kept) == (c2.root, 0, {"fh": got["fh"], "swa": got["swa"]})
-
-
-def keys(prefix: str, n: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}" for i in range(n))
 
 
 # ------------------------------------------------------------------ publish: the anchor fast path

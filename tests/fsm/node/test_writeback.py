@@ -10,7 +10,7 @@ pass going on past a node whose parent lost its host copy."""
 from __future__ import annotations
 
 import pytest
-from core_helpers import ack, free, h1, put, snapshot, src, state
+from core_helpers import ack, free, h1, keys, put, snapshot, src, state
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import CapacityError, ConfigError
@@ -371,10 +371,6 @@ def test_a_writeback_evicts_exactly_its_host_shortfall():
     assert (olds[0].node_id in state(c), olds[1].state) == (False, "host")  # the older one went
     ack(c, cmd)
     c.check_invariants()
-
-
-def keys(prefix: str, n: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}" for i in range(n))
 
 
 # ------------------------------------------------------------------ write_back pledges

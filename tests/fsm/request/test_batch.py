@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import pytest
-from core_helpers import h1, snapshot, src
+from core_helpers import h1, src
+from facade_helpers import seen, two_decoding
 
 from kvtier.fsm import GuardRejected, UsageError
 from kvtier.fsm.batch import OK, REFUSED, ItemOutcome, StepOutcome
@@ -523,23 +524,6 @@ def test_outcomes_are_frozen_and_slotted(record: object, field: str) -> None:
     assert type(record).__slots__
 
 
-def _two_decoding() -> TieredCache:
-    """Requests a and b decoding: prompts of 8 tokens computed and published, 1 more token reserved."""
-    c = TieredCache(h1(), 32, None)
-    for rid, key in (("a", "abcd"), ("b", "efgh")):
-        assert c.admit(rid, list(key), prompt_tokens=8, chunk_tokens=8) is not None
-        assert c.step_done(rid, 8) == {}
-        assert c.reserve(rid, 1) is not None
-    return c
-
-
-def _seen(c: TieredCache) -> tuple[Any, ...]:
-    """What a call may change: the counters, every request's record and the tree."""
-    recs = [(r.request_id, r.state, r.tokens, r.reserved, r.passes, r.results, list(r.units),
-             {g: list(p) for g, p in r.own.items()}) for r in c.table]
-    return c.stats(), recs, snapshot(c.core)
-
-
 class _Tuple(tuple):  # type: ignore[type-arg]
     """A tuple whose items cannot be read (``x[0]`` raises TypeError)."""
 
@@ -573,11 +557,11 @@ class _Seq(Sequence[Any]):
 def test_step_with_items_that_cannot_be_read_is_refused(kw: dict[str, Any], message: str) -> None:
     """Was StopIteration (a tuple whose items raise TypeError) or a bare TypeError (a
     sequence whose items raise TypeError)."""
-    c = _two_decoding()
-    before = _seen(c)
+    c = two_decoding()
+    before = seen(c)
     with pytest.raises(UsageError) as exc:
         c.step(**kw)
     assert type(exc.value) is UsageError
     assert str(exc.value) == message
-    assert _seen(c) == before
+    assert seen(c) == before
     c.check_invariants()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from core_helpers import h1
+from facade_helpers import borrowing
 
 from kvtier.fsm import InvariantViolation, UsageError
 from kvtier.fsm.request import CALLS, TERMINAL
@@ -97,23 +98,6 @@ def _violation(c: TieredCache) -> tuple[str, str]:
     with pytest.raises(InvariantViolation) as exc:
         c.check_invariants()
     return exc.value.invariant, str(exc.value)
-
-
-def borrowing() -> TieredCache:
-    """src(): ``a`` published 2 units with the checkpoint at 8 tokens; ``b`` hit them and
-    owes its first pass, which copies that checkpoint (borrowed)."""
-    from core_helpers import src
-
-    c = TieredCache(src(), 16, None)
-    c.admit("a", list("abcd"), prompt_tokens=9, chunk_tokens=9)
-    assert c.step_done("a", 9, checkpoint=True) == {"swa": [4, 5, 6, 7]}
-    c.finish("a")
-    adm = c.admit("b", list("abcd"), prompt_tokens=12, chunk_tokens=4)
-    assert adm is not None and adm.checkpoint_pages == {"swa": [4, 5, 6, 7]}
-    r = c.table.get("b")
-    assert (r.canon, r.own, r.ckpt_pages) == ({"fh": [0, 1]}, {"fh": [2], "swa": [3, 2, 1, 0]}, {"swa": [4, 5, 6, 7]})
-    c.check_invariants()
-    return c
 
 
 def test_a_page_held_by_two_requests_is_caught() -> None:
