@@ -43,8 +43,13 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
     every request and layer against a per-rank model of the delivered layer completions;
     an aborted request's own writeback is never published; admission never reuses the
     whole prompt; ``quiesce`` checks that everything queued is issued, acknowledged and
-    released within a bound. Subclass and override :meth:`make_scheduler` /
-    :meth:`make_transfer` to test an engine's integration.
+    released within a bound. :mod:`kvtier.testing.facade_models` checks each admission's
+    answer (and that a blocked one moved nothing), what every poll hands out and reports
+    (each request's end once, with its reason), and that ``shutdown`` (every request
+    aborted, every result and completion back) leaves nothing held; the engine keeps its
+    own count of passes out; a refused call must name the request and change nothing.
+    The setup may draw a cache without a host tier. Subclass and override
+    :meth:`make_scheduler` / :meth:`make_transfer` to test an engine's integration.
     """
 
     kit_invariants: ClassVar[tuple[str, ...]] = (
