@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvtier.fsm import InsertResult, CacheCore
+import pytest
+
+from kvtier.fsm import CacheCore, InsertResult
+from kvtier.fsm.errors import InvariantViolation, UsageError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import CacheGroupSpec, Completion, ComponentSpec, Family, TransferCommand
 
@@ -66,6 +69,16 @@ def ack(cache: CacheCore, cmd: TransferCommand | int, ok: bool | Sequence[bool] 
     return out
 
 
+def backed_chain(policy: str = "write_through_selective") -> tuple[CacheCore, object, object]:
+    """h1 cache (8 device / 8 host units): A=(a,b) pages 0,1 and B=(c,d) pages 2,3, both backed."""
+    c = CacheCore(h1(), 8, 8, policy=policy)
+    ra = put(c, "ab")
+    ack(c, c.writeback(ra.node))
+    rb = put(c, "abcd", ra.pages)
+    ack(c, c.writeback(rb.node))
+    return c, ra.node, rb.node
+
+
 def free(cache: CacheCore, pool: str = "device") -> dict[str, int]:
     allocs = cache.device if pool == "device" else cache.host
     assert allocs is not None
@@ -101,8 +114,6 @@ def snapshot(cache: CacheCore) -> tuple:
 def fake_async_engine(chunk_layers: int):  # type: ignore[no-untyped-def]
     """A TransferEngine on the fake-asynchronous backend: one history group of 8 layers,
     16 host and 12 device pages of random bytes (skips the test without torch)."""
-    import pytest
-
     torch = pytest.importorskip("torch")
     from kvtier.transfer import DevicePool, HostPool, TransferEngine
 
@@ -112,3 +123,22 @@ def fake_async_engine(chunk_layers: int):  # type: ignore[no-untyped-def]
         for k in pool.keys():
             pool.region(*k).copy_(torch.randint(0, 256, tuple(pool.region(*k).shape), dtype=torch.uint8))
     return TransferEngine(specs, host, dev, "fake-async", chunk_layers=chunk_layers)
+
+
+def keys(prefix: str, n: int) -> tuple[str, ...]:
+    """``n`` unit keys ``prefix0``, ``prefix1``, ...."""
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+def violation(c: CacheCore) -> tuple[str, str]:
+    """The invariant ``check_invariants`` names and its message (it must raise)."""
+    with pytest.raises(InvariantViolation) as e:
+        c.check_invariants()
+    return e.value.invariant, str(e.value)
+
+
+def says(call: object, message: str, error: type[Exception] = UsageError) -> None:
+    """``call()`` raises exactly ``error`` with exactly ``message``."""
+    with pytest.raises(error) as exc:
+        call()  # type: ignore[operator]
+    assert type(exc.value) is error and str(exc.value) == message

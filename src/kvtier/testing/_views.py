@@ -10,7 +10,8 @@ read-only views of :class:`~kvtier.fsm.node.core.CacheCore`'s parts and of
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.node import LockReceipt, Node, NodeReceipt
@@ -152,3 +153,24 @@ def request_events(cache: TieredCache) -> tuple[RequestEvent, ...]:
 def ended_history(cache: TieredCache) -> int:
     """How many forgotten ended requests the facade still answers ``request()`` for."""
     return cache.table.ended_history
+
+
+def fingerprint(cache: TieredCache) -> Hashable:
+    """What a refused call must leave as it was: every node's state, key, pages and
+    counts, the pools' use, the receipts, operations, commands, queued writebacks, the
+    requests' records and the clock."""
+    core = cache.core
+
+    def pm(m: dict[str, list[int]]) -> tuple[Any, ...]:
+        return tuple(sorted((g, tuple(p)) for g, p in m.items()))
+
+    tree = tuple((n.node_id, n.state, tuple(map(str, n.key)), pm(n.dev), pm(n.host), pm(n.pending),
+                   pm(n.dev_ckpt), pm(n.host_ckpt), n.lock_ref, n.borrow_ref, n.host_pin, n.hit_count,
+                   n.last_access, n.wb_op, n.lb_op) for _, n in sorted(nodes(core).items()))
+    pools = tuple((g, a.used) for g, a in sorted(core.device.items())) + tuple(
+        (g, a.used) for g, a in sorted((core.host or {}).items()))
+    reqs = tuple((rid, r.state, r.tokens, r.reserved, r.passes, r.results, pm(r.own), tuple(sorted(r.ops)))
+                 for rid, r in sorted(requests(cache).items()))
+    return (tree, pools, tuple(sorted(locks(core))), tuple(sorted(receipts(core))),
+            tuple(sorted(ops(core))), tuple(c.op_id for c in outbox(core)),
+            tuple(sorted(writeback_queue(core))), reqs, len(request_events(cache)), core.clock)

@@ -26,7 +26,8 @@ from kvtier.fsm.presets import preset
 from kvtier.fsm.request import TERMINAL as _REQUEST_TERMINAL
 from kvtier.fsm.lifecycle.spec import load_spec
 
-from .sequence import EventSequence, Step, machine_name
+from .registry import machine_name
+from .steps import EventSequence, Step
 
 __all__ = ["KitMachine", "RunStats", "STATS", "recorded", "kit_layout", "INVARIANTS", "ROLL", "TERMINAL",
            "FAULT_MIX", "FAULT_LEVEL", "LAYOUTS", "STATE_LAYOUTS", "PRESET_PARAMS", "PRESET_VARIANTS", "layout_named",

@@ -53,7 +53,7 @@ a state and its mirror image may have different futures.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.fsm import Direction, WritePolicy
 from kvtier.fsm.errors import InvariantViolation
@@ -63,9 +63,7 @@ from kvtier.fsm.request import TERMINAL
 
 from . import _views as views
 from .content import node_prefix
-
-if TYPE_CHECKING:
-    from .facade_machine import FacadeMachine
+from .facade_steps import FacadeSteps
 
 __all__ = ["CanonicalState"]
 
@@ -76,7 +74,7 @@ class CanonicalState:
     :class:`~kvtier.fsm.errors.InvariantViolation` when an unreported request event names
     a state the spec does not have."""
 
-    def __init__(self, m: FacadeMachine) -> None:
+    def __init__(self, m: FacadeSteps) -> None:
         self.m = m
         self.pages: dict[tuple[str, str, int], int] = {}
         self.ops: dict[int, int] = {}

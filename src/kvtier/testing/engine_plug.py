@@ -58,7 +58,6 @@ from .base import recorded
 from .facade_machine import FacadeMachine
 from .models import ModelViolation
 from .plugs import TransferBackend
-from .sequence import register_machine
 
 __all__ = ["EngineTransfer", "EngineFacadeMachine", "FaultyBackend"]
 
@@ -325,6 +324,7 @@ class EngineFacadeMachine(FacadeMachine):
     ``engine``)."""
 
     kit_deadlines: ClassVar[bool] = False
+    kit_host_optional: ClassVar[bool] = False  # the engine's pools need a host tier
     kit_invariants: ClassVar[tuple[str, ...]] = (*FacadeMachine.kit_invariants, "check_engine_waits")
 
     def check_engine_waits(self) -> None:
@@ -354,4 +354,3 @@ class EngineFacadeMachine(FacadeMachine):
 
 
 _ = TieredCache
-register_machine("engine", EngineFacadeMachine)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import ConfigError, KvtierError
@@ -35,9 +35,8 @@ from kvtier.fsm.lifecycle.spec import load_spec
 
 from . import _views as views
 from .base import kit_layout
+from .l3_steps import L3Steps
 
-if TYPE_CHECKING:
-    from .l3_machine import L3TierMachine
 
 __all__ = ["Skip", "fingerprint", "copy_instance", "HOSTILE", "INERT", "CORRUPTIONS"]
 
@@ -70,7 +69,7 @@ def _tier_print(tier: L3Tier) -> Hashable:
     return (objects, ops, repr(tier.stats), views.l3_internals(tier))
 
 
-def fingerprint(m: L3TierMachine) -> Hashable:
+def fingerprint(m: L3Steps) -> Hashable:
     """Both instances: every node, pool, fetch, receipt and transfer of the cores, and every
     object, operation, counter and internal record (hint, waiting removes, prefetches,
     unpolled commands) of the tiers."""
@@ -106,7 +105,7 @@ def _tier_with(core: CacheCore, options: dict[str, Any]) -> L3Tier:
     return L3Tier(core, L3Options(**options))
 
 
-def _bad_tier(m: L3TierMachine, i: int, v: int) -> None:
+def _bad_tier(m: L3Steps, i: int, v: int) -> None:
     """Every refused construction (the variant picks which comes last): each must raise a
     ConfigError, a bad option's naming the option; the last one's error propagates."""
     core = m.cores[i]
@@ -152,7 +151,7 @@ def _every(what: str, variants: list[Callable[[], Any]], v: int) -> None:
     raise last
 
 
-def _bad_prefetch(m: L3TierMachine, i: int, v: int) -> None:
+def _bad_prefetch(m: L3Steps, i: int, v: int) -> None:
     tier = m.tiers[i]
     _every("prefetch", [lambda: tier.prefetch(7, ["a"], m.now),  # type: ignore[arg-type]
                         lambda: tier.prefetch(None, ["a"], m.now),  # type: ignore[arg-type]
@@ -160,12 +159,12 @@ def _bad_prefetch(m: L3TierMachine, i: int, v: int) -> None:
                         lambda: tier.prefetch("q-bad", None, m.now)], v)  # type: ignore[arg-type]
 
 
-def _bad_offer(m: L3TierMachine, i: int, v: int) -> None:
+def _bad_offer(m: L3Steps, i: int, v: int) -> None:
     bad_units: tuple[Any, ...] = (5, None, 2.5)
     _every("offer", [functools.partial(m.tiers[i].offer, bad, m.now) for bad in bad_units], v)
 
 
-def _bad_remove(m: L3TierMachine, i: int, v: int) -> None:
+def _bad_remove(m: L3Steps, i: int, v: int) -> None:
     tier = m.tiers[i]
     busy = sorted(tier.objects)  # keys in flight or leased: a refused call must not defer them
     good = [busy[v % len(busy)]] if busy else tier.keys_for(("a",))
@@ -175,7 +174,7 @@ def _bad_remove(m: L3TierMachine, i: int, v: int) -> None:
                       lambda: tier.remove([*good, None, *good], m.now)], v)  # type: ignore[list-item]
 
 
-def _bad_complete(m: L3TierMachine, i: int, v: int) -> None:
+def _bad_complete(m: L3Steps, i: int, v: int) -> None:
     tier = m.tiers[i]
     issued = views.l3_internals(tier)[0]
     _every("complete", [lambda: tier.complete("done", m.now),  # type: ignore[arg-type]
@@ -188,7 +187,7 @@ def _host_parent(core: CacheCore, v: int) -> Node:
     return node
 
 
-def _bad_reserve(m: L3TierMachine, i: int, v: int) -> None:
+def _bad_reserve(m: L3Steps, i: int, v: int) -> None:
     core = m.cores[i]
     fetches = core.fetches
     variants: list[Callable[[], Any]] = [
@@ -211,7 +210,7 @@ def _foreign_node(core: CacheCore) -> Node:
 
 
 #: (name, call(machine, instance, variant)): each must raise a KvtierError and change nothing
-HOSTILE: tuple[tuple[str, Callable[[L3TierMachine, int, int], None]], ...] = (
+HOSTILE: tuple[tuple[str, Callable[[L3Steps, int, int], None]], ...] = (
     ("tier construction", _bad_tier),
     ("prefetch arguments", _bad_prefetch),
     ("offer arguments", _bad_offer),
@@ -223,14 +222,14 @@ HOSTILE: tuple[tuple[str, Callable[[L3TierMachine, int, int], None]], ...] = (
 
 # -- inert calls -----------------------------------------------------------------------------
 
-def _prefetch_in_flight(m: L3TierMachine, i: int, v: int) -> object:
+def _prefetch_in_flight(m: L3Steps, i: int, v: int) -> object:
     tier = m.tiers[i]
     owner = _some(sorted({op.owner for op in tier.operations.values()
                           if op.owner is not None and tier.prefetching(op.owner)}), v)
     return tier.prefetch(owner, ["a", "b"], m.now) is False
 
 
-def _reserve_taken(m: L3TierMachine, i: int, v: int) -> object:
+def _reserve_taken(m: L3Steps, i: int, v: int) -> object:
     core = m.cores[i]
     parents = [core.root, *(n for _, n in sorted(views.nodes(core).items()) if n.state in HOST_VISIBLE)]
     parent = _some([p for p in parents if p.children], v)
@@ -238,7 +237,7 @@ def _reserve_taken(m: L3TierMachine, i: int, v: int) -> object:
     return core.fetches.reserve(parent, [first, "z"], 10**6) == []
 
 
-def _forget_unfinished(m: L3TierMachine, i: int, v: int) -> object:
+def _forget_unfinished(m: L3Steps, i: int, v: int) -> object:
     tier = m.tiers[i]
     owners = sorted({op.owner for op in tier.operations.values() if op.owner is not None})
     owner = owners[v % len(owners)] if owners and v % 2 else "never-prefetched"
@@ -246,12 +245,12 @@ def _forget_unfinished(m: L3TierMachine, i: int, v: int) -> object:
     return tier.prefetching(owner) == (owner != "never-prefetched")
 
 
-def _remove_nothing(m: L3TierMachine, i: int, v: int) -> object:
+def _remove_nothing(m: L3Steps, i: int, v: int) -> object:
     return m.tiers[i].remove(_pick(([], ()), v), m.now) == 0
 
 
 #: (name, call(machine, instance, variant) -> whether it returned what the docs say)
-INERT: tuple[tuple[str, Callable[[L3TierMachine, int, int], object]], ...] = (
+INERT: tuple[tuple[str, Callable[[L3Steps, int, int], object]], ...] = (
     ("prefetch while that owner's is in flight", _prefetch_in_flight),
     ("reserve under a node that has that child", _reserve_taken),
     ("forget an owner with nothing finished", _forget_unfinished),

@@ -38,87 +38,31 @@ so a failed get made visible would be caught.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from kvtier.fsm import CacheCore, CapacityError, Completion, Direction
+from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import InvariantViolation, KvtierError
-from kvtier.fsm.l3 import WRITE_POLICIES, L3Options, L3Tier, StoreCommand, StoreOp, StoreResult
-from kvtier.fsm.records import TransferCommand
+from kvtier.fsm.l3 import WRITE_POLICIES, L3Options, L3Tier, StoreOp
 
 from . import _views as views
-from .base import FAULT_LEVEL, LAYOUTS, ROLL, KitMachine, layout_named, recorded
-from .content import check_tree_bytes, content, node_prefix
+from .base import FAULT_LEVEL, LAYOUTS, ROLL, layout_named, recorded
 from .l3_cases import CORRUPTIONS, HOSTILE, INERT, Skip, copy_instance, fingerprint
-from .models import ModelViolation
-from .sequence import register_machine
+from .l3_steps import FAULTS, InstanceModel, L3Steps, words
 
 __all__ = ["L3TierMachine"]
 
 _KEYS = st.lists(st.sampled_from("ab"), min_size=1, max_size=4)  # few keys: instances share prefixes
 #: The kit's layouts without continuation-state groups (the L3 tier refuses those).
 L3_LAYOUTS: tuple[str, ...] = tuple(n for n in LAYOUTS if not layout_named(n).state_groups)
-#: How a faulty store answers (``answer``'s ``how``): fail the whole operation, drop the
-#: first key first (a get then misses; the store dropped it after its exists), tear the
-#: first key (a get finds a corrupt object), or answer only a prefix of the keys.
-_FAULTS = ("error", "drop", "torn", "partial")
-#: The kinds of error the fake store reports (the text before the first colon): a backend
-#: failure, a saturated driver queue, and a backend's own timeout named ``deadline`` (the
-#: tier's expiries use that kind too, and must not count the backend's).
-_ERROR_KINDS = ("StoreError", "queue", "deadline")
 
 
-def _words(n: int) -> list[tuple[str, ...]]:
-    """Every word of ``n`` letters over "ab", in order."""
-    out: list[tuple[str, ...]] = [()]
-    for _ in range(n):
-        out = [w + (c,) for w in out for c in "ab"]
-    return out
-
-
-@dataclass
-class _Pending:
-    """A store operation in flight: its command, the instance that issued it, and whether
-    its deadline cancelled it (the driver then writes nothing, and its answer is late)."""
-
-    inst: int
-    cmd: StoreCommand
-    cancelled: bool = False
-    owner: str | None = None
-
-
-@dataclass
-class _Model:
-    """Per instance: the backend errors the store reported, by kind; the units each
-    finished prefetch's get delivered, by owner; keys whose remove was deferred."""
-
-    errors: dict[str, int] = field(default_factory=dict)
-    fetched: dict[str, int] = field(default_factory=dict)
-    deferred: set[str] = field(default_factory=set)
-
-
-class L3TierMachine(KitMachine):
+class L3TierMachine(L3Steps):
     """Two instances with an L3 tier over one fake, faulty store (see the module doc)."""
 
     kit_invariants = ("check_cores", "check_tiers", "check_loaded_equals_written")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cores: list[CacheCore] = []
-        self.tiers: list[L3Tier] = []
-        self.dev: list[dict[tuple[str, int], Any]] = []
-        self.host: list[dict[tuple[str, int], Any]] = []
-        self.store: dict[str, dict[str, list[Any]]] = {}
-        self.pending: list[_Pending] = []
-        self.prefix_of: dict[str, tuple[Hashable, ...]] = {}
-        self.now = 0.0
-        self.owners = 0
-        self.model: list[_Model] = []
-        self.refused = 0
 
     @initialize(layout=st.sampled_from(L3_LAYOUTS), dev_units=st.integers(3, 8), host_units=st.integers(3, 10),
                 lease=st.sampled_from([0.0, 2.0, 5.0]), deadline=st.sampled_from([1.0, 3.0]),
@@ -143,64 +87,7 @@ class L3TierMachine(KitMachine):
             self.tiers.append(L3Tier(core, second if n else opts))
             self.dev.append({})
             self.host.append({})
-            self.model.append(_Model())
-
-    # -- helpers -----------------------------------------------------------------
-    def _apply(self, i: int, cmd: TransferCommand, ok: bool) -> None:
-        dev, host = self.dev[i], self.host[i]
-        src, dst = (dev, host) if cmd.direction is Direction.WRITEBACK else (host, dev)
-        for t in cmd.transfers:
-            for s, d in zip(t.src_pages, t.dst_pages):
-                dst[(t.group, d)] = src.get((t.group, s)) if ok else ("garbage", cmd.op_id)
-
-    def _settle_core(self, i: int) -> None:
-        """Run the core's transfers to their end (each fails with the example's fault rate,
-        drawn from its op id so a replay is exact)."""
-        core = self.cores[i]
-        for _ in range(64):  # a settle may issue more (a writeback after a loadback): bounded
-            cmds = core.poll_commands()
-            if not cmds:
-                return
-            for cmd in cmds:
-                ok = not self.kit_fail((cmd.op_id * 7919) % 1000)
-                core.complete(Completion(cmd.op_id, 0, ok, None))
-                self._apply(i, cmd, ok)
-        raise ModelViolation("model_liveness", f"instance {i}", "transfers kept coming after 64 rounds")
-
-    def _take_store_commands(self, i: int) -> None:
-        opts = self.tiers[i].options
-        for cmd in self.tiers[i].poll_commands():
-            if cmd.kind is StoreOp.PUT and not 1 <= len(cmd.keys) <= opts.max_put_units:
-                raise ModelViolation("model_l3_options", f"put {cmd.op_id}",
-                                         f"{len(cmd.keys)} objects; max_put_units is {opts.max_put_units}")
-            if cmd.kind is StoreOp.EXISTS and not opts.min_prefetch_units <= len(cmd.keys) <= opts.prefetch_units:
-                raise ModelViolation("model_l3_options", f"exists {cmd.op_id}",
-                                         f"asks {len(cmd.keys)} keys; the options allow "
-                                         f"{opts.min_prefetch_units}..{opts.prefetch_units}")
-            if cmd.kind is StoreOp.REMOVE:
-                self.model[i].deferred.difference_update(cmd.keys)
-            op = self.tiers[i].operations.get(cmd.op_id)
-            self.pending.append(_Pending(i, cmd, owner=op.owner if op is not None else None))
-            if cmd.kind is StoreOp.GET:  # reserved pages hold garbage until the get writes them
-                for pages in cmd.pages:
-                    for g, ps in pages.items():
-                        for p in ps:
-                            self.host[i][(g, p)] = ("reserved", cmd.op_id)
-
-    def _remember_keys(self, i: int, key: tuple[Hashable, ...]) -> None:
-        for j, k in enumerate(self.tiers[i].keys_for(key)):
-            self.prefix_of[k] = key[: j + 1]
-
-    def _expected(self, key: str) -> dict[str, list[Any]]:
-        prefix = self.prefix_of.get(key)
-        if prefix is None:  # a host-eviction victim put without an offer of its key: find it
-            for i, core in enumerate(self.cores):
-                for n in views.nodes(core).values():
-                    self._remember_keys(i, node_prefix(n))
-            prefix = self.prefix_of[key]
-        ppu = views.pages_per_unit(self.cores[0])
-        u = len(prefix) - 1
-        return {g: [content(prefix, g, u * p + j, ppu) for j in range(p)] for g, p in ppu.items()}
+            self.model.append(InstanceModel())
 
     # -- rules: requests ---------------------------------------------------------------
     @rule(i=st.integers(0, 1), key=_KEYS)
@@ -209,64 +96,17 @@ class L3TierMachine(KitMachine):
         """A request computed ``key``: publish it on the device, write it through to the host."""
         self._publish(i, tuple(key))
 
-    def _publish(self, i: int, k: tuple[Hashable, ...]) -> None:
-        core = self.cores[i]
-        ppu, history = views.pages_per_unit(core), views.history_groups(core)
-        m = core.match(k)
-        base = core.device_pages(m.device_node)
-        rest = len(k) - m.device_units
-        hold = core.lock(m.device_node, "r") if m.device_node is not core.root else None
-        try:
-            fresh = core.alloc_device({g: rest * ppu[g] for g in history})
-        except CapacityError:
-            if hold is not None:
-                core.unlock(hold)
-            return
-        pages = {}
-        for g in history:
-            own = fresh.get(g, [])
-            pages[g] = base[g] + own
-            for j, p in enumerate(own):
-                self.dev[i][(g, p)] = content(k, g, len(base[g]) + j, ppu)
-        result = core.insert(k, pages)
-        if hold is not None:
-            core.unlock(hold)
-        for ps in (result.duplicates, result.kept):
-            for g, pp in ps.items():
-                core.free_device({g: pp})
-        core.issue_writebacks()
-        self._settle_core(i)
-
     @rule(i=st.integers(0, 1), key=_KEYS)
     @recorded
     def offer(self, i: int, key: list[str]) -> None:
         """A request ended: the write policy puts what it picks."""
         self._offer(i, tuple(key))
 
-    def _offer(self, i: int, key: tuple[Hashable, ...]) -> None:
-        self._remember_keys(i, key)
-        self.tiers[i].offer(key, self.now)
-        self._take_store_commands(i)
-
     @rule(i=st.integers(0, 1), key=_KEYS)
     @recorded
     def prefetch(self, i: int, key: list[str]) -> None:
         """A request waits: ask the store for what lies beyond its local hit."""
         self._prefetch(i, tuple(key))
-
-    def _prefetch(self, i: int, key: tuple[Hashable, ...]) -> str:
-        self._remember_keys(i, key)
-        self.owners += 1
-        owner = f"q{self.owners}"
-        self.tiers[i].prefetch(owner, key, self.now)
-        self._take_store_commands(i)
-        return owner
-
-    def _known(self, i: int, pick: int) -> tuple[Hashable, ...] | None:
-        """The prefix of a node of instance ``i``'s tree (by node id, modulo the count)."""
-        nodes = views.nodes(self.cores[i])
-        ids = sorted(nodes)
-        return node_prefix(nodes[ids[pick % len(ids)]]) if ids else None
 
     @rule(i=st.integers(0, 1), pick=st.integers(0, 100))
     @recorded
@@ -350,52 +190,11 @@ class L3TierMachine(KitMachine):
                                          "a corrupt object was not counted, or is not waiting for its remove")
             self.model[i].deferred.add(first)
 
-    def _serve(self, i: int, k: tuple[Hashable, ...], roll: int) -> None:
-        owner = self._prefetch(i, k)
-        for n in range(8):  # exists, then get: both of instance i, answered in order
-            mine = [j for j, p in enumerate(self.pending) if p.inst == i and p.cmd.kind in (StoreOp.EXISTS,
-                                                                                              StoreOp.GET)]
-            if not mine:
-                break
-            r = (roll + 7919 * n) % 1000
-            self._answer_one(mine[0], r, _FAULTS[r % len(_FAULTS)])
-        self._load(i, k)
-        self._forget(i, owner)
-        self._publish(i, k)
-        self._offer(i, k)
-
-    def _forget(self, i: int, owner: str) -> None:
-        """The request was admitted: the engine drops its prefetch record. A finished one
-        reports what its get delivered (the model's count), then nothing."""
-        tier = self.tiers[i]
-        busy = tier.prefetching(owner)
-        if not busy and tier.fetched_units(owner) != self.model[i].fetched.get(owner, 0):
-            raise ModelViolation("model_l3_fetched", f"prefetch {owner} on instance {i}",
-                                     f"fetched_units {tier.fetched_units(owner)}, but its get delivered "
-                                     f"{self.model[i].fetched.get(owner, 0)}")
-        tier.forget(owner)
-        if tier.prefetching(owner) != busy or (not busy and tier.fetched_units(owner) != 0):
-            raise ModelViolation("model_l3_fetched", f"prefetch {owner} on instance {i}",
-                                     "forget dropped a prefetch in flight or kept a finished one")
-
     @rule(i=st.integers(0, 1), key=_KEYS)
     @recorded
     def load(self, i: int, key: list[str]) -> None:
         """Admit a request: load its host hit (fetched chunks included) back to the device."""
         self._load(i, tuple(key))
-
-    def _load(self, i: int, key: tuple[Hashable, ...]) -> None:
-        core = self.cores[i]
-        m = core.match(key)
-        if not m.needs_loadback:
-            return
-        try:
-            res = core.load(m, "r")
-        except CapacityError:
-            return
-        self._settle_core(i)
-        core.release(res.pin)
-        core.unlock(res.lock)
 
     @rule(i=st.integers(0, 1), tier=st.sampled_from(["device", "host"]), n=st.integers(1, 6))
     @recorded
@@ -416,35 +215,12 @@ class L3TierMachine(KitMachine):
         must go to the store again: a leased object is then fetched again)."""
         self._evict_all(i)
 
-    def _evict_all(self, i: int) -> None:
-        core = self.cores[i]
-        big = {g: 1 << 20 for g in views.history_groups(core)}
-        core.evict_device(big)
-        core.evict_host(big)
-
     @rule(i=st.integers(0, 1), key=_KEYS, last=st.booleans())
     @recorded
     def remove(self, i: int, key: list[str], last: bool) -> None:
         """Remove ``key``'s objects (or only its last one) from the store."""
         keys = self.tiers[i].keys_for(tuple(key))
         self._remove(i, keys[-1:] if last else keys)
-
-    def _remove(self, i: int, keys: list[str]) -> None:
-        """Remove ``keys``: those busy (an operation in flight, or a lease) must wait, and go
-        out at the first expiry after they are free (:meth:`_advance` checks)."""
-        tier = self.tiers[i]
-        busy = {k for k in keys if k in tier.objects}
-        leased = sum(1 for k in keys if k in tier.objects and tier.objects[k].state == "leased")
-        deferred = tier.stats.removes_deferred_by_lease
-        tier.remove(keys, self.now)
-        issued = {k for c in views.l3_internals(tier)[4] if c.kind is StoreOp.REMOVE for k in c.keys}
-        if issued & busy or tier.stats.removes_deferred_by_lease != deferred + leased:
-            raise InvariantViolation("l3_lease_blocks_remove", f"remove on instance {i}",
-                                     f"removed busy objects {sorted(k[:12] for k in issued & busy)} at once, or "
-                                     f"counted {tier.stats.removes_deferred_by_lease - deferred} deferrals by "
-                                     f"lease for {leased} leased objects")
-        self._take_store_commands(i)
-        self.model[i].deferred |= busy
 
     @precondition(lambda self: any(t.objects for t in self.tiers))
     @rule(i=st.integers(0, 1), pick=st.integers(0, 100), extra=st.booleans())
@@ -461,27 +237,6 @@ class L3TierMachine(KitMachine):
             chosen += [keys[(pick + 1) % len(keys)], *self.tiers[i].keys_for(("b", "b", "a"))[-1:]]
         self._remove(i, chosen)
         self._advance(0.0)
-
-    def _stored_prefix(self, pick: int, min_units: int = 1) -> tuple[Hashable, ...]:
-        """A prefix of at least ``min_units`` units the store holds (by ``pick``). When it
-        holds none, a third engine sharing the store puts one first: ``min_units`` to 4
-        units over "ab" (by ``pick``), with the content every instance computes for it."""
-        keys = sorted(k for k in self.store if k in self.prefix_of and len(self.prefix_of[k]) >= min_units)
-        if keys:
-            return self.prefix_of[keys[pick % len(keys)]]
-        n = max(min_units, 1 + pick % 4)
-        key = tuple("ab"[(pick >> j) & 1] for j in range(n))
-        self._remember_keys(0, key)
-        for k in self.tiers[0].keys_for(key):
-            self.store[k] = self._expected(k)
-        return key
-
-    def _answer_exists(self, i: int, owner: str) -> None:
-        """The store answers ``owner``'s exists on instance ``i`` now, without a fault."""
-        mine = [j for j, p in enumerate(self.pending)
-                if p.inst == i and p.owner == owner and p.cmd.kind is StoreOp.EXISTS]
-        if mine:
-            self._answer_one(mine[0], 999, "error")  # roll 999: never a fault
 
     @rule(i=st.integers(0, 1), pick=st.integers(0, 100), evict=st.booleans(), again=st.booleans(),
           sweep=st.booleans())
@@ -549,7 +304,7 @@ class L3TierMachine(KitMachine):
         core, tier = self.cores[i], self.tiers[i]
         self._evict_all(i)
         other = "b" if key[0] == "a" else "a"
-        fillers = [(other, *rest) for n in range(4) for rest in _words(n)]
+        fillers = [(other, *rest) for n in range(4) for rest in words(n)]
         g = views.history_groups(core)[0]
         host = core.host or {}
         for f in fillers:
@@ -682,45 +437,12 @@ class L3TierMachine(KitMachine):
 
     # -- rules: the store --------------------------------------------------------------
     @precondition(lambda self: bool(self.pending))
-    @rule(pick=st.integers(0, 100), roll=ROLL, how=st.sampled_from(_FAULTS))
+    @rule(pick=st.integers(0, 100), roll=ROLL, how=st.sampled_from(FAULTS))
     @recorded
     def answer(self, pick: int, roll: int, how: str) -> None:
         """The store answers one operation in flight (any order); with the example's fault
         rate it misbehaves as ``how`` says."""
         self._answer_one(pick, roll, how)
-
-    def _answer_one(self, pick: int, roll: int, how: str, error: str | None = None) -> None:
-        """Answer ``pending[pick]`` (misbehaving as ``how`` when ``roll`` draws a fault),
-        or fail it as a whole with an ``error`` of that kind."""
-        p = self.pending.pop(pick % len(self.pending))
-        if error is not None:
-            res = self._answer(p, "error", error)
-        else:
-            fault = self.kit_fail(roll)
-            res = self._answer(p, how if fault else None, _ERROR_KINDS[roll % len(_ERROR_KINDS)])
-        tier, model = self.tiers[p.inst], self.model[p.inst]
-        late = tier.stats.absorbed_late_results
-        tier.complete(res, self.now)
-        if p.cancelled and tier.stats.absorbed_late_results != late + 1:
-            raise InvariantViolation("l3_ends_by_deadline", f"op {p.cmd.op_id}",
-                                     "a late answer after the deadline was not absorbed")
-        if not p.cancelled:
-            if res.error is not None:
-                kind = res.error.split(":", 1)[0]
-                model.errors[kind] = model.errors.get(kind, 0) + 1
-            if p.cmd.kind is StoreOp.GET and p.owner is not None:
-                acked = 0
-                while res.error is None and acked < len(res.ok) and res.ok[acked]:
-                    acked += 1
-                model.fetched[p.owner] = acked
-        self._check_errors(p.inst)
-        self._take_store_commands(p.inst)
-
-    def _check_errors(self, i: int) -> None:
-        if self.tiers[i].stats.errors != self.model[i].errors:
-            raise ModelViolation("model_l3_counters", f"instance {i}",
-                                     f"error counters {self.tiers[i].stats.errors}, but the store reported "
-                                     f"{self.model[i].errors} (expiries are not the store's errors)")
 
     @precondition(lambda self: bool(self.pending))
     @rule(roll=ROLL)
@@ -733,60 +455,7 @@ class L3TierMachine(KitMachine):
             if not self.pending:
                 return
             r = (roll + 7919 * k) % 1000
-            self._answer_one(0, r, _FAULTS[r % len(_FAULTS)])
-
-    def _answer(self, p: _Pending, fault: str | None, kind: str = _ERROR_KINDS[0]) -> StoreResult:
-        cmd, store = p.cmd, self.store
-        if fault == "error":
-            return StoreResult(cmd.op_id, error=f"{kind}: the fake store failed the operation")
-        if cmd.kind is StoreOp.EXISTS:
-            n = 0
-            for k in cmd.keys:
-                if k not in store:
-                    break
-                n += 1
-            return StoreResult(cmd.op_id, present=n - 1 if fault == "partial" and n else n)
-        if cmd.kind is StoreOp.PUT:
-            oks = []
-            for j, (k, pages) in enumerate(zip(cmd.keys, cmd.pages)):
-                if p.cancelled or (fault == "partial" and j == len(cmd.keys) - 1):
-                    oks.append(False)
-                    continue
-                got = {g: [self.host[p.inst].get((g, pg)) for pg in ps] for g, ps in pages.items()}
-                if got != self._expected(k):
-                    raise InvariantViolation("l3_put_source_pinned", f"put {cmd.op_id} of object {k[:12]}",
-                                             f"the host pages it reads hold {got!r}")
-                store[k] = got
-                oks.append(True)
-            return StoreResult(cmd.op_id, ok=tuple(oks))
-        if cmd.kind is StoreOp.GET:
-            if fault == "drop" and cmd.keys:
-                store.pop(cmd.keys[0], None)
-            if fault == "torn" and cmd.keys and cmd.keys[0] in store:
-                store[cmd.keys[0]] = {"torn": [cmd.op_id]}
-            oks, corrupt = [], []
-            for j, (k, pages) in enumerate(zip(cmd.keys, cmd.pages)):
-                obj = store.get(k)
-                if obj is None or (fault == "partial" and j == len(cmd.keys) - 1):
-                    break
-                if set(obj) != set(pages):  # the object's check fails: nothing is written
-                    corrupt.append(k)
-                    break
-                if not p.cancelled:
-                    for g, ps in pages.items():
-                        for pg, v in zip(ps, obj[g]):
-                            self.host[p.inst][(g, pg)] = v
-                oks.append(True)
-            oks += [False] * (len(cmd.keys) - len(oks))
-            return StoreResult(cmd.op_id, ok=tuple(oks), corrupt=tuple(corrupt))
-        oks = []
-        for j, k in enumerate(cmd.keys):
-            if fault == "partial" and j == len(cmd.keys) - 1:
-                oks.append(False)
-                continue
-            store.pop(k, None)
-            oks.append(True)
-        return StoreResult(cmd.op_id, ok=tuple(oks))
+            self._answer_one(0, r, FAULTS[r % len(FAULTS)])
 
     @precondition(lambda self: len(self.pending) > 1)
     @rule(pick=st.integers(0, 100))
@@ -817,42 +486,4 @@ class L3TierMachine(KitMachine):
         answers come late), leases end, deferred removes go out."""
         self._advance(dt, tell)
 
-    def _advance(self, dt: float, tell: bool = True) -> None:
-        self.now += dt
-        for i, tier in enumerate(self.tiers):
-            told: list[int] = []
-            owners = {p.cmd.op_id: p.owner for p in self.pending if p.inst == i and p.cmd.kind is StoreOp.GET}
-            expired = tier.expire(self.now, told.append) if tell else tier.expire(self.now)
-            if tell and told != expired:
-                raise InvariantViolation("l3_ends_by_deadline", f"instance {i}",
-                                         f"expire cancelled {told} but reports {expired}")
-            for p in self.pending:
-                if p.inst == i and p.cmd.op_id in expired:
-                    p.cancelled = True
-            for op_id in expired:
-                owner = owners.get(op_id)
-                if owner is not None:
-                    self.model[i].fetched[owner] = 0  # an expired get delivered nothing
-            self._check_errors(i)
-            self._take_store_commands(i)
-            stuck = {k for k in self.model[i].deferred if k not in tier.objects}
-            if stuck or not self.model[i].deferred <= set(views.l3_internals(tier)[2]):
-                raise ModelViolation("model_liveness", f"instance {i}",
-                                         f"deferred removes of free objects {sorted(k[:12] for k in stuck)} "
-                                         f"did not go out at expiry, or left the waiting list")
 
-    # -- invariants ----------------------------------------------------------------------
-    def check_cores(self) -> None:
-        for core in self.cores:
-            core.check_invariants()
-
-    def check_tiers(self) -> None:
-        for tier in self.tiers:
-            tier.check_invariants()
-
-    def check_loaded_equals_written(self) -> None:
-        for core, dev, host in zip(self.cores, self.dev, self.host):
-            check_tree_bytes(core, dev, host)
-
-
-register_machine("l3tier", L3TierMachine)

@@ -14,14 +14,14 @@ Most variants go through the calls an engine makes (:class:`~kvtier.tiered.Tiere
 part that is the only way in: the cache's page allocators (``core.device[g]``,
 :class:`~kvtier.fsm.node.pages.PageAllocator`: the core checks counts and ownership first),
 ``kvtier.fsm.checks.as_int`` with an open lower bound (no kvtier call passes one) and the
-spec parser. :func:`run_variant` is what the machine and tests/test_misuse_cases.py call.
+spec parser. :func:`run_variant` is what the machine and tests/kit/test_misuse_cases.py call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,12 +37,16 @@ from kvtier.fsm.presets import preset
 from kvtier.fsm.lifecycle.spec import parse_spec, spec_text
 
 from ..tiered import TieredCache
+from ._views import fingerprint
 from .base import PRESET_PARAMS, kit_layout
 
-if TYPE_CHECKING:
-    from .misuse_machine import MisuseMachine
+__all__ = ["Variant", "VARIANTS", "MORE_CASES", "run_variant", "Hostile"]
 
-__all__ = ["Variant", "VARIANTS", "MORE_CASES", "run_variant"]
+
+class Hostile(Protocol):
+    """What a case reads of the machine that makes it (the misuse machine): its live cache."""
+
+    cache: TieredCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,16 +54,16 @@ class Variant:
     """One hostile call: ``call`` on the machine must raise ``error`` (or a subclass) with
     ``says`` in its message (a function of the machine where the value depends on it)."""
 
-    call: Callable[[MisuseMachine], object]
+    call: Callable[[Hostile], object]
     error: type[KvtierError]
-    says: str | Callable[[MisuseMachine], str]
+    says: str | Callable[[Hostile], str]
 
-    def expected(self, m: MisuseMachine) -> str:
+    def expected(self, m: Hostile) -> str:
         """The fragment the message must contain, for machine ``m``."""
         return self.says if isinstance(self.says, str) else self.says(m)
 
 
-def run_variant(m: MisuseMachine, variant: Variant) -> None:
+def run_variant(m: Hostile, variant: Variant) -> None:
     """Make the call; raises what it raised when that is ``variant``'s refusal, and
     AssertionError when it was accepted or refused otherwise."""
     says = variant.expected(m)
@@ -76,18 +80,16 @@ def run_variant(m: MisuseMachine, variant: Variant) -> None:
 
 
 # -- private caches, prepared by legal calls ------------------------------------------------
-def _private(m: MisuseMachine, layout: CacheLayout | None = None) -> TieredCache:
+def _private(m: Hostile, layout: CacheLayout | None = None) -> TieredCache:
     return TieredCache(layout or m.cache.layout, 8, 8, world_size=m.cache.core.world_size)
 
 
 def _staged(prepare: Callable[[TieredCache], Callable[[], object]],
-            layout: Callable[[], CacheLayout] | None = None) -> Callable[[MisuseMachine], object]:
+            layout: Callable[[], CacheLayout] | None = None) -> Callable[[Hostile], object]:
     """A call on a private cache that ``prepare`` brought (legally) into the state the
     hostile call (which ``prepare`` returns) needs; that cache must not change."""
 
-    def call(m: MisuseMachine) -> object:
-        from .misuse_machine import fingerprint
-
+    def call(m: Hostile) -> object:
         cache = _private(m, layout() if layout else None)
         hostile = prepare(cache)
         before = fingerprint(cache)
@@ -199,7 +201,7 @@ def _nobodys(core: CacheCore, g: str) -> int:
     return core.device[g].capacity - 1
 
 
-def _too_few_units(m: MisuseMachine) -> object:
+def _too_few_units(m: Hostile) -> object:
     align = m.cache.layout.alignment
     return m.cache.admit("hostile", ["a"], prompt_tokens=3 * align, chunk_tokens=align)
 
@@ -239,7 +241,7 @@ def _host_node(c: TieredCache) -> Callable[[], object]:
     return lambda: c.core.borrow([b])
 
 
-def _dunder_then_misspelt(m: MisuseMachine) -> object:
+def _dunder_then_misspelt(m: Hostile) -> object:
     """A dunder probe (copy, pickle, hasattr) is a plain AttributeError; a misspelt name
     is a SpecNameError naming it."""
     try:
@@ -253,8 +255,8 @@ def _dunder_then_misspelt(m: MisuseMachine) -> object:
     return getattr(NODE_EVENT, "evict")
 
 
-def _spec_edit(old: str, new: str) -> Callable[[MisuseMachine], object]:
-    def call(m: MisuseMachine) -> object:
+def _spec_edit(old: str, new: str) -> Callable[[Hostile], object]:
+    def call(m: Hostile) -> object:
         text = spec_text()
         if old not in text:
             raise AssertionError(f"the spec text no longer has {old!r}: update this case")
@@ -263,11 +265,11 @@ def _spec_edit(old: str, new: str) -> Callable[[MisuseMachine], object]:
     return call
 
 
-def _as_command(deadline: bool) -> Callable[[MisuseMachine], object]:
+def _as_command(deadline: bool) -> Callable[[Hostile], object]:
     """The engine hands back the command (an engine-built copy, validated, with or
     without a deadline) instead of its completion."""
 
-    def call(m: MisuseMachine) -> object:
+    def call(m: Hostile) -> object:
         core = m.cache.core
         cmd = TransferCommand(7, Direction.WRITEBACK, (GroupTransfer(core.history_groups[0], (0,), (1,)),), (0,),
                               request_id="r0", node_ids=(1,), deadline_step=core.step + 4 if deadline else None)
@@ -280,7 +282,7 @@ def _as_command(deadline: bool) -> Callable[[MisuseMachine], object]:
 _KV = ComponentSpec("k", 64)
 
 
-def _g(m: MisuseMachine) -> str:
+def _g(m: Hostile) -> str:
     return m.cache.core.history_groups[0]
 
 
@@ -395,8 +397,8 @@ VARIANTS: dict[str, list[Variant]] = {
 }
 
 
-def _case(variants: Sequence[Variant]) -> Callable[[MisuseMachine, int], object]:
-    def call(m: MisuseMachine, v: int) -> object:
+def _case(variants: Sequence[Variant]) -> Callable[[Hostile, int], object]:
+    def call(m: Hostile, v: int) -> object:
         run_variant(m, variants[v % len(variants)])
         return None
 
@@ -404,5 +406,5 @@ def _case(variants: Sequence[Variant]) -> Callable[[MisuseMachine, int], object]
 
 
 #: (name, call(machine, variant)) pairs, appended to the misuse machine's CASES
-MORE_CASES: list[tuple[str, Callable[[MisuseMachine, int], Any]]] = [
+MORE_CASES: list[tuple[str, Callable[[Hostile, int], Any]]] = [
     (name, _case(variants)) for name, variants in VARIANTS.items()]

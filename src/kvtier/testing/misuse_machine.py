@@ -17,7 +17,7 @@ and the requests' invariants are checked after every step as in every machine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 from hypothesis import strategies as st
@@ -34,11 +34,11 @@ from kvtier.fsm.lifecycle.spec import load_spec, parse_spec, spec_text
 
 from ..tiered import TieredCache
 from . import _views as views
+from ._views import fingerprint
 from .base import KitMachine, kit_layout, recorded
 from .corruptions import check_corruptions
-from .sequence import register_machine
 
-__all__ = ["MisuseMachine", "CASES"]
+__all__ = ["MisuseMachine", "CASES", "fingerprint"]
 
 _ALIGN_KEYS = st.sampled_from(["a", "ab", "abc", "b", "ba"]).map(list)
 
@@ -47,27 +47,6 @@ BAD_INTS: tuple[object, ...] = (True, 1.5, "3", None, -7, [1])
 BAD_BOOLS: tuple[object, ...] = (1, "yes", None, 0.0)
 BAD_KEYS: tuple[object, ...] = ("ab", 5, [["x"], ["y"]], b"ab", None)
 BAD_IDS: tuple[object, ...] = ("nobody", 5, None, "")
-
-
-def fingerprint(cache: TieredCache) -> Hashable:
-    """What a refused call must leave as it was: every node's state, key, pages and
-    counts, the pools' use, the receipts, operations, commands, queued writebacks, the
-    requests' records and the clock."""
-    core = cache.core
-
-    def pm(m: dict[str, list[int]]) -> tuple[Any, ...]:
-        return tuple(sorted((g, tuple(p)) for g, p in m.items()))
-
-    nodes = tuple((n.node_id, n.state, tuple(map(str, n.key)), pm(n.dev), pm(n.host), pm(n.pending),
-                   pm(n.dev_ckpt), pm(n.host_ckpt), n.lock_ref, n.borrow_ref, n.host_pin, n.hit_count,
-                   n.last_access, n.wb_op, n.lb_op) for _, n in sorted(views.nodes(core).items()))
-    pools = tuple((g, a.used) for g, a in sorted(core.device.items())) + tuple(
-        (g, a.used) for g, a in sorted((core.host or {}).items()))
-    reqs = tuple((rid, r.state, r.tokens, r.reserved, r.passes, r.results, pm(r.own), tuple(sorted(r.ops)))
-                 for rid, r in sorted(views.requests(cache).items()))
-    return (nodes, pools, tuple(sorted(views.locks(core))), tuple(sorted(views.receipts(core))),
-            tuple(sorted(views.ops(core))), tuple(c.op_id for c in views.outbox(core)),
-            tuple(sorted(views.writeback_queue(core))), reqs, len(views.request_events(cache)), core.clock)
 
 
 def _spec_edits() -> list[tuple[str, str]]:
@@ -481,6 +460,3 @@ CASES += MORE_CASES
 def _load_stale(m: MisuseMachine, v: int) -> None:
     core = m.cache.core
     core.load(core.match(["zz", "zz"]), "hostile")  # no host hit to load back
-
-
-register_machine("misuse", MisuseMachine)

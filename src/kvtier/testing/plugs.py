@@ -57,6 +57,12 @@ class TransferBackend:
         """(op, rank) pairs with a completion to deliver, in a fixed order."""
         return [(op, r) for op, qs in sorted(self.queues.items()) for r, q in enumerate(qs) if q]
 
+    def upcoming(self, op: int, rank: int) -> Completion | None:
+        """The next completion of ``op`` on ``rank`` :meth:`take` would hand out, when this
+        backend knows it in advance (``None``: none pending, or not known)."""
+        queues = self.queues.get(op)
+        return queues[rank][0] if queues is not None and queues[rank] else None
+
     def take(self, op: int, rank: int, ok: bool) -> Completion:
         """The next completion of ``op`` on ``rank`` (reporting ``ok``)."""
         ev = self.queues[op][rank].pop(0)

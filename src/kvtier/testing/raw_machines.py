@@ -14,7 +14,6 @@ from kvtier.fsm.lifecycle.machines import Lifecycle, l3_lifecycle, node_lifecycl
 from kvtier.fsm.lifecycle.spec import load_spec
 
 from .base import TERMINAL, KitMachine, recorded
-from .sequence import register_machine
 
 __all__ = ["NodeLifecycleMachine", "RequestLifecycleMachine"]
 
@@ -488,9 +487,3 @@ class L3LifecycleMachine(KitMachine):
         for o in self.objs:
             if o.state not in names:
                 raise InvariantViolation("state_matches_resources", f"l3 object {o.label}", f"unknown state {o.state}")
-
-
-register_machine("node", NodeLifecycleMachine)
-register_machine("request", RequestLifecycleMachine)
-if _L3 is not None:
-    register_machine("l3", L3LifecycleMachine)

@@ -1,36 +1,22 @@
-"""The kvtier event-sequence format: a run of a kit state machine as readable JSON.
+"""Replaying kvtier event sequences exactly, without Hypothesis, and minimizing failing ones.
 
-A sequence names the machine it drives and lists its steps, each a rule name with
-plain JSON arguments (ints, strings, booleans, lists, ``null``). It is not tied to a
-Hypothesis version: replaying calls the machine's rules directly, in order, checking
-every invariant after every step, exactly as the run that recorded it did.
-
-Format (version 1)::
-
-    {
-      "format": "kvtier-sequence",
-      "version": 1,
-      "name": "writeback-failure-publishes-nothing",
-      "machine": "facade",            # a registered name, or "module:Class"
-      "description": "...",
-      "expect": {"outcome": "pass"}, # or {"outcome": "violation", "invariant": "..."}
-      "steps": [
-        {"rule": "setup", "args": {"world": 1, "policy": "write_through", ...}},
-        {"rule": "admit", "args": {"req": 0, "key": ["a", "b"], "chunk": 2}},
-        ...
-      ]
-    }
+A sequence (the format: :mod:`kvtier.testing.steps`) names the machine it drives (its
+name: :mod:`kvtier.testing.registry`); :func:`replay` calls the machine's rules directly,
+in order, checking every invariant after every step, exactly as the run that recorded it
+did. The format's records and the machines' names are re-exported here, so
+``kvtier.testing.sequence`` keeps every public name.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import traceback
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
+
+from .registry import KIT_MACHINES, machine_name, register_machine, registered
+from .steps import FORMAT, VERSION, EventSequence, SequenceError, Step
 
 __all__ = [
     "FORMAT",
@@ -49,163 +35,29 @@ __all__ = [
     "check_all",
 ]
 
-FORMAT = "kvtier-sequence"
-VERSION = 1
-
-_REGISTRY: dict[str, Callable[[], Any]] = {}
-
-
-class SequenceError(ValueError):
-    """A sequence file is malformed, of another version, or names an unknown machine or rule."""
-
-
-def _jsonable(value: Any, where: str) -> Any:
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v, where) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v, where) for k, v in value.items()}
-    if hasattr(value, "value") and isinstance(value.value, (str, int)):  # enums
-        return value.value
-    raise SequenceError(f"{where}: argument {value!r} is not plain JSON data")
-
-
-@dataclass(frozen=True)
-class Step:
-    """One rule call: ``rule`` with keyword ``args`` (plain JSON values)."""
-
-    rule: str
-    args: dict[str, Any] = field(default_factory=dict)
-
-    @staticmethod
-    def of(rule: str, args: Mapping[str, Any]) -> Step:
-        return Step(rule, {k: _jsonable(v, rule) for k, v in args.items()})
-
-    def render(self) -> str:
-        """The step as one readable line, e.g. ``admit(req=0, key='ab', chunk=2)``."""
-        parts = []
-        for k, v in self.args.items():
-            if isinstance(v, list) and v and all(isinstance(x, str) and len(x) == 1 for x in v):
-                parts.append(f"{k}={''.join(v)!r}")
-            else:
-                parts.append(f"{k}={v!r}")
-        return f"{self.rule}({', '.join(parts)})"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "args": dict(self.args)}
-
-
-@dataclass
-class EventSequence:
-    """A named, deterministic sequence of steps for one machine."""
-
-    machine: str
-    steps: list[Step]
-    name: str = "sequence"
-    description: str = ""
-    expect: dict[str, Any] = field(default_factory=lambda: {"outcome": "pass"})
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def render(self) -> str:
-        """Numbered readable steps."""
-        width = len(str(len(self.steps)))
-        return "\n".join(f"  {i:>{width}}. {s.render()}" for i, s in enumerate(self.steps, 1))
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"format": FORMAT, "version": VERSION, "name": self.name,
-                               "machine": self.machine}
-        if self.description:
-            out["description"] = self.description
-        out["expect"] = dict(self.expect)
-        out.update(self.extra)
-        out["steps"] = [s.to_json() for s in self.steps]
-        return out
-
-    def dumps(self) -> str:
-        """The JSON text: one step per line, so diffs and reviews stay readable."""
-        head = self.to_json()
-        steps = head.pop("steps")
-        text = json.dumps(head, indent=2)
-        body = ",\n".join("    " + json.dumps(s, separators=(", ", ": ")) for s in steps)
-        return text[:-2] + ',\n  "steps": [\n' + body + "\n  ]\n}\n"
-
-    def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(self.dumps(), encoding="utf-8")
-        return p
-
-    @staticmethod
-    def from_json(raw: Mapping[str, Any]) -> EventSequence:
-        if raw.get("format") != FORMAT:
-            raise SequenceError(f"not a kvtier event sequence: format {raw.get('format')!r}, expected {FORMAT!r}")
-        if raw.get("version") != VERSION:
-            raise SequenceError(f"sequence version {raw.get('version')!r} is not supported (this is {VERSION})")
-        try:
-            steps = [Step(str(s["rule"]), dict(s.get("args", {}))) for s in raw["steps"]]
-            known = {"format", "version", "name", "machine", "description", "expect", "steps"}
-            return EventSequence(str(raw["machine"]), steps, str(raw.get("name", "sequence")),
-                                 str(raw.get("description", "")), dict(raw.get("expect", {"outcome": "pass"})),
-                                 {k: v for k, v in raw.items() if k not in known})
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise SequenceError(f"malformed sequence: {exc!r}") from exc
-
-    @staticmethod
-    def load(path: str | Path) -> EventSequence:
-        """Read a sequence file.
-
-        Raises:
-            SequenceError: the file cannot be read, is not JSON, or is not a kvtier event
-                sequence of this version (the message names the file).
-        """
-        try:
-            raw = json.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise SequenceError(f"cannot read sequence file {path}: {exc.strerror or exc}") from exc
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SequenceError(f"{path}: not JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise SequenceError(f"{path}: not a kvtier event sequence: a JSON {type(raw).__name__}, expected an "
-                                f"object with \"format\": {FORMAT!r}")
-        try:
-            return EventSequence.from_json(raw)
-        except SequenceError as exc:
-            raise SequenceError(f"{path}: {exc}") from exc
-
-
-def register_machine(name: str, factory: Callable[[], Any]) -> None:
-    """Register a machine class under a short name for sequence files."""
-    _REGISTRY[name] = factory
-
-
 def machine_class(name: str) -> Callable[[], Any]:
-    """The machine a sequence names: a registered name or ``"module:Class"``."""
-    if name not in _REGISTRY and ":" not in name:
-        importlib.import_module("kvtier.testing.machines")  # registers the kit's machines
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if ":" in name:
-        mod, _, attr = name.partition(":")
-        try:
-            obj: Any = importlib.import_module(mod)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise SequenceError(f"machine {name!r} cannot be imported: {exc} (is {mod!r} on the import "
-                                f"path? e.g. run from the folder that holds it with PYTHONPATH=.)") from exc
-        return obj  # type: ignore[no-any-return]
-    raise SequenceError(f"unknown machine {name!r}; registered: {sorted(_REGISTRY)} (or use 'module:Class')")
+    """The machine a sequence names: a registered name, one of the kit's
+    (:data:`~kvtier.testing.registry.KIT_MACHINES`, imported now) or ``"module:Class"``.
 
-
-def machine_name(cls: type) -> str:
-    """The name sequence files use for ``cls``: its registered name, else ``module:Class``."""
-    for name, factory in _REGISTRY.items():
-        if factory is cls:
-            return name
-    return f"{cls.__module__}:{cls.__qualname__}"
+    Raises:
+        SequenceError: the name is unknown, or its module or class cannot be imported.
+    """
+    found = registered(name)
+    if found is not None:
+        return found
+    where = KIT_MACHINES.get(name, name)
+    if ":" not in where:
+        raise SequenceError(f"unknown machine {name!r}; the kit's: {sorted(KIT_MACHINES)} (or register one, "
+                            f"or use 'module:Class')")
+    mod, _, attr = where.partition(":")
+    try:
+        obj: Any = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise SequenceError(f"machine {name!r} cannot be imported: {exc} (is {mod!r} on the import "
+                            f"path? e.g. run from the folder that holds it with PYTHONPATH=.)") from exc
+    return obj  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)

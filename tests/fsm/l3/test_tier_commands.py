@@ -1,0 +1,360 @@
+"""The L3 tier's store commands and counters, exactly (kvtier.fsm.l3): its messages, its
+store op ids (1, 2, 3 ... one per command, in order), the command kinds, a bare
+:class:`StoreResult`, the records of objects in flight and ended, the recently-put hint
+(exactly ``hint_size`` keys, the oldest dropped), where a prefetch's local hit ends, get
+acknowledgements, leases, removes and expiry, every counter.
+
+Layout ``h1`` (tests/core_helpers.py): one history group ``kv``, 2 tokens per page,
+alignment 2 (one unit = 2 tokens = 1 page)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from core_helpers import h1, put, src
+from l3_helpers import answer_at_once, backed, h1_tier, one_command, stored
+
+from kvtier.fsm import CacheCore, ConfigError, UsageError
+from kvtier.fsm.l3 import L3Stats, L3Tier, StoreCommand, StoreOp, StoreResult
+
+KEY = ("a", "b", "c")
+
+
+def test_l3_tier_config_errors_have_their_exact_messages() -> None:
+    """l3.py:73, 76, 78-79: each refusal names what is wrong, word for word."""
+    with pytest.raises(ConfigError) as e:
+        L3Tier(CacheCore(h1(), 16, 16), "fast")  # type: ignore[arg-type]
+    assert str(e.value) == "l3 options must be an L3Options, got 'fast'"
+    with pytest.raises(ConfigError) as e:
+        L3Tier(CacheCore(h1(), 16))
+    assert str(e.value) == "the L3 tier needs a host tier (host_pages): gets land in host pages"
+    with pytest.raises(ConfigError) as e:
+        L3Tier(CacheCore(src(), 16, 16))
+    assert str(e.value) == ("the L3 tier stores history pages only; layout 'src' has "
+                            "continuation-state groups ['swa']")
+
+
+def test_l3_store_commands_are_numbered_1_2_3_in_the_order_they_are_issued() -> None:
+    """l3.py:87 (``_issued`` starts at 0) and :150 (one more per command): the commands of
+    one tier carry op ids 1, 2, 3 ..., whether put/remove (``_new_op``) or a prefetch's
+    exists then its get (numbered when the exists is answered)."""
+    store: dict[str, object] = {}
+    ta = h1_tier()
+    backed(ta.core, KEY)
+    assert ta.offer(KEY[:1], 0.0) == 1
+    assert ta.offer(KEY[:2], 0.0) == 1  # "a" is still being put: only "b"
+    assert ta.remove(["not-there"], 0.0) == 1
+    cmds = ta.poll_commands()
+    assert [(c.op_id, c.kind) for c in cmds] == [(1, StoreOp.PUT), (2, StoreOp.PUT), (3, StoreOp.REMOVE)]
+    assert ta.operations.keys() == {1, 2, 3}
+    for c in cmds:
+        ta.complete(answer_at_once(store, c), 0.0)
+    assert len(store) == 2 and ta.ops_in_flight() == 0
+    assert (ta.stats.put_ops, ta.stats.put_keys, ta.stats.put_ok, ta.stats.remove_ops, ta.stats.remove_keys) == (
+        2, 2, 2, 1, 1)
+    assert ta.stats.bytes_out == 32  # 16 bytes from each put
+    with pytest.raises(UsageError) as e:
+        ta.complete(StoreResult(4), 0.0)
+    assert str(e.value) == "l3 complete: op 4 was never issued"
+    with pytest.raises(UsageError) as e:
+        ta.complete("done", 0.0)  # type: ignore[arg-type]
+    assert str(e.value) == "l3 complete: expected a StoreResult, got 'done'"
+    with pytest.raises(UsageError) as e:
+        ta.complete(StoreResult(True), 0.0)  # type: ignore[arg-type]
+    assert str(e.value) == "l3 complete: op_id must be an int, got True"
+    assert ta.stats.absorbed_late_results == 0
+
+    tb = h1_tier()
+    assert tb.prefetch("r1", KEY, 0.0)
+    exists = one_command(tb)
+    assert (exists.op_id, exists.kind) == (1, StoreOp.EXISTS)
+    tb.complete(answer_at_once(store, exists), 0.0)
+    get = one_command(tb)
+    assert (get.op_id, get.kind, len(get.keys)) == (2, StoreOp.GET, 2)
+    assert tb.remove(["not-there"], 0.0) == 1
+    assert one_command(tb).op_id == 3
+    tb.complete(answer_at_once(store, get), 0.0)
+    assert tb.fetched_units("r1") == 2
+
+
+def test_a_record_taken_while_in_flight_reads_as_unknown_with_no_op_and_no_answer_once_it_ends() -> None:
+    """l3.py:142-143: ``objects`` and ``operations`` are snapshots of the live records; once
+    an object is back to ``unknown`` (dropped from the table) its record says no operation
+    is in flight (``op_id`` None) and the store's answer no longer covers it
+    (``store_answered`` False: the guard of ``get_submit`` needs an answer issued after the
+    object was last unknown, spec ``[l3.guards.store_answered]``)."""
+    store: dict[str, object] = {}
+    ta = h1_tier()
+    backed(ta.core, KEY[:1])
+    ta.offer(KEY[:1], 0.0)
+    [rec] = ta.objects.values()
+    put_op = ta.operations[1]
+    assert (rec.state, rec.op_id, rec.store_answered) == ("putting", 1, False)
+    ta.complete(answer_at_once(store, one_command(ta)), 0.0)
+    assert ta.objects == {} and put_op.objects == [rec]
+    assert rec.state == "unknown" and rec.op_id is None and rec.store_answered is False
+
+    tb = h1_tier()  # no read lease: an acknowledged get ends in unknown
+    tb.prefetch("r1", KEY[:1], 0.0)
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+    [rec] = tb.objects.values()
+    assert (rec.state, rec.op_id, rec.store_answered) == ("getting", 2, True)
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+    assert tb.fetched_units("r1") == 1 and tb.objects == {}
+    assert rec.state == "unknown" and rec.op_id is None and rec.store_answered is False
+
+
+def test_the_hint_remembers_exactly_hint_size_keys_and_drops_the_oldest() -> None:
+    """l3.py:163-164: after a put is acknowledged its keys are remembered (not put again on
+    the next offer) up to ``hint_size`` keys, the least recently put dropped first."""
+    store: dict[str, object] = {}
+    t3 = h1_tier(hint_size=3)
+    backed(t3.core, KEY)
+    assert t3.offer(KEY, 0.0) == 3
+    t3.complete(answer_at_once(store, one_command(t3)), 0.0)
+    assert t3.offer(KEY, 0.0) == 0  # all three remembered
+
+    t2 = h1_tier(hint_size=2)
+    backed(t2.core, KEY)
+    k = t2.keys_for(KEY)
+    assert t2.offer(KEY, 0.0) == 3
+    t2.complete(answer_at_once(store, one_command(t2)), 0.0)  # remembered in order k0, k1, k2: k0 dropped
+    assert t2.offer(KEY, 0.0) == 1
+    cmd = one_command(t2)
+    assert cmd.keys == (k[0],)
+    t2.complete(answer_at_once(store, cmd), 0.0)  # k0 again, the most recent: now k1 is the oldest, dropped
+    assert t2.offer(KEY, 0.0) == 1
+    assert one_command(t2).keys == (k[1],)
+
+
+def test_a_prefetch_asks_beyond_host_only_nodes_and_stops_before_fetching_ones() -> None:
+    """l3.py:172: the local hit of a prefetch runs through host-only nodes (host-visible,
+    not device-readable) and ends before a node being fetched (neither): a second
+    prefetch of a longer prefix while a get is in flight asks the store again from there."""
+    full = KEY + ("d",)
+    store = stored(full)
+    tb = h1_tier()
+    k = tb.keys_for(full)
+    assert tb.prefetch("r1", full[:1], 0.0)
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+    assert [n.state for n in tb.core.walk(full[:1])] == ["host"]
+    assert tb.prefetch("r2", KEY, 0.0)  # the hit ends after the host node "a"
+    exists = one_command(tb)
+    assert exists.keys == tuple(k[1:3])
+    tb.complete(answer_at_once(store, exists), 0.0)
+    get = one_command(tb)
+    assert get.keys == tuple(k[1:3])
+    assert [n.state for n in tb.core.walk(full)] == ["host", "fetching", "fetching"]
+    assert tb.prefetch("r3", full, 0.0)  # the hit ends before the fetching "b"
+    assert one_command(tb).keys == tuple(k[1:4])
+    tb.complete(answer_at_once(store, get), 0.0)
+    assert tb.fetched_units("r2") == 2
+    tb.core.check_invariants()
+    tb.check_invariants()
+
+
+def test_a_prefetch_is_refused_with_its_exact_message_or_skipped_after_a_device_only_end() -> None:
+    """l3.py:191, 193, 329, 396, 398: bad arguments name the value; l3.py:199: when the local hit ends on a
+    node with no host copy (device only) nothing is asked and the prefetch returns False."""
+    t = h1_tier()
+    with pytest.raises(UsageError) as e:
+        t.prefetch(5, KEY, 0.0)  # type: ignore[arg-type]
+    assert str(e.value) == "l3 prefetch: owner must be a request id string, got 5"
+    with pytest.raises(UsageError) as e:
+        t.remove("ab", 0.0)
+    assert str(e.value) == "l3 remove: keys must be a sequence of key strings, got 'ab'"
+    with pytest.raises(UsageError) as e:
+        t.remove(["k", 5], 0.0)  # type: ignore[list-item]
+    assert str(e.value) == "l3 remove: key must be a string, got 5"
+    assert t.stats.remove_ops == 0 and t.expire(0.0) == [] and t.poll_commands() == []  # nothing deferred
+    with pytest.raises(UsageError) as e:
+        t.offer(b"ab", 0.0)
+    assert str(e.value) == "l3 offer: units must be a sequence of unit keys (not a str or bytes), got b'ab'"
+    with pytest.raises(UsageError) as e:
+        t.prefetch("r1", "abc", 0.0)
+    assert str(e.value) == "l3 prefetch: units must be a sequence of unit keys (not a str or bytes), got 'abc'"
+    put(t.core, KEY[:1])  # on the device only: no writeback
+    assert [n.state for n in t.core.walk(KEY)] == ["device"]
+    assert t.prefetch("r1", KEY, 0.0) is False
+    assert t.poll_commands() == [] and not t.prefetching("r1") and t.stats.prefetches == 0
+
+
+def test_prefetch_counters_count_every_prefetch_and_exists() -> None:
+    """l3.py:207-209 and the prefetch path's other counters, exactly: three prefetches
+    (exists of 2, 4 and 2 keys, all present), two gets of 2 keys each, one exists whose
+    keys were already being fetched (4 keys answered present, no room)."""
+    full = KEY + ("d",)
+    store = stored(full)
+    tb = h1_tier()
+    assert tb.prefetch("r1", full[:2], 0.0) and tb.prefetch("r2", full, 0.0)
+    for _ in range(2):  # the two exists, then r1's get
+        for c in tb.poll_commands():
+            tb.complete(answer_at_once(store, c), 0.0)
+    assert (tb.fetched_units("r1"), tb.fetched_units("r2"), tb.prefetching("r2")) == (2, 0, False)
+    assert tb.prefetch("r2", full, 0.0)  # again, from the fetched prefix
+    for _ in range(2):
+        tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+    assert tb.fetched_units("r2") == 2
+    zero = {f.name: f.default for f in dataclasses.fields(L3Stats) if f.name != "errors"}
+    assert dataclasses.asdict(tb.stats) == {**zero, "errors": {}, "prefetches": 3, "exists_ops": 3,
+                                            "exists_keys": 8, "exists_present": 8, "get_ops": 2, "get_keys": 4,
+                                            "get_ok": 4, "get_no_room": 4}
+
+
+def test_an_owner_named_by_the_empty_string_gets_its_prefetch() -> None:
+    """l3.py:213 (and the get's end): the owner is any string, the empty one too: its
+    exists answer leads to its get, and the get's end is recorded for it."""
+    store = stored(KEY)
+    tb = h1_tier()
+    assert tb.prefetch("", KEY, 0.0) and tb.prefetching("")
+    tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+    get = one_command(tb)
+    assert get.kind is StoreOp.GET and len(get.keys) == 3
+    tb.complete(answer_at_once(store, get), 0.0)
+    assert not tb.prefetching("") and tb.fetched_units("") == 3
+    assert [n.state for n in tb.core.walk(KEY)] == ["host"] * 3
+
+
+def test_an_exists_that_failed_counts_nothing_present_and_gets_nothing() -> None:
+    """l3.py:214: an exists answered with an error counts 0 keys present, ends the prefetch
+    and submits no get (the store's answer is the only source of presence)."""
+    store = stored(KEY)
+    tb = h1_tier()
+    assert tb.prefetch("r1", KEY, 0.0)
+    exists = one_command(tb)
+    tb.complete(StoreResult(exists.op_id, present=3, error="ConnectionError: refused"), 0.0)
+    assert tb.poll_commands() == [] and not tb.prefetching("r1") and tb.fetched_units("r1") == 0
+    assert (tb.stats.exists_present, tb.stats.get_ops, tb.stats.op_errors) == (0, 0, 1)
+    assert tb.stats.errors == {"ConnectionError": 1}
+    assert tb.objects == {} and len(tb.core.fetches) == 0 and tb.core.walk(KEY) == []
+
+
+def test_get_answers_count_acks_misses_and_failures_exactly_and_leave_read_leases() -> None:
+    """l3.py:249-274: three gets with 4, 3 and 2 keys: acknowledged up to the first gap,
+    a key the store says it lacks is a miss (one after a gap is not), flags past the keys
+    asked (too many or too few) change nothing; every object of a get is leased for
+    ``lease_s`` (0.5 s: any lease above 0 holds)."""
+    full = KEY + ("d",)
+    store = stored(full)
+    tb = h1_tier(lease_s=0.5)
+    k = tb.keys_for(full)
+
+    def get(owner: str, ok: tuple[bool, ...]) -> StoreCommand:
+        assert tb.prefetch(owner, full, 0.0)
+        tb.complete(answer_at_once(store, one_command(tb)), 0.0)
+        cmd = one_command(tb)
+        tb.complete(StoreResult(cmd.op_id, ok=ok), 0.0)
+        return cmd
+
+    first = get("r1", (True, False, False, True))  # a, then two misses, then d after the gap
+    assert first.keys == tuple(k) and tb.fetched_units("r1") == 1
+    assert {key: (o.state, o.lease_until) for key, o in tb.objects.items()} == {key: ("leased", 0.5) for key in k}
+    assert (tb.stats.get_ok, tb.stats.get_failed, tb.stats.get_misses) == (1, 3, 2)
+    tb.expire(0.4)
+    assert len(tb.objects) == 4  # the leases hold until 0.5
+    tb.expire(0.5)
+    assert tb.objects == {}
+    second = get("r2", (True,))  # one flag for three keys: b acked, c and d failed, no miss
+    assert second.keys == tuple(k[1:]) and tb.fetched_units("r2") == 1
+    tb.expire(0.5)
+    third = get("r3", (True, True, True))  # three flags for two keys: both acked
+    assert third.keys == tuple(k[2:]) and tb.fetched_units("r3") == 2
+    assert [n.state for n in tb.core.walk(full)] == ["host"] * 4
+    assert (tb.stats.get_ops, tb.stats.get_keys, tb.stats.get_ok, tb.stats.get_failed, tb.stats.get_misses) == (
+        3, 9, 4, 5, 2)
+    tb.core.check_invariants()
+    tb.check_invariants()
+
+
+def test_a_put_pins_its_host_copies_under_the_owner_l3_put() -> None:
+    """l3.py:297: the pin a put holds on the host copies it reads is owned by ``l3-put``;
+    l3.py:304: its objects' records read ``host_visible`` False once submitted."""
+    t = h1_tier()
+    backed(t.core, KEY)
+    assert t.offer(KEY, 0.0) == 3
+    receipt = t.operations[1].receipt
+    assert receipt is not None and receipt.owner == "l3-put" and receipt.kind == "pin"
+    assert [n.key for n in receipt.nodes] == [KEY] and t.core.walk(KEY)[0].host_pin == 1
+    # l3.py:304: the records of the objects being put hold no guard value once submitted
+    # (host_visible is put_submit's guard input only, set just before it fires)
+    recs = t.objects
+    assert [(o.state, o.op_id, o.host_visible, o.store_answered) for o in recs.values()] == [
+        ("putting", 1, False, False)] * 3
+    t.complete(answer_at_once({}, one_command(t)), 0.0)
+    assert receipt.released and t.core.walk(KEY)[0].host_pin == 0
+
+
+def test_host_eviction_puts_each_unit_of_a_victim_under_its_own_key_unless_recently_put() -> None:
+    """l3.py:368: under ``host_eviction`` each unit of a victim is checked against the
+    hint under its own key: with a hint of one key, the last unit put is skipped when the
+    victim is offered again, and the first two are put again, in order."""
+    store: dict[str, object] = {}
+    t = h1_tier(write_policy="host_eviction", hint_size=1)
+    backed(t.core, KEY)
+    t.core.evict_device({"kv": 16})
+    [node] = t.core.walk(KEY)
+    assert node.state == "host" and t.core.evictable_on_host(node)
+    k = t.keys_for(KEY)
+    assert t.offer((), 0.0) == 3
+    cmd = one_command(t)
+    assert cmd.keys == tuple(k)
+    t.complete(answer_at_once(store, cmd), 0.0)  # remembered k0, k1, k2 in turn: only k2 is kept
+    assert t.offer((), 0.0) == 2
+    assert one_command(t).keys == (k[0], k[1])
+
+
+def test_removes_wait_for_leases_and_every_end_of_an_operation_is_counted_exactly() -> None:
+    """l3.py:390-497 (remove, complete, expire): a corrupt object's remove and a remove
+    under a read lease wait for the lease's end, a key given twice waits for the first
+    remove; an expired operation is cancelled, failed and counted as expired (not as a
+    backend error), its late result absorbed; a backend error counts by its kind; bytes
+    and seconds add up."""
+    store = stored(KEY)
+    t = h1_tier(lease_s=0.5)
+    k = t.keys_for(KEY)
+    assert t.prefetch("r1", KEY, 0.0)
+    exists = one_command(t)
+    t.complete(StoreResult(exists.op_id, present=3, seconds=0.125), 0.0)
+    get = one_command(t)
+    t.complete(StoreResult(get.op_id, ok=(True, True, False), corrupt=(k[2],), nbytes=64, seconds=0.25), 0.0)
+    assert t.fetched_units("r1") == 2
+    assert {key: o.state for key, o in t.objects.items()} == {key: "leased" for key in k}
+    assert t.remove([k[0], "zz", "zz"], 0.1) == 1  # k0 leased: waits; the second "zz" waits for the first
+    rm1 = one_command(t)
+    assert (rm1.op_id, rm1.kind, rm1.keys, rm1.deadline) == (3, StoreOp.REMOVE, ("zz",), 1.1)
+    t.complete(StoreResult(rm1.op_id, ok=(True,)), 0.2)
+    assert t.expire(0.4) == []  # "zz" is free again: its second remove goes; the leases hold until 0.5
+    rm2 = one_command(t)
+    assert (rm2.op_id, rm2.keys, rm2.deadline) == (4, ("zz",), 1.4)
+    t.complete(StoreResult(rm2.op_id, ok=(True,)), 0.4)
+    cancelled: list[int] = []
+    assert t.expire(0.5, cancelled.append) == []  # the leases end: the waiting removes go, in order
+    rm3 = one_command(t)
+    assert (rm3.op_id, rm3.keys, rm3.deadline) == (5, (k[2], k[0]), 1.5)
+    assert t.expire(1.4, cancelled.append) == [] and cancelled == []
+    assert t.expire(1.5, cancelled.append) == [5] and cancelled == [5]
+    assert t.objects == {} and t.ops_in_flight() == 0
+    t.complete(StoreResult(5, ok=(True, True)), 1.6)  # too late: absorbed
+    assert t.remove(["q"], 2.0) == 1
+    t.complete(StoreResult(one_command(t).op_id, error="TimeoutError: " + "x" * 80, seconds=0.5), 2.1)
+    for key in ("q2", "q3"):  # an error kind is the text before the first ':', at most 60 characters
+        assert t.remove([key], 2.0) == 1
+        t.complete(StoreResult(one_command(t).op_id, error="E" * 70 + ": no: detail"), 2.1)
+    assert t.prefetch("r2", KEY, 2.2)  # c again, after the local hit a, b: 1 key, 32 bytes
+    exists = one_command(t)
+    assert exists.keys == (k[2],)
+    t.complete(StoreResult(exists.op_id, present=1, seconds=0.0625), 2.2)
+    t.complete(StoreResult(one_command(t).op_id, ok=(True,), nbytes=32, seconds=0.0625), 2.2)
+    assert t.fetched_units("r2") == 1
+    assert t.remove(["q4"], 3.0) == 1 and t.remove(["q5"], 3.0) == 1  # two operations expire at once
+    assert [c.op_id for c in t.poll_commands()] == [11, 12]
+    assert t.expire(4.0, cancelled.append) == [11, 12] and cancelled == [5, 11, 12]
+    zero = {f.name: f.default for f in dataclasses.fields(L3Stats) if f.name != "errors"}
+    assert dataclasses.asdict(t.stats) == {
+        **zero, "prefetches": 2, "exists_ops": 2, "exists_keys": 4, "exists_present": 4, "get_ops": 2,
+        "get_keys": 4, "get_ok": 3, "get_failed": 1, "get_corrupt": 1, "remove_ops": 8, "remove_keys": 9,
+        "removes_deferred_by_lease": 1, "op_errors": 3, "expired_ops": 3, "absorbed_late_results": 1,
+        "bytes_in": 96, "seconds": 1.0, "get_seconds": 0.5, "errors": {"TimeoutError": 1, "E" * 60: 2}}
+    t.check_invariants()
