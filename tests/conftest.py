@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from store_servers import MooncakeMaster, RedisServer, mooncake_binary
 
-from kvtier.fsm.machines import set_checked
+from kvtier.fsm.lifecycle.machines import set_checked
 from kvtier.testing import load_profile
 
 load_profile()

@@ -9,7 +9,7 @@ from core_helpers import ack, h1, put
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.l3 import L3Options, L3Tier, StoreCommand, StoreOp, StoreResult
-from kvtier.fsm.names import HOST_VISIBLE
+from kvtier.fsm.lifecycle.names import HOST_VISIBLE
 
 
 class FakeStore:

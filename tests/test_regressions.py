@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from broken_support import BROKEN, REGRESSIONS, REPLAY_SCRIPT, patched_tree, run_python
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 from kvtier.testing.sequence import EventSequence, replay
 
 SEQUENCES = sorted(REGRESSIONS.glob("*.json"))

@@ -22,7 +22,7 @@ import pytest
 from core_helpers import ack, fake_async_engine, h1, put, src
 from kvtier.tiered import TieredCache
 from kvtier.fsm import CacheCore, Completion, Direction
-from kvtier.fsm.ops import LayerProgress
+from kvtier.fsm.node.ops import LayerProgress
 from kvtier.testing.sequence import EventSequence, replay
 
 SEMANTIC_SEQUENCES = Path(__file__).parent / "regressions" / "semantic"

@@ -1,4 +1,4 @@
-"""Generated hostile logs for ``kvtier check`` (kvtier.check, kvtier.logreader).
+"""Generated hostile logs for ``kvtier check`` (kvtier.cli.check, kvtier.cli.logreader).
 
 Every log the product writes is accepted: ``kvtier fuzz --event-log`` with each built-in
 machine, ``kvtier replay --event-log``, a facade recorded directly, with one rank or two,
@@ -34,14 +34,14 @@ from typing import Any
 import pytest
 
 from kvtier import Completion
-from kvtier.check import check_log, check_records
+from kvtier.cli.check import check_log, check_records
 from kvtier.cli import FUZZ_DEFAULT_MACHINES, main
 from kvtier.eventlog import EventRecorder, active_recorder
 from kvtier.fsm import ConfigError, KvtierError
 from kvtier.fsm.presets import preset
-from kvtier.logreader import FIELDS, LogFormatError, read_log
+from kvtier.cli.logreader import FIELDS, LogFormatError, read_log
 from kvtier.tiered import TieredCache
-from kvtier.trace import MAX_JSON_DEPTH, MAX_LINE_BYTES
+from kvtier.replay.trace import MAX_JSON_DEPTH, MAX_LINE_BYTES
 
 Records = list[dict[str, Any]]
 
@@ -169,7 +169,7 @@ def test_a_replay_log_is_accepted(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- hostile records
-#: wrong values for each field kind of kvtier.logreader.FIELDS (null is added for the
+#: wrong values for each field kind of kvtier.cli.logreader.FIELDS (null is added for the
 #: kinds that do not accept it)
 BAD_VALUES: dict[str, list[Any]] = {
     "count": [-1, 1.5, "1", True, [1], {"n": 1}],

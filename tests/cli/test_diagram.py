@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
-from kvtier.diagram import DiagramError, render
-from kvtier.fsm.spec import load_spec
+from kvtier.cli.diagram import DiagramError, render
+from kvtier.fsm.lifecycle.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "diagrams"

@@ -28,12 +28,12 @@ from typing import Any
 import pytest
 
 from kvtier import cli, replay_cli
-from kvtier.exitcodes import ExitCode
+from kvtier.cli.exitcodes import ExitCode
 from kvtier.fsm import ConfigError, Direction, IllegalTransition, InvariantViolation
 from kvtier.fsm.presets import preset
 from kvtier.scheduler import InstantExecutor, ReferenceScheduler, RunStats, SchedRequest, SchedulerStalled
 from kvtier.tiered import TieredCache
-from kvtier.trace import (
+from kvtier.replay.trace import (
     MAX_DECOMPRESSED_BYTES,
     MAX_GZIP_RATIO,
     MAX_INPUT_LENGTH,
@@ -237,7 +237,7 @@ def test_gzip_bomb_fails_fast_in_bounded_memory(tmp_path: Path, unit: bytes, sin
     assert path.stat().st_size <= 512 << 10  # a 0.5 MB bomb
     # In a fresh process: the growth of its peak resident memory while reading (tracemalloc
     # would slow the per-line work tenfold).
-    code = ("import json, resource, sys\nfrom kvtier.trace import TraceFormatError, load_trace\n"
+    code = ("import json, resource, sys\nfrom kvtier.replay.trace import TraceFormatError, load_trace\n"
             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
             "try:\n    load_trace(sys.argv[1])\nexcept TraceFormatError as e:\n"
             "    err = e\n"
@@ -553,7 +553,7 @@ def _raise(exc: BaseException) -> Callable[..., Any]:
 
 
 EXIT_CASES: list[tuple[str, BaseException, int, str]] = [
-    ("fingerprint mismatch", __import__("kvtier.fingerprint", fromlist=["x"]).FingerprintMismatch(
+    ("fingerprint mismatch", __import__("kvtier.replay.fingerprint", fromlist=["x"]).FingerprintMismatch(
         "r1", "g", "kv", 0, 3, "differs"), 1, "FingerprintMismatch: request 'r1'"),
     ("stalled", SchedulerStalled("no progress", 10, ["r1"]), 1, "SchedulerStalled: no progress"),
     ("invariant", InvariantViolation("pages_conserved", "pool", "leak"), 1, "InvariantViolation: invariant"),

@@ -1,4 +1,4 @@
-"""The lifecycle event log (kvtier.eventlog) and ``kvtier check`` (kvtier.check): logs of
+"""The lifecycle event log (kvtier.eventlog) and ``kvtier check`` (kvtier.cli.check): logs of
 passing runs are accepted, logs of the broken variants under tests/broken/ are rejected,
 and hand-made bad logs are rejected with the rule, the line and the events leading to it."""
 
@@ -16,11 +16,11 @@ from broken_support import BROKEN, REGRESSIONS, patched_tree, run_python
 from facade_helpers import readme_cache, serve_readme_example
 
 from kvtier import Completion
-from kvtier.check import check_log, check_records
+from kvtier.cli.check import check_log, check_records
 from kvtier.cli import main
 from kvtier.eventlog import EventRecorder, active_recorder, recording
 from kvtier.fsm import KvtierError
-from kvtier.fsm.machines import node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.machines import node_lifecycle, request_lifecycle
 from kvtier.fsm.presets import preset
 from kvtier.testing.sequence import EventSequence, replay
 from kvtier.tiered import TieredCache

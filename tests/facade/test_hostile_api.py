@@ -28,7 +28,7 @@ from core_helpers import h1, snapshot
 
 from kvtier.fsm import Completion, ConfigError, Direction, DuplicateCompletion, UnknownOperation
 from kvtier.fsm.errors import GuardRejected, IllegalTransition, UsageError
-from kvtier.fsm.pages import MAX_POOL_PAGES
+from kvtier.fsm.node.pages import MAX_POOL_PAGES
 from kvtier.fsm.presets import preset
 from kvtier.fsm.records import CacheGroupSpec, ComponentSpec, Family
 from kvtier.tiered import DEFAULT_ENDED_HISTORY, DEFAULT_OP_DEADLINE_STEPS, Outstanding, TieredCache

@@ -37,13 +37,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kvtier import Completion  # noqa: E402
 from kvtier.cli import build_parser, main  # noqa: E402
 from kvtier.fsm import ConfigError  # noqa: E402
-from kvtier.fsm.counters import KNOWN_ABORT_REASONS  # noqa: E402
+from kvtier.fsm.request.counters import KNOWN_ABORT_REASONS  # noqa: E402
 from kvtier.fsm.presets import preset  # noqa: E402
 from kvtier.metrics import MAX_ABORT_REASONS, MAX_LABEL_CHARS, KvtierCollector, serve  # noqa: E402
 from kvtier.replay import trace_requests  # noqa: E402
 from kvtier.scheduler import ReferenceScheduler  # noqa: E402
 from kvtier.tiered import TieredCache  # noqa: E402
-from kvtier.trace import load_trace  # noqa: E402
+from kvtier.replay.trace import load_trace  # noqa: E402
 
 GUARD_S = 120  # hang guard for joins and HTTP requests (never reached when the code is right)
 LAYOUT = preset("llama-3-8b", num_layers=2)

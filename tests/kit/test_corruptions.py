@@ -1,6 +1,6 @@
 """The corruptions of the misuse machine (kvtier.testing.corruptions): each one, on
 prepared cache states, is caught by the check it names (invariant and message), so the
-fuzz's ``corrupt`` rule proves every raising check of fsm/invariants.py and fsm/fence.py
+fuzz's ``corrupt`` rule proves every raising check of fsm/node/invariants.py and fsm/request/fence.py
 sees what it claims to."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvtier.fsm import Completion, Direction
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 from kvtier.testing import _views as views
 from kvtier.testing.base import kit_layout
 from kvtier.testing.corruptions import (

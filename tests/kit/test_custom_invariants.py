@@ -16,7 +16,7 @@ import pytest
 from hypothesis.stateful import invariant
 
 from kvtier.cli import main
-from kvtier.exitcodes import ExitCode
+from kvtier.cli.exitcodes import ExitCode
 from kvtier.testing.fuzz import campaign, replay_file
 from kvtier.testing.machines import FacadeMachine
 from kvtier.testing.sequence import EventSequence, Step, check_all, classify, custom_invariants, replay

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvtier.fsm.pages import PageAllocator
+from kvtier.fsm.node.pages import PageAllocator
 from kvtier.testing.machines import FacadeMachine
 from kvtier.testing.verify import verify
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import settings
 
 from kvtier.cli import main
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 from kvtier.testing.coverage import LifecycleCoverage
 from kvtier.testing.fuzz import campaign, replay_file
 from kvtier.testing.machines import CoreMachine, FacadeMachine

@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.fsm import l3checks
 from kvtier.fsm.errors import InvariantViolation
-from kvtier.fsm.fetch import FetchTable
+from kvtier.fsm.node.fetch import FetchTable
 from kvtier.fsm.l3 import L3Tier
 from kvtier.testing.coverage import UNREACHABLE_BY_PRODUCT
 from kvtier.testing.fuzz import DEFAULT_MIX, campaign

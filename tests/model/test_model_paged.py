@@ -17,10 +17,10 @@ import torch
 from kvtier.fsm import ConfigError, Direction
 from kvtier.fsm import units_to_pages
 from kvtier.model import CONFIGS, ModelExecutor, PagedLlama, WallClock, config, prompt_tokens_for
-from kvtier.model_replay import E2ESetup, build_requests, capacities, conversation_slice, ratios, run_model
+from kvtier.replay.model_replay import E2ESetup, build_requests, capacities, conversation_slice, ratios, run_model
 from kvtier.scheduler import ReferenceScheduler, SchedRequest
 from kvtier.tiered import TieredCache
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 from kvtier.transfer import FakeAsyncBackend
 
 #: |logits - logits computed from scratch| / |logits from scratch| (L2) allowed: float32

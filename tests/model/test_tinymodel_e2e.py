@@ -16,7 +16,7 @@ import torch
 
 from kvtier.fsm import Direction, TransferCommand
 from kvtier.tiered import Admission, TieredCache
-from kvtier.tinymodel import FULL_GROUP, SWA_GROUP, GenResult, TinyModel, TinyRunner
+from kvtier.model.tiny import FULL_GROUP, SWA_GROUP, GenResult, TinyModel, TinyRunner
 from kvtier.transfer import POISON_BYTE, FakeAsyncBackend, NotReadyError, PoisonedReadError
 
 #: |logit difference| allowed against the run without prefix reuse: a prefill over a

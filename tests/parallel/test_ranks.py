@@ -12,9 +12,9 @@ import pytest
 
 from kvtier.fsm.presets import preset
 from kvtier.parallel import RankError, RankJob, launch, reference_run, run_jobs
-from kvtier.model_replay import conversation_slice
+from kvtier.replay.model_replay import conversation_slice
 from kvtier.scheduler import SchedRequest
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 
 LAYOUT = preset("llama-3-8b", num_layers=4, page_tokens=128)
 

@@ -9,10 +9,10 @@ import torch
 
 from kvtier.fsm import units_to_pages
 from kvtier.model import PagedLlama, config
-from kvtier.model_replay import E2ESetup, build_requests, capacities, conversation_slice
+from kvtier.replay.model_replay import E2ESetup, build_requests, capacities, conversation_slice
 from kvtier.parallel import launch
 from kvtier.parallel.tp import TPJob, run_tp_rank, shard_config, sharded_logits
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 
 
 def test_sharded_model_matches_the_whole_model() -> None:

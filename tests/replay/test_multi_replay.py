@@ -9,9 +9,9 @@ import pytest
 
 from kvtier import cli
 from kvtier.fsm import ConfigError
-from kvtier.l3replay import main as l3replay_main
-from kvtier.router import conversation_ids, route
-from kvtier.trace import TraceRequest
+from kvtier.replay.l3replay import main as l3replay_main
+from kvtier.replay.router import conversation_ids, route
+from kvtier.replay.trace import TraceRequest
 
 from store_servers import RedisServer
 

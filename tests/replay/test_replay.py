@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.fingerprint import BytesExecutor, FingerprintMismatch
+from kvtier.replay.fingerprint import BytesExecutor, FingerprintMismatch
 from kvtier.fsm import GroupTransfer, TransferCommand
 from kvtier.fsm import units_to_pages
 from kvtier.fsm.presets import preset
 from kvtier.replay import ReplaySetup, make_executor, run_replay, working_set_units
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 
 
 def setup_for(limit: int | None, backend: str) -> tuple[object, ReplaySetup]:

@@ -1,4 +1,4 @@
-"""Tests for kvtier.trace: the Mooncake trace reader and the embedded default slice."""
+"""Tests for kvtier.replay.trace: the Mooncake trace reader and the embedded default slice."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.data import default_trace_path
 from kvtier.fsm import ConfigError
-from kvtier.trace import Trace, TraceFormatError, TraceRequest, load_trace
+from kvtier.replay.trace import Trace, TraceFormatError, TraceRequest, load_trace
 
 SLICE_SHA256 = "d289afab1294d376c92b3496d96c27f8f0e36893398fbda7957f3a40e37b70ba"
 

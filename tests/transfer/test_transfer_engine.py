@@ -35,7 +35,7 @@ from kvtier.transfer import (
     TransferError,
     choose_backend,
 )
-from kvtier.transfer.backend import simulator_enabled
+from kvtier.transfer.backends import simulator_enabled
 from kvtier.transfer.plan import layers_for
 from kvtier.transfer.scenarios import check_pools, check_protocol, random_commands, random_pools, random_specs, reference
 

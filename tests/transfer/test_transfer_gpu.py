@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvtier.fsm import CacheGroupSpec, Completion, ComponentSpec, Direction, GroupTransfer, TransferCommand
 from kvtier.transfer import DevicePool, HostPool, TransferEngine
-from kvtier.transfer.backend import simulator_enabled
+from kvtier.transfer.backends import simulator_enabled
 from kvtier.transfer.scenarios import (
     check_pools,
     check_protocol,
@@ -227,7 +227,7 @@ TestRealStreams = RealStreamsMachine.TestCase
 
 def test_gpu_hybrid_calibration_and_array_commands() -> None:
     from kvtier.transfer import ArrayCommand, PageArrays
-    from kvtier.transfer.backend_hybrid import HybridBackend
+    from kvtier.transfer.backends.hybrid import HybridBackend
 
     specs = [CacheGroupSpec("kv", "history", 64, 1, (0, 1), (ComponentSpec("kv", 65536),)),
              CacheGroupSpec("s", "history", 64, 1, (0, 1), (ComponentSpec("s", 1024),))]

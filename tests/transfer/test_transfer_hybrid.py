@@ -25,8 +25,8 @@ from kvtier.transfer import (
     TransferEngine,
 )
 from kvtier.transfer.arrays import as_array_command
-from kvtier.transfer.backend import simulator_enabled
-from kvtier.transfer.hybrid import CE, DEFAULT_CALIBRATION, SM, copy_bytes, engine_for
+from kvtier.transfer.backends import simulator_enabled
+from kvtier.transfer.backends.hybrid_choice import CE, DEFAULT_CALIBRATION, SM, copy_bytes, engine_for
 from kvtier.transfer.scenarios import check_pools, check_protocol, random_commands, random_pools, random_specs, reference
 
 L, W = Direction.LOADBACK, Direction.WRITEBACK

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.transfer.backend import simulator_enabled
+from kvtier.transfer.backends import simulator_enabled
 
 pytestmark = pytest.mark.skipif(not simulator_enabled(),
                                 reason="kernel bodies run on CPU only under NUMBA_ENABLE_CUDASIM=1")

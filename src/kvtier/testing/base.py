@@ -24,6 +24,7 @@ from kvtier.fsm import CacheGroupSpec, ComponentSpec, Family
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.presets import preset
 from kvtier.fsm.request import TERMINAL as _REQUEST_TERMINAL
+from kvtier.fsm.lifecycle.machines import set_checked
 from kvtier.fsm.lifecycle.spec import load_spec
 
 from .registry import machine_name
@@ -132,7 +133,10 @@ class KitMachine(RuleBasedStateMachine):
     """Base of the kit's machines: step recording, named invariant checks, configuration.
 
     Subclasses list their invariant-check methods in ``kit_invariants`` (each raises
-    :class:`InvariantViolation` naming a spec invariant).
+    :class:`InvariantViolation` naming a spec invariant). Building one turns on the checked
+    mode of every lifecycle in the process (:func:`kvtier.fsm.lifecycle.machines.set_checked`):
+    each event is fired through the compiled table and the ``transitions`` machine, and a
+    difference raises ``compiled_lifecycle``.
     """
 
     kit_invariants: ClassVar[tuple[str, ...]] = ()
@@ -143,6 +147,7 @@ class KitMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        set_checked(True)
         self.kit_rate = self.fault_rate
         self.kit_trace: list[Step] = []
         self.kit_replaying = False

@@ -1,4 +1,4 @@
-"""The core machine: drives one :class:`~kvtier.fsm.core.CacheCore` the way a
+"""The core machine: drives one :class:`~kvtier.fsm.node.core.CacheCore` the way a
 scheduler plus a transfer engine would (inserts, matches, locks, loadbacks, writebacks,
 completions in any order across ranks, failures, deadlines, pressure), with a
 byte-content model for invariant 12 (:mod:`kvtier.testing.content`).
@@ -11,9 +11,9 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from kvtier.fsm import CacheCore, Completion, MatchMode
 from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, KvtierError, UnknownOperation
-from kvtier.fsm.ledger import units_to_pages
+from kvtier.fsm.node.ledger import units_to_pages
 from kvtier.fsm.node import DEVICE_READABLE
-from kvtier.fsm.ops import Settled
+from kvtier.fsm.node.ops import Settled
 
 from ..eventlog import attach_active
 from . import _views as views

@@ -14,7 +14,7 @@ from typing import Any
 from kvtier.fsm import CacheCore, CapacityError, Completion, Direction
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node import Node
-from kvtier.fsm.ops import Settled
+from kvtier.fsm.node.ops import Settled
 from kvtier.fsm.records import TransferCommand
 
 from . import _views as views

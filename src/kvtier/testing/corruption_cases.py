@@ -2,8 +2,8 @@
 each to break a live :class:`~kvtier.tiered.TieredCache` as one kind of bug would, the
 invariant of the spec whose check must catch it, and a fragment of that check's message.
 
-:data:`CORRUPTIONS` lists them in the order of the checks of ``fsm/invariants.py`` and
-``fsm/fence.py``; a corruption raises :class:`NotApplicable` where the state has nothing
+:data:`CORRUPTIONS` lists them in the order of the checks of ``fsm/node/invariants.py`` and
+``fsm/request/fence.py``; a corruption raises :class:`NotApplicable` where the state has nothing
 it needs.
 """
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtier.fsm.node import Node
-from kvtier.fsm.ops import Operation
+from kvtier.fsm.node.ops import Operation
 from kvtier.fsm.records import Direction
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 
 from ..tiered import TieredCache
 from . import _views as views
@@ -318,7 +318,7 @@ def _bump(obj: Any, attr: str, by: int = 1) -> None:
 _READABLE = ("device", "backed", "writing")
 _INV = load_spec().invariants
 
-#: one corruption per raising check of fsm/invariants.py and fsm/fence.py, and per resource
+#: one corruption per raising check of fsm/node/invariants.py and fsm/request/fence.py, and per resource
 #: pair of the node resource check (see the module docstring); every one must be caught as
 #: its ``invariant``
 CORRUPTIONS: list[Corruption] = [

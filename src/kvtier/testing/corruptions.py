@@ -7,7 +7,7 @@ cut, an operation that forgets a node, a request that reads pages it no longer h
 ...) and names the invariant of the spec (``spec/lifecycle.toml`` ``[invariants]``) whose
 check must catch it: ``check_invariants()`` on the spoiled copy must raise
 :class:`~kvtier.fsm.errors.InvariantViolation` with exactly that ``invariant``. There is
-one corruption per raising check of ``fsm/invariants.py`` and ``fsm/fence.py`` (each
+one corruption per raising check of ``fsm/node/invariants.py`` and ``fsm/request/fence.py`` (each
 chosen so that no earlier check catches it first; ``says`` is a fragment of the message
 that check writes, which ``tests/kit/test_corruptions.py`` asserts) but one:
 ``_check_fenced``'s terminal-state check, which ``check_requests`` always pre-empts (a
@@ -35,8 +35,8 @@ import copy as _copy
 
 from kvtier.fsm import Completion
 from kvtier.fsm.errors import InvariantViolation
-from kvtier.fsm.machines import l3_lifecycle, node_lifecycle, request_lifecycle
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.machines import l3_lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.spec import load_spec
 
 from ..tiered import TieredCache
 from . import _views as views

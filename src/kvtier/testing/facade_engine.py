@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from kvtier.fsm import Completion, Direction
-from kvtier.fsm.batch import OK, REFUSED, SHORT, SKIPPED, Reservation
+from kvtier.fsm.request.batch import OK, REFUSED, SHORT, SKIPPED, Reservation
 from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, LifecycleError, UnknownOperation, UsageError
 
 from . import _views as views

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from kvtier.fsm import Completion, Direction
 from kvtier.fsm.errors import InvariantViolation, KvtierError, LifecycleError
 from kvtier.fsm.layout import CacheLayout
-from kvtier.fsm.machines import request_lifecycle
+from kvtier.fsm.lifecycle.machines import request_lifecycle
 from kvtier.fsm.node import HOST_VISIBLE, Node
-from kvtier.fsm.ops import Operation
+from kvtier.fsm.node.ops import Operation
 
 from ..tiered import TieredCache
 from . import _views as views

@@ -10,7 +10,7 @@ needs to plug into them (sequence files name the kit's machines ``core``, ``faca
 - :mod:`kvtier.testing.content`: the byte-content model behind invariant 12;
 - :mod:`kvtier.testing.core_machine` (its state and shared steps in
   :mod:`kvtier.testing.core_steps`): :class:`CoreMachine` drives a
-  :class:`~kvtier.fsm.core.CacheCore` the way a scheduler plus a transfer engine
+  :class:`~kvtier.fsm.node.core.CacheCore` the way a scheduler plus a transfer engine
   would (inserts, matches, locks, loadbacks, writebacks, completions in any order across
   ranks, failures, deadlines, pressure), with the byte-content model;
 - :mod:`kvtier.testing.facade_machine` (its state and steps in

@@ -1,4 +1,4 @@
-"""The ``l3_*`` invariants (kvtier.fsm.l3checks, ``L3Tier.check_invariants``): each check
+"""The ``l3_*`` invariants (kvtier.fsm.l3.checks, ``L3Tier.check_invariants``): each check
 names its invariant, the object or the tier, and what is wrong, on a tier corrupted in one
 place."""
 

@@ -1,4 +1,4 @@
-"""The L3 tier's options, counters, records and keys (kvtier.fsm.l3options): the documented
+"""The L3 tier's options, counters, records and keys (kvtier.fsm.l3.options): the documented
 defaults of :class:`L3Options`, every refusal of ``L3Options.check`` with its exact message
 and its boundaries, the fresh counters of :class:`L3Stats`, a new :class:`L3Object` and
 :class:`Prefetch`, and the key format (``namespace``, ``chain_keys``: keys are shared through
@@ -14,8 +14,8 @@ from core_helpers import h1, h2
 
 from kvtier.fsm import CacheCore, ConfigError
 from kvtier.fsm.l3 import L3Object, L3Options, L3Stats, L3Tier, chain_keys, namespace
-from kvtier.fsm.l3options import WRITE_POLICIES, Prefetch
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.l3.options import WRITE_POLICIES, Prefetch
+from kvtier.fsm.lifecycle.spec import load_spec
 
 
 def test_l3_options_have_their_documented_defaults_and_refuse_each_bad_value_by_name() -> None:

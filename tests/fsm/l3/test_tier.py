@@ -1,4 +1,4 @@
-"""The L3 tier's core lifecycle (kvtier.fsm.l3 + kvtier.fsm.fetch) against an in-memory
+"""The L3 tier's core lifecycle (kvtier.fsm.l3 + kvtier.fsm.node.fetch) against an in-memory
 fake store answered synchronously: puts pin, visibility only through the store's answer,
 gets invisible until acked, failures shorten the hit, deadlines, leases, late results; the
 store command kinds by name and what a bare store result means.
@@ -14,7 +14,7 @@ from l3_helpers import KEY, FakeStore, backed, make, pump
 
 from kvtier.fsm import CacheCore, ConfigError, IllegalTransition, InvariantViolation, UsageError
 from kvtier.fsm.l3 import L3Options, L3Tier, StoreOp, StoreResult, chain_keys, namespace
-from kvtier.fsm.names import L3_STATE
+from kvtier.fsm.lifecycle.names import L3_STATE
 
 
 def test_put_pins_then_another_instance_fetches_through_the_stores_answer() -> None:
@@ -132,7 +132,7 @@ def test_lease_blocks_remove_until_it_ends() -> None:
     assert tb.objects[key].state == "leased"
     assert tb.remove([key], 1.0) == 0 and tb.stats.removes_deferred_by_lease == 1
     assert tb.poll_commands() == [] and key in store.data
-    from kvtier.fsm.machines import l3_lifecycle
+    from kvtier.fsm.lifecycle.machines import l3_lifecycle
     with pytest.raises(IllegalTransition):
         l3_lifecycle().fire(tb.objects[key], "remove_submit")
     tb.expire(10.0)  # the lease ends; the deferred remove goes out

@@ -1,5 +1,5 @@
 """The compiled transition table the hot path fires through, and the checked mode that
-holds it to the ``transitions`` machine it was derived from (``kvtier.fsm.machines``)."""
+holds it to the ``transitions`` machine it was derived from (``kvtier.fsm.lifecycle.machines``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from transitions import Machine
 
 from kvtier.fsm import GuardRejected, IllegalTransition, InvariantViolation
-from kvtier.fsm.guards import GUARDS
-from kvtier.fsm.machines import (Lifecycle, compile_machine, l3_lifecycle, node_lifecycle, request_lifecycle,
+from kvtier.fsm.lifecycle.guards import GUARDS
+from kvtier.fsm.lifecycle.machines import (Lifecycle, compile_machine, l3_lifecycle, node_lifecycle, request_lifecycle,
                                  set_checked)
-from kvtier.fsm.spec import INTERNAL, load_spec
+from kvtier.fsm.lifecycle.spec import INTERNAL, load_spec
 
 LIFECYCLES = {"node": node_lifecycle, "request": request_lifecycle, "l3": l3_lifecycle}
 

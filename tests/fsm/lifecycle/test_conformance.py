@@ -18,8 +18,8 @@ import pytest
 from transitions import MachineError
 
 from kvtier.fsm import GuardRejected, IllegalTransition, KvtierError
-from kvtier.fsm.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.spec import load_spec
 
 LIFECYCLES = {"node": node_lifecycle, "request": request_lifecycle, "l3": l3_lifecycle}
 

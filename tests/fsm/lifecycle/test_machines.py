@@ -1,4 +1,4 @@
-"""Lifecycle (kvtier.fsm.machines) queries and construction details, and the public
+"""Lifecycle (kvtier.fsm.lifecycle.machines) queries and construction details, and the public
 ``Observer`` alias an engine annotates its event-log callback with."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 
 from kvtier.fsm import machines
 from kvtier.fsm.errors import GuardRejected, IllegalTransition
-from kvtier.fsm.guards import GUARDS
-from kvtier.fsm.machines import Lifecycle, node_lifecycle, request_lifecycle
-from kvtier.fsm.spec import INTERNAL, TransitionSpec, load_spec
+from kvtier.fsm.lifecycle.guards import GUARDS
+from kvtier.fsm.lifecycle.machines import Lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.spec import INTERNAL, TransitionSpec, load_spec
 
 
 def _node(state: str, **kw: object) -> SimpleNamespace:
@@ -123,7 +123,7 @@ def test_guard_type_alias_is_public_and_callable_typed() -> None:
 # ---------------------------------------------------------------------------- Observer
 def test_the_observer_alias_names_the_lifecycle_class() -> None:
     """``Observer`` is a public alias an engine annotates its event-log callback with: it
-    resolves (in kvtier.fsm.machines) to a callable of (Lifecycle, subject, event, source,
+    resolves (in kvtier.fsm.lifecycle.machines) to a callable of (Lifecycle, subject, event, source,
     dest) returning None."""
     def hook(callback: machines.Observer) -> None: ...
 

@@ -1,4 +1,4 @@
-"""Lifecycle names and state sets built from the spec (kvtier.fsm.names, issue 11 "Meaning
+"""Lifecycle names and state sets built from the spec (kvtier.fsm.lifecycle.names, issue 11 "Meaning
 from the spec"): a misspelt name fails where it is used with its own error, never as an
 IllegalTransition; the state sets are exactly the states whose declared ``resources``
 hold each resource; the spec's resource vocabulary is enforced when it is parsed; the
@@ -13,7 +13,7 @@ import pytest
 from core_helpers import h1, put, snapshot
 
 from kvtier.fsm import CacheCore, ConfigError, IllegalTransition, KvtierError, SpecNameError, names
-from kvtier.fsm.names import (
+from kvtier.fsm.lifecycle.names import (
     DEVICE_READABLE,
     DEVICE_RESIDENT,
     HOST_PENDING,
@@ -27,7 +27,7 @@ from kvtier.fsm.names import (
     TERMINAL,
     Names,
 )
-from kvtier.fsm.spec import load_spec, parse_spec, spec_text
+from kvtier.fsm.lifecycle.spec import load_spec, parse_spec, spec_text
 
 NODE = load_spec().node
 REQUEST = load_spec().request

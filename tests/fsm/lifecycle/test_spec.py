@@ -1,4 +1,4 @@
-"""The spec loader (kvtier.fsm.spec): bad specs are refused with a ConfigError naming the
+"""The spec loader (kvtier.fsm.lifecycle.spec): bad specs are refused with a ConfigError naming the
 problem; the shipped spec names the 15 reference invariants; its prose (spec/README.md)
 names every state, event, guard and invariant of the TOML; the spec records' defaults (no
 calls, no ``[l3]``) and the exact message for a call naming an undeclared state."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.fsm import ConfigError
-from kvtier.fsm.spec import INTERNAL, GuardRef, LifecycleSpec, Specification, load_spec, parse_spec, spec_text
+from kvtier.fsm.lifecycle.spec import INTERNAL, GuardRef, LifecycleSpec, Specification, load_spec, parse_spec, spec_text
 
 #: the reference list of lifecycle invariants the spec is built on (the project's background,
 #: copied verbatim beside this file so that the check runs on every clone)
@@ -237,7 +237,7 @@ def test_spec_records_default_to_no_calls_and_no_l3_and_a_call_of_an_undeclared_
     lists an undeclared state is refused naming both."""
     from pathlib import Path
 
-    from kvtier.fsm.spec import LifecycleSpec, Specification, load_spec, parse_spec
+    from kvtier.fsm.lifecycle.spec import LifecycleSpec, Specification, load_spec, parse_spec
 
     shipped = load_spec()
     node = shipped.node

@@ -12,7 +12,7 @@ from core_helpers import ack, free, h1, keys, put, snapshot, state
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import ConfigError, DuplicateCompletion, KvtierError, UnknownOperation, UsageError
-from kvtier.fsm.ops import LayerProgress, Settled
+from kvtier.fsm.node.ops import LayerProgress, Settled
 from kvtier.fsm.records import Completion, Direction
 
 

@@ -1,4 +1,4 @@
-"""The node core's constructor defaults and read-only views (kvtier.fsm.core.CacheCore): an
+"""The node core's constructor defaults and read-only views (kvtier.fsm.node.core.CacheCore): an
 inclusive host tier unless asked, the alignment in tokens, the receipts counted."""
 
 from __future__ import annotations

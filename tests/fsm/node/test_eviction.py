@@ -12,7 +12,7 @@ from core_helpers import ack, free, h1, h2, keys, put, src, state
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import CapacityError, UsageError
-from kvtier.fsm.eviction import HeapIndex
+from kvtier.fsm.node.eviction import HeapIndex
 from kvtier.fsm.node import Node
 
 

@@ -1,4 +1,4 @@
-"""Host reservations for L3 gets (kvtier.fsm.fetch, ``core.fetches``): every refusal with its
+"""Host reservations for L3 gets (kvtier.fsm.node.fetch, ``core.fetches``): every refusal with its
 exact message and nothing changed, the room a get reserves and reclaims, settle's bounds, the
 exact counters and the fields of acknowledged and failed nodes, and the ``l3_get_invisible``
 checks."""

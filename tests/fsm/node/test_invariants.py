@@ -14,7 +14,7 @@ from core_helpers import ack, h1, put, src, violation
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node import Node
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 
 
 def valid() -> tuple[CacheCore, dict]:

@@ -1,7 +1,7 @@
-"""The node-resource checks of ``check_invariants()`` (kvtier.fsm.invariants: ``_HOLDS``,
+"""The node-resource checks of ``check_invariants()`` (kvtier.fsm.node.invariants: ``_HOLDS``,
 ``_OPTIONAL``) name the exact invariant for every (resource, holds / lacks) pair a bug can
 produce, and accept the states that legally hold an optional resource (the other checks
-are in the tests of kvtier.fsm.invariants). Each case builds a valid core, breaks one node
+are in the tests of kvtier.fsm.node.invariants). Each case builds a valid core, breaks one node
 in one way and asserts the whole message: invariant, subject and detail."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from core_helpers import ack, h1, put, violation
 from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node import Node
-from kvtier.fsm.spec import load_spec
+from kvtier.fsm.lifecycle.spec import load_spec
 
 
 def test_a_resource_held_against_the_nodes_state_names_its_invariant() -> None:

@@ -13,7 +13,7 @@ from kvtier.fsm import CacheCore
 from kvtier.fsm.errors import CapacityError, KvtierError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.node import Node
-from kvtier.fsm.ops import LayerProgress
+from kvtier.fsm.node.ops import LayerProgress
 from kvtier.fsm.records import CacheGroupSpec, Completion, ComponentSpec, Direction, Family
 
 

@@ -1,4 +1,4 @@
-"""Matching (kvtier.fsm.match, ``CacheCore.match``): device and host hits stopping at the
+"""Matching (kvtier.fsm.node.match, ``CacheCore.match``): device and host hits stopping at the
 first gap, prefix_reuse vs state_recovery with continuation-state checkpoints (invariant
 15), history_replay, pending host copies, a plain device cache without a host tier, and
 unit keys compared by equality inside a node."""

@@ -1,4 +1,4 @@
-"""Radix nodes, receipts and operation records on their own (kvtier.fsm.node, kvtier.fsm.ops):
+"""Radix nodes, receipts and operation records on their own (kvtier.fsm.node, kvtier.fsm.node.ops):
 fields, guard inputs, reprs, and a new node's reuse owner, turn and ``reloaded`` flag (also
 for a node an L3 get created)."""
 
@@ -11,7 +11,7 @@ from core_helpers import free, h1, keys, put
 
 from kvtier.fsm import CacheCore
 from kvtier.fsm.node import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE, LockReceipt, Node, NodeReceipt
-from kvtier.fsm.ops import LayerProgress, Operation, Settled
+from kvtier.fsm.node.ops import LayerProgress, Operation, Settled
 from kvtier.fsm.records import Direction, TransferCommand
 
 

@@ -1,4 +1,4 @@
-"""PageAllocator (kvtier.fsm.pages): edge cases, released numpy page ids handed out as plain
+"""PageAllocator (kvtier.fsm.node.pages): edge cases, released numpy page ids handed out as plain
 ints, released non-integers refused, and the free state."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.fsm.errors import CapacityError, ConfigError, InvariantViolation
-from kvtier.fsm.pages import PageAllocator
+from kvtier.fsm.node.pages import PageAllocator
 
 
 def test_zero_capacity_is_allowed_and_empty() -> None:

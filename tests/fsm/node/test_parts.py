@@ -13,10 +13,10 @@ from core_helpers import ack, free, h1, put
 
 from kvtier.fsm import CacheCore, KvtierError, UnknownOperation
 from kvtier.fsm.errors import InvariantViolation
-from kvtier.fsm.eviction import EvictionPolicy, HeapIndex
+from kvtier.fsm.node.eviction import EvictionPolicy, HeapIndex
 from kvtier.fsm.node import Node
-from kvtier.fsm.pages import PageAllocator
-from kvtier.fsm.receipts import ReceiptBook
+from kvtier.fsm.node.pages import PageAllocator
+from kvtier.fsm.node.receipts import ReceiptBook
 from kvtier.fsm.records import Completion
 
 

@@ -1,4 +1,4 @@
-"""Cache policies (kvtier.fsm.eviction): reuse counting, exact eviction, the exclusive host
+"""Cache policies (kvtier.fsm.node.eviction): reuse counting, exact eviction, the exclusive host
 tier, eviction policies by name with their defaults, their determinism and their
 tie-breaks."""
 
@@ -8,7 +8,7 @@ import pytest
 from core_helpers import ack, free, h1, keys, put
 
 from kvtier.fsm import CacheCore, ConfigError, MatchMode
-from kvtier.fsm.eviction import POLICIES
+from kvtier.fsm.node.eviction import POLICIES
 
 
 # ------------------------------------------------------------------ reuse counting
@@ -299,7 +299,7 @@ def test_eviction_policies_by_name_and_their_defaults() -> None:
     import pytest
 
     from kvtier.fsm.errors import ConfigError
-    from kvtier.fsm.eviction import HeapIndex, lru_key, make_policy
+    from kvtier.fsm.node.eviction import HeapIndex, lru_key, make_policy
 
     c = CacheCore(h1(), 4, 8, eviction="lru2")
     assert c.eviction.name == "lru2"
@@ -314,7 +314,7 @@ def test_eviction_policies_by_name_and_their_defaults() -> None:
 
 
 def test_lru2_breaks_ties_deepest_first_like_lru() -> None:
-    from kvtier.fsm.eviction import lru2_key
+    from kvtier.fsm.node.eviction import lru2_key
 
     c = CacheCore(h1(), 8)
     put(c, list("ab"))

@@ -1,4 +1,4 @@
-"""Publishing (kvtier.fsm.publish, ``CacheCore.insert``): new nodes with multi-group page
+"""Publishing (kvtier.fsm.node.publish, ``CacheCore.insert``): new nodes with multi-group page
 counts, duplicates adopting the canonical pages, host nodes republished as backed, wrong
 counts or foreign pages changing nothing, a page given twice, checkpoint adoption and
 chunk checkpoints (dropped by a deeper one unless borrowed, settled by a second one),

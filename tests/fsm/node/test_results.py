@@ -1,4 +1,4 @@
-"""The core's result records and enums (fsm/results.py, fsm/match.py, fsm/writeback.py): frozen, slotted, defaults, wire
+"""The core's result records and enums (fsm/node/results.py, fsm/node/match.py, fsm/node/writeback.py): frozen, slotted, defaults, wire
 values and type hints."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Admission and reservation (kvtier.fsm.admission): all or nothing (with a loadback too),
+"""Admission and reservation (kvtier.fsm.request.admission): all or nothing (with a loadback too),
 evicting unlocked tree pages, never reusing the whole prompt, a second request joining a
 loadback in flight, unit keys counted, an admitted request refused by name, a resume that
 hits its own terminal (and one without the exact terminal state recomputing from

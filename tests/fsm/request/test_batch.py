@@ -1,4 +1,4 @@
-"""The batched step (kvtier.fsm.batch): one call per scheduler step, outcomes per request, a
+"""The batched step (kvtier.fsm.request.batch): one call per scheduler step, outcomes per request, a
 refusal for one request leaving the others intact, and the single calls as its wrappers;
 several hot-path items in one batch (each applied, none dropped), hot-path and general
 items mixed, the checkpoint flag and new unit keys of 3- and 4-field results, the
@@ -19,7 +19,7 @@ from core_helpers import h1, src
 from facade_helpers import seen, two_decoding
 
 from kvtier.fsm import GuardRejected, UsageError
-from kvtier.fsm.batch import OK, REFUSED, ItemOutcome, StepOutcome
+from kvtier.fsm.request.batch import OK, REFUSED, ItemOutcome, StepOutcome
 from kvtier.fsm.presets import preset
 from kvtier.tiered import ForwardResult, Reservation, TieredCache
 

@@ -1,4 +1,4 @@
-"""Completion routing (kvtier.fsm.completions): a failed retract writeback aborts the request
+"""Completion routing (kvtier.fsm.request.completions): a failed retract writeback aborts the request
 with a reason once the owed forward result is in
 (FailedWriteBackAbortsAfterOutstandingForwardResult, source_system.md section 5); a
 loadback failure or deadline fences the pages until the pass returns (at once back to

@@ -1,4 +1,4 @@
-"""The request side's operator counters (kvtier.fsm.counters, ``TieredCache.stats()["facade"]``):
+"""The request side's operator counters (kvtier.fsm.request.counters, ``TieredCache.stats()["facade"]``):
 every count after a scripted sequence whose counts are derived in the comments, the same
 counts in the Prometheus exposition, and :class:`FacadeCounters` record by record.
 
@@ -14,7 +14,7 @@ import pytest
 from core_helpers import h1
 
 from kvtier.fsm import Completion, InvariantViolation
-from kvtier.fsm.counters import KNOWN_ABORT_REASONS, FacadeCounters
+from kvtier.fsm.request.counters import KNOWN_ABORT_REASONS, FacadeCounters
 from kvtier.tiered import TieredCache
 
 

@@ -1,4 +1,4 @@
-"""How a request stops (kvtier.fsm.request_ends), with scenarios from source_system.md
+"""How a request stops (kvtier.fsm.request.ends), with scenarios from source_system.md
 sections 2.3-2.4 and 5: an abort during a loadback waits for the acknowledgement
 (AbortDuringLoadbackWaitsForAck); an abort during a retract or finish writeback discards it
 (AbortDuringWriteBackWaitsForAckAndDiscardsHostState), and neither waits for nor poisons a

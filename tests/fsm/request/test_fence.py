@@ -1,4 +1,4 @@
-"""The request-side invariants (kvtier.fsm.fence): ``forward_fence`` (invariant 16) is named
+"""The request-side invariants (kvtier.fsm.request.fence): ``forward_fence`` (invariant 16) is named
 when a page a request still needs is let go of behind its back, ``conservation`` when a page
 is held twice or by no request, ``release_once_after_fence`` when a settled request is sent
 back holding something; the borrowed checkpoint is let go when the pass copying it returns,

@@ -1,4 +1,4 @@
-"""Forward results (kvtier.fsm.forward): ``step_done``'s refusals naming what is owed and
+"""Forward results (kvtier.fsm.request.forward): ``step_done``'s refusals naming what is owed and
 reserved, an overlapped pass keeping the pages ``step_done`` lets go of, decode steps
 inside and across units, and the checkpoints a pass publishes, keeps or skips (one handed
 out at admission stays until the forward result; none inside a history replay span).

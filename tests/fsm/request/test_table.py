@@ -1,4 +1,4 @@
-"""The request table (kvtier.fsm.request_table): bad calls raise and change nothing; an
+"""The request table (kvtier.fsm.request.table): bad calls raise and change nothing; an
 unknown request and a call refused in a state are named with the accepted states, a guard
 is named as the lifecycle names it, release gives back the deferred pages too, and the
 quiescence report counts what is held."""

@@ -19,7 +19,7 @@ import pytest
 from kvtier.fsm.errors import ConfigError
 from kvtier.fsm.l3 import L3Options
 from kvtier.fsm.presets import preset
-from kvtier.l3replay import Instance, run_configuration
+from kvtier.replay.l3replay import Instance, run_configuration
 from kvtier.scheduler import SchedRequest
 from kvtier.transfer.store import HostPageIO, StoreBackend, StoreError, open_store
 from kvtier.transfer.store.mooncake_store import MooncakeStore

@@ -14,7 +14,7 @@ import pytest
 from kvtier.fsm import CacheCore
 from kvtier.fsm.l3 import L3Options, L3Tier, StoreOp
 from kvtier.fsm.presets import preset
-from kvtier.l3replay import Instance, run_configuration
+from kvtier.replay.l3replay import Instance, run_configuration
 from kvtier.scheduler import SchedRequest
 from kvtier.transfer.store import HostPageIO, StoreDriver, open_store
 from kvtier.transfer.store.redis_store import RedisStore
