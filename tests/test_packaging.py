@@ -1,4 +1,4 @@
-"""The project's shape and packaging rules (issue 2, "Layout and packaging").
+"""The project's shape and packaging rules (docs/migration.md, "The layout by the spec's chapters").
 
 - imports: inside a package relative, across packages ``kvtier.``-absolute; nothing
   imports ``fsm``, ``transfer`` or ``spec`` as top-level modules; ``fsm/`` never
@@ -10,7 +10,10 @@
 - ``import kvtier``, ``kvtier.fsm`` and building the command line load neither torch,
   numba nor hypothesis (checked in a fresh interpreter);
 - every subpackage on disk is listed in pyproject and every data file is shipped;
-- pytest runs with ``--import-mode=importlib`` from ``tests/``.
+- pytest runs with ``--import-mode=importlib`` from ``tests/``;
+- the layout by the spec's chapters: no module of fsm/, transfer/ or src/kvtier/ over 500
+  lines; no part of ``fsm/node/`` imports the core, and ``fsm/node/`` has no import circle;
+  no test file is named after a round of work or a tool (``tests/`` mirrors the code).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -314,8 +318,10 @@ def test_pytest_configuration() -> None:
     assert ini["testpaths"] == ["tests"]
 
 
-#: the most lines one module of the verified core may have (issue 11: one job per module).
-FSM_MODULE_LINES = 500
+#: the most lines one module of fsm/, transfer/ or src/kvtier/ may have (one job per module).
+MODULE_LINES = 500
+#: the folders of shipped code.
+SHIPPED = ("fsm", "transfer", "src/kvtier")
 
 
 def _long_modules(folder: Path, limit: int) -> dict[str, int]:
@@ -329,14 +335,102 @@ def _long_modules(folder: Path, limit: int) -> dict[str, int]:
     return out
 
 
-def test_no_module_of_the_core_is_over_500_lines(tmp_path: Path) -> None:
-    assert _long_modules(REPO / "fsm", FSM_MODULE_LINES) == {}
+def test_no_shipped_module_is_over_500_lines(tmp_path: Path) -> None:
+    assert {folder: _long_modules(REPO / folder, MODULE_LINES) for folder in SHIPPED} == \
+        {folder: {} for folder in SHIPPED}
     assert (REPO / "fsm" / "node" / "core.py").exists() and not (REPO / "fsm" / "cache.py").exists()
     # the check itself counts lines exactly: 500 pass, 501 do not
-    (tmp_path / "ok.py").write_text("x = 1\n" * FSM_MODULE_LINES, encoding="utf-8")
-    (tmp_path / "long.py").write_text("x = 1\n" * (FSM_MODULE_LINES + 1), encoding="utf-8")
-    assert _long_modules(tmp_path, FSM_MODULE_LINES) == {"long.py": FSM_MODULE_LINES + 1}
+    (tmp_path / "ok.py").write_text("x = 1\n" * MODULE_LINES, encoding="utf-8")
+    (tmp_path / "long.py").write_text("x = 1\n" * (MODULE_LINES + 1), encoding="utf-8")
+    assert _long_modules(tmp_path, MODULE_LINES) == {"long.py": MODULE_LINES + 1}
 
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every kvtier module ``path`` (a module of ``package``) imports, wherever the import
+    stands (module level, functions, ``if TYPE_CHECKING:``), relative imports resolved;
+    ``from X import name`` counts ``X`` and ``X.name``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - (node.level - 1)])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found |= {module} | {f"{module}.{a.name}" for a in node.names}
+    return {m for m in found if m.startswith("kvtier")}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of two or more modules of ``graph`` (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _node_core_graph() -> dict[str, set[str]]:
+    modules = {f"kvtier.fsm.node.{f.stem}": f for f in sorted((REPO / "fsm" / "node").glob("*.py"))
+               if f.stem != "__init__"}
+    return {m: _imported_modules(f, "kvtier.fsm.node") & set(modules) for m, f in modules.items()}
+
+
+def test_no_part_of_the_node_core_imports_the_core() -> None:
+    """The node core's parts take a shared store and their sibling parts (fsm/node/store.py),
+    never the whole core: only core.py and the package's re-exports name it."""
+    importers = sorted(m for m, deps in _node_core_graph().items() if "kvtier.fsm.node.core" in deps)
+    assert importers == []
+    assert len(_node_core_graph()) > 15
+
+
+def test_the_node_core_has_no_import_circle() -> None:
+    assert _circles(_node_core_graph()) == []
+    # the search itself: a circle of three is found, a chain is not
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": {"c"}}) == []
+
+
+#: a test file named after a round of work or the tool that found a gap, not its subject
+ROUND_NAME = re.compile(r"(^|_)(s\d+[a-z]?|session\d*|issue\d+|round\d+|mutants?|mutmut|review)(_|\.py$)")
+
+
+def test_no_test_file_is_named_after_a_round_of_work() -> None:
+    tests = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("test_*.py"))
+    # the semantic mutants are the subject of the test of the planted bugs' catalogue
+    named = [t for t in tests if ROUND_NAME.search(Path(t).name) and t != "tests/test_semantic_mutants.py"]
+    assert named == []
+    assert len(tests) > 80
+    assert [n for n in ("test_fsm_mutants_s6a.py", "test_batch_mutants_s6.py", "test_core_session4.py",
+                        "test_issue12_cases.py", "test_records.py", "test_issue_then_copy_failure.py")
+                        if ROUND_NAME.search(n)] == \
+        ["test_fsm_mutants_s6a.py", "test_batch_mutants_s6.py", "test_core_session4.py", "test_issue12_cases.py"]
 
 
 def _foreign_private_reads(text: str, where: str) -> list[str]:
