@@ -39,7 +39,11 @@ def open_store(url: str, *, timeout_s: float = 2.0) -> StoreBackend:
     """
     if not isinstance(url, str):
         raise ConfigError(f"store URL must be a string like redis://127.0.0.1:6379, got {url!r}")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing the port raises for one out of range or not a number
+    except ValueError as exc:
+        raise ConfigError(f"malformed store URL {url!r} ({exc}); expected e.g. redis://127.0.0.1:6379") from None
     if parts.scheme == "redis":
         from .redis_store import RedisStore
 
