@@ -18,3 +18,27 @@ from kvtier.testing import load_profile
 
 load_profile()
 set_checked(True)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI") or os.environ.get("KVTIER_REQUIRE_REDIS"):
+            pytest.fail("redis-server is not installed (scripts/test.sh installs it with apt-get)")
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    pytest.importorskip("redis")
+    srv = RedisServer(binary)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    srv = MooncakeMaster(mooncake_binary())
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -120,7 +120,7 @@ def test_the_recorder_leaves_out_every_cache_but_the_attached_one() -> None:
 def test_a_core_fetching_from_l3_while_another_cache_is_attached_is_left_out() -> None:
     """The L3 machine's case: its cores fetch from the store (fetch_submit, fetch_ack) while
     the recorder of ``kvtier fuzz --event-log`` has another cache attached."""
-    from l3.test_l3_core import KEY, FakeStore, backed, make, pump
+    from l3_helpers import KEY, FakeStore, backed, make, pump
 
     store = FakeStore()
     a, ta = make()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvtier.fsm import l3checks
+from kvtier.fsm.l3 import checks as l3checks
 from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node.fetch import FetchTable
 from kvtier.fsm.l3 import L3Tier

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.fsm import machines
+from kvtier.fsm.lifecycle import machines
 from kvtier.fsm.errors import GuardRejected, IllegalTransition
 from kvtier.fsm.lifecycle.guards import GUARDS
 from kvtier.fsm.lifecycle.machines import Lifecycle, node_lifecycle, request_lifecycle
@@ -114,7 +114,7 @@ def test_guard_type_alias_is_public_and_callable_typed() -> None:
     from collections.abc import Callable
     from typing import Any
 
-    from kvtier.fsm import guards
+    from kvtier.fsm.lifecycle import guards
 
     assert "Guard" in guards.__all__
     assert guards.Guard == Callable[[Any], bool]
