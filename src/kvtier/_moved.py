@@ -106,7 +106,7 @@ class _AliasLoader(importlib.abc.Loader):
         spec = importlib.util.find_spec(self.new)
         loader = None if spec is None else spec.loader
         get_code = getattr(loader, "get_code", None)
-        return None if get_code is None else get_code(self.new)  # type: ignore[no-any-return]
+        return None if get_code is None else get_code(self.new)
 
     def exec_module(self, module: ModuleType) -> None:
         # the import system wrote the alias's spec and loader onto the real module: put its
