@@ -49,7 +49,7 @@ _INV = (INVARIANT, "raises InvariantViolation: only a broken core takes it; the 
                    "(kvtier.testing.corruptions, one corruption per raise site) takes it unless no corruption "
                    "applied in this run")
 _BAD = (MISUSE, "refuses bad input or a call in the wrong state; the machines make legal calls only "
-                "(tests/test_bad_input.py, test_hostile_inputs.py and the refusal tests take these)")
+                "(tests/facade/test_bad_input.py, test_hostile_inputs.py and the refusal tests take these)")
 _L3_BAD = (MISUSE, "refuses a bad L3 call or option; the l3tier machine's hostile calls take these (each "
                    "variant in turn, a sweep per get in flight, testing/l3_cases.py), a few examples per run")
 _NO_HOST = (OPTION, "no host tier (host_pages=None): the core machine builds one in about one example in six")

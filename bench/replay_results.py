@@ -115,7 +115,7 @@ NOTES = """Reading the tables:
   every reused page fingerprint-checked (`REPEAT=3 bash bench/gpu_replay.sh`).
 - Decisions on the GPU may differ slightly between backends (loadback pages and prefill
   tokens): completions arrive asynchronously, as in a real engine; on the CPU backend they
-  are identical to the metadata-only run (tests/test_replay.py checks it).
+  are identical to the metadata-only run (tests/replay/test_replay.py checks it).
 """
 
 

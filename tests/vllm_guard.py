@@ -13,5 +13,5 @@ def require_vllm() -> None:
         return
     if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
         raise RuntimeError("KVTIER_REQUIRE_VLLM=1 but vllm is not installed")
-    pytest.skip("vllm is not installed (pip install 'kvtier[vllm]'; README, kvtier inside vLLM)",
+    pytest.skip("vllm is not installed (pip install -e '.[vllm]' and pip install --no-deps vllm==0.33.0; docs/vllm.md)",
                 allow_module_level=True)

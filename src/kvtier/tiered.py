@@ -82,8 +82,9 @@ class TieredCache:
         finish_writeback: write back a finished request's pages that lack a host copy
             (its own operation; default: only under ``write_through``).
         history_replay: allow history-only hits plus a recompute span (core ``match``).
-        eviction, exclusive: eviction policy (``lru``, ``lru_turns``, ``lru2``); an exclusive host tier.
-        l3: :class:`kvtier.fsm.l3.L3Options` turns on the L3 tier ``cache.l3`` (README "A third tier").
+        eviction: eviction policy (``lru``, ``lru_turns``, ``lru2``).
+        exclusive: an exclusive host tier (docs/policies.md).
+        l3: :class:`kvtier.fsm.l3.L3Options` turns on the L3 tier ``cache.l3`` (docs/l3.md).
         ended_history: how many ended requests :meth:`state` and :meth:`request` still
             answer for after :meth:`poll` reported their end (oldest dropped first).
 

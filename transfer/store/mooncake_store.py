@@ -96,7 +96,8 @@ class MooncakeStore:
     """A :class:`~kvtier.transfer.store.base.StoreBackend` on a Mooncake Store cluster.
 
     Args:
-        host, port: the ``mooncake_master`` RPC address.
+        host: the ``mooncake_master`` RPC host.
+        port: the ``mooncake_master`` RPC port.
         lease_s: the master's read lease (``-default_kv_lease_ttl``) in seconds, or more.
         segment_mb: memory this client lends to the store (MiB; Mooncake's minimum is 16).
         buffer_mb: the registered staging buffer (MiB): a batch moves at most this many

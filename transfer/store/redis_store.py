@@ -30,7 +30,9 @@ class RedisStore:
     """A :class:`~kvtier.transfer.store.base.StoreBackend` on one Redis server.
 
     Args:
-        host, port, db: the server.
+        host: the server's host.
+        port: the server's port.
+        db: the Redis database number.
         timeout_s: socket connect and read timeout (a hung server fails the call).
         prefix: prepended to every key (kvtier's objects share a server with other data).
 

@@ -9,7 +9,7 @@ Each rank process runs the facade (:class:`RankCache`, a
 (:class:`StepSync`: ``torch.distributed``, gloo on the CPU, NCCL on GPUs): every core gets
 every rank's completions, an operation succeeds only if it succeeded on every rank, and a
 digest mismatch raises :class:`RankDivergence` naming the first step where the ranks'
-decisions differ. ``README.md`` ("Rank-parallel mode") says why the same scheduler runs
+decisions differ. ``docs/parallel.md`` says why the same scheduler runs
 on every rank and how a single driving scheduler fits the same parts.
 
 :func:`launch` starts rank processes; :func:`run_rank` replays requests on one rank;

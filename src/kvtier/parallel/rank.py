@@ -1,7 +1,7 @@
 """One rank of the rank-parallel mode: its executor wrapper, the agreed clock, injected
 failures, the KV-head shard of a layout, and the drain check.
 
-The same scheduler runs on every rank (see ``README.md``, "Rank-parallel mode"): each
+The same scheduler runs on every rank (see ``docs/parallel.md``): each
 rank process owns a :class:`~kvtier.parallel.cache.RankCache` (its core), a local
 executor with its own :class:`~kvtier.transfer.TransferEngine` over its own pools, and
 a :class:`RankExecutor` around that executor whose ``collect`` is the step's collective.

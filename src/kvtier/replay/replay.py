@@ -260,7 +260,8 @@ def run_replay(trace: Trace, setup: ReplaySetup, *,
     Args:
         executor_factory: (layout, device units, host units) -> executor; default
             :func:`make_executor` for ``setup.backend``.
-        on_start, on_step: as :func:`run_config`, for each configuration.
+        on_start: as :func:`run_config`, for each configuration.
+        on_step: as :func:`run_config`, for each configuration.
 
     Returns:
         The three results (device-only, device+host, unbounded) and a setup summary.

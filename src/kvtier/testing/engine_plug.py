@@ -132,7 +132,8 @@ class EngineTransfer(TransferBackend):
     Args:
         world_size: ranks.
         layout: the cache layout (the engines' cache groups).
-        device_pages, host_pages: pool pages per group (the core's capacities).
+        device_pages: device pool pages per group (the core's capacity).
+        host_pages: host pool pages per group (the core's capacity).
         issue_seed: seed of the issue-time failure draws.
         issue_rate: chance that a rank's flush of a command fails at issue.
         chunk_layers: layers per loadback chunk (small: several chunks per loadback).
