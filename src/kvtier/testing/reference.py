@@ -13,16 +13,18 @@ out completes before the next call), and answers:
   ``evict_device``, ``drop_host``, ``evict_host`` of a node's tail, by unit path);
 - the residency of every node (:meth:`ReferenceCache.residency`).
 
-The rules the spec leaves to the implementation (the clock's stamps, tie-breaks, when a
-writeback is queued) are the ones ``spec/README.md`` "Policies" states, each found by
-observing the product; the driver (:mod:`kvtier.testing.reference_driver`) runs the
-product and this model side by side and fails on the first difference.
+The rules the spec's prose leaves open (what the clock stamps, tie-breaks, when a
+writeback is queued, how a reservation evicts) are written in ``spec/README.md``,
+"Policies", each found by observing the product; :mod:`kvtier.testing.reference_driver`
+runs the product and this model side by side and fails on the first difference.
 
-Units: a *unit* is ``alignment`` tokens; capacities are in units (one page per unit).
+Units: a *unit* is ``alignment`` tokens; capacities are in units (one page per unit and
+history group; continuation-state groups are not modelled).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -30,12 +32,13 @@ __all__ = ["Hit", "ReferenceCache", "WRITE_POLICIES", "EVICTIONS"]
 
 WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 EVICTIONS = ("lru", "lru_turns", "lru2")
+_Key = tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Hit:
     """An admission's answer: ``device_tokens`` already on the device, ``host_tokens``
-    loaded back from the host, ``start_token`` = their sum (the first token computed)."""
+    loaded back from the host (their sum is the first token computed)."""
 
     device_tokens: int
     host_tokens: int
@@ -46,23 +49,22 @@ class Hit:
 
 
 class _Node:
-    """One radix node: a run of units with one residency (``dev``, ``host``)."""
+    """A radix node: a run of units with one residency. ``ndev`` / ``nhost`` count the
+    children with device pages / with a host copy or a pending host reservation."""
 
-    __slots__ = ("nid", "units", "parent", "children", "depth", "dev", "host", "la", "pu", "owner", "hc",
-                 "turns", "reloaded", "refused", "queued", "pending", "loading")
+    __slots__ = ("nid", "units", "parent", "children", "depth", "dev", "host", "pending", "loading", "la",
+                 "pu", "owner", "hc", "turns", "reloaded", "refused", "queued", "ndev", "nhost")
 
     def __init__(self, nid: int, units: list[Hashable], parent: _Node | None, depth: int) -> None:
-        self.nid = nid
-        self.units = units
-        self.parent = parent
+        self.nid, self.units, self.parent, self.depth = nid, units, parent, depth
         self.children: dict[Hashable, _Node] = {}
-        self.depth = depth  # units from the root to this node's last unit
-        self.dev = self.host = False
-        self.la = self.pu = 0  # last use, second-to-last use by a distinct owner (clock ticks)
-        self.owner: str | None = None  # the owner of the last counted use
-        self.hc = 0  # reuse count: distinct owners in a row
+        self.dev = self.host = self.pending = self.loading = False
+        self.la = self.pu = 0  # clock of the last use; of the last use before the owner changed
+        self.owner: str | None = None  # the request that made the last counted use
+        self.hc = 0  # reuse count: uses by an owner other than the previous one
         self.turns = 1
-        self.reloaded = self.refused = self.queued = self.pending = self.loading = False
+        self.reloaded = self.refused = self.queued = False
+        self.ndev = self.nhost = 0
 
     def path(self) -> tuple[Hashable, ...]:
         out: list[Hashable] = []
@@ -77,15 +79,10 @@ class _Node:
 
 
 class _Request:
-    __slots__ = ("rid", "keys", "held", "tokens", "own", "prompt")
+    __slots__ = ("rid", "keys", "held", "tokens", "own")
 
-    def __init__(self, rid: str, keys: tuple[Hashable, ...], prompt: int) -> None:
-        self.rid = rid
-        self.keys = keys
-        self.prompt = prompt
-        self.held: list[_Node] = []  # its locked path, root first
-        self.tokens = 0  # tokens with KV
-        self.own = 0  # device pages of its own (not the tree's)
+    def __init__(self, rid: str, keys: tuple[Hashable, ...], held: list[_Node], tokens: int, own: int) -> None:
+        self.rid, self.keys, self.held, self.tokens, self.own = rid, keys, held, tokens, own
 
 
 class ReferenceCache:
@@ -104,37 +101,34 @@ class ReferenceCache:
             raise ValueError(f"policy must be one of {WRITE_POLICIES}, got {policy!r}")
         if eviction not in EVICTIONS:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
-        self.a = alignment
-        self.dcap, self.hcap = device_units, host_units
-        self.policy, self.threshold, self.eviction = policy, write_threshold, eviction
-        self.exclusive = exclusive
+        self.a, self.dcap, self.hcap = alignment, device_units, host_units
+        self.policy, self.threshold, self.eviction, self.exclusive = policy, write_threshold, eviction, exclusive
         self.finish_writeback = policy == "write_through" if finish_writeback is None else finish_writeback
         self.window = (device_units + (host_units or 0)) // 4  # lru_turns: window x log2(turns) ticks
         self.root = _Node(0, [], None, 0)
         self.root.dev = self.root.host = True
-        self.clock = 0
-        self._ids = 0
-        self.dev_used = self.host_used = 0
+        self.nodes: dict[int, _Node] = {}
+        self.clock = self._ids = self.dev_used = self.host_used = 0
         self.requests: dict[str, _Request] = {}
         self.queue: list[_Node] = []  # tree writebacks, issued by poll
         self.loads: list[_Node] = []  # loadbacks in flight until the next poll
-        self.writes: list[tuple[_Node, ...]] = []  # finish writebacks in flight until the next poll
-        self.releases: list[_Request] = []  # requests released when their finish writeback ends
+        self.writes: list[_Node] = []  # finish writebacks in flight until the next poll
+        self.releases: list[_Request] = []  # requests let go when their finish writeback ends
         self.victims: list[tuple[str, tuple[Hashable, ...], int]] = []
+        self._dheap: list[_Key] = []  # device victim candidates (lazy: checked when popped)
+        self._hheap: list[_Key] = []  # host victim candidates
 
     # ------------------------------------------------------------------ the calls
     def admit(self, rid: str, units: Sequence[Hashable], prompt_tokens: int, chunk_tokens: int) -> Hit | None:
         """Match, lock, reserve device pages for the loadback and the first chunk (evicting
         as needed); ``None`` when short (the request stays waiting, holding nothing)."""
-        full = prompt_tokens // self.a
-        keys = tuple(units[:full])
-        path = self._match(keys[:(prompt_tokens - 1) // self.a])  # the last token is computed
+        keys = tuple(units[:prompt_tokens // self.a])
+        path = self._match(keys[:(prompt_tokens - 1) // self.a])  # the last token is always computed
         dev = [n for n in path if n.dev]
         host = path[len(dev):]
         d, h = sum(len(n.units) for n in dev), sum(len(n.units) for n in host)
         start = (d + h) * self.a
-        chunk = min(chunk_tokens, prompt_tokens - start)
-        own = -(-(start + chunk) // self.a) - d - h
+        own = -(-(start + min(chunk_tokens, prompt_tokens - start)) // self.a) - d - h
         if dev:
             self._touch(dev, rid)
         if not self._device_room(h + own, set(dev)):
@@ -147,34 +141,28 @@ class ReferenceCache:
                 self._touch(dev, rid)
             for n in host:
                 n.loading = True
-            self.loads.extend(host)
-        r = _Request(rid, keys, prompt_tokens)
-        r.held, r.tokens, r.own = list(path), start, own
+            self.loads += host
         self.dev_used += h + own
-        self.requests[rid] = r
+        self.requests[rid] = _Request(rid, keys, list(path), start, own)
         return Hit(d * self.a, h * self.a)
 
     def step_done(self, rid: str, computed_tokens: int) -> None:
         """The forward pass computed ``computed_tokens`` more: publish the newly full units."""
         r = self.requests[rid]
         r.tokens += computed_tokens
-        full = min(r.tokens // self.a, len(r.keys))
         held = sum(len(n.units) for n in r.held)
-        if full <= held:
+        rest = list(r.keys[held:min(r.tokens // self.a, len(r.keys))])
+        if not rest:
             return
-        rest = list(r.keys[held:full])
         parent = r.held[-1] if r.held else self.root
-        dups: list[_Node] = []
-        while rest:  # units the tree already holds below the held path: copies of its pages
-            child = parent.children.get(rest[0])
-            if child is None:
-                break
+        dups: list[_Node] = []  # nodes the tree already holds below the held path
+        while rest and rest[0] in parent.children:
+            child = parent.children[rest[0]]
             k = _common(child.units, rest)
             if k < len(child.units):
                 child = self._split(child, k)
             dups.append(child)
-            rest = rest[k:]
-            parent = child
+            rest, parent = rest[k:], child
         t = self._tick()
         for n in dups:
             n.la = t  # a use with no owner: it counts no reuse
@@ -182,13 +170,13 @@ class ReferenceCache:
             if n.dev:
                 self.dev_used -= len(n.units)  # the request's copy is freed
             else:
-                n.dev = True  # republish: the node adopts the request's pages
+                self._flags(n, dev=True)  # republish: the node adopts the request's pages
         new: list[_Node] = []
         if rest:
-            leaf = parent is not self.root and not parent.children
-            turn = parent.turns + 1 if leaf else 1
+            turn = parent.turns + 1 if parent is not self.root and not parent.children else 1
             node = self._new(rest, parent)
-            node.dev, node.turns = True, turn
+            node.turns = turn
+            self._flags(node, dev=True)
             r.own -= len(rest)
             for n in r.held + dups:
                 n.turns = max(n.turns, turn)
@@ -204,43 +192,42 @@ class ReferenceCache:
         """Generation ended: write back its path's device-only suffix (``finish_writeback``),
         then let go of its locks (after the writeback, which completes at the next poll)."""
         r = self.requests[rid]
-        chain = tuple(n for n in r.held if not n.host)
+        chain = [n for n in r.held if not n.host]
         if self.finish_writeback and self.hcap is not None and chain and self._reserve_host(chain):
-            self.writes.append(chain)
+            self.writes += chain
             self.releases.append(r)
-            return
-        self._release(r)
+        else:
+            self._release(r)
 
     def poll(self) -> None:
-        """Issue the queued tree writebacks as one operation (parents first), then complete
-        every transfer."""
+        """Issue the queued tree writebacks as one operation (parents first; host room is
+        made for all of them, then each is reserved in turn or refused), then complete every
+        transfer in flight."""
         issued: list[_Node] = []
-        for n in sorted(self.queue, key=lambda n: (n.depth, n.nid)):
+        for n in sorted(self.queue if self.hcap is not None else (), key=lambda n: (n.depth, n.nid)):
             n.queued = False
             p = n.parent
-            if n.dev and not n.host and not n.pending and p is not None and (p.host or p.pending):
-                n.pending = True  # its parent keeps its host copy (has_host_child)
+            if n.nid in self.nodes and n.dev and not n.host and not n.pending and p is not None and (p.host or p.pending):
+                self._flags(n, pending=True)  # its parent keeps its host copy (has_host_child)
                 issued.append(n)
         self.queue = []
         self._host_room(sum(len(n.units) for n in issued))
         done: list[_Node] = []
         for n in issued:
             p = n.parent
-            if self.hcap - self.host_used >= len(n.units) and (p.host or p in done):
+            if self.hcap is not None and self.hcap - self.host_used >= len(n.units) and p is not None and (p.host or p in done):
                 self.host_used += len(n.units)
                 done.append(n)
             else:
-                n.pending, n.refused = False, True
+                n.refused = True
+                self._flags(n, pending=False)
         for n in self.loads:
-            n.loading = False
-            n.dev = n.reloaded = True
+            n.loading, n.reloaded = False, True
+            self._flags(n, dev=True)
         self.loads = []
-        for chain in self.writes:
-            done.extend(chain)
+        for n in done + self.writes:
+            self._flags(n, host=True, pending=False)
         self.writes = []
-        for n in done:
-            n.pending = False
-            n.host = True
         for r in self.releases:
             self._release(r)
         self.releases = []
@@ -268,14 +255,17 @@ class ReferenceCache:
         self._ids += 1
         n = _Node(self._ids, list(units), parent, parent.depth + len(units))
         parent.children[units[0]] = n
+        self.nodes[n.nid] = n
         return n
 
     def _split(self, n: _Node, k: int) -> _Node:
-        """Split ``n`` after ``k`` units: the head is a new node (a new id), ``n`` keeps the tail."""
+        """Split ``n`` after ``k`` units: the head is a new node (a new id), ``n`` keeps the
+        tail; both keep the residency, the stamps and the counts."""
         assert n.parent is not None and 0 < k < len(n.units)
         head = self._new(n.units[:k], n.parent)
-        for f in ("dev", "host", "la", "pu", "owner", "hc", "turns", "reloaded", "refused", "pending", "loading"):
+        for f in ("dev", "host", "pending", "loading", "la", "pu", "owner", "hc", "turns", "reloaded", "refused"):
             setattr(head, f, getattr(n, f))
+        head.ndev, head.nhost = int(n.dev), int(n.host or n.pending)
         n.units = n.units[k:]
         head.children[n.units[0]] = n
         n.parent = head
@@ -283,34 +273,43 @@ class ReferenceCache:
             if n in r.held:
                 i = r.held.index(n)
                 r.held[i:i] = [head]
+        self._dirty(head)
         return head
 
+    def _remove(self, n: _Node) -> None:
+        assert n.parent is not None and not n.children
+        self._flags(n, dev=False, host=False, pending=False)
+        del n.parent.children[n.units[0]]
+        del self.nodes[n.nid]
+
+    def _flags(self, n: _Node, *, dev: bool | None = None, host: bool | None = None,
+               pending: bool | None = None) -> None:
+        """Change a node's residency, keeping its parent's child counts."""
+        was_dev, was_host = n.dev, n.host or n.pending
+        n.dev = n.dev if dev is None else dev
+        n.host = n.host if host is None else host
+        n.pending = n.pending if pending is None else pending
+        p = n.parent
+        if p is not None:
+            p.ndev += n.dev - was_dev
+            p.nhost += (n.host or n.pending) - was_host
+            self._dirty(p)
+        self._dirty(n)
+
     def _match(self, keys: tuple[Hashable, ...]) -> list[_Node]:
-        """The longest matched path of readable nodes (device, then host), split at its end."""
+        """The longest matched path: readable device nodes, then host copies; split at its end."""
         path: list[_Node] = []
-        n, i, on_dev = self.root, 0, True
-        while i < len(keys):
-            c = n.children.get(keys[i])
-            if c is None or not (c.dev or c.host) or (c.dev and not on_dev):
+        n, i = self.root, 0
+        while i < len(keys) and keys[i] in n.children:
+            c = n.children[keys[i]]
+            if not (c.dev or c.host) or (c.dev and not n.dev):
                 break
-            on_dev = on_dev and c.dev
             k = _common(c.units, keys[i:])
             if k < len(c.units):
                 c = self._split(c, k)
             path.append(c)
-            i += k
-            n = c
+            i, n = i + k, c
         return path
-
-    def _remove(self, n: _Node) -> None:
-        assert n.parent is not None and not n.children
-        del n.parent.children[n.units[0]]
-
-    def _tail(self, n: _Node, k: int) -> _Node:
-        """The last ``k`` units of ``n`` as a node of their own (exact eviction)."""
-        if k < len(n.units):
-            self._split(n, len(n.units) - k)
-        return n
 
     # ------------------------------------------------------------------ clock and uses
     def _tick(self) -> int:
@@ -318,6 +317,8 @@ class ReferenceCache:
         return self.clock
 
     def _touch(self, nodes: Sequence[_Node], owner: str) -> None:
+        """One tick; each node's use is stamped, and counted as a reuse when ``owner`` is not
+        the owner of its last counted use (``write_through_selective`` queues it then)."""
         t = self._tick()
         for n in nodes:
             if owner != n.owner:
@@ -327,12 +328,12 @@ class ReferenceCache:
                         and n.dev and not n.host):
                     self._enqueue(n)
             n.la = t
+            self._dirty(n)
 
     def _release(self, r: _Request) -> None:
         if r.held:
             self._touch(r.held, r.rid)
         self.dev_used -= r.own
-        r.own = 0
         del self.requests[r.rid]
 
     def _enqueue(self, n: _Node) -> None:
@@ -341,23 +342,55 @@ class ReferenceCache:
             self.queue.append(n)
 
     # ------------------------------------------------------------------ eviction
-    def _key(self, n: _Node, host: bool) -> tuple[float, ...]:
+    def _key(self, n: _Node, host: bool) -> _Key:
+        """The policy's order (smallest first); ties go to the deepest node, then the
+        smallest id. An exclusive host tier puts reloaded duplicates first."""
+        first = (0 if n.dev and n.reloaded else 1,) if host and self.exclusive else ()
         if self.eviction == "lru_turns":
-            return (n.la + _bonus(self.window, n.turns), -n.depth, n.nid)
+            return (*first, n.la + _bonus(self.window, n.turns), -n.depth, n.nid)
         if host and self.eviction == "lru2":
-            return (n.pu, n.la, -n.depth, n.nid)
-        return (n.la, -n.depth, n.nid)
+            return (*first, n.pu, n.la, -n.depth, n.nid)
+        return (*first, n.la, -n.depth, n.nid)
 
-    def _nodes(self) -> list[_Node]:
-        out, stack = [], [self.root]
-        while stack:
-            n = stack.pop()
-            out.extend(n.children.values())
-            stack.extend(n.children.values())
-        return out
+    def _dirty(self, n: _Node) -> None:
+        """Offer ``n`` to the candidate heaps if it is a leaf of a tier now (stale entries
+        are dropped when popped)."""
+        if n.parent is None:
+            return
+        if n.dev and not n.ndev:
+            heapq.heappush(self._dheap, self._key(n, False))
+        if n.host and not n.nhost:
+            heapq.heappush(self._hheap, self._key(n, True))
+        if len(self._dheap) + len(self._hheap) > 8 * len(self.nodes) + 4096:
+            self._dheap = [self._key(m, False) for m in self.nodes.values() if m.dev and not m.ndev]
+            self._hheap = [self._key(m, True) for m in self.nodes.values() if m.host and not m.nhost]
+            heapq.heapify(self._dheap)
+            heapq.heapify(self._hheap)
 
-    def _locked(self) -> set[_Node]:
-        return {n for r in self.requests.values() for n in r.held}
+    def _pop(self, host: bool, skip: set[_Node]) -> _Node | None:
+        """The next victim candidate of a tier, or ``None``; candidates in ``skip`` (locked,
+        pledged, in flight) are set aside and offered again afterwards."""
+        heap = self._hheap if host else self._dheap
+        aside: list[_Key] = []
+        found = None
+        while heap:
+            key = heapq.heappop(heap)
+            n = self.nodes.get(key[-1])
+            if n is None or self._key(n, host) != key:
+                continue
+            if host and n.host and not n.nhost and not n.loading:
+                found = n
+            elif not host and n.dev and not n.ndev and not (n.loading or n.pending or n.queued or n in skip):
+                found = n
+            elif (n.host and not n.nhost) if host else (n.dev and not n.ndev):
+                aside.append(key)
+                continue
+            else:
+                continue
+            break
+        for key in aside:
+            heapq.heappush(heap, key)
+        return found
 
     def _device_room(self, need: int, locked: set[_Node]) -> bool:
         """Free ``need`` device units by the policy's order. ``write_back`` queues a
@@ -365,14 +398,11 @@ class ReferenceCache:
         stops once free and pledged units cover ``need``; a victim freed now is split to
         what is still short of free units (pledges not counted)."""
         pledged = 0
-        held = self._locked() | locked
+        skip = {n for r in self.requests.values() for n in r.held} | locked
         while self.dcap - self.dev_used + pledged < need:
-            short = need - (self.dcap - self.dev_used)
-            cands = [n for n in self._nodes() if n.dev and not n.loading and not n.queued and n not in held
-                     and not any(c.dev for c in n.children.values())]
-            if not cands:
+            v = self._pop(False, skip)
+            if v is None:
                 break
-            v = min(cands, key=lambda n: self._key(n, False))
             if not v.host and self.policy == "write_back" and self.hcap is not None and not v.refused:
                 chain = [v]
                 while chain[-1].parent is not self.root and not chain[-1].parent.host:
@@ -381,49 +411,52 @@ class ReferenceCache:
                     self._enqueue(n)
                 pledged += len(v.units)
                 continue
-            v = self._tail(v, min(short, len(v.units)))
+            v = self._tail(v, need - (self.dcap - self.dev_used))
             self.dev_used -= len(v.units)
             if v.host:
-                v.dev = False
                 self._log("demote", v)
+                self._flags(v, dev=False)
             else:
                 self._log("evict_device", v)
                 self._remove(v)
+        for n in self.queue:
+            self._dirty(n)
         return self.dcap - self.dev_used >= need
 
     def _reserve_host(self, chain: Sequence[_Node]) -> bool:
-        """Reserve host units for ``chain`` (all or nothing), evicting for them first."""
+        """Reserve host units for ``chain`` (all or nothing), evicting for all of it first."""
         need = sum(len(n.units) for n in chain)
         for n in chain:
-            n.pending = True
+            self._flags(n, pending=True)
         self._host_room(need)
         if self.hcap - self.host_used < need:
             for n in chain:
-                n.pending = False
+                self._flags(n, pending=False)
             return False
         self.host_used += need
         return True
 
     def _host_room(self, need: int) -> None:
-        """Evict host leaves by the policy's order until ``need`` units are free or nothing
-        more can go (an exclusive tier drops reloaded duplicates first)."""
-        while self.hcap - self.host_used < need:
-            cands = [n for n in self._nodes() if n.host and not n.loading
-                     and not any(c.host or c.pending for c in n.children.values())]
-            if not cands:
+        """Evict host leaves by the policy's order until ``need`` units are free or none
+        is left (``drop_host`` of a node with device pages, else ``evict_host``)."""
+        while self.hcap is not None and self.hcap - self.host_used < need:
+            v = self._pop(True, set())
+            if v is None:
                 return
-            if self.exclusive:
-                dup = [n for n in cands if n.dev and n.reloaded]
-                cands = dup or cands
-            v = min(cands, key=lambda n: self._key(n, True))
-            v = self._tail(v, min(need - (self.hcap - self.host_used), len(v.units)))
-            v.host = False
+            v = self._tail(v, need - (self.hcap - self.host_used))
             self.host_used -= len(v.units)
             if v.dev:
                 self._log("drop_host", v)
+                self._flags(v, host=False)
             else:
                 self._log("evict_host", v)
                 self._remove(v)
+
+    def _tail(self, n: _Node, k: int) -> _Node:
+        """The last ``k`` units of ``n`` as a node of their own (exact eviction)."""
+        if k < len(n.units):
+            self._split(n, len(n.units) - k)
+        return n
 
     def _log(self, event: str, n: _Node) -> None:
         self.victims.append((event, n.path(), len(n.units)))
