@@ -53,7 +53,7 @@ class _Node:
     children with device pages / with a host copy or a pending host reservation."""
 
     __slots__ = ("nid", "units", "parent", "children", "depth", "dev", "host", "pending", "loading", "la",
-                 "pu", "owner", "hc", "turns", "reloaded", "refused", "queued", "ndev", "nhost")
+                 "pu", "owner", "hc", "turns", "reloaded", "refused", "queued", "chained", "ndev", "nhost")
 
     def __init__(self, nid: int, units: list[Hashable], parent: _Node | None, depth: int) -> None:
         self.nid, self.units, self.parent, self.depth = nid, units, parent, depth
@@ -63,7 +63,7 @@ class _Node:
         self.owner: str | None = None  # the request that made the last counted use
         self.hc = 0  # reuse count: uses by an owner other than the previous one
         self.turns = 1
-        self.reloaded = self.refused = self.queued = False
+        self.reloaded = self.refused = self.queued = self.chained = False
         self.ndev = self.nhost = 0
 
     def path(self) -> tuple[Hashable, ...]:
@@ -199,38 +199,61 @@ class ReferenceCache:
         else:
             self._release(r)
 
-    def poll(self) -> None:
-        """Issue the queued tree writebacks as one operation (parents first; host room is
-        made for all of them, then each is reserved in turn or refused), then complete every
-        transfer in flight."""
+    def drain(self) -> None:
+        """``poll`` and complete every command until a poll hands out none."""
+        while self.poll():
+            pass
+
+    def poll(self) -> int:
+        """Issue the queued tree writebacks as one operation, complete every transfer in
+        flight, and return how many nodes moved.
+
+        Queued nodes are taken parents first (depth, then id). One goes when its parent has
+        a visible host copy, or is in this operation and both were queued as one victim's
+        chain; it stays queued while its parent is queued or its copy in flight, and leaves
+        the queue when it no longer lacks a host copy or its parent is device-only. Host room is made
+        for all of them at once, then each is reserved in turn: refused when short (marked),
+        kept queued when its parent was refused."""
         issued: list[_Node] = []
+        keep: list[_Node] = []
         for n in sorted(self.queue if self.hcap is not None else (), key=lambda n: (n.depth, n.nid)):
-            n.queued = False
             p = n.parent
-            if n.nid in self.nodes and n.dev and not n.host and not n.pending and p is not None and (p.host or p.pending):
+            alive = n.nid in self.nodes and n.dev and not n.host and not n.pending and p is not None
+            if alive and (p.host or (n.chained and p.pending and p in issued)):
                 self._flags(n, pending=True)  # its parent keeps its host copy (has_host_child)
                 issued.append(n)
-        self.queue = []
+            elif alive and (p.pending or p.queued):
+                keep.append(n)
+            else:
+                n.queued = n.chained = False
         self._host_room(sum(len(n.units) for n in issued))
         done: list[_Node] = []
         for n in issued:
             p = n.parent
-            if self.hcap is not None and self.hcap - self.host_used >= len(n.units) and p is not None and (p.host or p in done):
+            self._flags(n, pending=False)
+            if not (p.host or p in done):
+                keep.append(n)
+            elif self.hcap is not None and self.hcap - self.host_used >= len(n.units):
                 self.host_used += len(n.units)
+                self._flags(n, pending=True)
                 done.append(n)
+                n.queued = n.chained = False
             else:
-                n.refused = True
-                self._flags(n, pending=False)
+                n.refused, n.queued, n.chained = True, False, False
+        self.queue = sorted(keep, key=lambda n: (n.depth, n.nid))
+        moved = len(done) + len(self.loads) + len(self.writes)
         for n in self.loads:
             n.loading, n.reloaded = False, True
             self._flags(n, dev=True)
         self.loads = []
         for n in done + self.writes:
+            n.reloaded = False  # a written-back copy is no duplicate of a loaded one
             self._flags(n, host=True, pending=False)
         self.writes = []
         for r in self.releases:
             self._release(r)
         self.releases = []
+        return moved
 
     def take_victims(self) -> list[tuple[str, tuple[Hashable, ...], int]]:
         """The evictions since the last call, in order: (event, unit path to the end of the
@@ -403,12 +426,14 @@ class ReferenceCache:
             v = self._pop(False, skip)
             if v is None:
                 break
-            if not v.host and self.policy == "write_back" and self.hcap is not None and not v.refused:
-                chain = [v]
-                while chain[-1].parent is not self.root and not chain[-1].parent.host:
-                    chain.append(chain[-1].parent)
+            chain = [v]
+            while not chain[-1].host and chain[-1].parent is not self.root and not chain[-1].parent.host:
+                chain.append(chain[-1].parent)
+            if not v.host and self.policy == "write_back" and self.hcap is not None and not any(
+                    n.refused for n in chain):
                 for n in chain:
                     self._enqueue(n)
+                    n.chained = True
                 pledged += len(v.units)
                 continue
             v = self._tail(v, need - (self.dcap - self.dev_used))

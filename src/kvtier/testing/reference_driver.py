@@ -183,7 +183,7 @@ def compare_requests(requests: Sequence[Any], layout: CacheLayout, cfg: Referenc
                     break
                 calls.append(("drain", ()))
                 product.drain()
-                model.poll()
+                model.drain()
                 victims("drain")
             out.requests += 1
             if adm is None or hit is None:
@@ -196,7 +196,7 @@ def compare_requests(requests: Sequence[Any], layout: CacheLayout, cfg: Referenc
                 calls.append((call, args))
                 if call == "drain":
                     product.drain()
-                    model.poll()
+                    model.drain()
                 elif call == "step_done":
                     product.cache.step_done(*args)  # type: ignore[arg-type]
                     model.step_done(*args)  # type: ignore[arg-type]
