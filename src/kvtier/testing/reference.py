@@ -283,11 +283,12 @@ class ReferenceCache:
 
     def _split(self, n: _Node, k: int) -> _Node:
         """Split ``n`` after ``k`` units: the head is a new node (a new id), ``n`` keeps the
-        tail; both keep the residency, the stamps and the counts."""
+        tail; both keep the residency, the stamps and the counts; a host refusal stays with
+        the tail."""
         assert n.parent is not None and 0 < k < len(n.units)
         head = self._new(n.units[:k], n.parent)
-        for f in ("dev", "host", "pending", "loading", "la", "pu", "owner", "hc", "turns", "reloaded", "refused"):
-            setattr(head, f, getattr(n, f))
+        for f in ("dev", "host", "pending", "loading", "la", "pu", "owner", "hc", "turns", "reloaded"):
+            setattr(head, f, getattr(n, f))  # a refusal stays with the tail (the node's id)
         head.ndev, head.nhost = int(n.dev), int(n.host or n.pending)
         n.units = n.units[k:]
         head.children[n.units[0]] = n
