@@ -53,7 +53,8 @@ class _Node:
     children with device pages / with a host copy or a pending host reservation."""
 
     __slots__ = ("nid", "units", "parent", "children", "depth", "dev", "host", "pending", "loading", "la",
-                 "pu", "owner", "hc", "turns", "reloaded", "refused", "queued", "chained", "ndev", "nhost")
+                 "pu", "owner", "hc", "turns", "reloaded", "refused", "queued", "chained", "evicting", "ndev",
+                 "nhost")
 
     def __init__(self, nid: int, units: list[Hashable], parent: _Node | None, depth: int) -> None:
         self.nid, self.units, self.parent, self.depth = nid, units, parent, depth
@@ -63,7 +64,7 @@ class _Node:
         self.owner: str | None = None  # the request that made the last counted use
         self.hc = 0  # reuse count: uses by an owner other than the previous one
         self.turns = 1
-        self.reloaded = self.refused = self.queued = self.chained = False
+        self.reloaded = self.refused = self.queued = self.chained = self.evicting = False
         self.ndev = self.nhost = 0
 
     def path(self) -> tuple[Hashable, ...]:
@@ -211,9 +212,10 @@ class ReferenceCache:
         Queued nodes are taken parents first (depth, then id). One goes when its parent has
         a visible host copy, or is in this operation and both were queued as one victim's
         chain; it stays queued while its parent is queued or its copy in flight, and leaves
-        the queue when it no longer lacks a host copy or its parent is device-only. Host room is made
-        for all of them at once, then each is reserved in turn: refused when short (marked),
-        kept queued when its parent was refused."""
+        the queue when it no longer lacks a host copy or its parent is device-only. Host room
+        is made for all of them at once; when it falls short they go one at a time instead,
+        each only with its parent's copy visible (the others stay queued), refused (marked)
+        when short of room."""
         issued: list[_Node] = []
         keep: list[_Node] = []
         for n in sorted(self.queue if self.hcap is not None else (), key=lambda n: (n.depth, n.nid)):
@@ -226,17 +228,20 @@ class ReferenceCache:
                 keep.append(n)
             else:
                 n.queued = n.chained = False
-        self._host_room(sum(len(n.units) for n in issued))
+        need = sum(len(n.units) for n in issued)
+        self._host_room(need)
+        whole = self.hcap is not None and self.hcap - self.host_used >= need  # else one at a time
         done: list[_Node] = []
         for n in issued:
             p = n.parent
             self._flags(n, pending=False)
-            if not (p.host or p in done):
+            if not (p.host or (whole and p in done)):
                 keep.append(n)
             elif self.hcap is not None and self.hcap - self.host_used >= len(n.units):
                 self.host_used += len(n.units)
                 self._flags(n, pending=True)
                 done.append(n)
+                n.evicting = n.chained  # written back for an eviction: its host copy stays
                 n.queued = n.chained = False
             else:
                 n.refused, n.queued, n.chained = True, False, False
@@ -287,9 +292,12 @@ class ReferenceCache:
         the tail."""
         assert n.parent is not None and 0 < k < len(n.units)
         head = self._new(n.units[:k], n.parent)
-        for f in ("dev", "host", "pending", "loading", "la", "pu", "owner", "hc", "turns", "reloaded"):
+        for f in ("dev", "host", "pending", "loading", "la", "pu", "owner", "hc", "turns", "reloaded", "evicting"):
             setattr(head, f, getattr(n, f))  # a refusal stays with the tail (the node's id)
         head.ndev, head.nhost = int(n.dev), int(n.host or n.pending)
+        if n.queued:  # the queue entry stays with the head too
+            head.queued, head.chained = True, n.chained
+            self.queue.append(head)
         n.units = n.units[k:]
         head.children[n.units[0]] = n
         n.parent = head
@@ -393,7 +401,7 @@ class ReferenceCache:
 
     def _pop(self, host: bool, skip: set[_Node]) -> _Node | None:
         """The next victim candidate of a tier, or ``None``; candidates in ``skip`` (locked,
-        pledged, in flight) are set aside and offered again afterwards."""
+        pledged in this pass) or in flight are set aside and offered again afterwards."""
         heap = self._hheap if host else self._dheap
         aside: list[_Key] = []
         found = None
@@ -402,9 +410,10 @@ class ReferenceCache:
             n = self.nodes.get(key[-1])
             if n is None or self._key(n, host) != key:
                 continue
-            if host and n.host and not n.nhost and not n.loading:
+            if host and n.host and not n.nhost and not n.loading and not (
+                    n.dev and n.evicting and not (self.exclusive and n.reloaded)):
                 found = n
-            elif not host and n.dev and not n.ndev and not (n.loading or n.pending or n.queued or n in skip):
+            elif not host and n.dev and not n.ndev and not (n.loading or n.pending or n in skip):
                 found = n
             elif (n.host and not n.nhost) if host else (n.dev and not n.ndev):
                 aside.append(key)
@@ -422,7 +431,7 @@ class ReferenceCache:
         stops once free and pledged units cover ``need``; a victim freed now is split to
         what is still short of free units (pledges not counted)."""
         pledged = 0
-        skip = {n for r in self.requests.values() for n in r.held} | locked
+        skip = {n for r in self.requests.values() for n in r.held} | locked  # and this pass's pledges
         while self.dcap - self.dev_used + pledged < need:
             v = self._pop(False, skip)
             if v is None:
@@ -435,6 +444,7 @@ class ReferenceCache:
                 for n in chain:
                     self._enqueue(n)
                     n.chained = True
+                skip.add(v)
                 pledged += len(v.units)
                 continue
             v = self._tail(v, need - (self.dcap - self.dev_used))

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier import Completion
+from kvtier.fsm import Family, UsageError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import node_lifecycle
 from kvtier.tiered import TieredCache
@@ -34,7 +35,7 @@ from kvtier.tiered import TieredCache
 from . import _views
 from .reference import Hit, ReferenceCache
 
-__all__ = ["ReferenceConfig", "CompareResult", "Divergence", "compare_requests", "configs"]
+__all__ = ["ReferenceConfig", "CompareResult", "Divergence", "Request", "compare_requests", "configs", "conversations"]
 
 #: the node events that take pages from a tier, as the model's victims name them
 _VICTIM_EVENTS = frozenset({"demote", "evict_device", "drop_host", "evict_host"})
@@ -139,7 +140,16 @@ def compare_requests(requests: Sequence[Any], layout: CacheLayout, cfg: Referenc
     """Drive both on ``requests`` (records with ``request_id``, ``units``, ``prompt_tokens``,
     e.g. :func:`kvtier.replay.trace_requests`); raise :class:`Divergence` on the first
     difference. ``residency_every``: also compare the whole tree every that many requests
-    (0: only at the end)."""
+    (0: only at the end).
+
+    Raises:
+        Divergence: the first difference.
+        UsageError: ``layout`` has continuation-state groups (the model has none).
+        ConfigError: ``cfg`` is not a legal ``TieredCache`` configuration.
+    """
+    state = [g.name for g in layout.groups if g.family is not Family.HISTORY]
+    if state:
+        raise UsageError(f"compare_requests: the reference model has no continuation-state groups; layout has {state}")
     t0 = time.perf_counter()
     product = _Product(layout, cfg)
     model = ReferenceCache(layout.alignment, cfg.device, cfg.host, policy=cfg.policy, eviction=cfg.eviction,
@@ -215,6 +225,41 @@ def compare_requests(requests: Sequence[Any], layout: CacheLayout, cfg: Referenc
     finally:
         lifecycle.observer = previous
     out.seconds = time.perf_counter() - t0
+    return out
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of :func:`conversations` (the fields ``compare_requests`` reads)."""
+
+    request_id: str
+    units: tuple[Hashable, ...]
+    prompt_tokens: int
+
+
+def conversations(count: int, alignment: int, *, chats: int = 12, seed: int = 0) -> list[Request]:
+    """A deterministic conversation workload that reuses a lot: ``chats`` conversations on
+    three shared system prompts; each request continues one of them (its whole history,
+    one to four new units), forks one at a random point, or starts a new one; a prompt
+    ends inside a unit, or exactly at a unit's end (the last unit is then recomputed)."""
+    import random
+
+    rng = random.Random(seed)
+    systems = [tuple(("sys", s, i) for i in range(1 + s)) for s in range(3)]
+    history: list[tuple[Hashable, ...]] = [systems[rng.randrange(3)] for _ in range(chats)]
+    out = []
+    for i in range(count):
+        c = rng.randrange(chats)
+        roll = rng.random()
+        if roll < 0.1 or len(history[c]) > 40:
+            history[c] = systems[rng.randrange(3)]
+        elif roll < 0.2:
+            other = history[rng.randrange(chats)]
+            history[c] = other[:rng.randint(1, len(other))]
+        units = history[c] + tuple(("u", i, j) for j in range(rng.randint(1, 4)))
+        tail = 0 if rng.random() < 0.2 else rng.randint(1, alignment - 1)
+        out.append(Request(f"c{i}", units, len(units) * alignment - (alignment - tail if tail else 0)))
+        history[c] = units + (("a", i),)
     return out
 
 
