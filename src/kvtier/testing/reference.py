@@ -1,22 +1,15 @@
 """An independent reference model of the tiered cache: what the tree *should* hold.
 
-Written from ``spec/README.md`` (section 1, "Policies": write policies, eviction policies,
-exact eviction, the exclusive host tier) and the facade's documented calls, sharing no
-code with ``kvtier.fsm``: plain objects, lists and dicts, no lifecycle machine, no
-concurrency. It follows one request at a time through ``admit``, ``step_done``,
-``finish`` and ``poll`` with transfers that succeed at once (every command ``poll`` hands
-out completes before the next call), and answers:
-
-- per admission, the exact hit tokens by tier (:class:`Hit`: device, host) or ``None``
-  when the device is short after eviction (the evictions it did stay done);
-- per call, the exact victims (:meth:`ReferenceCache.take_victims`: ``demote``,
-  ``evict_device``, ``drop_host``, ``evict_host`` of a node's tail, by unit path);
-- the residency of every node (:meth:`ReferenceCache.residency`).
-
-The rules the spec's prose leaves open (what the clock stamps, tie-breaks, when a
-writeback is queued, how a reservation evicts) are written in ``spec/README.md``,
-"Policies", each found by observing the product; :mod:`kvtier.testing.reference_driver`
-runs the product and this model side by side and fails on the first difference.
+Written from ``spec/README.md`` (section 1, "Policies") and the facade's documented calls,
+sharing no code with ``kvtier.fsm``: plain objects, lists and dicts, no lifecycle machine,
+no concurrency. It follows one request at a time through ``admit``, ``step_done``,
+``finish`` and ``drain`` (``poll`` until nothing is handed out, every transfer succeeding at
+once) and answers, per admission, the exact hit tokens by tier (:class:`Hit`, or ``None``
+when short of device pages); per call, the exact victims
+(:meth:`ReferenceCache.take_victims`); and every node's residency
+(:meth:`ReferenceCache.residency`). The rules the spec's "Policies" prose leaves open are
+stated there under "The rules behind the choices", each found by observing the product;
+:mod:`kvtier.testing.reference_driver` runs the product and this model side by side.
 
 Units: a *unit* is ``alignment`` tokens; capacities are in units (one page per unit and
 history group; continuation-state groups are not modelled).
@@ -66,6 +59,10 @@ class _Node:
         self.turns = 1
         self.reloaded = self.refused = self.queued = self.chained = self.evicting = False
         self.ndev = self.nhost = 0
+
+    def up(self) -> _Node:
+        assert self.parent is not None, "the root has no parent"
+        return self.parent
 
     def path(self) -> tuple[Hashable, ...]:
         out: list[Hashable] = []
@@ -207,20 +204,12 @@ class ReferenceCache:
 
     def poll(self) -> int:
         """Issue the queued tree writebacks as one operation, complete every transfer in
-        flight, and return how many nodes moved.
-
-        Queued nodes are taken parents first (depth, then id). One goes when its parent has
-        a visible host copy, or is in this operation and both were queued as one victim's
-        chain; it stays queued while its parent is queued or its copy in flight, and leaves
-        the queue when it no longer lacks a host copy or its parent is device-only. Host room
-        is made for all of them at once; when it falls short they go one at a time instead,
-        each only with its parent's copy visible (the others stay queued), refused (marked)
-        when short of room."""
+        flight, and return how many nodes moved (spec: "Issuing tree writebacks")."""
         issued: list[_Node] = []
         keep: list[_Node] = []
         for n in sorted(self.queue if self.hcap is not None else (), key=lambda n: (n.depth, n.nid)):
-            p = n.parent
-            alive = n.nid in self.nodes and n.dev and not n.host and not n.pending and p is not None
+            p = n.up()
+            alive = n.nid in self.nodes and n.dev and not n.host and not n.pending
             if alive and (p.host or (n.chained and p.pending and p in issued)):
                 self._flags(n, pending=True)  # its parent keeps its host copy (has_host_child)
                 issued.append(n)
@@ -233,7 +222,7 @@ class ReferenceCache:
         whole = self.hcap is not None and self.hcap - self.host_used >= need  # else one at a time
         done: list[_Node] = []
         for n in issued:
-            p = n.parent
+            p = n.up()
             self._flags(n, pending=False)
             if not (p.host or (whole and p in done)):
                 keep.append(n)
@@ -410,15 +399,14 @@ class ReferenceCache:
             n = self.nodes.get(key[-1])
             if n is None or self._key(n, host) != key:
                 continue
-            if host and n.host and not n.nhost and not n.loading and not (
-                    n.dev and n.evicting and not (self.exclusive and n.reloaded)):
+            if not ((n.host and not n.nhost) if host else (n.dev and not n.ndev)):
+                continue  # no longer a leaf of this tier
+            if host and not n.loading and not (n.dev and n.evicting and not (self.exclusive and n.reloaded)):
+                found = n  # (a copy written back for an eviction stays while it has device pages)
+            elif not host and not (n.loading or n.pending or n in skip):
                 found = n
-            elif not host and n.dev and not n.ndev and not (n.loading or n.pending or n in skip):
-                found = n
-            elif (n.host and not n.nhost) if host else (n.dev and not n.ndev):
-                aside.append(key)
-                continue
             else:
+                aside.append(key)
                 continue
             break
         for key in aside:
@@ -437,8 +425,8 @@ class ReferenceCache:
             if v is None:
                 break
             chain = [v]
-            while not chain[-1].host and chain[-1].parent is not self.root and not chain[-1].parent.host:
-                chain.append(chain[-1].parent)
+            while not chain[-1].host and chain[-1].parent is not self.root and not chain[-1].up().host:
+                chain.append(chain[-1].up())
             if not v.host and self.policy == "write_back" and self.hcap is not None and not any(
                     n.refused for n in chain):
                 for n in chain:
@@ -455,8 +443,6 @@ class ReferenceCache:
             else:
                 self._log("evict_device", v)
                 self._remove(v)
-        for n in self.queue:
-            self._dirty(n)
         return self.dcap - self.dev_used >= need
 
     def _reserve_host(self, chain: Sequence[_Node]) -> bool:
@@ -465,7 +451,7 @@ class ReferenceCache:
         for n in chain:
             self._flags(n, pending=True)
         self._host_room(need)
-        if self.hcap - self.host_used < need:
+        if self.hcap is None or self.hcap - self.host_used < need:
             for n in chain:
                 self._flags(n, pending=False)
             return False
@@ -507,8 +493,6 @@ def _bonus(window: int, turns: int) -> int:
 
 def _common(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     k = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
+    while k < len(a) and k < len(b) and a[k] == b[k]:
         k += 1
     return k

@@ -201,15 +201,15 @@ def compare_requests(requests: Sequence[Any], layout: CacheLayout, cfg: Referenc
                 continue
             out.hit_tokens += hit.hit_tokens
             out.host_hit_tokens += hit.host_tokens
-            for call, args in (("drain", ()), ("step_done", (rid, prompt - adm.start_token)),
-                               ("finish", (rid,)), ("drain", ())):
-                calls.append((call, args))
+            computed = prompt - adm.start_token
+            for call in ("drain", "step_done", "finish", "drain"):
+                calls.append((call, (rid, computed) if call == "step_done" else (rid,) if call == "finish" else ()))
                 if call == "drain":
                     product.drain()
                     model.drain()
                 elif call == "step_done":
-                    product.cache.step_done(*args)  # type: ignore[arg-type]
-                    model.step_done(*args)  # type: ignore[arg-type]
+                    product.cache.step_done(rid, computed)
+                    model.step_done(rid, computed)
                 else:
                     product.cache.finish(rid)
                     model.finish(rid)
@@ -218,10 +218,10 @@ def compare_requests(requests: Sequence[Any], layout: CacheLayout, cfg: Referenc
                 check("residency", product.residency(), model.residency())
         if requests:
             last = requests[-1]
-            got, want = product.residency(), model.residency()
-            if got != want:
+            tree, shadow = product.residency(), model.residency()
+            if tree != shadow:
                 raise Divergence(len(requests) - 1, last.request_id, "residency", list(calls),
-                                 *_dict_diff(got, want), cfg)
+                                 *_dict_diff(tree, shadow), cfg)
     finally:
         lifecycle.observer = previous
     out.seconds = time.perf_counter() - t0
