@@ -220,19 +220,24 @@ class ReferenceCache:
         need = sum(len(n.units) for n in issued)
         self._host_room(need)
         whole = self.hcap is not None and self.hcap - self.host_used >= need  # else one at a time
+        for n in issued:
+            self._flags(n, pending=False)
         done: list[_Node] = []
         for n in issued:
             p = n.up()
-            self._flags(n, pending=False)
             if not (p.host or (whole and p in done)):
                 keep.append(n)
-            elif self.hcap is not None and self.hcap - self.host_used >= len(n.units):
+                continue
+            self._flags(n, pending=True)
+            if not whole:
+                self._host_room(len(n.units))
+            if self.hcap is not None and self.hcap - self.host_used >= len(n.units):
                 self.host_used += len(n.units)
-                self._flags(n, pending=True)
                 done.append(n)
                 n.evicting = n.chained  # written back for an eviction: its host copy stays
                 n.queued = n.chained = False
             else:
+                self._flags(n, pending=False)
                 n.refused, n.queued, n.chained = True, False, False
         self.queue = sorted(keep, key=lambda n: (n.depth, n.nid))
         moved = len(done) + len(self.loads) + len(self.writes)
