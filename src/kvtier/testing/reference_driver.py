@@ -21,17 +21,17 @@ both answers. Usage::
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier import Completion
-from kvtier.fsm import Family, UsageError
+from kvtier.fsm import Completion, Family, UsageError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.machines import node_lifecycle
-from kvtier.tiered import TieredCache
 
+from ..tiered import TieredCache
 from . import _views
 from .reference import Hit, ReferenceCache
 
@@ -242,8 +242,6 @@ def conversations(count: int, alignment: int, *, chats: int = 12, seed: int = 0)
     three shared system prompts; each request continues one of them (its whole history,
     one to four new units), forks one at a random point, or starts a new one; a prompt
     ends inside a unit, or exactly at a unit's end (the last unit is then recomputed)."""
-    import random
-
     rng = random.Random(seed)
     systems = [tuple(("sys", s, i) for i in range(1 + s)) for s in range(3)]
     history: list[tuple[Hashable, ...]] = [systems[rng.randrange(3)] for _ in range(chats)]
