@@ -76,11 +76,13 @@ class _Node:
         return "backed" if self.dev and self.host else "device" if self.dev else "host"
 
 
+@dataclass
 class _Request:
-    __slots__ = ("rid", "keys", "held", "tokens", "own")
-
-    def __init__(self, rid: str, keys: tuple[Hashable, ...], held: list[_Node], tokens: int, own: int) -> None:
-        self.rid, self.keys, self.held, self.tokens, self.own = rid, keys, held, tokens, own
+    rid: str
+    keys: tuple[Hashable, ...]
+    held: list[_Node]  # its locked path, root first
+    tokens: int  # tokens with KV
+    own: int  # device pages of its own (not the tree's)
 
 
 class ReferenceCache:
@@ -161,7 +163,8 @@ class ReferenceCache:
                 child = self._split(child, k)
             dups.append(child)
             rest, parent = rest[k:], child
-        t = self._tick()
+        self.clock += 1
+        t = self.clock
         for n in dups:
             n.la = t  # a use with no owner: it counts no reuse
             r.own -= len(n.units)
@@ -200,7 +203,7 @@ class ReferenceCache:
     def drain(self) -> None:
         """``poll`` and complete every command until a poll hands out none."""
         while self.poll():
-            pass
+            continue
 
     def poll(self) -> int:
         """Issue the queued tree writebacks as one operation, complete every transfer in
@@ -338,14 +341,11 @@ class ReferenceCache:
         return path
 
     # ------------------------------------------------------------------ clock and uses
-    def _tick(self) -> int:
-        self.clock += 1
-        return self.clock
-
     def _touch(self, nodes: Sequence[_Node], owner: str) -> None:
         """One tick; each node's use is stamped, and counted as a reuse when ``owner`` is not
         the owner of its last counted use (``write_through_selective`` queues it then)."""
-        t = self._tick()
+        self.clock += 1
+        t = self.clock
         for n in nodes:
             if owner != n.owner:
                 n.pu, n.owner = n.la, owner
@@ -379,8 +379,7 @@ class ReferenceCache:
         return (*first, n.la, -n.depth, n.nid)
 
     def _dirty(self, n: _Node) -> None:
-        """Offer ``n`` to the candidate heaps if it is a leaf of a tier now (stale entries
-        are dropped when popped)."""
+        """Offer ``n`` to the heaps of the tiers it is a leaf of (stale entries are skipped)."""
         if n.parent is None:
             return
         if n.dev and not n.ndev:
@@ -419,10 +418,7 @@ class ReferenceCache:
         return found
 
     def _device_room(self, need: int, locked: set[_Node]) -> bool:
-        """Free ``need`` device units by the policy's order. ``write_back`` queues a
-        device-only victim's chain and counts the victim's units as pledged: the search
-        stops once free and pledged units cover ``need``; a victim freed now is split to
-        what is still short of free units (pledges not counted)."""
+        """Free ``need`` device units by the policy's order (spec: "Device eviction")."""
         pledged = 0
         skip = {n for r in self.requests.values() for n in r.held} | locked  # and this pass's pledges
         while self.dcap - self.dev_used + pledged < need:
@@ -464,8 +460,7 @@ class ReferenceCache:
         return True
 
     def _host_room(self, need: int) -> None:
-        """Evict host leaves by the policy's order until ``need`` units are free or none
-        is left (``drop_host`` of a node with device pages, else ``evict_host``)."""
+        """Evict host leaves by the policy's order until ``need`` units are free or none is left."""
         while self.hcap is not None and self.hcap - self.host_used < need:
             v = self._pop(True, set())
             if v is None:
