@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import provenance, record_section  # noqa: E402
 
-from kvtier.argtypes import positive_int  # noqa: E402
+from kvtier.cli.argtypes import positive_int  # noqa: E402
 from kvtier.fsm import KvtierError  # noqa: E402
 from kvtier.fsm.presets import preset  # noqa: E402
 from kvtier.replay import trace_requests  # noqa: E402
 from kvtier.testing.reference_driver import Divergence, compare_requests, configs  # noqa: E402
-from kvtier.trace import load_trace  # noqa: E402
+from kvtier.replay.trace import load_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -12,7 +12,7 @@ from kvtier.replay import trace_requests
 from kvtier.testing import reference_driver
 from kvtier.testing.reference import Hit, ReferenceCache, _bonus
 from kvtier.testing.reference_driver import Divergence, ReferenceConfig, compare_requests, configs, conversations
-from kvtier.trace import load_trace
+from kvtier.replay.trace import load_trace
 
 A = 16  # tokens per unit in the hand-made cases
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvtier.fsm import Completion, Family, UsageError
 from kvtier.fsm.layout import CacheLayout
-from kvtier.fsm.machines import node_lifecycle
+from kvtier.fsm.lifecycle.machines import node_lifecycle
 
 from ..tiered import TieredCache
 from . import _views
@@ -110,7 +110,7 @@ class Divergence(AssertionError):
 
 class _Product:
     """The product with instant transfers and its victims, observed through the node
-    lifecycle's observer (``kvtier.fsm.machines.Lifecycle.observer``)."""
+    lifecycle's observer (``kvtier.fsm.lifecycle.machines.Lifecycle.observer``)."""
 
     def __init__(self, layout: CacheLayout, cfg: ReferenceConfig) -> None:
         self.cache = TieredCache(layout, cfg.device, cfg.host, policy=cfg.policy, eviction=cfg.eviction,
