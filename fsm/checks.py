@@ -7,12 +7,14 @@ raises the caller's error class with a message that names the value.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from collections.abc import Hashable, Sequence
 
 from .errors import ConfigError, KvtierError, UsageError
 
-__all__ = ["as_int", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "check_key_sequence", "check_hashable", "ConfigError", "UsageError"]
+__all__ = ["as_int", "as_time", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "check_key_sequence", "check_hashable", "ConfigError", "UsageError"]
 
 
 def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | None = None,
@@ -39,6 +41,16 @@ def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | 
     if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
         raise error(f"{what} must be an int{_bounds(minimum, maximum)}, got {value!r}")
     return v
+
+
+def as_time(value: object, what: str, *, infinite: bool = False, error: type[KvtierError] = UsageError) -> float:
+    """``value`` as a ``float`` if it is a finite real number (``int``, ``float``, ``numpy``
+    scalars; a bool, NaN or an infinity raises ``error``; ``+inf`` too unless ``infinite``):
+    a clock reading or a duration in seconds. An operation stamped at NaN never expires."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not (math.isfinite(value) or (infinite and value == math.inf))):
+        raise error(f"{what} must be a finite number of seconds{' or inf' if infinite else ''}, got {value!r}")
+    return float(value)
 
 
 def plain_int(value: object) -> int | None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .checks import plain_bool, plain_int
-from .errors import ConfigError
+from .errors import ConfigError, KvtierError
 
 __all__ = ["StoreOp", "StoreCommand", "StoreResult", 
     "Family",
@@ -369,7 +369,7 @@ class StoreResult:
     """The outcome of one :class:`StoreCommand`.
 
     Attributes:
-        op_id: the command's op id.
+        op_id: the command's op id (checked by :meth:`kvtier.fsm.l3.L3Tier.complete`).
         ok: per key, success (put stored, get delivered a checked object, remove done);
             ignored for exists.
         present: exists only: how many keys, from the first on, the store holds.
@@ -377,6 +377,11 @@ class StoreResult:
         nbytes: bytes moved between host and store.
         seconds: seconds the backend spent on the operation.
         error: the backend's error text, if the operation failed as a whole.
+
+    Raises:
+        ConfigError: ``ok`` not a sequence of bools, ``present`` or ``nbytes`` not an int
+            >= 0, ``corrupt`` not a sequence of strings, ``seconds`` not a finite number
+            >= 0 or ``error`` not a string or ``None`` (numpy bools and ints are taken).
     """
 
     op_id: int
@@ -387,4 +392,30 @@ class StoreResult:
     seconds: float = 0.0
     error: str | None = None
 
+    def __post_init__(self) -> None:
+        for name, value in zip(("ok", "present", "corrupt", "nbytes", "seconds"),
+                               store_result_fields(self, f"store result for op {self.op_id!r}", ConfigError)):
+            object.__setattr__(self, name, value)
 
+
+def store_result_fields(res: StoreResult, owner: str, error: type[KvtierError]
+                        ) -> tuple[tuple[bool, ...], int, tuple[str, ...], int, float]:
+    """``res``'s ok, present, corrupt, nbytes and seconds, checked and in plain types;
+    ``error`` names the first bad field, its value and what was expected."""
+    ok = tuple(plain_bool(x) for x in res.ok) if isinstance(res.ok, (tuple, list)) else None
+    if ok is None or None in ok:
+        raise error(f"{owner}: ok must be a tuple of bools, got {res.ok!r}")
+    corrupt = tuple(res.corrupt) if isinstance(res.corrupt, (tuple, list)) else None
+    if corrupt is None or not all(isinstance(k, str) for k in corrupt):
+        raise error(f"{owner}: corrupt must be a tuple of key strings, got {res.corrupt!r}")
+    present, nbytes = plain_int(res.present), plain_int(res.nbytes)
+    for name, v, given in (("present", present, res.present), ("nbytes", nbytes, res.nbytes)):
+        if v is None or v < 0:
+            raise error(f"{owner}: {name} must be an int >= 0, got {given!r}")
+    seconds = res.seconds
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
+            or seconds < 0):
+        raise error(f"{owner}: seconds must be a finite number >= 0, got {seconds!r}")
+    if res.error is not None and not isinstance(res.error, str):
+        raise error(f"{owner}: error must be a str or None, got {res.error!r}")
+    return ok, present, corrupt, nbytes, float(seconds)  # type: ignore[return-value]

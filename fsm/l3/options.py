@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -12,8 +13,10 @@ from ..lifecycle.names import L3_STATE as LS
 
 if TYPE_CHECKING:
     from ..layout import CacheLayout
+    from ..node.node import NodeReceipt
+    from ..records import StoreOp
 
-__all__ = ["L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
+__all__ = ["L3Op", "L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
 
 #: L3 write policies: put a request's host-visible prefix when it is offered (``host_write``),
 #: only chunks reused at least ``write_threshold`` times (``selective``), or the host tier's
@@ -76,8 +79,9 @@ class L3Options:
             raise ConfigError(f"L3 tp_rank {self.tp_rank} is not below world_size {self.world_size}")
         for name in ("deadline_s", "lease_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (name == "deadline_s" and v == 0):
-                raise ConfigError(f"L3 {name} must be a number of seconds (> 0 for deadline_s), got {v!r}")
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                    or (name == "deadline_s" and v == 0)):  # NaN and inf: an operation that never expires
+                raise ConfigError(f"L3 {name} must be a finite number of seconds (> 0 for deadline_s), got {v!r}")
 
 
 @dataclass
@@ -171,3 +175,16 @@ class Prefetch:
     op_id: int
     fetched: int = 0
     done: bool = False
+
+
+@dataclass
+class L3Op:
+    """A store operation in flight: its kind, objects, deadline (the caller's clock), the
+    prefetch owner and, for a put, the receipt of the host pages it pins."""
+
+    op_id: int
+    kind: StoreOp
+    objects: list[L3Object]
+    deadline: float
+    owner: str | None = None
+    receipt: NodeReceipt | None = None

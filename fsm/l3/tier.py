@@ -29,14 +29,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..checks import check_key_sequence, plain_int
+from ..checks import as_time, check_key_sequence, plain_int
 from ..errors import ConfigError, UsageError
-from .options import WRITE_POLICIES, L3Object, L3Options, L3Stats, Prefetch, chain_keys, namespace
+from .options import WRITE_POLICIES, L3Object, L3Op, L3Options, L3Stats, Prefetch, chain_keys, namespace
 from ..lifecycle.machines import l3_lifecycle
-from ..records import StoreCommand, StoreOp, StoreResult
+from ..records import StoreCommand, StoreOp, StoreResult, store_result_fields
 from ..lifecycle.names import DEVICE_READABLE, HOST_VISIBLE, L3_EVENT as EV, L3_STATE as LS
 from ..node.node import Node, NodeReceipt, PageMap
 
@@ -45,16 +44,6 @@ if TYPE_CHECKING:
 
 __all__ = ["StoreOp", "StoreCommand", "StoreResult", "L3Options", "L3Stats", "L3Object", "L3Tier",
            "WRITE_POLICIES", "namespace", "chain_keys"]
-
-@dataclass
-class _Op:
-    op_id: int
-    kind: StoreOp
-    objects: list[L3Object]
-    deadline: float
-    owner: str | None = None
-    receipt: NodeReceipt | None = None
-
 
 class L3Tier:
     """The L3 tier of one instance over ``core``.
@@ -82,7 +71,7 @@ class L3Tier:
         self.stats = L3Stats()
         self._life = l3_lifecycle()
         self._objects: dict[str, L3Object] = {}
-        self._ops: dict[int, _Op] = {}
+        self._ops: dict[int, L3Op] = {}
         self._outbox: list[StoreCommand] = []
         self._issued = 0
         self._prefetch: dict[str, Prefetch] = {}
@@ -96,7 +85,7 @@ class L3Tier:
         return dict(self._objects)
 
     @property
-    def operations(self) -> dict[int, _Op]:  # store operations in flight by op id (a snapshot)
+    def operations(self) -> dict[int, L3Op]:  # store operations in flight by op id (a snapshot)
         return dict(self._ops)
 
     def ops_in_flight(self) -> int:  # store operations in flight
@@ -145,11 +134,11 @@ class L3Tier:
             self._objects[o.key] = o
 
     def _new_op(self, kind: StoreOp, objects: list[L3Object], pages: Sequence[PageMap], now: float,
-                owner: str | None = None, receipt: NodeReceipt | None = None, op_id: int | None = None) -> _Op:
+                owner: str | None = None, receipt: NodeReceipt | None = None, op_id: int | None = None) -> L3Op:
         if op_id is None:
             self._issued += 1
             op_id = self._issued
-        op = _Op(op_id, kind, objects, now + self.options.deadline_s, owner, receipt)
+        op = L3Op(op_id, kind, objects, now + self.options.deadline_s, owner, receipt)
         self._ops[op.op_id] = op
         for o in objects:
             o.op_id = op.op_id
@@ -185,8 +174,9 @@ class L3Tier:
             already has a prefetch in flight.
 
         Raises:
-            UsageError: ``owner`` not a string or ``units`` not a sequence.
+            UsageError: ``owner`` not a string, ``units`` not a sequence or ``now`` not a finite number.
         """
+        now = as_time(now, "l3 prefetch: now")
         if not isinstance(owner, str):
             raise UsageError(f"l3 prefetch: owner must be a request id string, got {owner!r}")
         check_key_sequence(units, "l3 prefetch: units")
@@ -208,7 +198,7 @@ class L3Tier:
         self.stats.exists_keys += len(objs)
         return True
 
-    def _on_exists(self, op: _Op, res: StoreResult, now: float) -> None:
+    def _on_exists(self, op: L3Op, res: StoreResult, now: float) -> None:
         pf = self._prefetch.get(op.owner or "")
         present = max(0, min(int(res.present), len(op.objects))) if res.error is None else 0
         self.stats.exists_present += present
@@ -248,7 +238,7 @@ class L3Tier:
         self.stats.get_ops += 1
         self.stats.get_keys += len(chosen)
 
-    def _on_get(self, op: _Op, res: StoreResult, now: float) -> None:
+    def _on_get(self, op: L3Op, res: StoreResult, now: float) -> None:
         oks = list(res.ok) if res.error is None else []
         acked = 0
         while acked < len(op.objects) and acked < len(oks) and oks[acked]:
@@ -324,6 +314,7 @@ class L3Tier:
         Returns:
             Objects submitted.
         """
+        now = as_time(now, "l3 offer: now")
         check_key_sequence(units, "l3 offer: units")
         if self.options.write_policy == "host_eviction":
             return self._put_victims(now)
@@ -369,7 +360,7 @@ class L3Tier:
                 break
         return self._put_units(items[:self.options.max_put_units], now)
 
-    def _on_put(self, op: _Op, res: StoreResult) -> None:
+    def _on_put(self, op: L3Op, res: StoreResult) -> None:
         if op.receipt is not None:
             self.core.release(op.receipt)
         oks = list(res.ok) if res.error is None else []
@@ -390,10 +381,14 @@ class L3Tier:
         Returns:
             Keys submitted now.
         """
+        now = as_time(now, "l3 remove: now")
         if isinstance(keys, str) or not isinstance(keys, Sequence):
             raise UsageError(f"l3 remove: keys must be a sequence of key strings, got {keys!r}")
         for bad in (k for k in keys if not isinstance(k, str)):  # every key checked before anything changes
             raise UsageError(f"l3 remove: key must be a string, got {bad!r}")
+        return self._remove(keys, now)
+
+    def _remove(self, keys: Sequence[str], now: float) -> int:
         objs: list[L3Object] = []
         for k in keys:
             o = self._obj(k)
@@ -412,7 +407,7 @@ class L3Tier:
             self.stats.remove_keys += len(objs)
         return len(objs)
 
-    def _on_remove(self, op: _Op, res: StoreResult) -> None:
+    def _on_remove(self, op: L3Op, res: StoreResult) -> None:
         oks = list(res.ok) if res.error is None else []
         for i, o in enumerate(op.objects):
             self._fire(o, EV.remove_ack if i < len(oks) and oks[i] else EV.remove_fail)
@@ -424,12 +419,18 @@ class L3Tier:
         A result for an operation that already ended (after its deadline) is absorbed.
 
         Raises:
-            UsageError: not a StoreResult, an op id not an int, or one never issued (nothing changes).
+            UsageError: not a StoreResult, an op id not an int, or one never issued, a bad field
+                (``present`` not an int >= 0, ``ok`` not bools, ...) or ``now`` not a finite
+                number (nothing changes: the operation can still complete or expire).
         """
         if not isinstance(result, StoreResult):
             raise UsageError(f"l3 complete: expected a StoreResult, got {result!r}")
         if plain_int(result.op_id) is None:  # a bool would complete op 1 (True == 1)
             raise UsageError(f"l3 complete: op_id must be an int, got {result.op_id!r}")
+        store_result_fields(result, f"l3 complete: op {result.op_id}", UsageError)  # a record built around __init__
+        self._complete(result, as_time(now, "l3 complete: now"))
+
+    def _complete(self, result: StoreResult, now: float) -> None:
         op = self._ops.pop(result.op_id, None)
         if op is None:
             if 1 <= result.op_id <= self._issued:
@@ -462,13 +463,18 @@ class L3Tier:
 
         Returns:
             The expired op ids.
+
+        Raises:
+            UsageError: ``now`` NaN, -inf or not a number (nothing changes); ``inf`` is taken:
+                every deadline and lease has passed (at shutdown).
         """
+        now = as_time(now, "l3 expire: now", infinite=True)
         expired = [op for op in self._ops.values() if op.deadline <= now]
         for op in expired:
             if cancel is not None:
                 cancel(op.op_id)
             self.stats.expired_ops += 1
-            self.complete(StoreResult(op.op_id, error="deadline: the store did not answer in time"), now)
+            self._complete(StoreResult(op.op_id, error="deadline: the store did not answer in time"), now)
             self.stats.op_errors -= 1  # counted as expired, not as a backend error
             self.stats.errors["deadline"] -= 1
             if not self.stats.errors["deadline"]:
@@ -476,11 +482,10 @@ class L3Tier:
         for o in [o for o in self._objects.values() if o.state == LS.leased and o.lease_until <= now]:
             self._fire(o, EV.lease_end)
         if self._pending_removes:
-            waiting, self._pending_removes = self._pending_removes, []
-            ready = [k for k in waiting if self._obj(k).state == LS.unknown]
-            self._pending_removes = [k for k in waiting if k not in ready]
+            ready = [k for k in self._pending_removes if self._obj(k).state == LS.unknown]
+            self._pending_removes = [k for k in self._pending_removes if k not in ready]
             if ready:
-                self.remove(ready, now)
+                self._remove(ready, now)
         return [op.op_id for op in expired]
 
     # ------------------------------------------------------------------ checks
@@ -490,6 +495,6 @@ class L3Tier:
         Raises:
             InvariantViolation: naming the invariant and the object.
         """
-        from .checks import check_l3
+        from .checks import check_l3  # looked up at each call (tests replace it)
 
         check_l3(self)

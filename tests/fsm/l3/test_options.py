@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 
 import pytest
 from core_helpers import h1, h2
@@ -47,11 +48,11 @@ def test_l3_options_have_their_documented_defaults_and_refuse_each_bad_value_by_
         ({"eviction_lookahead": "8"}, "L3 eviction_lookahead must be an int >= 0, got '8'"),
         ({"tp_rank": 1}, "L3 tp_rank 1 is not below world_size 1"),
         ({"tp_rank": 3, "world_size": 2}, "L3 tp_rank 3 is not below world_size 2"),
-        ({"deadline_s": 0}, "L3 deadline_s must be a number of seconds (> 0 for deadline_s), got 0"),
-        ({"deadline_s": -1.0}, "L3 deadline_s must be a number of seconds (> 0 for deadline_s), got -1.0"),
-        ({"deadline_s": True}, "L3 deadline_s must be a number of seconds (> 0 for deadline_s), got True"),
-        ({"lease_s": -0.5}, "L3 lease_s must be a number of seconds (> 0 for deadline_s), got -0.5"),
-        ({"lease_s": "1"}, "L3 lease_s must be a number of seconds (> 0 for deadline_s), got '1'"),
+        ({"deadline_s": 0}, "L3 deadline_s must be a finite number of seconds (> 0 for deadline_s), got 0"),
+        ({"deadline_s": -1.0}, "L3 deadline_s must be a finite number of seconds (> 0 for deadline_s), got -1.0"),
+        ({"deadline_s": True}, "L3 deadline_s must be a finite number of seconds (> 0 for deadline_s), got True"),
+        ({"lease_s": -0.5}, "L3 lease_s must be a finite number of seconds (> 0 for deadline_s), got -0.5"),
+        ({"lease_s": "1"}, "L3 lease_s must be a finite number of seconds (> 0 for deadline_s), got '1'"),
     ]
     for kw, msg in cases:
         with pytest.raises(ConfigError) as e:
@@ -163,8 +164,22 @@ def test_check_takes_seconds_and_refuses_a_zero_deadline_but_not_a_zero_lease() 
     for name, bad in (("deadline_s", 0), ("deadline_s", 0.0), ("deadline_s", -1.0), ("deadline_s", True),
                       ("deadline_s", "2"), ("lease_s", -0.5), ("lease_s", False), ("lease_s", "0"),
                       ("lease_s", None)):
-        _refused(f"L3 {name} must be a number of seconds (> 0 for deadline_s), got {bad!r}", **{name: bad})
+        _refused(f"L3 {name} must be a finite number of seconds (> 0 for deadline_s), got {bad!r}", **{name: bad})
 
+
+NON_FINITE = [("deadline_s", math.nan), ("deadline_s", math.inf), ("deadline_s", -math.inf),
+              ("lease_s", math.nan), ("lease_s", math.inf), ("lease_s", -math.inf)]
+
+
+@pytest.mark.parametrize(("name", "bad"), NON_FINITE, ids=[f"{n}={v!r}" for n, v in NON_FINITE])
+def test_check_refuses_a_deadline_or_lease_that_is_not_finite(name: str, bad: float) -> None:
+    """NaN compares false with everything, so ``deadline_s=nan`` passed the old bounds and
+    stamped operations that never expire (``inf`` too); a lease of NaN or inf never ends.
+    Both are refused by name, by ``check`` and so by the tier's constructor."""
+    _refused(f"L3 {name} must be a finite number of seconds (> 0 for deadline_s), got {bad!r}", **{name: bad})
+    with pytest.raises(ConfigError) as exc:
+        L3Tier(CacheCore(h1(), 16, 16), L3Options(**{name: bad}))  # type: ignore[arg-type]
+    assert type(exc.value) is ConfigError and repr(bad) in str(exc.value) and name in str(exc.value)
 
 # ------------------------------------------------------------------ records
 def test_l3_stats_start_at_zero_with_an_empty_error_table_of_their_own() -> None:

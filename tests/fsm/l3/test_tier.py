@@ -8,8 +8,12 @@ L3 works against a real store are in tests/transfer/store/."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
+
 import pytest
-from core_helpers import ack, h1, put, src
+from core_helpers import ack, h1, put, snapshot, src
 from l3_helpers import KEY, FakeStore, backed, make, pump
 
 from kvtier.fsm import CacheCore, ConfigError, IllegalTransition, InvariantViolation, UsageError
@@ -368,5 +372,84 @@ def test_a_bare_store_result_moved_nothing_and_succeeded_at_nothing() -> None:
     assert tb.expire(5.0) == [get.op_id]
     assert (tb.stats.bytes_in, tb.stats.get_seconds, tb.stats.seconds, tb.stats.expired_ops) == (0, 0.5, 0.5, 1)
     assert b.match(tuple("abcd")).host_units == 0
+    tb.check_invariants()
+    b.check_invariants()
+
+
+# ------------------------------------------------------------------ hostile store results
+def forged(op_id: int, **fields: object) -> StoreResult:
+    """A StoreResult with ``fields`` set around its constructor (which refuses them), as a
+    buggy backend or a pickled record from another version could hand one over."""
+    r = StoreResult(op_id)
+    for name, value in fields.items():
+        object.__setattr__(r, name, value)
+    return r
+
+
+def tier_view(tier: L3Tier) -> tuple[Any, ...]:
+    """Everything observable about a tier and its core, through public views."""
+    return ({i: (o.kind, [x.key for x in o.objects], o.deadline, o.owner) for i, o in tier.operations.items()},
+            {k: (o.state, o.op_id, o.lease_until) for k, o in tier.objects.items()},
+            tier.prefetching("r1"), tier.fetched_units("r1"), dataclasses.asdict(tier.stats), snapshot(tier.core))
+
+
+BAD_RESULTS = [  # (the operation it answers, field, value, what the message says is expected)
+    ("exists", "present", None, "an int >= 0"),
+    ("exists", "present", math.nan, "an int >= 0"),
+    ("exists", "present", "lots", "an int >= 0"),
+    ("exists", "present", 2.0, "an int >= 0"),
+    ("exists", "present", True, "an int >= 0"),
+    ("exists", "present", -1, "an int >= 0"),
+    ("exists", "nbytes", -8, "an int >= 0"),
+    ("exists", "seconds", math.nan, "a finite number >= 0"),
+    ("exists", "seconds", math.inf, "a finite number >= 0"),
+    ("exists", "error", 500, "a str or None"),
+    ("get", "ok", None, "a tuple of bools"),
+    ("get", "ok", "yes", "a tuple of bools"),
+    ("get", "ok", (True, None), "a tuple of bools"),
+    ("get", "ok", (1, 1), "a tuple of bools"),
+    ("get", "corrupt", None, "a tuple of key strings"),
+    ("get", "corrupt", (7,), "a tuple of key strings"),
+]
+
+
+@pytest.mark.parametrize("then", ["complete", "expire"])
+@pytest.mark.parametrize(("stage", "field", "bad", "expected"), BAD_RESULTS,
+                         ids=[f"{s}-{f}={v!r}" for s, f, v, _ in BAD_RESULTS])
+def test_a_store_result_with_a_bad_field_is_refused_and_the_prefetch_can_still_end(
+        stage: str, field: str, bad: object, expected: str, then: str) -> None:
+    """A result whose ``present`` is None, NaN or 'lots' (or whose ``ok`` is None, ...) is
+    refused with a UsageError naming the field and the value before anything changes: the
+    operation stays in flight, so its real answer, or its deadline, still ends the prefetch
+    (once the operation was dropped first, and the request waited on it forever)."""
+    store = FakeStore()
+    a, ta = make()
+    backed(a, KEY)
+    ta.offer(KEY, 0.0)
+    pump(ta, store)
+    b, tb = make()
+    assert tb.prefetch("r1", KEY, 0.0)
+    cmd = tb.poll_commands()[0]
+    if stage == "get":
+        tb.complete(store.answer(cmd), 0.0)
+        cmd = tb.poll_commands()[0]
+    assert cmd.kind.value == stage
+    before = tier_view(tb)
+    with pytest.raises(UsageError) as exc:
+        tb.complete(forged(cmd.op_id, **{field: bad}), 0.5)
+    assert type(exc.value) is UsageError
+    assert str(exc.value) == f"l3 complete: op {cmd.op_id}: {field} must be {expected}, got {bad!r}"
+    assert tier_view(tb) == before and tb.prefetching("r1") and cmd.op_id in tb.operations
+    assert tb.poll_commands() == []
+    tb.check_invariants()
+    b.check_invariants()
+    if then == "expire":
+        assert tb.expire(1.0) == [cmd.op_id]
+        assert not tb.prefetching("r1") and tb.ops_in_flight() == 0 and tb.stats.expired_ops == 1
+    else:
+        tb.complete(store.answer(cmd), 0.5)
+        if stage == "exists":
+            tb.complete(store.answer(tb.poll_commands()[0]), 0.5)
+        assert not tb.prefetching("r1") and tb.fetched_units("r1") == 4 and b.match(KEY).host_units == 4
     tb.check_invariants()
     b.check_invariants()

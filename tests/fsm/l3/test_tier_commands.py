@@ -10,9 +10,12 @@ alignment 2 (one unit = 2 tokens = 1 page)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 
+import numpy as np
 import pytest
-from core_helpers import h1, put, src
+from core_helpers import h1, put, snapshot, src
 from l3_helpers import answer_at_once, backed, h1_tier, one_command, stored
 
 from kvtier.fsm import CacheCore, ConfigError, UsageError
@@ -358,3 +361,99 @@ def test_removes_wait_for_leases_and_every_end_of_an_operation_is_counted_exactl
         "removes_deferred_by_lease": 1, "op_errors": 3, "expired_ops": 3, "absorbed_late_results": 1,
         "bytes_in": 96, "seconds": 1.0, "get_seconds": 0.5, "errors": {"TimeoutError": 1, "E" * 60: 2}}
     t.check_invariants()
+
+
+# ------------------------------------------------------------------ hostile clock values and records
+BAD_NOW = [math.nan, math.inf, -math.inf, None, "0", True, 1j]
+CALLS: dict[str, Callable[[L3Tier, int, object], object]] = {
+    "prefetch": lambda t, op, now: t.prefetch("r2", KEY + ("d", "e"), now),  # type: ignore[arg-type]
+    "offer": lambda t, op, now: t.offer(KEY, now),  # type: ignore[arg-type]
+    "remove": lambda t, op, now: t.remove(t.keys_for(("z",)), now),  # type: ignore[arg-type]
+    "expire": lambda t, op, now: t.expire(now),  # type: ignore[arg-type]
+    "complete": lambda t, op, now: t.complete(StoreResult(op, present=1), now),  # type: ignore[arg-type]
+}
+
+
+@pytest.mark.parametrize("bad", BAD_NOW, ids=repr)
+@pytest.mark.parametrize("call", list(CALLS))
+def test_every_call_that_takes_now_refuses_a_clock_value_that_is_not_a_finite_number(call: str, bad: object) -> None:
+    """``now`` stamps deadlines and leases: an operation stamped at NaN (or inf) never
+    expires, so a store that never answers would hold its request forever. Each call
+    refuses it with a UsageError naming ``now`` and the value, and changes nothing
+    (``expire`` takes ``inf``: every deadline has passed; see the next test)."""
+    if call == "expire" and bad == math.inf:
+        return
+    t = h1_tier()
+    backed(t.core, KEY)
+    assert t.prefetch("r1", KEY + ("d",), 0.0)
+    [exists] = t.poll_commands()
+
+    def view() -> tuple[object, ...]:
+        return ({i: (o.kind, o.deadline, o.owner) for i, o in t.operations.items()},
+                {k: (o.state, o.lease_until) for k, o in t.objects.items()}, t.prefetching("r1"),
+                t.prefetching("r2"), dataclasses.asdict(t.stats), snapshot(t.core))
+
+    before = view()
+    with pytest.raises(UsageError) as exc:
+        CALLS[call](t, exists.op_id, bad)
+    assert type(exc.value) is UsageError
+    inf = " or inf" if call == "expire" else ""
+    assert str(exc.value) == f"l3 {call}: now must be a finite number of seconds{inf}, got {bad!r}"
+    assert view() == before and t.poll_commands() == []
+    t.check_invariants()
+    t.core.check_invariants()
+    assert t.expire(1.0) == [exists.op_id] and not t.prefetching("r1")  # stamped at 0.0, not at NaN
+
+
+def test_now_may_be_any_finite_real_number() -> None:
+    """ints and numpy floats are clock values too; the deadline is stamped from them."""
+    t = h1_tier()
+    backed(t.core, KEY)
+    assert t.prefetch("r1", KEY + ("d",), np.float32(0.5)) and t.offer(KEY, 2) == 3  # type: ignore[arg-type]
+    assert [(c.kind, c.deadline) for c in t.poll_commands()] == [(StoreOp.EXISTS, 1.5), (StoreOp.PUT, 3.0)]
+    assert t.expire(np.float64(3.0)) == [1, 2]
+
+
+def test_expire_at_inf_fails_every_operation_and_ends_every_lease() -> None:
+    """At shutdown (kvtier.replay) ``expire(inf)`` ends everything in flight: the get it
+    fails leaves its objects leased until ``inf``, which has passed too, and the remove
+    waiting for that lease is submitted."""
+    full = KEY + ("d",)
+    t = h1_tier(lease_s=10.0)
+    store = stored(full)
+    assert t.prefetch("r1", full, 0.0)
+    t.complete(answer_at_once(store, one_command(t)), 0.0)
+    get = one_command(t)
+    assert t.remove(list(get.keys[:1]), 0.0) == 0  # deferred: the get is in flight
+    assert t.expire(math.inf) == [get.op_id] and not t.prefetching("r1")
+    [rm] = t.poll_commands()
+    assert rm.kind is StoreOp.REMOVE and rm.keys == get.keys[:1] and list(t.objects) == list(rm.keys)
+    t.check_invariants()
+
+
+BAD_FIELDS = [("ok", None, "a tuple of bools"), ("ok", "yes", "a tuple of bools"), ("ok", (True, 2), "a tuple of bools"),
+              ("present", None, "an int >= 0"), ("present", math.nan, "an int >= 0"),
+              ("present", "lots", "an int >= 0"), ("present", False, "an int >= 0"), ("present", -1, "an int >= 0"),
+              ("corrupt", "k", "a tuple of key strings"), ("corrupt", (b"k",), "a tuple of key strings"),
+              ("nbytes", 1.5, "an int >= 0"), ("nbytes", -1, "an int >= 0"),
+              ("seconds", math.nan, "a finite number >= 0"), ("seconds", -0.5, "a finite number >= 0"),
+              ("seconds", "1", "a finite number >= 0"), ("error", ValueError("x"), "a str or None")]
+
+
+@pytest.mark.parametrize(("field", "bad", "expected"), BAD_FIELDS, ids=[f"{f}={v!r}" for f, v, _ in BAD_FIELDS])
+def test_a_store_result_refuses_a_bad_field_when_it_is_built(field: str, bad: object, expected: str) -> None:
+    """Like the other records, StoreResult checks its fields when built (ConfigError naming
+    the op, the field and the value), so a store driver that builds one from a backend's
+    bad answer reports the operation failed instead of handing the tier a bad record."""
+    with pytest.raises(ConfigError) as exc:
+        StoreResult(3, **{field: bad})  # type: ignore[arg-type]
+    assert type(exc.value) is ConfigError
+    assert str(exc.value) == f"store result for op 3: {field} must be {expected}, got {bad!r}"
+
+
+def test_a_store_result_takes_numpy_values_and_lists_as_plain_values() -> None:
+    r = StoreResult(3, ok=[np.bool_(True), False], present=np.int64(2), corrupt=["k"], nbytes=np.int32(8),
+                    seconds=1)  # type: ignore[arg-type]
+    assert (r.ok, r.present, r.corrupt, r.nbytes, r.seconds) == ((True, False), 2, ("k",), 8, 1.0)
+    assert [type(x) for x in (*r.ok, r.present, r.nbytes, r.seconds)] == [bool, bool, int, int, float]
+    assert type(r.ok) is tuple and type(r.corrupt) is tuple
