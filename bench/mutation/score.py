@@ -162,14 +162,24 @@ def load(results: Path | None = RESULTS, exclusions: Path = HERE / "exclusions.t
     by_file.update(raw)  # a local run's raw results replace the record of its files
     if not by_file:
         raise SystemExit(f"no mutation results: neither {record} nor {results}/*.xml")
+    # an exclusion names its file, line and mutated text; where the line moved since it was
+    # written (a fresh run of code edited since), the same file and mutated text match it
+    by_text: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for where, plus in sorted(excl):
+        by_text.setdefault((where.rpartition(":")[0], plus), []).append((where, plus))
+    used: set[tuple[str, str]] = set()
     mutants = []
     for f in sorted(by_file):
         for m in by_file[f]:
             m["file"], m["where"] = f, current(m["where"], moved)
-            if m["status"] == "survived" and (m["where"], m["plus"]) in excl:
-                m["status"], m["reason"] = "excluded", excl[(m["where"], m["plus"])]
+            if m["status"] == "survived":
+                key = (m["where"], m["plus"])
+                if key not in excl or key in used:
+                    key = next((k for k in by_text.get((f, m["plus"]), []) if k not in used), key)
+                if key in excl and key not in used:
+                    m["status"], m["reason"] = "excluded", excl[key]
+                    used.add(key)
             mutants.append(m)
-    used = {(m["where"], m["plus"]) for m in mutants if m["status"] == "excluded"}
     stale = set(excl) - used
     if stale:
         raise SystemExit(f"exclusions that match no surviving mutant: {sorted(stale)}")
