@@ -69,7 +69,8 @@ def _trace(tmp_path: object, n: int = 48) -> str:
 def test_cli_multi_instance_table_and_json(redis_server: RedisServer, tmp_path: object,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     trace = _trace(tmp_path)
-    args = ["replay", trace, "--instances", "4", "--l3", redis_server.url, "--device", "4096t", "--host", "12288t"]
+    args = ["replay", trace, "--instances", "4", "--l3", redis_server.url, "--device", "4096t", "--host", "12288t",
+            "--l3-deadline", "60"]  # a deadline no load reaches: the store answers every operation
     assert cli.main(args + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc["runs"]) == {"no-l3", "l3", "single"}
