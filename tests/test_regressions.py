@@ -2,7 +2,8 @@
 (tests/broken/*.patch).
 
 Each sequence is a named, deterministic kvtier event sequence guarding one invariant of
-shared/reference/invariants.md; it passes on the code as it is. Its patch breaks the rule
+tests/fsm/lifecycle/reference_invariants.md (a copy of the reference list); it passes on the
+code as it is. Its patch breaks the rule
 that invariant rests on; applied to a temporary copy of the package, the same sequence
 must then fail. For one planted bug, ``kvtier fuzz`` (bounded, fixed seed) and
 ``kvtier verify`` (small bound) must find it and print a minimal sequence.
@@ -37,9 +38,9 @@ def _load(path: Path) -> EventSequence:
 
 def test_every_invariant_has_a_sequence_and_a_broken_variant() -> None:
     assert set(INVARIANTS_MD) <= set(load_spec().invariants)
-    shared = Path(__file__).resolve().parents[2] / "shared" / "reference" / "invariants.md"
-    if shared.exists():
-        assert len(re.findall(r"(?m)^\d+\. \*\*", shared.read_text(encoding="utf-8"))) == len(INVARIANTS_MD)
+    # the reference list (a verbatim copy shipped beside the spec's tests) numbers exactly these
+    reference = Path(__file__).resolve().parent / "fsm" / "lifecycle" / "reference_invariants.md"
+    assert len(re.findall(r"(?m)^\d+\. \*\*", reference.read_text(encoding="utf-8"))) == len(INVARIANTS_MD)
     guarded: dict[str, list[str]] = {}
     for path in SEQUENCES:
         seq = _load(path)
