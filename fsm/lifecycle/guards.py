@@ -9,6 +9,7 @@ Node guards read these attributes of the node: ``lock_ref``, ``borrow_ref``,
 ``has_host_child`` (bools; the core's node computes them from the tree).
 Request guards read ``has_loadback``, ``has_own_writeback`` and ``settled`` (bools).
 L3 object guards read ``host_visible``, ``store_answered`` and ``lease_holds`` (bools).
+Transfer operation guards read ``handed_out`` (bool).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Guard", "NODE_GUARDS", "REQUEST_GUARDS", "L3_GUARDS", "GUARDS"]
+__all__ = ["Guard", "NODE_GUARDS", "REQUEST_GUARDS", "L3_GUARDS", "TRANSFER_GUARDS", "GUARDS"]
 
 Guard = Callable[[Any], bool]
 
@@ -44,5 +45,11 @@ L3_GUARDS: dict[str, Guard] = {
     "lease_holds": lambda o: bool(o.lease_holds),
 }
 
+#: Transfer operation guards (:class:`kvtier.fsm.node.ops.Operation` computes them).
+TRANSFER_GUARDS: dict[str, Guard] = {
+    "handed_out": lambda op: bool(op.handed_out),
+}
+
 #: Guards per lifecycle name.
-GUARDS: dict[str, dict[str, Guard]] = {"node": NODE_GUARDS, "request": REQUEST_GUARDS, "l3": L3_GUARDS}
+GUARDS: dict[str, dict[str, Guard]] = {"node": NODE_GUARDS, "request": REQUEST_GUARDS, "l3": L3_GUARDS,
+                                       "transfer": TRANSFER_GUARDS}

@@ -47,7 +47,7 @@ from .guards import GUARDS, Guard
 from .spec import INTERNAL, GuardRef, LifecycleSpec, TransitionSpec, load_spec
 
 __all__ = ["Lifecycle", "Observer", "CompiledRow", "CHECKED_ENV", "compile_machine", "set_checked",
-           "node_lifecycle", "request_lifecycle", "l3_lifecycle"]
+           "node_lifecycle", "request_lifecycle", "l3_lifecycle", "transfer_lifecycle"]
 
 #: ``(lifecycle, subject, event, source state, dest state)`` -> None, called after a transition.
 Observer = Callable[["Lifecycle", Any, str, str, str], None]
@@ -62,7 +62,7 @@ if _tlog.level == logging.NOTSET:
 CHECKED_ENV = "KVTIER_CHECKED_LIFECYCLE"
 #: the checked mode of lifecycles built from now on (:func:`set_checked` changes it).
 _checked_default = os.environ.get(CHECKED_ENV, "") == "1"
-#: every lifecycle built so far (three per process: node, request, l3; tests build more).
+#: every lifecycle built so far (four per process: node, request, l3, transfer; tests build more).
 _built: list["Lifecycle"] = []
 
 #: one compiled transition: the guards with the value each must return, then the destination
@@ -294,3 +294,11 @@ def l3_lifecycle() -> Lifecycle:
     spec = load_spec().l3
     assert spec is not None, "the shipped spec declares [l3]"
     return Lifecycle(spec, GUARDS["l3"])
+
+
+@functools.cache
+def transfer_lifecycle() -> Lifecycle:
+    """The transfer operation lifecycle (shared, built once per process from the spec's ``[transfer]``)."""
+    spec = load_spec().transfer
+    assert spec is not None, "the shipped spec declares [transfer]"
+    return Lifecycle(spec, GUARDS["transfer"])

@@ -16,6 +16,7 @@ from .spec import load_spec
 __all__ = [
     "Names", "NODE_STATE", "NODE_EVENT", "REQUEST_STATE", "REQUEST_EVENT", "REQUEST_CALL",
     "DEVICE_RESIDENT", "DEVICE_READABLE", "HOST_VISIBLE", "HOST_PENDING", "TERMINAL", "L3_STATE", "L3_EVENT",
+    "TRANSFER_STATE", "TRANSFER_EVENT",
 ]
 
 
@@ -77,3 +78,8 @@ assert _SPEC.l3 is not None
 #: L3 object states and events (``[l3]``).
 L3_STATE = Names("l3 state", _SPEC.l3.state_names)
 L3_EVENT = Names("l3 event", _SPEC.l3.events)
+
+assert _SPEC.transfer is not None
+#: Transfer operation states and events (``[transfer]``).
+TRANSFER_STATE = Names("transfer state", _SPEC.transfer.state_names)
+TRANSFER_EVENT = Names("transfer event", _SPEC.transfer.events)

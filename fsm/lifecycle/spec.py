@@ -128,18 +128,20 @@ class LifecycleSpec:
 class Specification:
     """The whole spec: the lifecycles and the named invariants (name -> statement).
 
-    ``l3`` is the L3 object lifecycle (``[l3]``, the shared-store tier); a spec text
-    without that table parses with ``l3=None``."""
+    ``l3`` is the L3 object lifecycle (``[l3]``, the shared-store tier) and ``transfer`` the
+    transfer operation lifecycle (``[transfer]``, a copy past its deadline fenced until it
+    ended); a spec text without one of those tables parses with ``None`` for it."""
 
     version: int
     node: LifecycleSpec
     request: LifecycleSpec
     invariants: dict[str, str]
     l3: LifecycleSpec | None = None
+    transfer: LifecycleSpec | None = None
 
     @property
     def lifecycles(self) -> tuple[LifecycleSpec, ...]:
-        return (self.node, self.request) + ((self.l3,) if self.l3 is not None else ())
+        return (self.node, self.request) + tuple(lc for lc in (self.l3, self.transfer) if lc is not None)
 
 
 def spec_text(name: str = "lifecycle.toml") -> str:
@@ -222,6 +224,7 @@ def parse_spec(text: str) -> Specification:
         request=_parse_lifecycle("request", request),
         invariants=invariants,
         l3=_parse_lifecycle("l3", raw["l3"]) if "l3" in raw else None,
+        transfer=_parse_lifecycle("transfer", raw["transfer"]) if "transfer" in raw else None,
     )
 
 

@@ -175,7 +175,43 @@ def check_cache(store: NodeStore) -> None:
             raise _fail("state_matches_resources", n, f"device set not root-closed: on device under parent {up.node_id} in {up.state}")
         if n.state in DEVICE_READABLE and up.parent is not None and up.state not in DEVICE_READABLE:
             raise _fail("state_matches_resources", n, f"readable under unreadable parent {up.node_id} in {up.state}")
+    _check_fences(store, seen)
     _check_conservation(store, seen)
+
+
+def _check_fences(store: NodeStore, seen: dict[int, Node]) -> None:
+    """Invariant ``copy_fence``: a fenced operation (past its deadline, its copy may still
+    run) holds exactly its command's destination pages, and its own pin (a loadback) or
+    borrow (a writeback) still holds every source page on nodes of the tree."""
+    for op in store.optable.fenced():
+        first = op.nodes[0] if op.nodes else None
+        if op.state != "fenced" or op.op_id in store.optable:
+            raise _fail("copy_fence", first, f"op {op.op_id} is fenced but in state {op.state!r}")
+        writeback = op.direction is Direction.WRITEBACK
+        try:
+            hold = store.receipts.get(-op.op_id)
+        except KeyError:
+            raise _fail("copy_fence", first, f"fenced op {op.op_id}: nothing holds its source pages") from None
+        if hold.kind != ("borrow" if writeback else "pin"):
+            raise _fail("copy_fence", first, f"fenced op {op.op_id}: its source is held by a {hold.kind}")
+        have: dict[str, set[int]] = {}
+        for n in hold.nodes:
+            if n.node_id not in seen:
+                raise _fail("copy_fence", n, f"fenced op {op.op_id} holds a node that left the tree")
+            for pm in ((n.dev, n.dev_ckpt) if writeback else (n.host, n.host_ckpt)):
+                for g, pages in pm.items():
+                    have.setdefault(g, set()).update(pages)
+        kept = op.fenced_host if writeback else op.fenced_dev
+        other = op.fenced_dev if writeback else op.fenced_host
+        if any(other.values()):
+            raise _fail("copy_fence", first, f"fenced op {op.op_id} holds pages it never wrote")
+        for t in op.command.transfers:
+            if not set(t.src_pages) <= have.get(t.group, set()):
+                raise _fail("copy_fence", first, f"fenced op {op.op_id}: source pages of {t.group!r} "
+                                                 "were let go while its copy may still read them")
+            if sorted(kept.get(t.group, ())) != sorted(t.dst_pages):
+                raise _fail("copy_fence", first, f"fenced op {op.op_id}: destination pages of {t.group!r} "
+                                                 "left the fence while its copy may still write them")
 
 
 def _check_op_sources(op: Operation) -> None:
@@ -200,7 +236,7 @@ def _check_op_sources(op: Operation) -> None:
 
 
 def _check_conservation(store: NodeStore, nodes: dict[int, Node]) -> None:
-    """Every allocated page has exactly one owner (a node or a caller) and every owned page
+    """Every allocated page has exactly one owner (a node, a caller or a fence) and every owned page
     is allocated: O(pages in use), never O(capacity)."""
     pools: list[tuple[str, dict[str, PageAllocator], tuple[str, ...]]] = [
         ("device", store.device, ("dev", "dev_ckpt"))]
@@ -215,12 +251,22 @@ def _check_conservation(store: NodeStore, nodes: dict[int, Node]) -> None:
                         if p in owner:
                             raise _fail("conservation", n, f"{pool} page {p} of {g!r} also owned by {owner[p]}")
                         owner[p] = f"node {n.node_id}"
+            for op in store.optable.fenced():  # a fence owns its destination pages (copy_fence)
+                for p in (op.fenced_dev if pool == "device" else op.fenced_host).get(g, ()):
+                    if p in owner:
+                        raise _fail("copy_fence", None, f"{pool} page {p} of {g!r} is fenced for op {op.op_id} "
+                                                        f"but also owned by {owner[p]}")
+                    owner[p] = f"fenced op {op.op_id}"
             callers = store.ledger.caller_pages(g) if pool == "device" else frozenset()
             clash = sorted(callers & owner.keys())
             if clash:
                 raise _fail("conservation", None, f"device page {clash[0]} of {g!r}: caller and {owner[clash[0]]}")
             owned = owner.keys() | callers
             free = sorted(p for p in owned if alloc.is_free(p))
+            fenced_free = [p for p in free if owner.get(p, "").startswith("fenced op")]
+            if fenced_free:
+                raise _fail("copy_fence", None, f"{pool} page {fenced_free[0]} of {g!r} is free but "
+                                                f"{owner[fenced_free[0]]}'s copy may still write it")
             if free:
                 raise _fail("conservation", None, f"{pool} pages {free[:5]} of {g!r} free and owned")
             if len(owned) != alloc.used:

@@ -11,7 +11,8 @@ __all__ = ["Operation", "Settled", "LayerProgress"]
 
 
 class Operation:
-    """One submitted writeback or loadback until it settles.
+    """One submitted writeback or loadback until its copy ended (``[transfer]`` in the spec:
+    ``in_flight``, then ``ended``, or ``fenced`` between a deadline and the copy's end).
 
     Attributes:
         command: the command handed to the transfer engine.
@@ -22,9 +23,16 @@ class Operation:
         seen: (rank, layer) pairs received, to refuse duplicates.
         checkpoint: for a loadback, the node whose continuation-state checkpoint it
             loads (or ``None``).
+        state: its ``[transfer]`` state (``in_flight``, ``fenced``, ``ended``).
+        handed_out: its command was handed out by ``poll_commands`` (guard ``handed_out``).
+        confirmed: ranks whose copy is known to have ended (a fenced operation's release
+            waits for every rank).
+        fenced_dev, fenced_host: group -> the destination pages a fenced operation holds
+            (device pages of a loadback, host pages of a writeback; invariant ``copy_fence``).
     """
 
-    __slots__ = ("command", "nodes", "acked", "ok", "layers", "seen", "checkpoint")
+    __slots__ = ("command", "nodes", "acked", "ok", "layers", "seen", "checkpoint", "state", "handed_out",
+                 "confirmed", "fenced_dev", "fenced_host")
 
     def __init__(self, command: TransferCommand, nodes: list[Node], checkpoint: Node | None = None) -> None:
         self.command = command
@@ -34,9 +42,19 @@ class Operation:
         self.layers: dict[int, int] = {}
         self.seen: set[tuple[int, int | None]] = set()
         self.checkpoint = checkpoint
+        self.state = "in_flight"
+        self.handed_out = False
+        self.confirmed: set[int] = set()
+        self.fenced_dev: dict[str, list[int]] = {}
+        self.fenced_host: dict[str, list[int]] = {}
 
     @property
     def op_id(self) -> int:
+        return self.command.op_id
+
+    @property
+    def label(self) -> int:
+        """Its op id (lifecycle error messages say ``operation <op id>``)."""
         return self.command.op_id
 
     @property

@@ -42,6 +42,7 @@ class OperationTable:
         self._ids = itertools.count(1)
         self._next = 1
         self._ops: dict[int, Operation] = {}
+        self._fenced: dict[int, Operation] = {}  # past their deadline, copy may still run (copy_fence)
         self.step = 0
 
     # -- views ----------------------------------------------------------------------
@@ -73,8 +74,17 @@ class OperationTable:
         return min(op.layers.get(r, -1) for r in range(self.world_size))
 
     def settled(self, op_id: int) -> bool:
-        """Whether ``op_id`` was issued and has ended."""
+        """Whether ``op_id`` was issued and has settled for its nodes and requests (a
+        fenced operation has: only its pages wait for its copy's end)."""
         return 1 <= op_id < self._next and op_id not in self._ops
+
+    def fenced(self) -> tuple[Operation, ...]:
+        """Operations past their deadline whose copy may still run, by op id."""
+        return tuple(self._fenced[k] for k in sorted(self._fenced))
+
+    def fenced_op(self, op_id: int) -> Operation | None:
+        """The fenced operation ``op_id``, or ``None``."""
+        return self._fenced.get(op_id)
 
     # -- lifecycle of an operation ---------------------------------------------------------
     def new_id(self) -> int:
@@ -92,6 +102,34 @@ class OperationTable:
     def remove(self, op: Operation) -> None:
         """The operation settled."""
         del self._ops[op.op_id]
+
+    def fence(self, op: Operation) -> None:
+        """The settled ``op`` passed its deadline while its copy may still run: it is
+        kept, with the ranks that already acknowledged it as confirmed, until
+        :meth:`confirm` has heard from every rank."""
+        op.confirmed = set(op.acked)
+        self._fenced[op.op_id] = op
+
+    def unfence(self, op: Operation) -> None:
+        """Every rank confirmed the fenced ``op``'s copy ended."""
+        del self._fenced[op.op_id]
+
+    def confirm(self, op: Operation, c: Completion) -> bool:
+        """Record completion ``c`` of the fenced ``op``: a rank's acknowledgement (ok or
+        failed) says its copy ended; a layer completion or a repeat changes nothing.
+
+        Returns:
+            True when every rank has now confirmed (the fence may be released).
+
+        Raises:
+            UsageError: rank out of range (nothing is recorded).
+        """
+        if not (0 <= c.rank < self.world_size):
+            raise UsageError(f"completion for op {c.op_id}: rank {c.rank} outside world size {self.world_size}")
+        if c.layer is not None or c.rank in op.confirmed:
+            return False
+        op.confirmed.add(c.rank)
+        return len(op.confirmed) == self.world_size
 
     def poison(self, op_id: int) -> None:
         """Make ``op_id`` fail whatever its ranks report.

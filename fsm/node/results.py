@@ -72,6 +72,7 @@ class CacheStats:
     expired_ops: int = 0
     absorbed_late_completions: int = 0
     withdrawn_ops: int = 0  # operations taken back before their command was handed out
+    fences_released: int = 0  # expired operations whose copy every rank confirmed ended (copy_fence)
     pages_written: int = 0
     pages_loaded: int = 0
     splits: int = 0

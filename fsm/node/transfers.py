@@ -2,6 +2,13 @@
 (device to host), each validated and reserved all or nothing before any node event fires
 (invariant ``atomic_admission``), handing their commands out, and ending them (a completion, a withdrawal
 or a deadline settles one) through the nodes' events.
+
+A deadline cannot stop a copy an engine already runs, so an operation that expires after
+its command was handed out is *fenced* (spec ``[transfer]``; invariant ``copy_fence``): its
+nodes and requests take the failure at once, but its destination pages stay with the
+operation, off every free list, and its source pages stay pinned (a loadback: its own pin)
+or borrowed (a writeback), until every rank's engine confirms the copy ended (its late
+acknowledgement, ok or failed); only then do they go back to their pools, exactly once.
 """
 
 from __future__ import annotations
@@ -10,7 +17,9 @@ from collections.abc import Mapping, Sequence
 
 from ..errors import CapacityError, UsageError
 from .match import MatchResult, has_checkpoint
+from ..lifecycle.machines import transfer_lifecycle
 from ..lifecycle.names import DEVICE_READABLE, HOST_VISIBLE, NODE_EVENT as EV, NODE_STATE as NS
+from ..lifecycle.names import TRANSFER_EVENT as TE
 from .node import Node, PageMap
 from .ops import LayerProgress, Operation, Settled
 from .optable import ABSORBED, PENDING
@@ -162,12 +171,24 @@ class Mover:
         """Commands created since the last poll, loadbacks first (then by op id)."""
         out = sorted(self.outbox, key=lambda c: (c.direction is not Direction.LOADBACK, c.op_id))
         self.outbox.clear()
+        for c in out:
+            op = self.store.optable.get(c.op_id)
+            if op is not None:
+                op.handed_out = True
         return out
 
     def complete(self, completion: Completion) -> list[Settled | LayerProgress]:
         """Take one rank's completion (:meth:`kvtier.fsm.node.core.CacheCore.complete` says
-        what comes back); a late or duplicate one for a settled operation is absorbed."""
+        what comes back); a late or duplicate one for a settled operation is absorbed, and
+        a fenced operation's acknowledgements release its fence once every rank sent one."""
         store = self.store
+        fenced = store.optable.fenced_op(completion.op_id)
+        if fenced is not None:
+            done = store.optable.confirm(fenced, completion)  # (raises before recording anything)
+            store.stats.absorbed_late_completions += 1
+            if done:
+                self.release_fence(fenced)
+            return []
         outcome = store.optable.classify(completion)
         if outcome == ABSORBED:
             store.stats.absorbed_late_completions += 1
@@ -187,7 +208,7 @@ class Mover:
         """Fail operation ``op_id`` at once if its command is still in the outbox (it is
         never handed out); ``None`` when it was handed out already or is not in flight."""
         op = self.store.optable.get(op_id)
-        if op is None or op.command not in self.outbox:
+        if op is None or op.handed_out:
             return None
         self.outbox.remove(op.command)
         self.store.stats.withdrawn_ops += 1
@@ -195,48 +216,83 @@ class Mover:
 
     def expire(self, steps: int) -> list[Settled]:
         """Advance the scheduler step by ``steps`` (checked) and fail every operation whose
-        deadline passed."""
+        deadline passed: one still in the outbox is taken back (no copy ever starts), one
+        handed out is fenced (module docstring)."""
         out = []
         for op in self.store.optable.expire(steps):
             self.store.stats.expired_ops += 1
+            if not op.handed_out:
+                self.outbox.remove(op.command)
             out.append(self.settle(op, False, expired=True))
         return out
 
     def settle(self, op: Operation, ok: bool, expired: bool = False) -> Settled:
         """End ``op`` (success only if ``ok``): publish or free the host reservation of a
-        writeback, keep or free the device pages of a loadback, each node through its event."""
+        writeback, keep or free the device pages of a loadback, each node through its event.
+        An ``expired`` operation whose command was handed out is fenced instead of freeing
+        (its ``[transfer]`` event ``expire``; :meth:`release_fence` frees)."""
         store = self.store
+        transfer_lifecycle().fire(op, TE.expire if expired else TE.settle)
+        fence = expired and op.handed_out
         store.optable.remove(op)
+        if fence:
+            store.optable.fence(op)
         if op.direction is Direction.WRITEBACK:
             for n in reversed(op.nodes):  # deepest first
                 if ok:
                     n.host, n.pending = n.pending, {}
                     n.host_ckpt, n.pending_ckpt = n.pending_ckpt, {}
                     n.reloaded = False
+                elif fence:  # the copy may still write the reservation: the operation keeps it
+                    _keep(op.fenced_host, n.pending, n.pending_ckpt)
+                    n.pending, n.pending_ckpt = {}, {}
                 else:
                     store.ledger.release_host(n.pending, n.pending_ckpt)
                     n.pending, n.pending_ckpt = {}, {}
                 n.wb_op = None
                 store.trigger(n, EV.writeback_ack if ok else EV.writeback_fail)
+            if fence:  # and may still read the device pages: no eviction until it ended
+                store.receipts.take("borrow", list(op.nodes), f"op {op.op_id}", receipt_id=-op.op_id)
             if not ok:
                 store.stats.writeback_failures += 1
                 store.writebacks.drop_children_of(op.nodes)  # they would break invariant ``root_closed_host``
         else:
-            store.receipts.release(store.receipts.get(-op.op_id))  # the operation's own pin
+            if not fence:  # a fenced copy may still read the host pages: the pin stays
+                store.receipts.release(store.receipts.get(-op.op_id))  # the operation's own pin
             for n in reversed(op.nodes):
                 n.lb_op = None
                 n.reloaded = ok
                 if not ok:
-                    store.ledger.release_device(n.dev)
+                    if fence:  # the copy may still write the destination: the operation keeps it
+                        _keep(op.fenced_dev, n.dev)
+                    else:
+                        store.ledger.release_device(n.dev)
                     n.dev = {}
                     if n is op.checkpoint:
-                        store.ledger.release_device(n.dev_ckpt)
+                        if fence:
+                            _keep(op.fenced_dev, n.dev_ckpt)
+                        else:
+                            store.ledger.release_device(n.dev_ckpt)
                         n.dev_ckpt = {}
                 store.trigger(n, EV.loadback_ack if ok else EV.loadback_fail)
             if not ok:
                 store.stats.loadback_failures += 1
         return Settled(op.op_id, op.direction, ok, op.command.request_id,
                        tuple(n.node_id for n in op.nodes), expired)
+
+    def release_fence(self, op: Operation) -> None:
+        """Every rank confirmed the fenced ``op``'s copy ended (``[transfer]`` event
+        ``copy_ended``): its destination pages go back to their pools and its pin or borrow
+        on the source is released, exactly once."""
+        store = self.store
+        transfer_lifecycle().fire(op, TE.copy_ended)
+        store.optable.unfence(op)
+        store.ledger.release_device(op.fenced_dev)
+        if op.fenced_host:
+            store.ledger.release_host(op.fenced_host)
+        op.fenced_dev, op.fenced_host = {}, {}
+        store.receipts.release(store.receipts.get(-op.op_id))
+        store.stats.fences_released += 1
 
     # -- writeback -----------------------------------------------------------------
     def writeback(self, node: Node, owner: str | None) -> TransferCommand | None:
@@ -329,3 +385,10 @@ class Mover:
         host = self.store.host
         assert host is not None
         return {g: self._move(transfers, g, src, host[g].alloc(len(src))) for g, src in src_map.items()}
+
+
+def _keep(into: dict[str, list[int]], *maps: PageMap) -> None:
+    """Add the pages of ``maps`` to a fence's ``into`` (group -> pages)."""
+    for pm in maps:
+        for g, pages in pm.items():
+            into.setdefault(g, []).extend(pages)

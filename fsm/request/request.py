@@ -148,6 +148,9 @@ class Outstanding:
             pages), summed over groups.
         queued_writebacks: tree nodes waiting for a tree writeback (cache work, not a
             leak: not part of :attr:`quiescent`).
+        fenced: op ids of the operations past their deadline whose copy may still run:
+            their pages stay fenced until every rank's engine confirms the copy ended
+            (a late acknowledgement, e.g. after ``TransferEngine.cancel``), sorted.
     """
 
     requests: tuple[str, ...]
@@ -160,13 +163,15 @@ class Outstanding:
     borrows: int
     caller_pages: int
     queued_writebacks: int = 0
+    fenced: tuple[int, ...] = ()
 
     @property
     def quiescent(self) -> bool:
-        """Nothing held or owed: no request tracked, no forward result, operation, command
-        or event outstanding, no receipt and no device page held outside the tree."""
+        """Nothing held or owed: no request tracked, no forward result, operation (fenced
+        ones included), command or event outstanding, no receipt and no device page held
+        outside the tree."""
         return not (self.requests or self.owed_forward or self.operations or self.commands or self.events
-                    or self.locks or self.pins or self.borrows or self.caller_pages)
+                    or self.locks or self.pins or self.borrows or self.caller_pages or self.fenced)
 
 
 class Request:

@@ -34,6 +34,9 @@ GUARD_ATTRS: dict[str, dict[str, tuple[str, Any, Any]]] = {
         "store_answered": ("store_answered", True, False),
         "lease_holds": ("lease_holds", True, False),
     },
+    "transfer": {
+        "handed_out": ("handed_out", True, False),
+    },
 }
 
 

@@ -43,7 +43,9 @@ EXTRA_INVARIANTS = {"state_matches_resources",
                     "compiled_lifecycle",
                     # the L3 tier (spec [l3]); not in the reference list, which predates it
                     "l3_put_source_pinned", "l3_visible_by_answer", "l3_get_invisible", "l3_ends_by_deadline",
-                    "l3_lease_blocks_remove"}
+                    "l3_lease_blocks_remove",
+                    # a transfer past its deadline keeps its pages until its copy ended (spec [transfer])
+                    "copy_fence"}
 
 
 def _lifecycle(name: str) -> str:
@@ -268,13 +270,14 @@ def test_a_lifecycle_built_without_calls_accepts_no_call() -> None:
 
 
 def test_a_specification_built_without_l3_has_two_lifecycles() -> None:
-    """spec.py:138: ``Specification.l3`` defaults to None (a spec without ``[l3]``), and
-    ``lifecycles`` then holds only the node and request lifecycles."""
+    """``Specification.l3`` and ``.transfer`` default to None (a spec without ``[l3]`` or
+    ``[transfer]``), and ``lifecycles`` then holds only the node and request lifecycles."""
     full = load_spec()
     spec = Specification(full.version, full.node, full.request, full.invariants)
-    assert spec.l3 is None
+    assert spec.l3 is None and spec.transfer is None
     assert spec.lifecycles == (full.node, full.request)
-    assert full.l3 is not None and full.lifecycles == (full.node, full.request, full.l3)
+    assert full.l3 is not None and full.transfer is not None
+    assert full.lifecycles == (full.node, full.request, full.l3, full.transfer)
 
 
 def test_a_call_naming_an_undeclared_state_is_refused_with_the_exact_message() -> None:

@@ -189,10 +189,13 @@ def test_loadback_deadline_fences_then_late_completions_are_absorbed() -> None:
     assert c.state("b") == "loading" and c.layer_ready("b", 0)
     c.advance_step(1)
     c.check_invariants()
-    assert c.state("b") == "fenced" and only_node(c).host_pin == 0 and held(c) == {"kv": 1}
+    # the request let go of its pin; the operation's own pin stays: its copy may still read the host pages
+    assert c.state("b") == "fenced" and only_node(c).host_pin == 1 and held(c) == {"kv": 1}
+    assert c.outstanding().fenced == (b.loadback_op,)
     assert not c.layer_ready("b", 0)  # the layer it had is no longer readable
-    c.complete(Completion(b.loadback_op, 0, True))  # late: absorbed
+    c.complete(Completion(b.loadback_op, 0, True))  # late: absorbed, and the copy ended: the fence goes
     assert c.core.stats.absorbed_late_completions == 1 and c.state("b") == "fenced"
+    assert (only_node(c).host_pin, c.core.stats.fences_released, c.outstanding().fenced) == (0, 1, ())
     c.step_done("b", 0)
     assert c.state("b") == "waiting" and held(c) == {"kv": 0}
     c.check_invariants()
