@@ -13,6 +13,14 @@ Typical use::
     engine.wait_layer(op_id, layer)   # before the forward pass reads that layer
     for c in engine.poll_completions():
         cache.complete(c)             # the facade's (or the core's) complete
+
+An operation whose deadline passed (``op_deadline_steps``) stays *fenced* in the cache
+until this engine acknowledges it (spec ``[transfer]``): issued copies cannot be
+stopped, so its pages are reused only once its acknowledgement came. ``cancel`` makes
+that acknowledgement come soon::
+
+    for op_id in cache.core.fenced_ops():
+        engine.cancel(op_id)          # queued: taken back; issued: its ack comes at its end
 """
 
 from __future__ import annotations
@@ -24,9 +32,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
 from kvtier.fsm import (
     CacheGroupSpec,
     Completion,
@@ -36,12 +41,13 @@ from kvtier.fsm import (
     UnknownOperation,
 )
 
+from .access import PageAccess
 from .arrays import ArrayCommand
 from .backends import Backend, TransferEvent, make_backend
 from .errors import TransferError
 from .layers import LayerCounter, OpLayers
 from .plan import FlushPlan, Planner, layers_for
-from .pools import DevicePool, HostPool, _Pool, put_layers
+from .pools import DevicePool, HostPool, _Pool
 from .stats import DirectionStats, TransferStats
 
 __all__ = ["TransferEngine"]
@@ -60,7 +66,7 @@ class _Flight:
     stats: DirectionStats = field(default_factory=DirectionStats)
 
 
-class TransferEngine:
+class TransferEngine(PageAccess):
     """Executes :class:`TransferCommand` records between a host and a device pool.
 
     Args:
@@ -137,6 +143,10 @@ class TransferEngine:
             ConfigError: not a TransferCommand or ArrayCommand; op id already queued or
                 in flight; an unknown cache group; a page id outside its pool; pages of
                 a group none of whose layers the command moves. Nothing is queued then.
+            UsageError: a loadback and a writeback of the same page in one flush (a
+                device page one writes and the other reads, or a host page likewise):
+                the two streams are unordered (:meth:`Planner.check_same_pages`). Nothing
+                is queued then.
         """
         if not isinstance(command, (TransferCommand, ArrayCommand)):
             raise ConfigError(f"submit() takes a TransferCommand or ArrayCommand, got {type(command).__name__}")
@@ -166,6 +176,9 @@ class TransferEngine:
                     raise ConfigError(f"op {op}: {label} page {hi} of cache group {t.group!r} is out of range: "
                                       f"the {label} pool has {n} pages (ids 0..{n - 1})")
             op_layers.update(layers)
+        other = Direction.WRITEBACK if command.direction is Direction.LOADBACK else Direction.LOADBACK
+        if self._queue[other]:
+            self.planner.check_same_pages(command, self._queue[other])
         self._queue[command.direction].append(command)
         self._op_layers[op] = op_layers
 
@@ -359,6 +372,42 @@ class TransferEngine:
             return  # nothing to wait for, or never issued (the op will fail)
         self.backend.wait(c.events[ci])
 
+    # -- cancel ---------------------------------------------------------------------------
+    def cancel(self, op_id: int, *, wait: bool = False) -> str:
+        """Stop operation ``op_id`` from touching pages where possible, and make its
+        acknowledgement come: the confirmation the cache needs to release the pages of
+        an operation its deadline failed (spec ``[transfer]``, event ``copy_ended``).
+
+        Args:
+            op_id: the operation.
+            wait: for an issued operation, block the host until its copies ended
+                (:meth:`Backend.fence` on its flight's last event; the fake-async
+                backend completes its stream up to there).
+
+        Returns:
+            ``"cancelled"``: it was queued, not flushed: taken out of the queue, no byte
+            moved; its failed acknowledgement comes from the next :meth:`poll_completions`.
+            ``"fenced"``: it was issued; copies on a stream cannot be stopped, so its
+            acknowledgement comes from the first :meth:`poll_completions` after they
+            ended (the next one with ``wait=True``). ``"ended"``: already acknowledged
+            (or waiting in the next poll). ``"unknown"``: never seen, or forgotten (more
+            than 4096 operations ago). Nothing is raised: a cancel is always safe.
+        """
+        for direction in Direction:
+            queue = self._queue[direction]
+            for i, c in enumerate(queue):
+                if c.op_id == op_id:
+                    del queue[i]
+                    self._fail_now(op_id)
+                    return "cancelled"
+        entry = self._inflight.get(op_id)
+        if entry is not None:
+            events = entry[0].counter.events
+            if wait and events:
+                self.backend.fence(events[-1])
+            return "fenced"
+        return "ended" if op_id in self._finished else "unknown"
+
     # -- misc -------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Block until every issued copy finished (fake-async: complete them all)."""
@@ -395,75 +444,3 @@ class TransferEngine:
         d["queued"] = len(self.queued)
         d["in_flight"] = len(self._inflight)
         return d
-
-    # -- page access for tests and tools ----------------------------------------------------------
-    def _pool(self, side: str) -> _Pool:
-        if side == "host":
-            return self.host
-        if side == "device":
-            return self.device
-        raise ConfigError(f"side must be 'host' or 'device', got {side!r}")
-
-    def read_pages(self, side: str, group: str, component: str, layer: int,
-                   pages: Sequence[int]) -> torch.Tensor:
-        """A copy of pages of one region: uint8 ``[len(pages), page_bytes]`` on the
-        pool's device. The fake-async backend raises :class:`PoisonedReadError` if a
-        pending copy still writes any of them."""
-        check = getattr(self.backend, "check_read", None)
-        if check is not None:
-            check(side, group, layer, pages)
-        region = self._pool(side).region(group, component, layer)
-        idx = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=region.device)
-        return region.index_select(0, idx)
-
-    def read_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """A copy of ``pages`` of ``component`` in every layer of ``group``: uint8
-        ``[layers, len(pages), page_bytes]`` (layers in the spec's order), in one
-        ``index_select`` when the pool has a layer view; checked like :meth:`read_pages`."""
-        spec = self._pool(side).specs[group]
-        check = getattr(self.backend, "check_read", None)
-        if check is not None:
-            for layer in spec.layers:
-                check(side, group, layer, pages)
-        view = self._pool(side).layer_view(group, component)
-        if view is None:
-            ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
-            return torch.stack([self.read_pages(side, group, component, layer, ids) for layer in spec.layers])
-        return view.index_select(1, self._index(pages, view.device))
-
-    def write_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor,
-                     data: torch.Tensor) -> None:
-        """Overwrite ``pages`` of ``component`` in every layer of ``group`` with ``data``
-        (uint8 ``[layers, len(pages), page_bytes]``), in one ``index_copy_`` when the pool
-        has a layer view; checked like :meth:`write_pages`."""
-        spec = self._pool(side).specs[group]
-        check = getattr(self.backend, "check_write", None)
-        if check is not None:
-            for layer in spec.layers:
-                check(side, group, layer, pages)
-        view = self._pool(side).layer_view(group, component)
-        if view is None:
-            ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
-            for i, layer in enumerate(spec.layers):
-                self.write_pages(side, group, component, layer, ids, data[i])
-            return
-        put_layers(view, self._index(pages, view.device), data.to(view.device, torch.uint8))
-
-    @staticmethod
-    def _index(pages: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-        if isinstance(pages, torch.Tensor):
-            return pages.to(device, torch.int64)
-        return torch.as_tensor(np.asarray(pages, dtype=np.int64), device=device)
-
-    def write_pages(self, side: str, group: str, component: str, layer: int,
-                    pages: Sequence[int], data: torch.Tensor) -> None:
-        """Overwrite pages of one region with ``data`` (uint8 ``[len(pages), page_bytes]``).
-        The fake-async backend raises :class:`HazardError` if a pending copy still reads
-        or writes any of them."""
-        check = getattr(self.backend, "check_write", None)
-        if check is not None:
-            check(side, group, layer, pages)
-        region = self._pool(side).region(group, component, layer)
-        idx = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=region.device)
-        region.index_copy_(0, idx, data.to(region.device, torch.uint8))
-

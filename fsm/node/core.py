@@ -174,6 +174,12 @@ class CacheCore:
         """In-flight operations by op id (a copy)."""
         return self.optable.snapshot()
 
+    def fenced_ops(self) -> tuple[int, ...]:
+        """Op ids past their deadline whose copy may still run (spec ``[transfer]``
+        ``fenced``): their pages come back once every rank acknowledged them; an engine
+        hurries that with ``TransferEngine.cancel`` (invariant ``copy_fence``)."""
+        return tuple(op.op_id for op in self.optable.fenced())
+
     def ops_in_flight(self, direction: Direction | None = None) -> int:
         """Operations in flight (of ``direction`` only, if given)."""
         return self.optable.in_flight(direction)
@@ -438,7 +444,9 @@ class CacheCore:
 
     def advance_step(self, steps: int = 1) -> list[Settled]:
         """Advance the scheduler step; fail every operation whose deadline passed
-        (invariant ``operation_ends_once``). Their late real completions are absorbed later.
+        (invariant ``operation_ends_once``). One whose command was handed out is fenced:
+        its pages stay held until every rank's late acknowledgement arrives (which is
+        otherwise absorbed; invariant ``copy_fence``, :meth:`fenced_ops`).
 
         Raises:
             UsageError: ``steps`` is not an int >= 1.

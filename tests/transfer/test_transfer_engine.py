@@ -21,6 +21,7 @@ from kvtier.fsm import (
     GroupTransfer,
     TransferCommand,
     UnknownOperation,
+    UsageError,
 )
 from kvtier.transfer import (
     POISON_BYTE,
@@ -200,11 +201,11 @@ def test_hazard_across_streams_raises_before_issuing_and_keeps_the_queue() -> No
     fake.complete_all()
     comps = eng.poll_completions()
     assert Completion(2, 0, True) in comps and Completion(1, 0, True) in comps
-    # loadback and writeback of one flush may not touch the same pages either
+    # loadback and writeback of one flush may not touch the same pages either: refused at submit
     eng.submit(_lb(3, (5,), (6,)))
-    eng.submit(TransferCommand(4, W, (GroupTransfer("kv", (6,), (10,)),), ()))
-    with pytest.raises(HazardError, match=r"this flush's loadback chunk 0"):
-        eng.flush()
+    with pytest.raises(UsageError, match=r"op 4: device page 6 of cache group 'kv' is read by it and written by op 3"):
+        eng.submit(TransferCommand(4, W, (GroupTransfer("kv", (6,), (10,)),), ()))
+    assert eng.queued == (3,)
     # same stream: ordered, allowed
     eng2 = _engine()
     eng2.submit(_lb(1, (1,), (3,)))

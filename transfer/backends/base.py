@@ -90,7 +90,7 @@ class Backend(ABC):
 
     The engine calls :meth:`bind` once, then per flush and direction :meth:`prepare`,
     :meth:`begin`, and :meth:`run_chunk` and :meth:`record` per chunk; :meth:`wait` for
-    ``wait_layer``; :meth:`elapsed` for statistics.
+    ``wait_layer``; :meth:`fence` for ``cancel(wait=True)``; :meth:`elapsed` for statistics.
     """
 
     #: Backend name as accepted by :func:`~kvtier.transfer.backends.make_backend`.
@@ -128,6 +128,23 @@ class Backend(ABC):
 
     def wait(self, event: TransferEvent) -> None:
         """Make the current (compute) stream wait for ``event``."""
+
+    def fence(self, event: TransferEvent) -> None:
+        """Block the host until ``event`` is done: the end of copies that cannot be
+        cancelled once issued (``TransferEngine.cancel(op, wait=True)``), after which
+        their pages may be reused. Default: the event's own ``synchronize()`` if it has
+        one (a CUDA event), else poll :meth:`TransferEvent.done` (synchronous backends'
+        events are done at once). A failure the event reports is left for the engine's
+        next poll, which turns it into failed completions."""
+        sync = getattr(event, "synchronize", None)
+        try:
+            if sync is not None:
+                sync()
+                return
+            while not event.done():
+                time.sleep(0.0002)
+        except Exception:  # reported by poll_completions, never here
+            return
 
     def elapsed(self, start: TransferEvent, end: TransferEvent) -> float | None:
         """Seconds between two completed events of one stream, if the backend times them."""

@@ -27,6 +27,10 @@ class CudaEvent:
     def done(self) -> bool:
         return bool(self.event.query())  # type: ignore[no-untyped-call]
 
+    def synchronize(self) -> None:
+        """Block the host until the event is reached (``Backend.fence``)."""
+        self.event.synchronize()  # type: ignore[no-untyped-call]
+
     @property
     def error(self) -> BaseException | None:
         return None

@@ -19,6 +19,10 @@ Misuse is caught with a clear error, as a race would corrupt data on a GPU:
 - ``wait_layer`` for a layer whose chunk is pending raises :class:`NotReadyError`
   (or, with ``on_wait="complete"``, completes that stream up to the chunk).
 
+A copy the core gave up on (its deadline passed) is not special here: the test completes
+it whenever it likes, after the deadline too, and the engine then acknowledges it late;
+``TransferEngine.cancel(op, wait=True)`` completes its stream up to the op's last chunk.
+
 Failures can be injected: :meth:`~FakeAsyncBackend.fail_next` makes a pending copy
 fail when it completes (its destination stays poisoned), and
 :meth:`~FakeAsyncBackend.raise_on_issue` makes the next chunk raise when issued.
@@ -304,6 +308,15 @@ class FakeAsyncBackend(CpuBackend):
 
     def synchronize(self) -> None:
         self.complete_all()
+
+    def fence(self, event: TransferEvent) -> None:
+        """The host waits for ``event``: every pending copy of its stream up to it
+        completes now, as a real stream would reach it (``TransferEngine.cancel(wait=True)``)."""
+        if not isinstance(event, FakeEvent):
+            return
+        q = self._queues[event.stream]
+        while q and q[0].info.job <= event.job:
+            self._run(q.popleft())
 
     def wait(self, event: TransferEvent) -> None:
         if not isinstance(event, FakeEvent) or event.done():

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.fsm import CacheGroupSpec, ConfigError, Direction, GroupTransfer
+from kvtier.fsm import CacheGroupSpec, ConfigError, Direction, GroupTransfer, UsageError
 
 from ..arrays import PageArrays
 from ..pools import DevicePool, HostPool
@@ -106,6 +106,50 @@ class Planner:
         self._arrays.clear()
         self._plans.clear()
         self._addr.clear()
+
+    # -- checks -------------------------------------------------------------------------
+    def check_same_pages(self, command: Command, others: Sequence[Command]) -> None:
+        """Refuse ``command`` when it and a command of the other direction queued for the
+        same flush touch one page that either writes: a device page a loadback writes
+        and a writeback reads, or a host page a writeback writes and a loadback reads.
+        Loadbacks and writebacks run on two unordered streams, so the read would see the
+        page before or after the write, by chance.
+
+        Raises:
+            UsageError: naming the page, its side and cache group, and both op ids.
+        """
+        if not others:
+            return
+        mine_load = command.direction is Direction.LOADBACK
+        groups = {t.group for t in command.transfers if len(t.src_pages)}
+        theirs: dict[str, list[tuple[int, I64, I64]]] = {}
+        for o in others:
+            for u in o.transfers:
+                if u.group in groups and len(u.src_pages):
+                    us, ud = self.arrays(u)
+                    theirs.setdefault(u.group, []).append((o.op_id, us, ud))
+        for t in command.transfers:
+            items = theirs.get(t.group)
+            if not items or not len(t.src_pages):
+                continue
+            s, d = self.arrays(t)
+            # device: the loadback's destination and the writeback's source;
+            # host: the writeback's destination and the loadback's source
+            for side, mine, k in (("device", d if mine_load else s, 1 if mine_load else 2),
+                                  ("host", s if mine_load else d, 2 if mine_load else 1)):
+                other = np.concatenate([it[k] for it in items]) if len(items) > 1 else items[0][k]
+                hit = np.intersect1d(mine, other)
+                if not hit.size:
+                    continue
+                page = int(hit[0])
+                op = next(it[0] for it in items if np.any(it[k] == page))
+                writes = (side == "device") == mine_load
+                load, wb = (command.op_id, op) if mine_load else (op, command.op_id)
+                raise UsageError(
+                    f"op {command.op_id}: {side} page {page} of cache group {t.group!r} is "
+                    f"{'written' if writes else 'read'} by it and {'read' if writes else 'written'} by op {op} "
+                    f"queued for the same flush (loadback {load}, writeback {wb}): the loadback and "
+                    f"writeback streams are unordered; flush one before submitting the other")
 
     # -- planning -----------------------------------------------------------------------
     def plan(self, direction: Direction, commands: Sequence[Command]) -> FlushPlan:

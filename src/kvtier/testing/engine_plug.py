@@ -23,8 +23,11 @@ time and at completion.
   an acknowledgement, a failed one included, comes only once no copy issued for the op
   is still pending on that rank (a half-issued operation's barrier).
 
-Deadlines are off on this machine: an operation the core expires while its copy still
-runs would make the engine's hazard checks fire by design (the engine cannot cancel).
+Deadlines are on: an operation the core expires while its copy still runs is fenced
+(spec ``[transfer]``, invariant ``copy_fence``), so its pages are reused by nothing until
+the copy's late acknowledgement arrives, and the engine's hazard checks (a flush or a
+write touching pages a pending copy uses) must never fire; every copy still completes
+(late, after the deadline) and its acknowledgement must change nothing but release the fence.
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ class EngineTransfer(TransferBackend):
         self.host = _Store(self, "host")
         self.issue_failures = 0
         self.injected: set[tuple[int, int]] = set()  # (op, rank) a failure was injected into
+        self.late: set[int] = set()  # ops the core expired whose copies may still be pending: delivered late
 
     # -- real bytes ------------------------------------------------------------------
     def write(self, side: str, group: str, page: int, value: Any) -> None:
@@ -228,7 +232,7 @@ class EngineTransfer(TransferBackend):
         pairs = {k for k, q in self.buffered.items() if q}
         for rank in range(self.world_size):
             for p in self._pending(rank):
-                pairs.update((op, rank) for op in p.op_ids if op in self.commands)
+                pairs.update((op, rank) for op in p.op_ids if op in self.commands or op in self.late)
         return sorted(pairs)
 
     def take(self, op: int, rank: int, ok: bool) -> Completion:
@@ -309,6 +313,8 @@ class EngineTransfer(TransferBackend):
         cmd = self.commands.pop(op, None)
         if cmd is None:
             return
+        if not ok:  # expired with copies still pending: they complete late (their ack releases its fence)
+            self.late.add(op)
         src, dst = (self.dev, self.host) if cmd.direction is Direction.WRITEBACK else (self.host, self.dev)
         dst_side = "host" if cmd.direction is Direction.WRITEBACK else "device"
         for t in cmd.transfers:
@@ -324,7 +330,7 @@ class EngineFacadeMachine(FacadeMachine):
     fake-asynchronous backend, failures at issue and at completion (registered as
     ``engine``)."""
 
-    kit_deadlines: ClassVar[bool] = False
+    kit_deadlines: ClassVar[bool] = True  # an expired copy completes late: its pages stay fenced till then
     kit_host_optional: ClassVar[bool] = False  # the engine's pools need a host tier
     kit_invariants: ClassVar[tuple[str, ...]] = (*FacadeMachine.kit_invariants, "check_engine_waits")
 

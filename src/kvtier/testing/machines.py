@@ -63,6 +63,7 @@ from .l3_machine import L3TierMachine
 from .misuse_machine import MisuseMachine
 from .plugs import SchedulerAdapter, TransferBackend
 from .raw_machines import L3LifecycleMachine, NodeLifecycleMachine, RequestLifecycleMachine
+from .raw_transfer import TransferLifecycleMachine
 
 __all__ = [
     "KitMachine",
@@ -80,6 +81,7 @@ __all__ = [
     "NodeLifecycleMachine",
     "RequestLifecycleMachine",
     "L3LifecycleMachine",
+    "TransferLifecycleMachine",
     "L3TierMachine",
     "INVARIANTS",
 ]

@@ -24,6 +24,7 @@ KIT_MACHINES: dict[str, str] = {
     "node": "kvtier.testing.raw_machines:NodeLifecycleMachine",
     "request": "kvtier.testing.raw_machines:RequestLifecycleMachine",
     "l3": "kvtier.testing.raw_machines:L3LifecycleMachine",
+    "transfer": "kvtier.testing.raw_transfer:TransferLifecycleMachine",
 }
 
 _REGISTRY: dict[str, Callable[[], Any]] = {}

@@ -28,7 +28,7 @@ from typing import Any
 
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from kvtier.fsm.lifecycle.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.machines import Lifecycle, l3_lifecycle, node_lifecycle, request_lifecycle, transfer_lifecycle
 
 from .machines import FacadeMachine, KitMachine
 from .sequence import EventSequence, Step, check_all, classify, machine_name
@@ -76,7 +76,7 @@ def clone(machine: KitMachine) -> KitMachine:
 
 def _reduce_lifecycle(lc: Lifecycle) -> tuple[Callable[[], Lifecycle], tuple[()]]:
     """Pickle a shared lifecycle machine by reference to its (cached) constructor."""
-    for shared in (node_lifecycle, request_lifecycle, l3_lifecycle):
+    for shared in (node_lifecycle, request_lifecycle, l3_lifecycle, transfer_lifecycle):
         if lc is shared():
             return shared, ()
     raise pickle.PicklingError(f"a lifecycle machine that is not shared: {lc!r}")
