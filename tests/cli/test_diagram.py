@@ -17,7 +17,7 @@ from kvtier.fsm.lifecycle.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "diagrams"
-TEXT_FILES = ("node.dot", "node.mmd", "request.dot", "request.mmd", "l3.dot", "l3.mmd")
+TEXT_FILES = ("node.dot", "node.mmd", "request.dot", "request.mmd", "l3.dot", "l3.mmd", "transfer.dot", "transfer.mmd")
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz 'dot' not installed")
 
 

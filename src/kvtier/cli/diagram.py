@@ -122,7 +122,7 @@ class _MermaidTopDown:
 
 
 def render(lifecycle: str, fmt: str) -> bytes:
-    """One lifecycle (``"node"`` or ``"request"``) as ``fmt`` (one of :data:`FORMATS`).
+    """One lifecycle (``"node"``, ``"request"``, ``"l3"`` or ``"transfer"``) as ``fmt`` (one of :data:`FORMATS`).
 
     Returns:
         The file content (UTF-8 text for ``dot``/``mermaid``).
@@ -160,11 +160,15 @@ def _path(out_dir: Path, lifecycle: str, fmt: str) -> Path:
     return out_dir / f"{lifecycle}{_SUFFIX[fmt]}"
 
 
+#: The lifecycles drawn, by their spec table names (one file per lifecycle and format).
+LIFECYCLES = ("node", "request", "l3", "transfer")
+
+
 def write_diagrams(out_dir: Path, formats: tuple[str, ...]) -> list[Path]:
     """Write every lifecycle in every format to ``out_dir``; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for lc in ("node", "request", "l3"):
+    for lc in LIFECYCLES:
         for fmt in formats:
             path = _path(out_dir, lc, fmt)
             path.write_bytes(render(lc, fmt))
@@ -179,7 +183,7 @@ def check_diagrams(out_dir: Path) -> list[str]:
         One line per stale or missing file (empty when everything is current).
     """
     problems = []
-    for lc in ("node", "request", "l3"):
+    for lc in LIFECYCLES:
         for fmt in TEXT_FORMATS:
             path = _path(out_dir, lc, fmt)
             if not path.exists():

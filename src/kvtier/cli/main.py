@@ -186,9 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_replay(sub)
 
-    p = sub.add_parser("diagram", help="draw the node and request lifecycles from the spec",
+    p = sub.add_parser("diagram", help="draw the lifecycles (node, request, l3, transfer) from the spec",
                        epilog=epilog(), formatter_class=LineFormatter,
-                       description="Draw both lifecycles from spec/lifecycle.toml with transitions' "
+                       description="Draw every lifecycle from spec/lifecycle.toml with transitions' "
                                    "GraphMachine (guards on edges). svg/png need the Graphviz 'dot' "
                                    "binary; dot and mermaid do not.")
     p.add_argument("--format", action="append", choices=["svg", "png", "dot", "mermaid"],
