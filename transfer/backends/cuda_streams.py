@@ -29,7 +29,7 @@ class CudaEvent:
 
     def synchronize(self) -> None:
         """Block the host until the event is reached (``Backend.fence``)."""
-        self.event.synchronize()  # type: ignore[no-untyped-call]
+        self.event.synchronize()
 
     @property
     def error(self) -> BaseException | None:
