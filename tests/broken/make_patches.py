@@ -80,9 +80,9 @@ BROKEN: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
          "return (n.state in (NS.host, NS.backed) and n.host_pin == 0  # BROKEN: inner nodes too"),
     ]),
     "10-failure-not-success": ("failure_not_success", [
-        ("fsm/node/transfers.py", "                if not ok:\n                    store.ledger.release_device(n.dev)",
+        ("fsm/node/transfers.py", "                if not ok:\n                    if fence:",
          "                if False:  # BROKEN: a failed loadback is reported as success\n"
-         "                    store.ledger.release_device(n.dev)"),
+         "                    if fence:"),
         ("fsm/node/transfers.py", "                store.trigger(n, EV.loadback_ack if ok else EV.loadback_fail)",
          "                store.trigger(n, EV.loadback_ack)"),
     ]),
@@ -204,7 +204,10 @@ SEMANTIC: dict[str, Mutant] = {
         "checkpoint's destination pages on a node now only on the host",
         (_seq("s10-failed-loadback-keeps-checkpoint"),),
         [("fsm/node/transfers.py", "                    if n is op.checkpoint:\n"
-                              "                        store.ledger.release_device(n.dev_ckpt)\n"
+                              "                        if fence:\n"
+                              "                            _keep(op.fenced_dev, n.dev_ckpt)\n"
+                              "                        else:\n"
+                              "                            store.ledger.release_device(n.dev_ckpt)\n"
                               "                        n.dev_ckpt = {}",
           "                    if n is op.checkpoint:\n"
           "                        pass  # BROKEN: the checkpoint's device pages are kept")]),
