@@ -30,7 +30,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-unty
     EvictParams,
     EvictResult,
     IncLockRefResult,
-    InitLoadBackParams,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -44,6 +43,7 @@ from kvtier.fsm.node import Node
 from kvtier.fsm.node.eviction import POLICIES
 from kvtier.fsm.node.ops import Settled
 
+from .sglang_host import HiCacheHooks
 from .sglang_pages import GROUP, DevicePageTable, Executor, InstantCompletions, sglang_layout
 
 __all__ = ["KvtierRadixCache", "register"]
@@ -62,7 +62,7 @@ def register() -> None:
         register_radix_cache_backend("kvtier", KvtierRadixCache.from_build_context)
 
 
-class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
+class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unused-ignore]
     """SGLang prefix cache whose radix tree, host tier, writebacks and loadbacks are kvtier's.
 
     Args:
@@ -115,8 +115,8 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
         alloc = self.token_to_kv_pool_allocator
         dev = getattr(alloc, "device", "cpu") if alloc is not None else "cpu"
         self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else torch.device("cpu")
-        if alloc is not None and hasattr(alloc, "size"):
-            device_pages = int(alloc.size) // self.page_size + 1
+        if isinstance(getattr(alloc, "size", None), int):
+            device_pages = alloc.size // self.page_size + 1
         self.host_pages = host_pages or None
         self.write_policy = write_policy
         self.eviction = eviction
@@ -128,6 +128,23 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
         self._capacity = 2 * device_pages
         self.kv_events = None
         self.reset()
+
+    @classmethod
+    def create_simulated(cls, disable: bool = False, mock_allocator: Any = None, page_size: int = 1,
+                         enable_kv_cache_events: bool = False, **kwargs: Any) -> KvtierRadixCache:
+        """A tree without pools (``RadixCache.create_simulated``'s signature): ``mock_allocator``
+        (or none) gets the freed indices; ``kwargs`` go to the constructor.
+
+        Raises:
+            ConfigError: ``enable_kv_cache_events`` (kvtier emits no SGLang KV events).
+        """
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+        if enable_kv_cache_events:
+            raise ConfigError("KvtierRadixCache: enable_kv_cache_events is not supported (no SGLang KV events)")
+        params = CacheInitParams(disable=disable, req_to_token_pool=None, token_to_kv_pool_allocator=mock_allocator,
+                                 page_size=page_size)
+        return cls(params, **kwargs)
 
     @classmethod
     def from_build_context(cls, ctx: Any) -> KvtierRadixCache:
@@ -187,13 +204,11 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
         """Give the SGLang pages the core freed back to SGLang's allocator; returns tokens."""
         if not self._freed:
             return 0
-        pages = np.concatenate(self._freed)
+        got = np.concatenate(self._freed)
         self._freed.clear()
-        if pages.size == 0 or self.token_to_kv_pool_allocator is None:
-            return int(pages.size) * self.page_size
-        idx = torch.from_numpy(self.pages.token_indices(pages)).to(self.device)
-        self.token_to_kv_pool_allocator.free(idx)
-        return int(idx.numel())
+        if got.size and self.token_to_kv_pool_allocator is not None:
+            self.token_to_kv_pool_allocator.free(torch.from_numpy(got).to(self.device))
+        return int(got.size)
 
     def _pump(self, collect: bool) -> None:
         """Hand every new command to the executor (device side as SGLang indices); with
@@ -204,7 +219,7 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
         for cmd in core.poll_commands():
             (t,) = cmd.transfers
             dev = t.src_pages if cmd.direction is Direction.WRITEBACK else t.dst_pages
-            self.executor.submit(cmd, self.pages.token_indices(self.pages.sglang_pages(dev)))
+            self.executor.submit(cmd, self.pages.token_indices(dev))
         if collect:
             for c in self.executor.collect():
                 for s in core.complete(c):
@@ -253,7 +268,7 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
         still loading, which kvtier does not publish, are freed here).
 
         Raises:
-            UsageError: ``value`` shorter than the key, or indices that are not whole pages.
+            UsageError: ``value`` shorter than the key.
         """
         if self.disable:
             return InsertResult(prefix_len=0)
@@ -264,8 +279,8 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
         return InsertResult(prefix_len=prefix_len, total_len=published, last_device_node=node)
 
     def _publish(self, key: Any, value: Any) -> tuple[int, int, Node, np.ndarray]:
-        """(tokens published, tokens that were already there, the deepest node, SGLang
-        pages not published)."""
+        """(tokens published, tokens that were already there, the deepest node, the KV
+        indices not published)."""
         units = self._units(key)
         root = self.core.root
         if not units:
@@ -279,10 +294,6 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
                 raise UsageError(f"insert: value has {len(value)} KV indices for a key of {n_tok} tokens")
             vals = value[:n_tok].detach().to("cpu", torch.int64).numpy() if isinstance(value, torch.Tensor) \
                 else np.asarray(value[:n_tok], dtype=np.int64)
-        try:
-            sgl = self.pages.pages_of(vals)
-        except ValueError as e:
-            raise UsageError(f"insert: {e}") from None
         core = self.core
         own = core.alloc_device({GROUP: len(units)}, evict=False)[GROUP]
         res = core.insert(units, {GROUP: own})
@@ -291,12 +302,12 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
         first = next((i for i, p in enumerate(canon) if p in mine), len(canon))
         if any(p not in mine for p in canon[first:]):
             raise AssertionError("kvtier published a device node below a node it only had on the host")
-        self.pages.bind(canon[first:], sgl[first:len(canon)])
+        self.pages.bind(canon[first:], vals[first * ps:len(canon) * ps])
         back = [p for pm in (res.duplicates, res.kept) for p in pm.get(GROUP, ())]
         if back:
             core.free_device({GROUP: back})
         self._pump(collect=False)
-        return len(canon) * ps, first * ps, res.node, sgl[len(canon):]
+        return len(canon) * ps, first * ps, res.node, vals[len(canon) * ps:]
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         """Insert ``req``'s KV up to row position ``up_to`` (SGLang's chunked prefill, finish
@@ -377,11 +388,10 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
         """KV pool indices from the root to ``node`` (int64, on the allocator's device)."""
         if node is self.core.root:
             return self._empty
-        pages = self.core.device_pages(node).get(GROUP, [])
-        sgl = self.pages.sglang_pages(pages)
-        if (sgl < 0).any():
+        idx = self.pages.token_indices(self.core.device_pages(node).get(GROUP, []))
+        if idx.size and idx.min() < 0:
             raise UsageError(f"path_device_indices: node {node.node_id} is not on the device")
-        return torch.from_numpy(self.pages.token_indices(sgl)).to(self.device)
+        return torch.from_numpy(idx).to(self.device)
 
     def all_values_flatten(self) -> torch.Tensor:
         vals = [self.path_device_indices(n)[-len(n.key) * self.page_size:] for n in self._device_nodes()]
@@ -413,88 +423,3 @@ class KvtierRadixCache(BasePrefixCache):  # type: ignore[misc, unused-ignore]
             if freed >= want or self.write_policy != "write_back":
                 break
         return EvictResult(num_tokens_evicted=freed)
-
-    # ------------------------------------------------------------------ host tier
-    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any]:
-        """SGLang's admission hook: load the host part of the match back and return
-        (tokens loaded, the new last device node), or ``(0, req.last_node)`` when nothing was loaded."""
-        req = params.req
-        last = req.last_node if req is not None else self.core.root
-        if params.host_hit_length > 0 and self.load_back(params.best_match_node, params.mem_quota, req=req):
-            return params.host_hit_length, params.best_match_node
-        return 0, last
-
-    def load_back(self, node: Any, mem_quota: int | None = None, req: Any = None) -> bool:
-        """Start loading back the host-only nodes on the path to ``node``: SGLang KV pool
-        indices are allocated for them (evicting unlocked device leaves if short), the host
-        copies are pinned and the path locked until the loadback settles. The command goes
-        to the executor at :meth:`ready_to_load_host_cache`; it settles at :meth:`loading_check`.
-
-        Returns:
-            ``False`` (nothing changed) without a host tier, when the path needs no loadback,
-            when it exceeds ``mem_quota`` tokens, or when the allocator has no room.
-        """
-        core = self.core
-        if not core.has_host or node is core.root or not core.tree.has(node):
-            return False
-        m = core.match(self._path_key(node))
-        if not m.host_nodes or m.terminal is not node:
-            return False
-        tokens = (m.host_units - m.device_units) * self.page_size
-        if mem_quota is not None and tokens > mem_quota:
-            return False
-        alloc = self.token_to_kv_pool_allocator
-        lock = core.lock(m.device_node) if m.device_node is not core.root else None
-        try:
-            if alloc.available_size() < tokens:
-                self.evict(EvictParams(num_tokens=tokens - alloc.available_size()))
-            got = alloc.alloc(tokens)
-        finally:
-            if lock is not None:
-                core.unlock(lock)
-        if got is None:
-            return False
-        m = core.match(self._path_key(node))  # the eviction changed the tree: match again
-        if not m.host_nodes or m.terminal is not node:
-            alloc.free(got)
-            return False
-        ld = core.load(m, evict=False)
-        pages = ld.device_pages[GROUP][m.device_units:]
-        self.pages.bind(pages, self.pages.pages_of(got.to("cpu", torch.int64).numpy()))
-        if ld.command is None:  # joined loads already under way
-            core.release(ld.pin)
-            core.unlock(ld.lock)
-        else:
-            self._loads[ld.command.op_id] = ld
-        return True
-
-    @staticmethod
-    def _path_key(node: Node) -> list[Any]:
-        parts = [n.key for n in reversed(node.path())]
-        return [k for part in parts for k in part]
-
-    def ready_to_load_host_cache(self) -> int:
-        """Hand the loadbacks started since the last call to the executor; returns -1 (no
-        per-layer consumer index: kvtier tracks layer progress itself)."""
-        self._pump(collect=False)
-        return -1
-
-    def loading_check(self, finish_count: int | None = None) -> None:
-        """Deliver the completions that arrived (loadbacks settle: pins and locks released)."""
-        self._pump(collect=True)
-
-    def writing_check(self, write_back: bool = False, finish_count: int | None = None) -> None:
-        """Deliver the completions that arrived (writebacks settle)."""
-        self._pump(collect=True)
-
-    def check_hicache_events(self) -> None:
-        """Per scheduler step: submit queued writebacks, deliver completions, advance the
-        operation deadlines' step."""
-        self._pump(collect=True)
-        self.core.advance_step()
-
-    def has_pending_cache_operations(self) -> bool:
-        return bool(self.core.operations()) or bool(self._loads)
-
-    def release_host_resources(self) -> None:
-        """Nothing pinned outside the executor's buffers."""

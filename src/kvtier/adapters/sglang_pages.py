@@ -4,9 +4,9 @@ indices, and the transfer executors (metadata only, or copying the bytes of an S
 ``MHATokenToKVPool`` on the CPU).
 
 One unit of the core's radix tree is one SGLang page (``page_size`` tokens); one device page
-of the core is one SGLang page of the token-to-KV pool. SGLang's allocator owns the index
+of the core is one page of SGLang's token-to-KV pool. SGLang's allocator owns the index
 space: the core's device page ids are its own numbering, and :class:`DevicePageTable` says
-which SGLang page each tree-owned device page holds (``-1``: none). The host tier is kvtier's
+which KV pool indices each tree-owned device page holds. The host tier is kvtier's
 own pool (host page ``h`` = rows ``h * page_size .. h * page_size + page_size - 1`` of the
 executor's host buffers); SGLang's ``HostKVCache`` is not used.
 """
@@ -46,8 +46,10 @@ def sglang_layout(page_size: int, num_layers: int = 1, page_bytes: int = 1) -> C
 
 
 class DevicePageTable:
-    """The core's device page -> SGLang page (KV pool index // page_size), ``-1`` when the
-    core's page holds no SGLang page (free, or a caller's page not yet published).
+    """The core's device page -> the SGLang KV pool token indices it holds (``page_size``
+    of them, int64), ``-1`` when the core's page holds none (free, or a caller's page not
+    yet published). With SGLang's paged allocators a page's indices are one SGLang page;
+    the table does not rely on it.
 
     Args:
         capacity: the core's device pages.
@@ -56,45 +58,23 @@ class DevicePageTable:
 
     def __init__(self, capacity: int, page_size: int) -> None:
         self.page_size = page_size
-        self.table = np.full(capacity, -1, dtype=np.int64)
-        self._offsets = np.arange(page_size, dtype=np.int64)
+        self.table = np.full((capacity, page_size), -1, dtype=np.int64)
 
-    def bind(self, pages: Sequence[int], sglang_pages: np.ndarray) -> None:
-        """Record that the core's ``pages`` hold ``sglang_pages`` (same length)."""
-        self.table[np.asarray(pages, dtype=np.int64)] = sglang_pages
+    def bind(self, pages: Sequence[int], token_indices: np.ndarray) -> None:
+        """Record that the core's ``pages`` hold ``token_indices`` (``page_size`` per page, in order)."""
+        self.table[np.asarray(pages, dtype=np.int64)] = token_indices.reshape(-1, self.page_size)
 
     def unbind(self, pages: Sequence[int]) -> np.ndarray:
-        """Forget ``pages`` (the core freed them); returns the SGLang pages they held
+        """Forget ``pages`` (the core freed them); returns the token indices they held
         (pages that held none are left out)."""
         idx = np.asarray(pages, dtype=np.int64)
-        got = self.table[idx]
+        got = self.table[idx].reshape(-1)
         self.table[idx] = -1
         return got[got >= 0]
 
-    def sglang_pages(self, pages: Sequence[int]) -> np.ndarray:
-        """SGLang pages of the core's ``pages``; ``-1`` where one holds none."""
-        return self.table[np.asarray(pages, dtype=np.int64)]
-
-    def token_indices(self, sglang_pages: np.ndarray) -> np.ndarray:
-        """KV pool token indices of ``sglang_pages``, page by page (int64)."""
-        if self.page_size == 1:
-            return sglang_pages
-        return (sglang_pages[:, None] * self.page_size + self._offsets).reshape(-1)
-
-    def pages_of(self, token_indices: np.ndarray) -> np.ndarray:
-        """The SGLang pages of page-aligned runs of token indices.
-
-        Raises:
-            ValueError: a page's token indices are not ``p * page_size .. p * page_size + page_size - 1``.
-        """
-        if self.page_size == 1:
-            return token_indices
-        runs = token_indices.reshape(-1, self.page_size)
-        pages = runs[:, 0] // self.page_size
-        if not np.array_equal(runs, pages[:, None] * self.page_size + self._offsets):
-            raise ValueError("KV indices are not whole pages: each page's indices must be "
-                             "p * page_size .. p * page_size + page_size - 1")
-        return pages
+    def token_indices(self, pages: Sequence[int]) -> np.ndarray:
+        """Token indices of the core's ``pages``, page by page; ``-1`` where one holds none."""
+        return self.table[np.asarray(pages, dtype=np.int64)].reshape(-1)
 
 
 class Executor(Protocol):
