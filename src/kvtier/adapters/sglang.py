@@ -414,12 +414,13 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         if self.disable or params.num_tokens <= 0:
             return EvictResult()
         want = -(-int(params.num_tokens) // self.page_size) * self.page_size
+        self._pump(collect=True)  # writebacks that completed make their nodes demotable
         freed = 0
         for _ in range(2):  # under write_back: queue writebacks, complete them, demote the written nodes
             self.core.evict_device({GROUP: (want - freed) // self.page_size})
             freed += self._free_sglang()
             self._pump(collect=True)
             freed += self._free_sglang()
-            if freed >= want or self.write_policy != "write_back":
+            if freed >= want:
                 break
         return EvictResult(num_tokens_evicted=freed)
