@@ -210,9 +210,10 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
             self.token_to_kv_pool_allocator.free(torch.from_numpy(got).to(self.device))
         return int(got.size)
 
-    def _pump(self, collect: bool) -> None:
+    def _pump(self, collect: bool) -> int:
         """Hand every new command to the executor (device side as SGLang indices); with
-        ``collect``, deliver the completions that came back."""
+        ``collect``, deliver the completions that came back. Returns the tokens whose KV
+        indices went back to SGLang's allocator."""
         core = self.core
         if core.has_host:
             core.issue_writebacks()
@@ -229,7 +230,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
                         core.unlock(ld.lock)
                         if not s.ok:
                             self.loads_failed += 1
-        self._free_sglang()
+        return self._free_sglang()
 
     # ------------------------------------------------------------------ match / insert
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -414,13 +415,12 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         if self.disable or params.num_tokens <= 0:
             return EvictResult()
         want = -(-int(params.num_tokens) // self.page_size) * self.page_size
-        self._pump(collect=True)  # writebacks that completed make their nodes demotable
-        freed = 0
-        for _ in range(2):  # under write_back: queue writebacks, complete them, demote the written nodes
+        freed = self._pump(collect=True)  # writebacks that completed make their nodes demotable
+        idle = 0
+        while freed < want and idle < 2:  # a parent is a leaf once its children went; under
+            # write_back a node is demoted by the pass after the one whose writeback completed
             self.core.evict_device({GROUP: (want - freed) // self.page_size})
-            freed += self._free_sglang()
-            self._pump(collect=True)
-            freed += self._free_sglang()
-            if freed >= want:
-                break
+            got = self._free_sglang() + self._pump(collect=True)
+            idle = 0 if got else idle + 1
+            freed += got
         return EvictResult(num_tokens_evicted=freed)
