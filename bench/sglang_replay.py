@@ -12,7 +12,8 @@ path_device_indices -> insert(prev_prefix_len) -> unlock -> check_hicache_events
 - SGLang: ``UnifiedRadixCache`` + ``init_hicache`` (host pool ``ratio x device``, SGLang's sizing),
   ``write_through`` and ``write_back``, ``hicache_io_backend=direct``,
   ``hicache_mem_layout=layer_first``, ``load_back_threshold=1``; its data path on a CPU torch is
-  stubbed (cudaHostRegister, the direct copy kernels, ``torch.cpu.Stream.synchronize``: no bytes).
+  stubbed (cudaHostRegister, the direct copy kernels, ``torch.cpu.Stream.synchronize``: no bytes;
+  its free-host-memory check, which keeps 10 GB aside, for pools of a few KB).
 - kvtier: :class:`kvtier.adapters.sglang.KvtierRadixCache` with the same host pages and
   write policy, metadata-only transfers (:class:`~kvtier.adapters.sglang_pages.InstantCompletions`).
 
@@ -77,10 +78,12 @@ def pools(device: int, ratio: float, policy: str):  # type: ignore[no-untyped-de
 def stub_data_path() -> None:
     import torch
 
+    import sglang.srt.mem_cache.pool_host.base as host_base
     import sglang.srt.mem_cache.pool_host.common as host_common
     import sglang.srt.mem_cache.pool_host.mha as host_mha
 
     host_common._cuda_host_register = lambda buffer, granularity=None: None
+    host_base.host_memory_budget_bytes = lambda requested: requested  # its pools here hold a few KB
     for name in ("transfer_kv_direct", "transfer_kv_per_layer_direct_pf_lf", "transfer_kv_all_layer_direct_lf_pf"):
         setattr(host_mha, name, lambda *a, **k: None)
     torch.cpu.Stream.synchronize = lambda self: None
@@ -131,7 +134,8 @@ def replay(reqs, cache, alloc, cc=None) -> dict:  # type: ignore[no-untyped-def]
             "us_per_request": spent / len(reqs) * 1e6, "overflow": overflow}
 
 
-def run(reqs, device: int, ratio: float, policy: str) -> tuple[dict, dict, int]:  # type: ignore[no-untyped-def]
+def run(reqs, device: int, ratio: float, policy: str, evictions: list[str]):  # type: ignore[no-untyped-def]
+    """HiCache, then kvtier with each eviction policy, on fresh pools of the same size."""
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     from kvtier.adapters.sglang import KvtierRadixCache
@@ -143,10 +147,12 @@ def run(reqs, device: int, ratio: float, policy: str) -> tuple[dict, dict, int]:
     host = int(sg.cache_controller.mem_pool_host.size)
     theirs = replay(reqs, sg, alloc, sg.cache_controller)
     sg.release_host_resources()
-    sa, params, alloc = pools(device, 0, policy)
-    kv = KvtierRadixCache(params, host_pages=host, write_policy=policy)
-    ours = replay(reqs, kv, alloc)
-    kv.core.check_invariants()
+    ours = {}
+    for eviction in evictions:
+        sa, params, alloc = pools(device, 0, policy)
+        kv = KvtierRadixCache(params, host_pages=host, write_policy=policy, eviction=eviction)
+        ours[eviction] = replay(reqs, kv, alloc)
+        kv.core.check_invariants()
     return ours, theirs, host
 
 
@@ -156,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--device", type=int, nargs="+", default=[4000])
     ap.add_argument("--ratios", type=float, nargs="+", default=[8, 2])
+    ap.add_argument("--eviction", nargs="+", default=["lru", "lru_turns"], help="kvtier's eviction policies")
     ap.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
     a = ap.parse_args(argv)
     os.environ.setdefault("KVTIER_REQUIRE_SGLANG", "1")
@@ -167,16 +174,17 @@ def main(argv: list[str] | None = None) -> None:
     require_sglang()
     stub_data_path()
     reqs = load(a.trace, a.limit)
-    rows = ["| device | host | write policy | kvtier hit | HiCache hit | kvtier us/req | HiCache us/req | "
-            "time kvtier / HiCache |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| device | host | write policy | kvtier eviction | kvtier hit | HiCache hit | kvtier us/req | "
+            "HiCache us/req | time kvtier / HiCache |", "|---|---|---|---|---|---|---|---|---|"]
     for dev in a.device:
         for ratio in a.ratios:
             for policy in ("write_through", "write_back"):
-                ours, theirs, host = run(reqs, dev, ratio, policy)
-                rows.append(f"| {dev} | {host} (x{ratio:g}) | {policy} | {ours['hit']:.2%} | {theirs['hit']:.2%} | "
-                            f"{ours['us_per_request']:.0f} | {theirs['us_per_request']:.0f} | "
-                            f"{ours['us_per_request'] / theirs['us_per_request']:.2f}x |")
-                print(rows[-1], flush=True)
+                ours, theirs, host = run(reqs, dev, ratio, policy, a.eviction)
+                for eviction, r in ours.items():
+                    rows.append(f"| {dev} | {host} (x{ratio:g}) | {policy} | {eviction} | {r['hit']:.2%} | "
+                                f"{theirs['hit']:.2%} | {r['us_per_request']:.0f} | {theirs['us_per_request']:.0f} | "
+                                f"{r['us_per_request'] / theirs['us_per_request']:.2f}x |")
+                    print(rows[-1], flush=True)
     body = "\n".join([f"{len(reqs):,} requests of {a.trace.name}; one slot = one 512-token block; "
                       "the same SGLang pools and calls for both (bench/sglang_replay.py's docstring).", "",
                       *rows, "", provenance(sys.argv)])
