@@ -11,7 +11,9 @@ its mem_cache and scheduler modules then import cleanly once two things are arra
   inert class). :data:`TOUCHED` lists the attributes read.
 
 Without SGLang the module skips, unless ``KVTIER_REQUIRE_SGLANG=1`` (CI's SGLang step),
-where a missing SGLang fails the run.
+where a missing SGLang fails the run. With vLLM installed too it skips unless
+``KVTIER_REQUIRE_SGLANG=1``: the placeholders would change what vLLM's modules import in
+the same process, so the sglang-marked tests run in a pytest process of their own.
 """
 
 from __future__ import annotations
@@ -145,6 +147,10 @@ def require_sglang() -> None:
             raise RuntimeError("KVTIER_REQUIRE_SGLANG=1 but sglang is not installed")
         pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23 and its small CPU "
                     "packages; docs/sglang.md)", allow_module_level=True)
+    if importlib.util.find_spec("vllm") is not None and os.environ.get("KVTIER_REQUIRE_SGLANG") != "1":
+        # the placeholders would change what vLLM's modules import in this process
+        pytest.skip("vLLM is installed too: run the sglang tests in a process of their own "
+                    "(KVTIER_REQUIRE_SGLANG=1 python -m pytest -m sglang tests/adapters)", allow_module_level=True)
     if _LOADED:
         return
     import torch
