@@ -185,7 +185,8 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
                 ps = pm.get(GROUP)
                 if ps:
                     self._freed.append(self.pages.unbind(ps))
-            return release(*maps)
+            got: dict[str, int] = release(*maps)
+            return got
 
         ledger.release_device = release_device
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)

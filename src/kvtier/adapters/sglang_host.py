@@ -10,7 +10,7 @@ calls it before the forward pass, as with HiCache).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,9 +31,10 @@ class HiCacheHooks:
     token_to_kv_pool_allocator: Any
     _loads: dict[int, Any]
 
-    def evict(self, params: Any) -> Any: ...
+    if TYPE_CHECKING:  # the cache's own
+        def evict(self, params: Any) -> Any: ...
 
-    def _pump(self, collect: bool) -> int: ...
+        def _pump(self, collect: bool) -> int: ...
 
     def init_load_back(self, params: Any) -> tuple[int, Any]:
         """SGLang's admission hook: load the host part of the match back and return
