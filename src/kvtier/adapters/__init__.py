@@ -10,5 +10,9 @@
   simulated worker (the tests, the fuzzing machine :mod:`~kvtier.adapters.vllm_machine`,
   and the trace replay :mod:`~kvtier.adapters.vllm_kit` behind ``bench/vllm_replay.py``).
 
-Importing this package imports nothing from vLLM; the submodules do.
+- :mod:`kvtier.adapters.sglang` (extra ``kvtier[sglang]``): kvtier as SGLang's prefix cache
+  (``BasePrefixCache`` with the HiCache hooks), selected with ``--radix-cache-backend kvtier``
+  (docs/sglang.md); :mod:`~kvtier.adapters.sglang_pages` maps its pages to SGLang's KV pool.
+
+Importing this package imports nothing from vLLM or SGLang; the submodules do.
 """

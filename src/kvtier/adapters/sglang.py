@@ -1,0 +1,427 @@
+"""kvtier as SGLang's prefix cache (SGLang 0.5.23; docs/sglang.md).
+
+:class:`KvtierRadixCache` implements SGLang's ``BasePrefixCache``
+(``sglang/srt/mem_cache/base_prefix_cache.py``) and the host-tier hooks of its
+``UnifiedRadixCache`` with HiCache (``init_load_back``, ``load_back``,
+``ready_to_load_host_cache``, ``loading_check``, ``writing_check``, ``check_hicache_events``)
+on kvtier's verified node core (:class:`~kvtier.fsm.CacheCore`): SGLang's scheduler holds it
+where it holds a ``UnifiedRadixCache``. SGLang's types stay at the boundary: ``RadixKey`` in,
+``MatchResult`` / ``InsertResult`` / ``EvictResult`` out, its ``Req`` objects in
+:meth:`~KvtierRadixCache.checkpoint`, its token-to-KV pool indices as device pages.
+
+Selected with ``--radix-cache-backend kvtier`` once :func:`register` ran (kvtier declares it as
+an ``sglang.srt.plugins`` entry point, which SGLang's processes load at start).
+
+Importing :mod:`kvtier` or :mod:`kvtier.adapters` imports nothing from SGLang; this module does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+from kvtier.fsm import CacheCore, ConfigError, Direction, UsageError
+from kvtier.fsm.lifecycle.names import DEVICE_RESIDENT
+from kvtier.fsm.node import Node
+from kvtier.fsm.node.eviction import POLICIES
+from kvtier.fsm.node.ops import Settled
+
+from .sglang_host import HiCacheHooks
+from .sglang_pages import GROUP, DevicePageTable, Executor, InstantCompletions, sglang_layout
+
+__all__ = ["KvtierRadixCache", "register"]
+
+_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+
+
+def register() -> None:
+    """Register the ``kvtier`` radix-cache backend with SGLang's registry (idempotent):
+    ``--radix-cache-backend kvtier`` then builds a :class:`KvtierRadixCache` from the
+    server's ``CacheInitParams`` and its HiCache flags (``--hicache-ratio``,
+    ``--hicache-size``, ``--hicache-write-policy``)."""
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+    if get_radix_cache_factory("kvtier") is None:
+        register_radix_cache_backend("kvtier", KvtierRadixCache.from_build_context)
+
+
+class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unused-ignore]
+    """SGLang prefix cache whose radix tree, host tier, writebacks and loadbacks are kvtier's.
+
+    Args:
+        params: SGLang's ``CacheInitParams`` (``token_to_kv_pool_allocator``,
+            ``req_to_token_pool``, ``page_size``, ``disable``, ``eviction_policy``);
+            the allocator may be ``None`` for a tree without pools (as
+            ``RadixCache.create_simulated``), then ``device_pages`` sizes the tree.
+        host_pages: host capacity in SGLang pages; ``None`` or 0: device only.
+        write_policy: ``"write_through"`` (SGLang's default), ``"write_back"`` or
+            ``"write_through_selective"`` (backs a node up on its ``write_threshold``-th hit).
+        eviction: kvtier's eviction policy (``"lru"``, ``"lru_turns"``, ``"lru2"``);
+            default: SGLang's ``eviction_policy`` when it is ``"lru"``.
+        executor: moves the bytes of transfer commands (:class:`~kvtier.adapters.sglang_pages.Executor`);
+            default metadata only (:class:`~kvtier.adapters.sglang_pages.InstantCompletions`).
+        device_pages: the tree's device capacity in pages when there is no allocator.
+        write_threshold: hits before ``write_through_selective`` backs a node up.
+        num_layers: model layers (the loadback's layer progress).
+
+    Raises:
+        ConfigError: a bad capacity, write policy or eviction policy, ``is_eagle``
+            (bigram keys), or hybrid tree components (SWA, Mamba).
+    """
+
+    def __init__(self, params: Any, *, host_pages: int | None = None, write_policy: str = "write_through",
+                 eviction: str | None = None, executor: Executor | None = None, device_pages: int = 1 << 20,
+                 write_threshold: int = 2, num_layers: int = 1) -> None:
+        self.disable = bool(params.disable)
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = int(params.page_size)
+        if getattr(params, "is_eagle", False):
+            raise ConfigError("KvtierRadixCache: is_eagle (bigram keys) is not supported")
+        comps = [getattr(c, "name", str(c)) for c in (getattr(params, "tree_components", None) or ())]
+        if any(c != "FULL" for c in comps):
+            raise ConfigError(f"KvtierRadixCache: only the FULL tree component is supported, got {comps}")
+        sglang_policy = str(getattr(params, "eviction_policy", "lru") or "lru").lower()
+        if eviction is None:
+            if sglang_policy != "lru":
+                raise ConfigError(f"KvtierRadixCache: SGLang's eviction_policy={sglang_policy!r} has no kvtier "
+                                  f"equivalent; pass eviction= one of {sorted(POLICIES)}")
+            eviction = "lru"
+        if eviction not in POLICIES:
+            raise ConfigError(f"KvtierRadixCache: eviction must be one of {sorted(POLICIES)}, got {eviction!r}")
+        if write_policy not in _WRITE_POLICIES:
+            raise ConfigError(f"KvtierRadixCache: write_policy must be one of {list(_WRITE_POLICIES)}, "
+                              f"got {write_policy!r}")
+        if host_pages is not None and (isinstance(host_pages, bool) or not isinstance(host_pages, int)
+                                       or host_pages < 0):
+            raise ConfigError(f"KvtierRadixCache: host_pages must be None or an int >= 0, got {host_pages!r}")
+        alloc = self.token_to_kv_pool_allocator
+        dev = getattr(alloc, "device", "cpu") if alloc is not None else "cpu"
+        self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else torch.device("cpu")
+        if isinstance(getattr(alloc, "size", None), int):
+            device_pages = alloc.size // self.page_size + 1
+        self.host_pages = host_pages or None
+        self.write_policy = write_policy
+        self.eviction = eviction
+        self.write_threshold = write_threshold
+        self.num_layers = num_layers
+        self.executor: Executor = executor if executor is not None else InstantCompletions()
+        # the core's device pool: the tree's pages plus one insert's own pages (SGLang's
+        # allocator bounds the tree; the core never evicts on its own)
+        self._capacity = 2 * device_pages
+        self.kv_events = None
+        self.reset()
+
+    @classmethod
+    def create_simulated(cls, disable: bool = False, mock_allocator: Any = None, page_size: int = 1,
+                         enable_kv_cache_events: bool = False, **kwargs: Any) -> KvtierRadixCache:
+        """A tree without pools (``RadixCache.create_simulated``'s signature): ``mock_allocator``
+        (or none) gets the freed indices; ``kwargs`` go to the constructor.
+
+        Raises:
+            ConfigError: ``enable_kv_cache_events`` (kvtier emits no SGLang KV events).
+        """
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+        if enable_kv_cache_events:
+            raise ConfigError("KvtierRadixCache: enable_kv_cache_events is not supported (no SGLang KV events)")
+        params = CacheInitParams(disable=disable, req_to_token_pool=None, token_to_kv_pool_allocator=mock_allocator,
+                                 page_size=page_size)
+        return cls(params, **kwargs)
+
+    @classmethod
+    def from_build_context(cls, ctx: Any) -> KvtierRadixCache:
+        """The registry's factory: SGLang's ``TreeCacheBuildContext`` -> a cache sized by
+        the server's HiCache flags (host = ``hicache_ratio`` x device, or ``hicache_size``
+        GB at the pool's bytes per token; no host tier without either)."""
+        sa, params = ctx.server_args, ctx.params
+        alloc = params.token_to_kv_pool_allocator
+        dev_tokens = int(alloc.size) if alloc is not None else 0
+        host_tokens = 0
+        if getattr(sa, "hicache_size", 0):
+            kv = alloc.get_kvcache()
+            per_token = int(kv.get_kv_size_bytes()[0] + kv.get_kv_size_bytes()[1]) // max(1, dev_tokens)
+            host_tokens = int(sa.hicache_size * 1e9) // max(1, per_token)
+        elif getattr(sa, "hicache_ratio", 0):
+            host_tokens = int(dev_tokens * float(sa.hicache_ratio))
+        layers = int(getattr(ctx.model_config, "num_hidden_layers", 1) or 1)
+        return cls(params, host_pages=host_tokens // int(params.page_size) or None,
+                   write_policy=str(getattr(sa, "hicache_write_policy", "write_through")), num_layers=layers)
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Empty the tree (a new core; SGLang's ``flush_cache``). The allocator is not touched."""
+        self.core = CacheCore(sglang_layout(self.page_size, self.num_layers), {GROUP: self._capacity},
+                              {GROUP: self.host_pages} if self.host_pages else None,
+                              policy=self.write_policy, write_threshold=self.write_threshold, eviction=self.eviction)
+        self.root_node = self.core.root
+        self.pages = DevicePageTable(self._capacity, self.page_size)
+        self._locks: dict[int, list[Any]] = {}
+        self._loads: dict[int, Any] = {}  # loadback op id -> its LoadResult (pin + lock until it settles)
+        self._freed: list[np.ndarray] = []
+        self.loads_failed = 0
+        ledger = self.core.ledger
+        release = ledger.release_device
+
+        def release_device(*maps: Any) -> dict[str, int]:  # the core freeing tree pages: SGLang's are freed too
+            for pm in maps:
+                ps = pm.get(GROUP)
+                if ps:
+                    self._freed.append(self.pages.unbind(ps))
+            got: dict[str, int] = release(*maps)
+            return got
+
+        ledger.release_device = release_device
+        self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def _units(self, key: Any) -> list[Any]:
+        if not isinstance(key, RadixKey):
+            raise UsageError(f"KvtierRadixCache: key must be an SGLang RadixKey, got {key!r}")
+        n = len(key) // self.page_size
+        if n == 0:
+            return []
+        if self.page_size == 1 and key.extra_key is None and getattr(key, "cache_salt", None) is None:
+            return list(key.token_ids[:n])
+        return [key.child_key_at(i * self.page_size, self.page_size) for i in range(n)]
+
+    def _free_sglang(self) -> int:
+        """Give the SGLang pages the core freed back to SGLang's allocator; returns tokens."""
+        if not self._freed:
+            return 0
+        got = np.concatenate(self._freed)
+        self._freed.clear()
+        if got.size and self.token_to_kv_pool_allocator is not None:
+            self.token_to_kv_pool_allocator.free(torch.from_numpy(got).to(self.device))
+        return int(got.size)
+
+    def _pump(self, collect: bool) -> int:
+        """Hand every new command to the executor (device side as SGLang indices); with
+        ``collect``, deliver the completions that came back. Returns the tokens whose KV
+        indices went back to SGLang's allocator."""
+        core = self.core
+        if core.has_host:
+            core.issue_writebacks()
+        for cmd in core.poll_commands():
+            (t,) = cmd.transfers
+            dev = t.src_pages if cmd.direction is Direction.WRITEBACK else t.dst_pages
+            self.executor.submit(cmd, self.pages.token_indices(dev))
+        if collect:
+            for c in self.executor.collect():
+                for s in core.complete(c):
+                    ld = self._loads.pop(s.op_id, None) if isinstance(s, Settled) else None
+                    if ld is not None:
+                        core.release(ld.pin)
+                        core.unlock(ld.lock)
+                        if not s.ok:
+                            self.loads_failed += 1
+        return self._free_sglang()
+
+    # ------------------------------------------------------------------ match / insert
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """The longest usable prefix of ``params.key``: ``device_prefix_len`` tokens on the
+        device (their indices: :meth:`path_device_indices` of ``last_device_node``), then
+        ``host_hit_length`` tokens on kvtier's host tier up to ``best_match_node``
+        (``last_host_node`` is the same node). Page-aligned; splits a node where the key
+        diverges inside it, as SGLang's tree does."""
+        root = self.core.root
+        units = [] if self.disable else self._units(params.key)
+        if not units:
+            return MatchResult(device_prefix_len=0, last_device_node=root, last_host_node=root, best_match_node=root)
+        m = self.core.match(units)
+        ps = self.page_size
+        host = (m.host_units - m.device_units) * ps if m.host_nodes else 0
+        end = m.terminal if host else m.device_node
+        return MatchResult(device_prefix_len=m.device_units * ps, last_device_node=m.device_node,
+                           last_host_node=end, best_match_node=end, host_hit_length=host,
+                           full_kv_hit_length=m.device_units * ps + host)
+
+    def touch_prefix(self, key: Any) -> None:
+        """Stamp recency along ``key``'s cached device path (a lock taken and released)."""
+        if self.disable:
+            return
+        units = self._units(key)
+        if units:
+            node = self.core.match(units).device_node
+            if node is not self.core.root:
+                self.core.unlock(self.core.lock(node))
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Publish ``params.value`` (the key's KV pool indices) under ``params.key``.
+
+        ``prefix_len`` tokens were already on the device: the caller frees its copies of
+        them, as with SGLang's tree; the tree owns the indices past it (indices past a node
+        still loading, which kvtier does not publish, are freed here).
+
+        Raises:
+            UsageError: ``value`` shorter than the key.
+        """
+        if self.disable:
+            return InsertResult(prefix_len=0)
+        published, prefix_len, node, kept = self._publish(params.key, params.value)
+        if kept.size:
+            self._freed.append(kept)
+            self._free_sglang()
+        return InsertResult(prefix_len=prefix_len, total_len=published, last_device_node=node)
+
+    def _publish(self, key: Any, value: Any) -> tuple[int, int, Node, np.ndarray]:
+        """(tokens published, tokens that were already there, the deepest node, the KV
+        indices not published)."""
+        units = self._units(key)
+        root = self.core.root
+        if not units:
+            return 0, 0, root, np.empty(0, dtype=np.int64)
+        ps = self.page_size
+        n_tok = len(units) * ps
+        if value is None:
+            vals = np.asarray(key.token_ids[:n_tok], dtype=np.int64)
+        else:
+            if len(value) < n_tok:
+                raise UsageError(f"insert: value has {len(value)} KV indices for a key of {n_tok} tokens")
+            vals = value[:n_tok].detach().to("cpu", torch.int64).numpy() if isinstance(value, torch.Tensor) \
+                else np.asarray(value[:n_tok], dtype=np.int64)
+        core = self.core
+        own = core.alloc_device({GROUP: len(units)}, evict=False)[GROUP]
+        res = core.insert(units, {GROUP: own})
+        canon = res.pages.get(GROUP, [])
+        mine = set(own)
+        first = next((i for i, p in enumerate(canon) if p in mine), len(canon))
+        if any(p not in mine for p in canon[first:]):
+            raise AssertionError("kvtier published a device node below a node it only had on the host")
+        self.pages.bind(canon[first:], vals[first * ps:len(canon) * ps])
+        back = [p for pm in (res.duplicates, res.kept) for p in pm.get(GROUP, ())]
+        if back:
+            core.free_device({GROUP: back})
+        self._pump(collect=False)
+        return len(canon) * ps, first * ps, res.node, vals[len(canon) * ps:]
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """Insert ``req``'s KV up to row position ``up_to`` (SGLang's chunked prefill, finish
+        and retract call this), repoint its row onto the tree's pages, move its lock to the
+        node the insert ended on and advance ``req.kv.cache_protected_len`` (SGLang's
+        ``release_kv_cache`` frees the rest of the row)."""
+        if self.disable:
+            return
+        kv = req.kv
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, : len(token_ids)]
+        key = RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt).page_aligned(self.page_size)
+        published, prefix_len, node, _kept = self._publish(key, row)
+        kv.cache_inserted_len = max(kv.cache_inserted_len, published)
+        alloc = self.token_to_kv_pool_allocator
+        if prefix_len > kv.cache_protected_len:  # the request's copies of what the tree had
+            alloc.free_segment(row[kv.cache_protected_len:prefix_len], start_pos=kv.cache_protected_len)
+        new = self.path_device_indices(node)
+        if len(new) > kv.cache_protected_len:
+            self.req_to_token_pool.write((kv.req_pool_idx, slice(kv.cache_protected_len, len(new))),
+                                         new[kv.cache_protected_len:])
+        kv.cache_protected_len = max(kv.cache_protected_len, len(new))
+        self.unlock(req.lock)
+        req.lock = self.lock(node)
+        req.last_node = node
+
+    # ------------------------------------------------------------------ locks / sizes
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        """Lock ``node`` and its ancestors on the device (the root: a no-op)."""
+        if self.disable or node is self.core.root:
+            return IncLockRefResult(delta=0)
+        self._locks.setdefault(node.node_id, []).append(self.core.lock(node))
+        return IncLockRefResult(delta=0, node_id=node.node_id)
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        """Release one lock taken on ``node`` by :meth:`inc_lock_ref`.
+
+        Raises:
+            UsageError: ``node`` holds no lock taken here.
+        """
+        if self.disable or node is self.core.root:
+            return DecLockRefResult(delta=0)
+        held = self._locks.get(node.node_id)
+        if not held:
+            raise UsageError(f"dec_lock_ref: node {node.node_id} holds no lock of this cache")
+        self.core.unlock(held.pop())
+        if not held:
+            del self._locks[node.node_id]
+        return DecLockRefResult(delta=0)
+
+    def _device_nodes(self) -> Iterable[Node]:
+        return (n for n in self.core.nodes() if n.parent is not None and n.state in DEVICE_RESIDENT)
+
+    def evictable_size(self) -> int:
+        """Device tokens in the tree no lock holds."""
+        return sum(len(n.key) for n in self._device_nodes() if n.lock_ref == 0) * self.page_size
+
+    def protected_size(self) -> int:
+        """Device tokens in the tree that locks hold."""
+        return sum(len(n.key) for n in self._device_nodes() if n.lock_ref > 0) * self.page_size
+
+    full_evictable_size = evictable_size
+    full_protected_size = protected_size
+
+    def total_size(self) -> int:
+        """Device tokens in the tree."""
+        return sum(len(n.key) for n in self._device_nodes()) * self.page_size
+
+    def host_size(self) -> int:
+        """Tokens with a host copy (kvtier's host pool pages in use x page size)."""
+        host = self.core.host
+        return int(host[GROUP].used) * self.page_size if host else 0
+
+    def supports_prefix_sharing(self) -> bool:
+        return not self.disable
+
+    def path_device_indices(self, node: Any) -> torch.Tensor:
+        """KV pool indices from the root to ``node`` (int64, on the allocator's device)."""
+        if node is self.core.root:
+            return self._empty
+        idx = self.pages.token_indices(self.core.device_pages(node).get(GROUP, []))
+        if idx.size and idx.min() < 0:
+            raise UsageError(f"path_device_indices: node {node.node_id} is not on the device")
+        return torch.from_numpy(idx).to(self.device)
+
+    def all_values_flatten(self) -> torch.Tensor:
+        vals = [self.path_device_indices(n)[-len(n.key) * self.page_size:] for n in self._device_nodes()]
+        return torch.cat(vals) if vals else self._empty
+
+    def pretty_print(self) -> None:
+        def walk(n: Node, indent: int) -> None:
+            for c in n.children.values():
+                print(" " * indent, len(c.key) * self.page_size, c.state, f"lock={c.lock_ref}")
+                walk(c, indent + 2)
+        walk(self.core.root, 0)
+        print(f"#tokens: {self.total_size()}")
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free at least ``params.num_tokens`` device tokens from unlocked leaves in kvtier's
+        eviction order (a node with a host copy is demoted; under ``write_back`` a node is
+        written back first, then demoted when its writeback completes, here through the
+        executor). The freed indices go back to SGLang's allocator."""
+        if self.disable or params.num_tokens <= 0:
+            return EvictResult()
+        want = -(-int(params.num_tokens) // self.page_size) * self.page_size
+        freed = self._pump(collect=True)  # writebacks that completed make their nodes demotable
+        idle = 0
+        while freed < want and idle < 2:  # a parent is a leaf once its children went; under
+            # write_back a node is demoted by the pass after the one whose writeback completed
+            self.core.evict_device({GROUP: (want - freed) // self.page_size})
+            got = self._free_sglang() + self._pump(collect=True)
+            idle = 0 if got else idle + 1
+            freed += got
+        return EvictResult(num_tokens_evicted=freed)

@@ -1,0 +1,103 @@
+"""kvtier's SGLang cache on real SGLang pools: the host tier, write_back eviction, loadback
+into fresh KV pool indices with the bytes moved (KVPoolCopier), locks, sizes and misuse."""
+
+import pytest
+from sglang_guard import require_sglang
+
+require_sglang()
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+
+from kvtier.adapters.sglang import KvtierRadixCache  # noqa: E402
+from kvtier.adapters.sglang_pages import KVPoolCopier  # noqa: E402
+from kvtier.fsm import ConfigError, UsageError  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+
+def build(policy, device=16, host=64, page_size=1):
+    rtp = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(size=device, page_size=page_size, dtype=torch.float32, head_num=1, head_dim=2,
+                          layer_num=2, device="cpu", enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(size=device, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
+    params = CacheInitParams(req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=page_size,
+                             disable=False)
+    cache = KvtierRadixCache(params, host_pages=host, write_policy=policy,
+                             executor=KVPoolCopier(kv, host, page_size), num_layers=2)
+    return cache, kv, alloc
+
+
+def fill(kv, idx):
+    for layer in range(2):
+        kv.k_buffer[layer][idx] = torch.arange(2 * len(idx), dtype=torch.float32).reshape(-1, 1, 2) + 100 * layer
+        kv.v_buffer[layer][idx] = -kv.k_buffer[layer][idx]
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_evicted_prefix_loads_back_with_its_bytes_into_new_indices(policy):
+    cache, kv, alloc = build(policy)
+    idx = alloc.alloc(6)
+    fill(kv, idx)
+    want_k = [kv.k_buffer[layer][idx].clone() for layer in range(2)]
+    assert cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5, 6]), value=idx)).prefix_len == 0
+    cache.check_hicache_events()
+    assert alloc.available_size() == 10 and cache.total_size() == 6
+    assert cache.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6
+    assert alloc.available_size() == 16 and cache.total_size() == 0 and cache.host_size() == 6
+    kv.k_buffer[0][idx] = 0.0  # the freed slots are reused by someone else
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 6, 7])))
+    assert (m.device_prefix_len, m.host_hit_length) == (0, 6)
+    assert cache.load_back(m.best_match_node)
+    cache.ready_to_load_host_cache()
+    cache.loading_check()
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 6, 7])))
+    assert (m.device_prefix_len, m.host_hit_length) == (6, 0)
+    new = cache.path_device_indices(m.last_device_node)
+    assert alloc.available_size() == 10
+    for layer in range(2):
+        torch.testing.assert_close(kv.k_buffer[layer][new], want_k[layer])
+    assert not cache.has_pending_cache_operations()
+    cache.core.check_invariants()
+
+
+def test_locked_prefix_is_not_evicted_and_dec_lock_ref_twice_raises():
+    cache, kv, alloc = build("write_through")
+    idx = alloc.alloc(4)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=idx))
+    node = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).last_device_node
+    cache.inc_lock_ref(node)
+    assert (cache.protected_size(), cache.evictable_size()) == (4, 0)
+    assert cache.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 0
+    cache.dec_lock_ref(node)
+    with pytest.raises(UsageError, match="holds no lock"):
+        cache.dec_lock_ref(node)
+    assert cache.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4
+
+
+def test_insert_over_a_cached_prefix_reports_it_and_keeps_the_tree_copy():
+    cache, kv, alloc = build("write_through", host=0)
+    first = alloc.alloc(3)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3]), value=first))
+    second = alloc.alloc(5)
+    res = cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5]), value=second))
+    assert res.prefix_len == 3  # the caller frees second[:3], as with SGLang's tree
+    alloc.free(second[:3])
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5])))
+    assert cache.path_device_indices(m.last_device_node).tolist() == first.tolist() + second[3:].tolist()
+    assert cache.load_back(m.last_device_node) is False  # no host tier
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ConfigError, match="write_policy"):
+        KvtierRadixCache.create_simulated(write_policy="sometimes")
+    with pytest.raises(ConfigError, match="eviction"):
+        KvtierRadixCache.create_simulated(eviction="mru")
+    with pytest.raises(ConfigError, match="KV events"):
+        KvtierRadixCache.create_simulated(enable_kv_cache_events=True)
+    with pytest.raises(UsageError, match="RadixKey"):
+        KvtierRadixCache.create_simulated().match_prefix(MatchPrefixParams(key=[1, 2]))
