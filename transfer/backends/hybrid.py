@@ -193,6 +193,8 @@ class HybridBackend(NumbaBackend):
         if x == -1:
             x = self._xover[key] = self.calibration.crossover(direction, busy)
         g = plan.groups[ref.group_index]
+        if self.planner.unit_runs(g.group):  # page-major host: its runs are not contiguous (staging covers it)
+            return SM
         return CE if x is not None and copy_bytes(g.pages, g.spans, ref.page_bytes) >= x else SM
 
     def split(self, direction: Direction, plan: FlushPlan, busy: bool) -> _Split:
@@ -222,7 +224,7 @@ class HybridBackend(NumbaBackend):
             ce_bytes = 0
             for gi, refs in ce_by_group.items():
                 g = plan.groups[gi]
-                so, do, pb = self.planner._address(direction, g, refs)
+                so, do, pb, _, _ = self.planner._address(direction, g, refs)
                 srcs.append((sb + so[:, None] + g.run_src[None, :] * pb[:, None]).reshape(-1))
                 dsts.append((db + do[:, None] + g.run_dst[None, :] * pb[:, None]).reshape(-1))
                 sizes.append((g.run_len[None, :] * pb[:, None]).reshape(-1))

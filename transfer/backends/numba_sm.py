@@ -294,14 +294,21 @@ class NumbaBackend(Backend):
                            sm_copies=chunk.rows)
 
     def _region_view(self, side: str, r: ChunkRef) -> tuple[tuple[Any, Any], int]:
-        region = self._pool(side).region(r.group, r.component, r.layer)
+        pool = self._pool(side)
+        region = pool.region(r.group, r.component, r.layer)
+        extent = (region.shape[0] - 1) * region.stride(0) + region.shape[1]  # strided in a page-major pool
         if self.mode == "gpu":
             ptr = int(region.data_ptr())
             base = ptr // 16 * 16
             delta = ptr - base
-            nbytes = -(-(delta + region.numel()) // 16) * 16
+            nbytes = -(-(delta + extent) // 16) * 16
             return self._k.span_arrays(base, nbytes, region), delta
-        return self._sim_views(region.reshape(-1).numpy()), 0
+        if region.is_contiguous():
+            return self._sim_views(region.reshape(-1).numpy()), 0
+        buf = pool.single_buffer()  # a strided region: a flat view of its bytes in the pool's buffer
+        assert buf is not None
+        off = pool.region_offset(r.group, r.component, r.layer)
+        return self._sim_views(buf[off:off + extent].numpy()), 0
 
     # -- waiting and timing -----------------------------------------------------------------------
     def wait(self, event: TransferEvent) -> None:
