@@ -35,12 +35,13 @@ from typing import Any
 
 from kvtier.fsm import ConfigError, Direction
 
-__all__ = ["Calibration", "SM", "CE", "engine_for", "copy_bytes", "COMMITTED", "committed_calibration",
+__all__ = ["Calibration", "SM", "CE", "STAGING", "engine_for", "copy_bytes", "COMMITTED", "committed_calibration",
            "DEFAULT_CALIBRATION"]
 
 #: Engine names as reported in the statistics.
 SM = "sm"
 CE = "copy_engine"
+STAGING = "staging"
 
 _DIRS = (Direction.LOADBACK, Direction.WRITEBACK)
 
