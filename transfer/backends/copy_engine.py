@@ -120,7 +120,8 @@ class DriverBatchCopier(BatchCopier):
         self._fail = ctypes.c_size_t(0)
         self.fn2d: Any = None
         try:
-            self.fn2d = _COPY2D_FN(ctypes.cast(ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2, ctypes.c_void_p).value)
+            ptr = ctypes.cast(ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2, ctypes.c_void_p).value
+            self.fn2d = _COPY2D_FN(ptr) if ptr else None
         except (OSError, AttributeError, TypeError):  # pitched copies fall back to one copy per row
             self.fn2d = None
         self._m2d = _Memcpy2D()

@@ -47,7 +47,8 @@ from .base import ChunkCounts, TransferEvent
 from .copy_engine import BatchCopier, DriverBatchCopier, HostBatchCopier
 from .hybrid_choice import CE, DEFAULT_CALIBRATION, SM, STAGING, Calibration, committed_calibration, copy_bytes
 from .numba_sm import NumbaBackend
-from .staging import DEFAULT_SLOTS, DEFAULT_STAGING_BYTES, StagePlan, Stager
+from .stager import Stager
+from .staging import DEFAULT_SLOTS, DEFAULT_STAGING_BYTES, StagePlan
 
 __all__ = ["HybridBackend", "CALIBRATION_SIZES"]
 

@@ -45,7 +45,7 @@ from ..plan import REF_COLS, RUN_COLS, ChunkRef, FlushPlan, GroupPlan, I64, Plan
 from ..pools import DevicePool, HostPool
 
 __all__ = ["StagingRing", "StagedCopy", "StagePiece", "StagePlan", "host_extents", "plan_staging",
-           "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "stageable"]
+           "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "stageable", "extents_of", "ALIGN"]
 
 #: Staging memory (bytes, both directions together) when the host pool is page-major
 #: and no size is given: 3 slots of 32 MiB per direction (a probe on the H200 filled the
@@ -54,7 +54,7 @@ DEFAULT_STAGING_BYTES = 192 << 20
 #: Slots per direction.
 DEFAULT_SLOTS = 3
 
-_ALIGN = 256
+ALIGN = 256
 
 
 class StagingRing:
@@ -71,8 +71,8 @@ class StagingRing:
     def __init__(self, slots: int, slot_bytes: int) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ConfigError(f"staging ring: slots must be an int >= 1, got {slots!r}")
-        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0 or slot_bytes % _ALIGN:
-            raise ConfigError(f"staging ring: slot bytes must be a positive multiple of {_ALIGN}, got {slot_bytes!r}")
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0 or slot_bytes % ALIGN:
+            raise ConfigError(f"staging ring: slot bytes must be a positive multiple of {ALIGN}, got {slot_bytes!r}")
         self.slots = slots
         self.slot_bytes = slot_bytes
         self._next = 0
@@ -115,8 +115,8 @@ def host_extents(pages: I64) -> tuple[I64, I64, I64, I64]:
     uniq = np.unique(pages)
     rank = np.searchsorted(uniq, pages)
     starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(np.diff(uniq) != 1) + 1))
-    lens = np.diff(np.concatenate((starts, np.array([uniq.shape[0]], dtype=np.int64))))
-    return uniq, starts, lens, rank
+    lens = np.diff(np.concatenate((starts, np.array([uniq.shape[0]], dtype=np.int64)))).astype(np.int64)
+    return uniq, starts, lens, rank.astype(np.int64)
 
 
 @dataclass(eq=False)
@@ -188,6 +188,26 @@ def _span(host: HostPool, gp: GroupPlan, refs: list[ChunkRef]) -> tuple[int, int
     return lo, width
 
 
+def _by_rank(plan: FlushPlan, gi: int, rank: I64, total: int) -> tuple[I64, I64 | None]:
+    """(plan page indices in host order, their ranks, or None when the ranks are a
+    permutation: then position i has rank i); cached on the plan."""
+    key = ("stage-order", gi)
+    hit = plan.cache.get(key)
+    if hit is None:
+        n = int(rank.shape[0])
+        iota = np.arange(n, dtype=np.int64)
+        order = np.zeros(n, dtype=np.int64)
+        if total == n:
+            order[rank] = iota  # the inverse permutation, when the ranks are one (no sort)
+        if total == n and np.array_equal(rank[order], iota):
+            hit = (order, None)
+        else:
+            order = np.argsort(rank, kind="stable")
+            hit = (order, rank[order])
+        plan.cache[key] = hit
+    return hit
+
+
 def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: HostPool, device: DevicePool,
                  ring: StagingRing, chosen: dict[int, frozenset[int]], piece_bytes: int) -> StagePlan:
     """Pieces and run table of the groups ``chosen`` per chunk (plan group indices).
@@ -197,9 +217,9 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
             chunk's layers not contiguous in a host page): :func:`stageable` says which."""
     slot_bytes = ring.slot_bytes
     loadback = direction is Direction.LOADBACK
-    ext_cache: dict[int, tuple[I64, I64, I64, I64]] = {}
     runs_parts: list[I64] = []
     n_runs = 0
+    seg_runs: dict[tuple[int, int, int], tuple[int, int]] = {}
     ref_rows: list[list[int]] = []
     pieces: dict[int, list[StagePiece]] = {}
     nbytes: dict[int, int] = {}
@@ -237,11 +257,16 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
                 raise ConfigError(f"staging: a host page of cache group {gp.group!r} holds {width} bytes of the "
                                   f"chunk, more than a staging slot ({slot_bytes} bytes)")
             gbase, stride = host.group_block(gp.group)
-            hp, dp = (gp.src, gp.dst) if loadback else (gp.dst, gp.src)
-            if gi not in ext_cache:
-                ext_cache[gi] = host_extents(hp)
-            uniq, starts, lens, rank = ext_cache[gi]
+            dp = gp.dst if loadback else gp.src
+            uniq, starts, lens, rank = extents_of(direction, plan, gi)
             total = int(uniq.shape[0])
+            order, ranks = _by_rank(plan, gi, rank, total)
+            ends = starts + lens
+            ref_info = [(host.region_offset(r.group, r.component, r.layer) - gbase - lo,
+                         device.region_offset(r.group, r.component, r.layer),
+                         device.page_stride(r.group, r.component, r.layer), r.page_bytes,
+                         -(-r.page_bytes // piece_bytes)) for r in refs]
+            ref_bytes = sum(r.page_bytes for r in refs)
             a = 0
             while a < total:
                 if piece is None:
@@ -254,33 +279,34 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
                     continue
                 b = a + m
                 # copies: the extents clipped to unique pages [a, b)
-                ends = starts + lens
                 hit = np.flatnonzero((ends > a) & (starts < b))
                 for e in hit.tolist():
                     cs, ce = max(int(starts[e]), a), min(int(ends[e]), b)
                     piece.copies.append(StagedCopy(gbase + int(uniq[cs]) * stride + lo, seg_off + (cs - a) * width,
                                                    ce - cs, width, stride))
                 # kernel: one single-page run per plan page of the segment, one ref per (layer, component)
-                sel = np.flatnonzero((rank >= a) & (rank < b)) if (a > 0 or b < total) else None
-                r_stage = (rank if sel is None else rank[sel]) - a
-                r_dev = dp if sel is None else dp[sel]
-                k = int(r_stage.shape[0])
-                block = np.empty((k, RUN_COLS), dtype=np.int64)
-                block[:, 0], block[:, 1] = (r_stage, r_dev) if loadback else (r_dev, r_stage)
-                block[:, 2] = 1
-                runs_parts.append(block.reshape(-1))
-                for r in refs:
-                    inpage = host.region_offset(r.group, r.component, r.layer) - gbase - lo
-                    dev_off = device.region_offset(r.group, r.component, r.layer)
-                    dev_stride = device.page_stride(r.group, r.component, r.layer)
-                    ppr = -(-r.page_bytes // piece_bytes)
-                    st_off = seg_off + inpage  # relative to the slot: the slot offset is added below
-                    row = ([st_off, dev_off, r.page_bytes, n_runs, items, ppr, width, dev_stride] if loadback
-                           else [dev_off, st_off, r.page_bytes, n_runs, items, ppr, dev_stride, width])
-                    piece_refs.append(row)
+                seg = seg_runs.get((gi, a, b))
+                if seg is None:  # the same pages in another chunk reuse these runs
+                    if ranks is None:  # distinct host pages: positions a..b of the rank order
+                        i0, i1 = a, b
+                    else:
+                        i0, i1 = int(np.searchsorted(ranks, a)), int(np.searchsorted(ranks, b))
+                    sel = order[i0:i1]
+                    k = int(sel.shape[0])
+                    block = np.empty((k, RUN_COLS), dtype=np.int64)
+                    block[:, 0 if loadback else 1] = rank[sel] - a
+                    block[:, 1 if loadback else 0] = dp[sel]
+                    block[:, 2] = 1
+                    runs_parts.append(block.reshape(-1))
+                    seg = seg_runs[(gi, a, b)] = (n_runs, k)
+                    n_runs += k
+                run0, k = seg
+                for inpage, dev_off, dev_stride, pb, ppr in ref_info:
+                    st_off = seg_off + inpage  # from the slot's start
+                    piece_refs.append([st_off, dev_off, pb, run0, items, ppr, width, dev_stride] if loadback
+                                      else [dev_off, st_off, pb, run0, items, ppr, dev_stride, width])
                     items += k * ppr
-                nbytes[chunk.index] = nbytes.get(chunk.index, 0) + k * sum(r.page_bytes for r in refs)
-                n_runs += k
+                nbytes[chunk.index] = nbytes.get(chunk.index, 0) + k * ref_bytes
                 used = seg_off + m * width
                 a = b
         close()
@@ -316,186 +342,4 @@ def extents_of(direction: Direction, plan: FlushPlan, gi: int) -> tuple[I64, I64
     if hit is None:
         g = plan.groups[gi]
         hit = plan.cache[key] = host_extents(g.src if direction is Direction.LOADBACK else g.dst)
-    return hit  # type: ignore[no-any-return]
-
-
-class Stager:
-    """The staging path of one backend: a ring, its device buffer and a copy stream per
-    direction; builds, uploads and issues :class:`StagePlan` pieces (see the module
-    docstring). ``backend`` is the :class:`~.numba_sm.NumbaBackend` (hybrid) whose
-    kernel, views, streams and copier it uses.
-
-    Args:
-        staging_bytes: staging memory of both directions together (bytes); each direction
-            gets half, in ``slots`` slots.
-        slots: slots per direction.
-        min_bytes: a group's pages of a chunk are staged only from this many bytes up.
-
-    Raises:
-        ConfigError: a size too small for one 256-byte slot per direction.
-    """
-
-    def __init__(self, backend: Any, staging_bytes: int, slots: int, min_bytes: int) -> None:
-        per_slot = (staging_bytes // 2 // max(1, slots)) // _ALIGN * _ALIGN if isinstance(slots, int) else 0
-        self.rings = {d: StagingRing(slots, per_slot) for d in (Direction.LOADBACK, Direction.WRITEBACK)}
-        self.b = backend
-        self.min_bytes = int(min_bytes)
-        self.nbytes = sum(r.nbytes for r in self.rings.values())
-
-    def bind(self) -> None:
-        import torch
-
-        b = self.b
-        self.buffers = {d: torch.empty(r.nbytes, dtype=torch.uint8, device=b.device.device)
-                        for d, r in self.rings.items()}
-        self.views: dict[Direction, list[Any]] = {}
-        self.copy_streams: dict[Direction, Any] = {}
-        for d, r in self.rings.items():
-            buf = self.buffers[d]
-            sb = r.slot_bytes
-            if b.mode == "gpu":
-                ptr = int(buf.data_ptr())
-                self.views[d] = [b._k.span_arrays(ptr + j * sb, sb, buf) for j in range(r.slots)]
-                self.copy_streams[d] = torch.cuda.Stream(device=b.device.device,  # type: ignore[no-untyped-call]
-                                                         priority=b.streams.stream(d).priority)
-            else:
-                u8 = buf.numpy()
-                self.views[d] = [b._sim_views(u8[j * sb:(j + 1) * sb]) for j in range(r.slots)]
-
-    # -- choosing -------------------------------------------------------------------------
-    def choose(self, direction: Direction, plan: FlushPlan, wins: Any) -> dict[int, frozenset[int]]:
-        """Per chunk, the groups to stage: stageable, at least ``min_bytes`` of the
-        chunk, and ``wins(mean extent bytes)`` (the calibrated rule)."""
-        b = self.b
-        out: dict[int, frozenset[int]] = {}
-        slot = self.rings[direction].slot_bytes
-        for chunk in plan.chunks:
-            by_group: dict[int, list[ChunkRef]] = {}
-            for r in chunk.refs:
-                by_group.setdefault(r.group_index, []).append(r)
-            chosen = []
-            for gi, refs in by_group.items():
-                span = stageable(b.host, plan, refs, gi, slot)
-                if span is None:
-                    continue
-                uniq, starts, _, _ = extents_of(direction, plan, gi)
-                staged = int(uniq.shape[0]) * span[1]
-                if staged >= self.min_bytes and wins(staged / int(starts.shape[0])):
-                    chosen.append(gi)
-            if chosen:
-                out[chunk.index] = frozenset(chosen)
-        return out
-
-    def build(self, direction: Direction, plan: FlushPlan, chosen: dict[int, frozenset[int]]) -> StagePlan:
-        b = self.b
-        return plan_staging(direction, plan, b.planner, b.host, b.device, self.rings[direction], chosen,
-                            b.piece_bytes)
-
-    def upload(self, direction: Direction, sp: StagePlan) -> None:
-        """The pieces' run table on the device (once per stage plan)."""
-        if sp.table is not None:
-            return
-        b = self.b
-        words = int(sp.packed.shape[0])
-        if b.mode == "gpu" and words:
-            key = ("stage", direction)
-            b._staging(key, words)[:] = sp.packed
-            sp.owner, sp.table = b._upload_staged(direction, words, key)
-        else:
-            sp.owner, sp.table = sp.packed, b._k.device_array(sp.packed)
-
-    # -- issuing --------------------------------------------------------------------------
-    def begin(self, direction: Direction) -> None:
-        """Order the direction's copy stream after its kernel stream (the flush's start)."""
-        if self.b.mode == "gpu":
-            self.copy_streams[direction].wait_stream(self.b.streams.stream(direction))
-
-    def _copies(self, direction: Direction, piece: StagePiece, slot_addr: int, stream: int) -> int:
-        """Issue a piece's copies; returns the copies made."""
-        b = self.b
-        host0 = b.host.base_ptr
-        one = [c for c in piece.copies if c.width == c.pitch]
-        if one:
-            h = np.array([host0 + c.host for c in one], dtype=np.uint64)
-            s = np.array([slot_addr + c.stage for c in one], dtype=np.uint64)
-            n = np.array([c.nbytes for c in one], dtype=np.uint64)
-            dst, src = (s, h) if direction is Direction.LOADBACK else (h, s)
-            b.copier.copy(direction, dst, src, n, stream)
-        for c in piece.copies:
-            if c.width != c.pitch:
-                if direction is Direction.LOADBACK:
-                    b.copier.copy2d(direction, slot_addr + c.stage, c.width, host0 + c.host, c.pitch, c.width, c.rows,
-                                    stream)
-                else:
-                    b.copier.copy2d(direction, host0 + c.host, c.pitch, slot_addr + c.stage, c.width, c.width, c.rows,
-                                    stream)
-        return len(piece.copies)
-
-    def issue(self, direction: Direction, sp: StagePlan, chunk_index: int) -> tuple[int, int, int, int]:
-        """Issue a chunk's pieces: (bytes, copies, ring waits, kernel launches)."""
-        import torch
-
-        from .base import DoneEvent
-        from .cuda_streams import CudaEvent
-
-        b = self.b
-        ring = self.rings[direction]
-        gpu = b.mode == "gpu"
-        main = b.streams.stream(direction) if gpu else None
-        cs = self.copy_streams[direction] if gpu else None
-        handle = int(cs.cuda_stream) if gpu else 0
-        nb_stream = b._nb_streams[direction] if gpu else 0
-        dev_view = b._views["device"]
-        copies = waits = launches = 0
-        last: Any = None
-        for piece in sp.pieces.get(chunk_index, []):
-            slot, busy = ring.take()
-            waits += busy is not None
-            slot_addr = int(self.buffers[direction].data_ptr()) + slot * ring.slot_bytes
-            view = self.views[direction][slot]
-            grid = b._grid(piece.items)
-            if direction is Direction.LOADBACK:
-                if gpu and busy is not None:
-                    cs.wait_event(busy.event)
-                copies += self._copies(direction, piece, slot_addr, handle)
-                if gpu:
-                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    ev.record(cs)
-                    main.wait_event(ev)
-                if piece.items:
-                    b._k.launch_runs(view[0], dev_view[0], view[1], dev_view[1], sp.table, sp.table, piece.ref_word,
-                                     piece.refs, piece.items, b.piece_bytes, grid, b.threads, nb_stream)
-                    launches += 1
-                done_on = main
-            else:
-                if gpu and busy is not None:
-                    main.wait_event(busy.event)
-                if piece.items:
-                    b._k.launch_runs(dev_view[0], view[0], dev_view[1], view[1], sp.table, sp.table, piece.ref_word,
-                                     piece.refs, piece.items, b.piece_bytes, grid, b.threads, nb_stream)
-                    launches += 1
-                if gpu:
-                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    ev.record(main)
-                    cs.wait_event(ev)
-                copies += self._copies(direction, piece, slot_addr, handle)
-                done_on = cs
-            if gpu:
-                last = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                last.record(done_on)
-                ring.release(slot, CudaEvent(last))
-            else:
-                ring.release(slot, DoneEvent())
-        if gpu and last is not None and direction is Direction.WRITEBACK:
-            main.wait_event(last)  # the chunk's event (recorded on the kernel stream) covers the copies
-        return sp.bytes.get(chunk_index, 0), copies, waits, launches
-
-    def synchronize(self) -> None:
-        for s in getattr(self, "copy_streams", {}).values():
-            s.synchronize()
-
-    def describe(self) -> dict[str, object]:
-        r = self.rings[Direction.LOADBACK]
-        return {"staging_bytes": self.nbytes, "slots_per_direction": r.slots, "slot_bytes": r.slot_bytes,
-                "min_bytes": self.min_bytes, "ring_waits": {d.value: x.waits for d, x in self.rings.items()},
-                "ring_uses": {d.value: x.uses for d, x in self.rings.items()}}
+    return hit
