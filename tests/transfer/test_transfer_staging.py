@@ -55,7 +55,8 @@ def run(eng: TransferEngine, cmds: list[ArrayCommand]) -> list[object]:
 
 
 def test_page_major_layout_puts_every_layer_of_a_page_together() -> None:
-    specs = kv_specs(layers=3, comps=(48, 20)) + [CacheGroupSpec("s", "state", 1, 1, (1,), (ComponentSpec("x", 16),), window=4)]
+    specs = kv_specs(layers=3, comps=(48, 20))
+    specs.append(CacheGroupSpec("s", "state", 1, 1, (1,), (ComponentSpec("x", 16),), window=4))
     host = HostPool(specs, {"kv": 5, "s": 3}, pin=False, layout="page")
     base, stride = host.group_block("kv")
     assert stride == 3 * (48 + 20) // 16 * 16 + 16 == 208  # 204 bytes rounded up to 16

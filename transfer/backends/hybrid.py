@@ -54,8 +54,9 @@ __all__ = ["HybridBackend", "CALIBRATION_SIZES"]
 
 U64 = npt.NDArray[np.uint64]
 
-#: Copy sizes (bytes) a start-up calibration measures.
-CALIBRATION_SIZES = (4096, 8192, 16384, 32768, 65536, 131072)
+#: Copy sizes (bytes) a start-up calibration measures (up to 4 MiB: the staging path's
+#: host extents are compared with the crossover too).
+CALIBRATION_SIZES = (4096, 8192, 16384, 32768, 65536, 131072, 1 << 20, 4 << 20)
 
 #: Calibrations measured in this process (``"auto"`` measures once per device and settings).
 _MEASURED: dict[tuple[Any, ...], Calibration] = {}
