@@ -337,9 +337,10 @@ class ServingSetup:
         self.op = 0
         self.last: dict[Direction, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
 
-    def commands(self, directions: tuple[Direction, ...]) -> list[ArrayCommand]:
-        """New page lists for each direction (built inside the timed region: serving)."""
-        out = []
+    def page_lists(self, directions: tuple[Direction, ...]) -> dict[Direction, dict[str, tuple[Any, Any]]]:
+        """New page lists for each direction (the scheduler's block tables: made before
+        the timed region)."""
+        out: dict[Direction, dict[str, tuple[Any, Any]]] = {}
         dev = {s.name: self.rng.permutation(2 * self.n) for s in self.specs}
         for d in directions:
             pages = {}
@@ -347,6 +348,13 @@ class ServingSetup:
                 hp = self.rng.permutation(self.n) + (0 if d is L else self.n)
                 dp = dev[s.name][: self.n] if d is L else dev[s.name][self.n:]
                 pages[s.name] = (hp, dp) if d is L else (dp, hp)
+            out[d] = pages
+        return out
+
+    def commands(self, lists: dict[Direction, dict[str, tuple[Any, Any]]]) -> list[ArrayCommand]:
+        """New array records of ``lists`` (validated and copied: inside the timed region)."""
+        out = []
+        for d, pages in lists.items():
             self.last[d] = pages
             self.op += 1
             out.append(ArrayCommand(self.op, d, tuple(PageArrays(g, a, b) for g, (a, b) in pages.items())))
@@ -369,21 +377,53 @@ class ServingSetup:
         return ok
 
 
+#: perf_counter() of the first copy call or kernel launch since it was cleared (the bench's hook).
+_FIRST_ISSUE: list[float] = []
+
+
+def _watch_first_issue(eng: TransferEngine) -> None:
+    """Record the host time of the first copy-engine call or kernel launch in
+    :data:`_FIRST_ISSUE` (wraps the engine's copier and the kernels module once)."""
+    from kvtier.transfer.backends import kernels
+
+    def wrap(obj: Any, name: str) -> None:
+        fn = getattr(obj, name)
+        if getattr(fn, "_bench_first", False):
+            return
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            if not _FIRST_ISSUE:
+                _FIRST_ISSUE.append(time.perf_counter())
+            return fn(*a, **k)
+        wrapped._bench_first = True  # type: ignore[attr-defined]
+        setattr(obj, name, wrapped)
+
+    wrap(kernels, "launch_runs")
+    copier = getattr(eng.backend, "copier", None)
+    if copier is not None:
+        wrap(copier, "copy")
+        wrap(copier, "copy2d")
+
+
 def measure_serving(setup: ServingSetup, eng: TransferEngine, directions: tuple[Direction, ...],
                     reps: int) -> dict[str, Any]:
     """Median over ``reps`` flushes (after two warm-ups) of submit->ack wall time with new
-    page lists every flush (built in the timed region), of the device time (an event
-    before the flush to every transfer stream's end) and of the host's time to the
-    end of ``flush()``."""
+    page lists every flush (made before, turned into records inside the timed region),
+    of the device time (an event before the flush to every transfer stream's end), of
+    the host's time to the end of ``flush()`` and to the first copy call or kernel launch."""
     streams = getattr(eng.backend, "streams")
-    walls, devs, hosts = [], [], []
+    walls, devs, hosts, firsts = [], [], [], []
     last: dict[str, Any] = {}
+    first = _FIRST_ISSUE
+    _watch_first_issue(eng)
     for rep in range(reps + 2):
+        first.clear()
+        lists = setup.page_lists(directions)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        cmds = setup.commands(directions)
+        cmds = setup.commands(lists)
         for c in cmds:
             eng.submit(c)
         eng.flush()
@@ -405,6 +445,7 @@ def measure_serving(setup: ServingSetup, eng: TransferEngine, directions: tuple[
             walls.append(wall)
             devs.append(start.elapsed_time(end) / 1e3)
             hosts.append(t1 - t0)
+            firsts.append((first[0] - t0) if first else float("nan"))
         lf = eng.stats()["last_flush"]
         last = {d.value: {k: lf[d.value][k] for k in ("bytes", "sm_bytes", "ce_bytes", "stage_bytes", "stage_copies",
                                                       "ring_waits", "kernel_launches", "chunks", "max_blocks")}
@@ -412,6 +453,7 @@ def measure_serving(setup: ServingSetup, eng: TransferEngine, directions: tuple[
     total = len(directions) * setup.bytes
     return {"gbps": total / statistics.median(walls) / 1e9, "device_gbps": total / statistics.median(devs) / 1e9,
             "samples_gbps": [total / w / 1e9 for w in walls], "host_to_flush_end_ms": 1e3 * statistics.median(hosts),
+            "host_to_first_issue_ms": 1e3 * statistics.median(firsts),
             "split": last}
 
 
@@ -447,7 +489,8 @@ def serving_table(reps: int, blocks: int, threads: int, calibration: Calibration
                 r["staging"] = eng.stats()["backend"].get("staging")
                 row[label] = r
                 print(f"serving {name:>16} {label:>7}: H2D {r['h2d']['gbps']:.1f} (dev {r['h2d']['device_gbps']:.1f}, "
-                      f"host {r['h2d']['host_to_flush_end_ms']:.2f} ms) D2H {r['d2h']['gbps']:.1f} (dev "
+                      f"host {r['h2d']['host_to_flush_end_ms']:.2f} ms, first issue "
+                      f"{r['h2d']['host_to_first_issue_ms']:.2f} ms) D2H {r['d2h']['gbps']:.1f} (dev "
                       f"{r['d2h']['device_gbps']:.1f}) both {r['both']['gbps']:.1f} (dev {r['both']['device_gbps']:.1f}) "
                       f"ok {r['correct']} split {r['both']['split']}", flush=True)
                 eng.synchronize()
@@ -902,12 +945,12 @@ def main() -> int:
             result["errors"].append(f"{name}: " + traceback.format_exc())
             print(result["errors"][-1], flush=True)
         torch.cuda.empty_cache()
-    if not args.no_sweep:
+    if not args.no_sweep and not args.serving:
         try:
             result["blocks_sweep"] = blocks_sweep(args.reps)
         except Exception:
             result["errors"].append("blocks sweep: " + traceback.format_exc())
-    if not args.no_study:
+    if not args.no_study and not args.serving:
         torch.cuda.empty_cache()
         study_json = args.out + ".study.json"
         try:

@@ -306,7 +306,7 @@ class HybridBackend(NumbaBackend):
         part = s.chunks[chunk.index]
         staged = (0, 0, 0, 0)
         if s.stage is not None and self.stager is not None:
-            staged = self.stager.issue(direction, s.stage, chunk.index)
+            staged = self.stager.issue(direction, plan, s.stage, chunk.index)
         ce_calls = 0
         if part.ce_copies:
             assert self.copier is not None

@@ -21,6 +21,14 @@ Below the crossover the kernel moves the ref, and a writeback's kernel part wait
 the loadback in flight: the loadback (latency-critical, time to first token) keeps
 the link, the writeback yields.
 
+With a page-major host pool the same crossover decides the *staging path*
+(:mod:`.staging`) per chunk and group: a group whose host pages of the chunk form
+extents of mean size (bytes of the chunk's layers per extent) at or above
+``crossover(direction, busy)`` and at least ``staging_min_bytes`` in all is staged (one
+copy-engine copy per extent, gathered or scattered on the device); below it, the SM
+kernel reads or writes the scattered host pages directly. The kernels of either path
+run on at most ``blocks`` (default 8) SMs per direction.
+
 A :class:`Calibration` is measured on the device when the backend binds
 (:meth:`HybridBackend.calibrate <kvtier.transfer.backends.hybrid.HybridBackend.calibrate>`),
 or taken from the committed table for the GPU (:data:`COMMITTED`), or given.

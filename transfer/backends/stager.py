@@ -11,7 +11,7 @@ import numpy as np
 from kvtier.fsm import Direction
 
 from ..plan import ChunkRef, FlushPlan
-from .staging import ALIGN, StagePiece, StagePlan, StagingRing, extents_of, plan_staging, stageable
+from .staging import ALIGN, StagePiece, StagePlan, StagingRing, extents_of, fill_runs, plan_staging, stageable
 
 __all__ = ["Stager"]
 
@@ -38,6 +38,7 @@ class Stager:
         self.b = backend
         self.min_bytes = int(min_bytes)
         self.nbytes = sum(r.nbytes for r in self.rings.values())
+        self._parity: dict[Direction, int] = {}
 
     def bind(self) -> None:
         import torch
@@ -89,17 +90,40 @@ class Stager:
                             b.piece_bytes)
 
     def upload(self, direction: Direction, sp: StagePlan) -> None:
-        """The pieces' run table on the device (once per stage plan)."""
+        """The run table's device copy with its refs (once per stage plan); each
+        piece's runs follow when it is issued. On a GPU the host side is a reused pinned
+        buffer (two per direction, alternating between flushes)."""
         if sp.table is not None:
             return
         b = self.b
         words = int(sp.packed.shape[0])
-        if b.mode == "gpu" and words:
-            key = ("stage", direction)
-            b._staging(key, words)[:] = sp.packed
-            sp.owner, sp.table = b._upload_staged(direction, words, key)
-        else:
-            sp.owner, sp.table = sp.packed, b._k.device_array(sp.packed)
+        if b.mode != "gpu":
+            sp.host, sp.owner, sp.table = sp.packed, sp.packed, b._k.device_array(sp.packed)
+            return
+        import torch
+
+        self._parity[direction] = parity = 1 - self._parity.get(direction, 0)
+        key = ("stage", direction, parity)
+        sp.host = b._staging(key, max(words, 1))
+        sp.host[sp.refs_word:words] = sp.packed[sp.refs_word:]
+        sp.owner = torch.empty(max(words, 1), dtype=torch.int64, device=b.device.device)
+        sp.table = b._k.device_array(sp.owner)
+        sp.key = key
+        self._send(direction, sp, sp.refs_word, words)
+
+    def _send(self, direction: Direction, sp: StagePlan, w0: int, w1: int) -> None:
+        """Copy words ``[w0, w1)`` of the pinned table to the device, on the kernel stream."""
+        import torch
+
+        if w1 <= w0:
+            return
+        b = self.b
+        main = b.streams.stream(direction)
+        with torch.cuda.stream(main):
+            sp.owner[w0:w1].copy_(b._stage[sp.key][w0:w1], non_blocking=True)
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(main)
+        b._stage_event[sp.key] = ev  # the pinned buffer is written again only after this copy
 
     # -- issuing --------------------------------------------------------------------------
     def begin(self, direction: Direction) -> None:
@@ -128,7 +152,8 @@ class Stager:
                                     stream)
         return len(piece.copies)
 
-    def issue(self, direction: Direction, sp: StagePlan, chunk_index: int) -> tuple[int, int, int, int]:
+    def issue(self, direction: Direction, plan: FlushPlan, sp: StagePlan,
+              chunk_index: int) -> tuple[int, int, int, int]:
         """Issue a chunk's pieces: (bytes, copies, ring waits, kernel launches)."""
         import torch
 
@@ -146,6 +171,10 @@ class Stager:
         copies = waits = launches = 0
         last: Any = None
         for piece in sp.pieces.get(chunk_index, []):
+            if not piece.built:  # this piece's runs: built and uploaded now, the earlier pieces already run
+                w0, w1 = fill_runs(direction, plan, piece, sp.host)
+                if gpu:
+                    self._send(direction, sp, w0, w1)
             slot, busy = ring.take()
             waits += busy is not None
             slot_addr = int(self.buffers[direction].data_ptr()) + slot * ring.slot_bytes

@@ -45,7 +45,7 @@ from ..plan import REF_COLS, RUN_COLS, ChunkRef, FlushPlan, GroupPlan, I64, Plan
 from ..pools import DevicePool, HostPool
 
 __all__ = ["StagingRing", "StagedCopy", "StagePiece", "StagePlan", "host_extents", "plan_staging",
-           "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "stageable", "extents_of", "ALIGN"]
+           "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "stageable", "extents_of", "ALIGN", "fill_runs"]
 
 #: Staging memory (bytes, both directions together) when the host pool is page-major
 #: and no size is given: 3 slots of 32 MiB per direction (a probe on the H200 filled the
@@ -103,13 +103,18 @@ class StagingRing:
         self._busy[slot] = event
 
 
-def host_extents(pages: I64) -> tuple[I64, I64, I64, I64]:
+def host_extents(pages: I64, distinct: bool = False) -> tuple[I64, I64, I64, I64]:
     """(unique host pages ascending, index of each extent's first unique page, extent
-    lengths, rank of each of ``pages`` among the unique pages) for int64 ``pages``. One
-    pass without a sort when the pages are one range."""
+    lengths, rank of each of ``pages`` among the unique pages) for int64 ``pages``
+    (``distinct``: known to hold no page twice). No sort when the pages are one range."""
     n = int(pages.shape[0])
     lo, hi = int(pages.min()), int(pages.max())
-    if hi - lo + 1 == n:  # one extent (distinct pages; the common case of a writeback)
+    one = hi - lo + 1 == n
+    if one and not distinct:
+        mark = np.zeros(n, dtype=np.bool_)
+        mark[pages - lo] = True
+        one = bool(mark.all())
+    if one:  # one extent of distinct pages (the common case)
         return (np.arange(lo, hi + 1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.array([n], dtype=np.int64),
                 pages - lo)
     uniq = np.unique(pages)
@@ -146,6 +151,10 @@ class StagePiece:
     ref_word: int = 0
     refs: int = 0
     items: int = 0
+    #: segments whose runs this piece writes first: (group index, first rank, end rank,
+    #: first word, pages); built when the piece is issued (:func:`fill_runs`)
+    builds: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    built: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +168,8 @@ class StagePlan:
     Attributes:
         groups: per chunk index, the plan's group indices staged in that chunk.
         pieces: per chunk index, its pieces in issue order.
-        packed: int64 run table of every piece (runs, then refs), uploaded once.
+        packed: int64 run table of every piece (runs, then refs): the refs at once, each
+            piece's runs when it is issued (so the first copy does not wait for them all).
         bytes: per chunk index, the device bytes the staged pieces move.
     """
 
@@ -167,8 +177,11 @@ class StagePlan:
     pieces: dict[int, list[StagePiece]]
     packed: I64
     bytes: dict[int, int] = field(default_factory=dict)
+    refs_word: int = 0
     table: Any = None
     owner: Any = None
+    host: Any = None
+    key: Any = None
 
 
 def _span(host: HostPool, gp: GroupPlan, refs: list[ChunkRef]) -> tuple[int, int] | None:
@@ -188,36 +201,56 @@ def _span(host: HostPool, gp: GroupPlan, refs: list[ChunkRef]) -> tuple[int, int
     return lo, width
 
 
-def _by_rank(plan: FlushPlan, gi: int, rank: I64, total: int) -> tuple[I64, I64 | None]:
-    """(plan page indices in host order, their ranks, or None when the ranks are a
-    permutation: then position i has rank i); cached on the plan."""
+def _by_rank(plan: FlushPlan, gi: int, rank: I64, dp: I64, perm: bool) -> tuple[I64, I64]:
+    """Group ``gi``'s device pages in host order and their ranks: with ``perm`` (each
+    rank once) one scatter, ``dev[rank] = dp`` and ranks ``0..n-1``; else a stable sort.
+    Cached on the plan."""
     key = ("stage-order", gi)
     hit = plan.cache.get(key)
     if hit is None:
-        n = int(rank.shape[0])
-        iota = np.arange(n, dtype=np.int64)
-        order = np.zeros(n, dtype=np.int64)
-        if total == n:
-            order[rank] = iota  # the inverse permutation, when the ranks are one (no sort)
-        if total == n and np.array_equal(rank[order], iota):
-            hit = (order, None)
+        if perm:
+            dev = np.empty_like(dp)
+            dev[rank] = dp
+            hit = (dev, np.arange(dp.shape[0], dtype=np.int64))
         else:
             order = np.argsort(rank, kind="stable")
-            hit = (order, rank[order])
+            hit = (dp[order], rank[order])
         plan.cache[key] = hit
-    return hit
+    return hit  # type: ignore[no-any-return]
+
+
+def fill_runs(direction: Direction, plan: FlushPlan, piece: StagePiece, out: I64) -> tuple[int, int]:
+    """Write the runs of the segments ``piece`` builds into ``out`` (the plan's table
+    words); returns the word range written (empty: ``(0, 0)``)."""
+    loadback = direction is Direction.LOADBACK
+    lo_w, hi_w = -1, 0
+    for gi, a, b, word, k in piece.builds:
+        g = plan.groups[gi]
+        dp = g.dst if loadback else g.src
+        uniq, _, _, rank = extents_of(direction, plan, gi)
+        perm = int(uniq.shape[0]) == int(rank.shape[0])
+        dev, ranks = _by_rank(plan, gi, rank, dp, perm)
+        i0, i1 = (a, b) if perm else (int(np.searchsorted(ranks, a)), int(np.searchsorted(ranks, b)))
+        block = out[word:word + RUN_COLS * k].reshape(k, RUN_COLS)
+        block[:, 0 if loadback else 1] = ranks[i0:i1] - a
+        block[:, 1 if loadback else 0] = dev[i0:i1]
+        block[:, 2] = 1
+        lo_w = word if lo_w < 0 else min(lo_w, word)
+        hi_w = max(hi_w, word + RUN_COLS * k)
+    piece.built = True
+    return (lo_w, hi_w) if lo_w >= 0 else (0, 0)
 
 
 def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: HostPool, device: DevicePool,
                  ring: StagingRing, chosen: dict[int, frozenset[int]], piece_bytes: int) -> StagePlan:
-    """Pieces and run table of the groups ``chosen`` per chunk (plan group indices).
+    """Pieces and run table layout of the groups ``chosen`` per chunk (plan group
+    indices): copies and refs now, each piece's runs when it is issued (:func:`fill_runs`).
 
     Raises:
         ConfigError: a group that cannot be staged (a width larger than a slot, or a
             chunk's layers not contiguous in a host page): :func:`stageable` says which."""
     slot_bytes = ring.slot_bytes
     loadback = direction is Direction.LOADBACK
-    runs_parts: list[I64] = []
     n_runs = 0
     seg_runs: dict[tuple[int, int, int], tuple[int, int]] = {}
     ref_rows: list[list[int]] = []
@@ -257,10 +290,10 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
                 raise ConfigError(f"staging: a host page of cache group {gp.group!r} holds {width} bytes of the "
                                   f"chunk, more than a staging slot ({slot_bytes} bytes)")
             gbase, stride = host.group_block(gp.group)
-            dp = gp.dst if loadback else gp.src
             uniq, starts, lens, rank = extents_of(direction, plan, gi)
             total = int(uniq.shape[0])
-            order, ranks = _by_rank(plan, gi, rank, total)
+            perm = total == int(rank.shape[0])
+            ranks = None if perm else _by_rank(plan, gi, rank, gp.dst if loadback else gp.src, False)[1]
             ends = starts + lens
             ref_info = [(host.region_offset(r.group, r.component, r.layer) - gbase - lo,
                          device.region_offset(r.group, r.component, r.layer),
@@ -287,17 +320,8 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
                 # kernel: one single-page run per plan page of the segment, one ref per (layer, component)
                 seg = seg_runs.get((gi, a, b))
                 if seg is None:  # the same pages in another chunk reuse these runs
-                    if ranks is None:  # distinct host pages: positions a..b of the rank order
-                        i0, i1 = a, b
-                    else:
-                        i0, i1 = int(np.searchsorted(ranks, a)), int(np.searchsorted(ranks, b))
-                    sel = order[i0:i1]
-                    k = int(sel.shape[0])
-                    block = np.empty((k, RUN_COLS), dtype=np.int64)
-                    block[:, 0 if loadback else 1] = rank[sel] - a
-                    block[:, 1 if loadback else 0] = dp[sel]
-                    block[:, 2] = 1
-                    runs_parts.append(block.reshape(-1))
+                    k = b - a if ranks is None else int(np.searchsorted(ranks, b) - np.searchsorted(ranks, a))
+                    piece.builds.append((gi, a, b, RUN_COLS * n_runs, k))
                     seg = seg_runs[(gi, a, b)] = (n_runs, k)
                     n_runs += k
                 run0, k = seg
@@ -312,16 +336,14 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
         close()
         pieces[chunk.index] = out
     words_runs = RUN_COLS * n_runs
-    packed = np.empty(words_runs + REF_COLS * len(ref_rows), dtype=np.int64)
-    if runs_parts:
-        np.concatenate(runs_parts, out=packed[:words_runs])
+    packed = np.empty(words_runs + REF_COLS * len(ref_rows), dtype=np.int64)  # runs: filled per piece
     refs_arr = packed[words_runs:].reshape(-1, REF_COLS)
     if ref_rows:
         refs_arr[:] = np.asarray(ref_rows, dtype=np.int64)
     for out in pieces.values():
         for p in out:
             p.ref_word += words_runs
-    return StagePlan(dict(chosen), pieces, packed, nbytes)
+    return StagePlan(dict(chosen), pieces, packed, nbytes, words_runs)
 
 
 def stageable(host: HostPool, plan: FlushPlan, chunk_refs: list[ChunkRef], gi: int,
@@ -341,5 +363,7 @@ def extents_of(direction: Direction, plan: FlushPlan, gi: int) -> tuple[I64, I64
     hit = plan.cache.get(key)
     if hit is None:
         g = plan.groups[gi]
-        hit = plan.cache[key] = host_extents(g.src if direction is Direction.LOADBACK else g.dst)
+        # a writeback's host pages are destinations: the planner leaves none twice
+        hit = plan.cache[key] = host_extents(g.src if direction is Direction.LOADBACK else g.dst,
+                                             direction is Direction.WRITEBACK)
     return hit
