@@ -480,6 +480,8 @@ def serving_table(reps: int, blocks: int, threads: int, calibration: Calibration
                 setup = setups[layout]
                 opts: dict[str, Any] = {"blocks": blocks, "threads": threads,
                                         "calibration": calibration if calibration is not None else "default"}
+                if layout == "page":
+                    opts["staging_one_way"] = True  # the staging path alone, each way too
                 eng = TransferEngine(specs, setup.host, setup.dev, "hybrid", backend_options=opts,
                                      chunk_layers=chunk_layers)
                 r: dict[str, Any] = {"pages": setup.n, "bytes": setup.bytes, "chunk_layers": chunk_layers}
@@ -820,7 +822,8 @@ def sanitize_workload() -> None:
     stage = {"sizes": [1], "sm_gbps": {"loadback": [1], "writeback": [1]},
              "ce_gbps": {"loadback": [60], "writeback": [60]},
              "ce_pair_gbps": {"loadback": [60], "writeback": [60]}, "source": "sanitize: staging wins"}
-    staged = {"calibration": stage, "staging_bytes": 1 << 14, "staging_slots": 2, "staging_min_bytes": 1}
+    staged = {"calibration": stage, "staging_bytes": 1 << 14, "staging_slots": 2, "staging_min_bytes": 1,
+              "staging_one_way": True}
     for seed, backend, opts, registered, layout in (
             (1, "numba", {}, False, "layer"), (2, "numba", {}, True, "layer"),
             (3, "numba", {"address_view": False}, True, "layer"),

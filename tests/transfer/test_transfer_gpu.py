@@ -93,7 +93,7 @@ def test_gpu_random_plans(backend: str, options: dict[str, Any], registered: boo
 _STAGE = {"calibration": {"sizes": [1], "sm_gbps": {"loadback": [1], "writeback": [1]},
                           "ce_gbps": {"loadback": [60], "writeback": [60]},
                           "ce_pair_gbps": {"loadback": [60], "writeback": [60]}, "source": "test: staging"},
-          "staging_bytes": 1 << 14, "staging_slots": 2, "staging_min_bytes": 1}
+          "staging_bytes": 1 << 14, "staging_slots": 2, "staging_min_bytes": 1, "staging_one_way": True}
 
 
 @pytest.mark.parametrize("backend, options, registered", [

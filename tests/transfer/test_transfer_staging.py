@@ -31,7 +31,8 @@ CE_WINS = {"sizes": [1], "sm_gbps": {"loadback": [1.0], "writeback": [1.0]},
 
 
 def staging_options(staging_bytes: int = 16384, slots: int = 2) -> dict[str, object]:
-    return {"calibration": CE_WINS, "staging_bytes": staging_bytes, "staging_slots": slots, "staging_min_bytes": 1}
+    return {"calibration": CE_WINS, "staging_bytes": staging_bytes, "staging_slots": slots, "staging_min_bytes": 1,
+           "staging_one_way": True}
 
 
 def kv_specs(layers: int = 6, comps: tuple[int, ...] = (64, 32)) -> list[CacheGroupSpec]:
@@ -213,7 +214,8 @@ def test_scattered_host_pages_stay_on_the_kernel() -> None:
     fill(host, dev, seed=6)
     # the default calibration: copy engines from 64 KiB copies up; a host page is 2 KiB
     eng = TransferEngine(specs, host, dev, "hybrid", backend_options={"calibration": "default",
-                                                                     "staging_bytes": 1 << 20})
+                                                                     "staging_bytes": 1 << 20,
+                                                                     "staging_one_way": True})
     dp = np.arange(0, 128)
     run(eng, [ArrayCommand(1, L, (PageArrays("kv", np.arange(0, 256, 2), dp),))])  # extents of one page
     first = eng.stats()["last_flush"]["loadback"]
@@ -232,3 +234,22 @@ def test_host_extents_rank_pages_in_host_order() -> None:
     assert rank.tolist() == [3, 0, 1, 4, 2, 0]
     uniq, starts, lens, rank = host_extents(np.array([7, 5, 6], dtype=np.int64))
     assert uniq.tolist() == [5, 6, 7] and starts.tolist() == [0] and lens.tolist() == [3] and rank.tolist() == [2, 0, 1]
+
+
+@needs_sim
+def test_one_direction_alone_stays_on_the_kernel_unless_asked() -> None:
+    specs = kv_specs(layers=2, comps=(1024,))
+    host = HostPool(specs, 512, pin=False, layout="page")
+    dev = DevicePool.allocate(specs, 512, "cpu")
+    fill(host, dev, seed=8)
+    eng = TransferEngine(specs, host, dev, "hybrid", backend_options={"calibration": "default",
+                                                                     "staging_bytes": 1 << 20})
+    dp = np.arange(0, 256)
+    run(eng, [ArrayCommand(1, L, (PageArrays("kv", np.arange(0, 128), dp[:128]),))])
+    alone = eng.stats()["last_flush"]["loadback"]
+    assert alone["stage_bytes"] == 0 and alone["sm_bytes"] == 128 * 2048
+    run(eng, [ArrayCommand(2, L, (PageArrays("kv", np.arange(0, 128), dp[:128]),)),
+              ArrayCommand(3, W, (PageArrays("kv", dp[128:], np.arange(300, 428)),))])
+    last = eng.stats()["last_flush"]
+    assert last["loadback"]["stage_bytes"] == 128 * 2048 == last["writeback"]["stage_bytes"]
+    assert torch.equal(host.region("kv", "c0", 1)[300:428], dev.region("kv", "c0", 1)[128:256])

@@ -117,6 +117,9 @@ class HybridBackend(NumbaBackend):
         staging_slots: slots per direction (default 3).
         staging_min_bytes: a group's bytes of a chunk below this stay on the kernel or
             the copy engines (default 256 KiB).
+        staging_one_way: stage a direction also while the other one is idle (default
+            False: on the H200 one direction alone ran 1-10 % slower staged than on the
+            kernel, both at once 2-40 % faster; bench/RESULTS.md).
 
     Raises:
         ConfigError: bad settings.
@@ -129,7 +132,8 @@ class HybridBackend(NumbaBackend):
                  address_view: bool = True, timing: bool = True,
                  calibration: str | Calibration | Mapping[str, Any] = "auto", copier: BatchCopier | None = None,
                  writeback_waits: bool = True, staging_bytes: int | None = None,
-                 staging_slots: int = DEFAULT_SLOTS, staging_min_bytes: int = 256 << 10) -> None:
+                 staging_slots: int = DEFAULT_SLOTS, staging_min_bytes: int = 256 << 10,
+                 staging_one_way: bool = False) -> None:
         super().__init__(blocks, threads, piece_bytes, address_view, timing)
         if isinstance(calibration, str):
             if calibration not in ("auto", "measure", "default"):
@@ -151,6 +155,7 @@ class HybridBackend(NumbaBackend):
                                           or staging_bytes < 0):
             raise ConfigError(f"hybrid backend: staging_bytes must be None or an int >= 0, got {staging_bytes!r}")
         self._staging_args = (staging_bytes, staging_slots, staging_min_bytes)
+        self.staging_one_way = bool(staging_one_way)
         self.stager: Stager | None = None
         self.calibration: Calibration | None = None
         self.calibration_seconds: float | None = None
@@ -233,7 +238,8 @@ class HybridBackend(NumbaBackend):
         sm_chunks: list[ChunkPlan] = []
         parts: list[_ChunkSplit] = []
         staged: dict[int, frozenset[int]] = {}
-        if self.stager is not None and self.calibration is not None and self.copier is not None:
+        if (self.stager is not None and self.calibration is not None and self.copier is not None
+                and (busy or self.staging_one_way)):
             x = self.calibration.crossover(direction, busy)
             staged = self.stager.choose(direction, plan, lambda size: x is not None and size >= x)
         for chunk in plan.chunks:

@@ -184,14 +184,14 @@ DEFAULT_CALIBRATION = Calibration(
 #: (filled from ``bench/results/`` JSON; see ``bench/RESULTS.md``).
 COMMITTED: dict[str, dict[str, Any]] = {
     "NVIDIA H200": {
-        "source": "bench/results/transfer-20261201-ef0825f.json (measured at start-up, H200, commit ef0825f)",
-        "sizes": [4096, 8192, 16384, 32768, 65536, 131072],
-        "sm_gbps": {"loadback": [46.06, 46.43, 46.51, 46.45, 46.13, 46.14],
-                     "writeback": [47.57, 47.47, 47.81, 48.12, 48.03, 47.26]},
-        "ce_gbps": {"loadback": [2.22, 3.59, 4.74, 31.54, 39.52, 45.05],
-                     "writeback": [8.1, 14.79, 22.76, 32.81, 40.44, 46.62]},
-        "ce_pair_gbps": {"loadback": [2.38, 3.39, 4.62, 31.06, 38.19, 41.64],
-                     "writeback": [1.87, 2.76, 3.82, 22.48, 30.77, 37.9]}},
+        "source": "bench/results/transfer-serving-20261202-0e41ace.json (measured at start-up, H200, commit 0e41ace)",
+        "sizes": [4096, 8192, 16384, 32768, 65536, 131072, 1048576, 4194304],
+        "sm_gbps": {"loadback": [40.13, 41.5, 40.66, 43.38, 40.51, 42.4, 45.62, 45.62],
+                     "writeback": [44.55, 43.15, 42.26, 44.37, 43.43, 40.44, 47.54, 47.04]},
+        "ce_gbps": {"loadback": [2.22, 3.13, 4.25, 21.78, 30.89, 39.87, 52.79, 53.91],
+                     "writeback": [4.57, 8.17, 14.33, 22.95, 31.8, 45.45, 53.17, 53.89]},
+        "ce_pair_gbps": {"loadback": [2.02, 2.83, 3.82, 21.19, 30.53, 42.89, 50.02, 51.04],
+                         "writeback": [1.4, 2.14, 3.03, 13.32, 21.35, 35.98, 46.8, 48.42]}},
 }
 
 
