@@ -18,6 +18,11 @@ part runs at once). On CPU pools under the CUDA simulator the batches are
 ``memmove`` calls (:class:`.copy_engine.HostBatchCopier`) and the kernel the
 simulator's: CI covers the split, the address arithmetic and the selection.
 
+With a page-major host pool the backend also has the *staging path*
+(:mod:`.staging`, issued by :mod:`.stager`): groups whose host pages form long extents
+move through a device staging ring and one copy-engine copy per extent, chosen per chunk
+and group before the split above (:mod:`.hybrid_choice`).
+
 The calibration (:class:`.hybrid_choice.Calibration`) is measured when the backend binds on
 a GPU (``calibration="measure"``, or ``"auto"`` without a committed one for the
 device: about 0.3 s on scratch buffers), taken from :data:`.hybrid_choice.COMMITTED`
@@ -118,8 +123,8 @@ class HybridBackend(NumbaBackend):
         staging_min_bytes: a group's bytes of a chunk below this stay on the kernel or
             the copy engines (default 256 KiB).
         staging_one_way: stage a direction also while the other one is idle (default
-            False: on the H200 one direction alone ran 1-10 % slower staged than on the
-            kernel, both at once 2-40 % faster; bench/RESULTS.md).
+            False: on the H200 one direction alone ran 1-16 % slower staged than on the
+            kernel, both at once 13-40 % faster from 4 KiB pages up; bench/RESULTS.md).
 
     Raises:
         ConfigError: bad settings.
