@@ -184,7 +184,8 @@ DEFAULT_CALIBRATION = Calibration(
 #: (filled from ``bench/results/`` JSON; see ``bench/RESULTS.md``).
 COMMITTED: dict[str, dict[str, Any]] = {
     "NVIDIA H200": {
-        "source": "bench/results/transfer-serving-20261202-0e41ace.json (measured at start-up, H200, commit 0e41ace)",
+        "source": ("bench/results/staging-serving-h200-20261202-0e41ace.json (measured at start-up, H200, "
+                   "commit 0e41ace)"),
         "sizes": [4096, 8192, 16384, 32768, 65536, 131072, 1048576, 4194304],
         "sm_gbps": {"loadback": [40.13, 41.5, 40.66, 43.38, 40.51, 42.4, 45.62, 45.62],
                      "writeback": [44.55, 43.15, 42.26, 44.37, 43.43, 40.44, 47.54, 47.04]},

@@ -216,7 +216,7 @@ def _by_rank(plan: FlushPlan, gi: int, rank: I64, dp: I64, perm: bool) -> tuple[
             order = np.argsort(rank, kind="stable")
             hit = (dp[order], rank[order])
         plan.cache[key] = hit
-    return hit  # type: ignore[no-any-return]
+    return hit
 
 
 def fill_runs(direction: Direction, plan: FlushPlan, piece: StagePiece, out: I64) -> tuple[int, int]:
