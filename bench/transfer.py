@@ -313,6 +313,199 @@ def measure_both(setup: Setup, eng: TransferEngine, reps: int, mode: str = "warm
             mode + "_samples_gbps": [total / w / 1e9 for w in walls], "split": split}
 
 
+SERVING_CONFIGS = ("1 KiB", "4 KiB", "16 KiB", "64 KiB", "DeepSeek V4 mix")
+
+
+class ServingSetup:
+    """Pools for the serving-path table: ``n`` pages per direction (256 MiB), host pool
+    of ``layout``; every flush gets new page lists: device pages a new random
+    permutation, host pages one extent per direction (what kvtier's host allocator
+    hands a flush where it can) in a new random order. Loadback host pages are
+    ``0..n-1``, writeback host pages ``n..2n-1``."""
+
+    def __init__(self, specs: list[CacheGroupSpec], layout: str, seed: int = 0) -> None:
+        self.specs = specs
+        per_page = sum(s.page_bytes for s in specs)
+        self.n = max(1, TARGET_BYTES // per_page)
+        self.host = HostPool(specs, 2 * self.n, reserve_bytes=1 << 30, layout=layout)
+        self.dev = DevicePool.allocate(specs, 2 * self.n, "cuda")
+        assert self.host.buffer is not None and self.dev.buffer is not None
+        self.dev.buffer.random_(0, 256)
+        self.host.buffer.copy_(torch.randint_like(self.host.buffer, 0, 256, device="cuda"))
+        self.rng = np.random.default_rng(seed)
+        self.bytes = self.n * per_page
+        self.op = 0
+        self.last: dict[Direction, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+
+    def page_lists(self, directions: tuple[Direction, ...]) -> dict[Direction, dict[str, tuple[Any, Any]]]:
+        """New page lists for each direction (the scheduler's block tables: made before
+        the timed region)."""
+        out: dict[Direction, dict[str, tuple[Any, Any]]] = {}
+        dev = {s.name: self.rng.permutation(2 * self.n) for s in self.specs}
+        for d in directions:
+            pages = {}
+            for s in self.specs:
+                hp = self.rng.permutation(self.n) + (0 if d is L else self.n)
+                dp = dev[s.name][: self.n] if d is L else dev[s.name][self.n:]
+                pages[s.name] = (hp, dp) if d is L else (dp, hp)
+            out[d] = pages
+        return out
+
+    def commands(self, lists: dict[Direction, dict[str, tuple[Any, Any]]]) -> list[ArrayCommand]:
+        """New array records of ``lists`` (validated and copied: inside the timed region)."""
+        out = []
+        for d, pages in lists.items():
+            self.last[d] = pages
+            self.op += 1
+            out.append(ArrayCommand(self.op, d, tuple(PageArrays(g, a, b) for g, (a, b) in pages.items())))
+        return out
+
+    def check(self) -> bool:
+        """The last flush's pages landed (every region, both directions measured)."""
+        ok = True
+        for d, pages in self.last.items():
+            for s in self.specs:
+                src, dst = pages[s.name]
+                si, di = torch.as_tensor(src), torch.as_tensor(dst)
+                for layer in s.layers:
+                    for c in s.components:
+                        h, v = self.host.region(s.name, c.name, layer), self.dev.region(s.name, c.name, layer)
+                        if d is L:
+                            ok &= bool(torch.equal(v.index_select(0, di.cuda()).cpu(), h.index_select(0, si)))
+                        else:
+                            ok &= bool(torch.equal(h.index_select(0, di), v.index_select(0, si.cuda()).cpu()))
+        return ok
+
+
+#: perf_counter() of the first copy call or kernel launch since it was cleared (the bench's hook).
+_FIRST_ISSUE: list[float] = []
+
+
+def _watch_first_issue(eng: TransferEngine) -> None:
+    """Record the host time of the first copy-engine call or kernel launch in
+    :data:`_FIRST_ISSUE` (wraps the engine's copier and the kernels module once)."""
+    from kvtier.transfer.backends import kernels
+
+    def wrap(obj: Any, name: str) -> None:
+        fn = getattr(obj, name)
+        if getattr(fn, "_bench_first", False):
+            return
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            if not _FIRST_ISSUE:
+                _FIRST_ISSUE.append(time.perf_counter())
+            return fn(*a, **k)
+        wrapped._bench_first = True  # type: ignore[attr-defined]
+        setattr(obj, name, wrapped)
+
+    wrap(kernels, "launch_runs")
+    copier = getattr(eng.backend, "copier", None)
+    if copier is not None:
+        wrap(copier, "copy")
+        wrap(copier, "copy2d")
+
+
+def measure_serving(setup: ServingSetup, eng: TransferEngine, directions: tuple[Direction, ...],
+                    reps: int) -> dict[str, Any]:
+    """Median over ``reps`` flushes (after two warm-ups) of submit->ack wall time with new
+    page lists every flush (made before, turned into records inside the timed region),
+    of the device time (an event before the flush to every transfer stream's end), of
+    the host's time to the end of ``flush()`` and to the first copy call or kernel launch."""
+    streams = getattr(eng.backend, "streams")
+    walls, devs, hosts, firsts = [], [], [], []
+    last: dict[str, Any] = {}
+    first = _FIRST_ISSUE
+    _watch_first_issue(eng)
+    for rep in range(reps + 2):
+        first.clear()
+        lists = setup.page_lists(directions)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        cmds = setup.commands(lists)
+        for c in cmds:
+            eng.submit(c)
+        eng.flush()
+        t1 = time.perf_counter()
+        cur = torch.cuda.current_stream()
+        for d in directions:
+            cur.wait_stream(streams.stream(d))
+        end.record()
+        want = {c.op_id for c in cmds}
+        while want:
+            for comp in eng.poll_completions():
+                if comp.layer is None:
+                    assert comp.ok, comp
+                    want.discard(comp.op_id)
+        wall = time.perf_counter() - t0
+        end.synchronize()
+        eng.synchronize()
+        if rep >= 2:
+            walls.append(wall)
+            devs.append(start.elapsed_time(end) / 1e3)
+            hosts.append(t1 - t0)
+            firsts.append((first[0] - t0) if first else float("nan"))
+        lf = eng.stats()["last_flush"]
+        last = {d.value: {k: lf[d.value][k] for k in ("bytes", "sm_bytes", "ce_bytes", "stage_bytes", "stage_copies",
+                                                      "ring_waits", "kernel_launches", "chunks", "max_blocks")}
+                for d in directions if d.value in lf}
+    total = len(directions) * setup.bytes
+    return {"gbps": total / statistics.median(walls) / 1e9, "device_gbps": total / statistics.median(devs) / 1e9,
+            "samples_gbps": [total / w / 1e9 for w in walls], "host_to_flush_end_ms": 1e3 * statistics.median(hosts),
+            "host_to_first_issue_ms": 1e3 * statistics.median(firsts),
+            "split": last}
+
+
+def serving_table(reps: int, blocks: int, threads: int, calibration: Calibration | None,
+                  wanted: set[str] | None = None) -> list[dict[str, Any]]:
+    """The serving-path table: per configuration, the old path (hybrid backend,
+    layer-first host pool: the SM kernel and batched copies) and the staging path
+    (hybrid backend, page-major host pool: staging where it wins; loadbacks in chunks
+    of 4 layers, and in one chunk of every layer), each way and both at once, new page
+    lists every flush."""
+    out = []
+    for name, specs in CONFIGS:
+        if name not in SERVING_CONFIGS or (wanted is not None and name not in wanted):
+            continue
+        row: dict[str, Any] = {"name": name, "page_bytes": sorted({c.page_bytes for s in specs for c in s.components})}
+        setups: dict[str, ServingSetup] = {}
+        for label, layout, chunk_layers in (("old", "layer", 4), ("staging", "page", 4),
+                                            ("staging_one_chunk", "page", LAYERS)):
+            try:
+                if layout not in setups:
+                    setups.clear()
+                    torch.cuda.empty_cache()
+                    setups[layout] = ServingSetup(specs, layout)
+                setup = setups[layout]
+                opts: dict[str, Any] = {"blocks": blocks, "threads": threads,
+                                        "calibration": calibration if calibration is not None else "default"}
+                if layout == "page":
+                    opts["staging_one_way"] = True  # the staging path alone, each way too
+                eng = TransferEngine(specs, setup.host, setup.dev, "hybrid", backend_options=opts,
+                                     chunk_layers=chunk_layers)
+                r: dict[str, Any] = {"pages": setup.n, "bytes": setup.bytes, "chunk_layers": chunk_layers}
+                for key, dirs in (("h2d", (L,)), ("d2h", (W,)), ("both", (L, W))):
+                    r[key] = measure_serving(setup, eng, dirs, reps)
+                r["correct"] = setup.check()
+                r["staging"] = eng.stats()["backend"].get("staging")
+                row[label] = r
+                print(f"serving {name:>16} {label:>7}: H2D {r['h2d']['gbps']:.1f} (dev {r['h2d']['device_gbps']:.1f}, "
+                      f"host {r['h2d']['host_to_flush_end_ms']:.2f} ms, first issue "
+                      f"{r['h2d']['host_to_first_issue_ms']:.2f} ms) D2H {r['d2h']['gbps']:.1f} (dev "
+                      f"{r['d2h']['device_gbps']:.1f}) both {r['both']['gbps']:.1f} (dev {r['both']['device_gbps']:.1f}) "
+                      f"ok {r['correct']} split {r['both']['split']}", flush=True)
+                eng.synchronize()
+                del eng
+            except Exception:
+                row[label] = {"error": traceback.format_exc()}
+                print(f"serving {name} {label}: " + row[label]["error"], flush=True)
+        setups.clear()
+        torch.cuda.empty_cache()
+        out.append(row)
+    return out
+
+
 def per_page_loop(setup: Setup, max_copies: int = 8192) -> dict[str, Any]:
     """One ``copy_`` per page per layer from Python (the baseline the issue names)."""
     stream = torch.cuda.Stream()
@@ -626,13 +819,20 @@ def sanitize_workload() -> None:
     mixed = {"sizes": [16, 48], "sm_gbps": {"loadback": [50, 50], "writeback": [50, 50]},
              "ce_gbps": {"loadback": [1, 60], "writeback": [1, 60]},
              "ce_pair_gbps": {"loadback": [1, 60], "writeback": [1, 60]}, "source": "sanitize: mixed"}
-    for seed, backend, opts, registered in (
-            (1, "numba", {}, False), (2, "numba", {}, True), (3, "numba", {"address_view": False}, True),
-            (4, "numba", {"blocks": 2, "threads": 64, "piece_bytes": 32}, True),
-            (5, "hybrid", {"calibration": mixed}, False), (6, "hybrid", {"calibration": mixed}, True)):
+    stage = {"sizes": [1], "sm_gbps": {"loadback": [1], "writeback": [1]},
+             "ce_gbps": {"loadback": [60], "writeback": [60]},
+             "ce_pair_gbps": {"loadback": [60], "writeback": [60]}, "source": "sanitize: staging wins"}
+    staged = {"calibration": stage, "staging_bytes": 1 << 14, "staging_slots": 2, "staging_min_bytes": 1,
+              "staging_one_way": True}
+    for seed, backend, opts, registered, layout in (
+            (1, "numba", {}, False, "layer"), (2, "numba", {}, True, "layer"),
+            (3, "numba", {"address_view": False}, True, "layer"),
+            (4, "numba", {"blocks": 2, "threads": 64, "piece_bytes": 32}, True, "layer"),
+            (5, "hybrid", {"calibration": mixed}, False, "layer"), (6, "hybrid", {"calibration": mixed}, True, "layer"),
+            (7, "numba", {}, True, "page"), (8, "hybrid", staged, False, "page"), (9, "hybrid", staged, True, "page")):
         rng = np.random.default_rng(seed)
         specs = random_specs(rng)
-        host, dev = random_pools(rng, specs, registered, device="cuda")
+        host, dev = random_pools(rng, specs, registered, device="cuda", host_layout=layout)
         eng = TransferEngine(specs, host, dev, backend, backend_options=opts, chunk_layers=2)
         cmds = random_commands(rng, specs, host, dev)
         want = reference(specs, host, dev, cmds)
@@ -664,6 +864,8 @@ def main() -> int:
     ap.add_argument("--backend", default="hybrid", help="backend of the main table (default hybrid; the numba "
                                                           "backend is measured beside it)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the torch backend and the per-page loop")
+    ap.add_argument("--serving", action="store_true", help="only the serving-path table (old path and staging "
+                                                            "path) with the same run's ceilings and calibration")
     ap.add_argument("--replay-json", action="append", default=[],
                     help="a `kvtier replay --json` result of the same session to summarise (repeatable)")
     ap.add_argument("--study-only", action="store_true",
@@ -685,7 +887,7 @@ def main() -> int:
 
     props = torch.cuda.get_device_properties(0)
     result: dict[str, Any] = {
-        "schema": 3,
+        "schema": 4,
         "backend": args.backend,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
         "commit": args.commit,
@@ -723,6 +925,9 @@ def main() -> int:
             print(result["errors"][-1], flush=True)
     result["configs"] = []
     wanted = None if not args.configs else {x.strip() for x in args.configs.split(",")}
+    if args.serving:
+        result["serving"] = serving_table(args.reps, args.blocks, args.threads, calibration, wanted)
+        wanted = set()  # the serving table only
     for name, specs in CONFIGS:
         if wanted is not None and name not in wanted:
             continue
@@ -743,12 +948,12 @@ def main() -> int:
             result["errors"].append(f"{name}: " + traceback.format_exc())
             print(result["errors"][-1], flush=True)
         torch.cuda.empty_cache()
-    if not args.no_sweep:
+    if not args.no_sweep and not args.serving:
         try:
             result["blocks_sweep"] = blocks_sweep(args.reps)
         except Exception:
             result["errors"].append("blocks sweep: " + traceback.format_exc())
-    if not args.no_study:
+    if not args.no_study and not args.serving:
         torch.cuda.empty_cache()
         study_json = args.out + ".study.json"
         try:

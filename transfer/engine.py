@@ -285,6 +285,9 @@ class TransferEngine(PageAccess):
             ds.ce_copies += counts.ce_copies
             ds.ce_calls += counts.ce_calls
             ds.waits += counts.waits
+            ds.stage_bytes += counts.stage_bytes
+            ds.stage_copies += counts.stage_copies
+            ds.ring_waits += counts.ring_waits
             ds.max_blocks = max(ds.max_blocks, counts.thread_blocks)
 
     # -- completions ------------------------------------------------------------------------

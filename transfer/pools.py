@@ -6,7 +6,13 @@ engine copies whole pages between a host region and the device region with the s
 key. Layout (both pools when they allocate their own memory): one buffer, groups in
 spec order, then layers ascending, then components in spec order ("layer-first": the
 pages of one layer of one component are contiguous), each region starting at a
-multiple of :data:`REGION_ALIGN` bytes.
+multiple of :data:`REGION_ALIGN` bytes. A host pool may instead be *page-major*
+(``HostPool(layout="page")``): per group one block of pages, each page holding every
+layer (ascending) and component (spec order) of it contiguously, pages
+:meth:`_Pool.page_stride` bytes apart (the sum of the group's page bytes, rounded up
+to 16); a region is then a strided view ``[pages, page_bytes]`` (row stride = the page
+stride). A run of host pages is then one contiguous byte range, which is what the
+staging path copies with the copy engines (:mod:`kvtier.transfer.backends.staging`).
 
 Every region also has a byte offset from its pool's *base address* (the lowest
 region address rounded down to 16 bytes): with unified virtual addressing one
@@ -24,6 +30,7 @@ import torch
 from kvtier.fsm import CacheGroupSpec, ConfigError
 
 from .errors import HostMemoryError
+from .page_layout import REGION_ALIGN, _layout, _page_layout
 
 __all__ = [
     "put_layers",
@@ -33,10 +40,11 @@ __all__ = [
     "DevicePool",
     "pages_for_budget",
     "available_host_bytes",
+    "HOST_LAYOUTS",
 ]
 
-#: Alignment (bytes) of the start of every region in a pool's own buffer.
-REGION_ALIGN = 256
+#: Host pool layouts: ``"layer"`` (layer-first, the default) and ``"page"`` (page-major).
+HOST_LAYOUTS = ("layer", "page")
 
 #: ``(group name, component name, model layer)``.
 RegionKey = tuple[str, str, int]
@@ -88,19 +96,6 @@ def _check_pages(specs: Mapping[str, CacheGroupSpec], pages: Mapping[str, int] |
             raise ConfigError(f"{what} pages of cache group {name!r} must be a positive int, got {n!r}")
         out[name] = n
     return out
-
-
-def _layout(specs: Mapping[str, CacheGroupSpec], pages: Mapping[str, int]) -> tuple[dict[RegionKey, int], int]:
-    """Byte offset of every region in one buffer, and the buffer's size (a multiple of 16)."""
-    offsets: dict[RegionKey, int] = {}
-    off = 0
-    for name, spec in specs.items():
-        for layer in spec.layers:
-            for comp in spec.components:
-                off = -(-off // REGION_ALIGN) * REGION_ALIGN
-                offsets[(name, comp.name, layer)] = off
-                off += pages[name] * comp.page_bytes
-    return offsets, -(-off // 16) * 16
 
 
 def available_host_bytes() -> int:
@@ -169,7 +164,7 @@ class _Pool:
         self._regions = regions
         ptrs = {k: int(t.data_ptr()) for k, t in regions.items()}
         lo = min(ptrs.values()) // 16 * 16
-        hi = max(ptrs[k] + regions[k].numel() for k in regions)
+        hi = max(ptrs[k] + (t.shape[0] - 1) * t.stride(0) + t.shape[1] for k, t in regions.items())
         self._base_ptr = lo
         self._span_bytes = -(-(hi - lo) // 16) * 16
         self._offsets = {k: p - lo for k, p in ptrs.items()}
@@ -226,6 +221,25 @@ class _Pool:
             return self._offsets[(group, component, layer)]
         except KeyError:
             raise ConfigError(self._missing((group, component, layer))) from None
+
+    def page_stride(self, group: str, component: str, layer: int) -> int:
+        """Bytes from one page of a region to the next: its page bytes in a layer-first
+        layout, the group's page stride in a page-major one."""
+        return int(self.region(group, component, layer).stride(0))
+
+    @property
+    def page_major(self) -> bool:
+        """True for a page-major host pool (see the module docstring)."""
+        return bool(getattr(self, "_groups", None))
+
+    def group_block(self, group: str) -> tuple[int, int]:
+        """Page-major pools: (byte offset of the group's page 0 from :attr:`base_ptr`,
+        page stride in bytes). Raises ConfigError for a layer-first pool or an unknown group."""
+        groups: dict[str, tuple[int, int]] = getattr(self, "_groups", None) or {}
+        if group not in groups:
+            raise ConfigError(f"group_block({group!r}) needs a page-major host pool (HostPool(layout='page')) "
+                              f"holding that group; page-major groups: {sorted(groups)}")
+        return groups[group]  # the buffer starts at base_ptr (its first region is at offset 0)
 
     def layer_view(self, group: str, component: str) -> torch.Tensor | None:
         """One uint8 view ``[layers, pages(group), page_bytes]`` over the regions of
@@ -285,16 +299,21 @@ class HostPool(_Pool):
         pin: pin the memory; None (default) pins exactly when ``torch.cuda.is_available()``.
         reserve_bytes: host memory to leave free (bytes, default 2 GiB).
         available_bytes: override of :func:`available_host_bytes` (tests).
+        layout: ``"layer"`` (layer-first, default) or ``"page"`` (page-major: every
+            layer and component of a host page contiguous; see the module docstring).
 
     Raises:
-        ConfigError: bad specs or page counts; ``pin=True`` without CUDA.
+        ConfigError: bad specs, page counts or layout; ``pin=True`` without CUDA.
         HostMemoryError: the pool needs more than the available memory minus the reserve.
     """
 
     def __init__(self, specs: Sequence[CacheGroupSpec], pages: Mapping[str, int] | int, *,
                  pin: bool | None = None, reserve_bytes: int = 2 << 30,
-                 available_bytes: int | None = None) -> None:
+                 available_bytes: int | None = None, layout: str = "layer") -> None:
         self.specs = _check_specs(specs)
+        if layout not in HOST_LAYOUTS:
+            raise ConfigError(f"host pool layout must be one of {HOST_LAYOUTS}, got {layout!r}")
+        self.layout = layout
         self._pages = _check_pages(self.specs, pages, "host pool")
         cuda = torch.cuda.is_available()
         if pin is None:
@@ -302,7 +321,11 @@ class HostPool(_Pool):
         elif pin and not cuda:
             raise ConfigError("HostPool(pin=True) needs CUDA (torch.cuda.is_available() is False); "
                               "use pin=None or pin=False")
-        offsets, total = _layout(self.specs, self._pages)
+        if layout == "page":
+            offsets, self._groups, total = _page_layout(self.specs, self._pages)
+        else:
+            offsets, total = _layout(self.specs, self._pages)
+            self._groups = {}
         avail = available_host_bytes() if available_bytes is None else available_bytes
         if total > avail - reserve_bytes:
             raise HostMemoryError(
@@ -317,20 +340,24 @@ class HostPool(_Pool):
             g, c, _ = key
             pb = next(x.page_bytes for x in self.specs[g].components if x.name == c)
             n = self._pages[g]
-            regions[key] = self.buffer[off:off + n * pb].view(n, pb)
+            if layout == "page":
+                regions[key] = torch.as_strided(self.buffer, (n, pb), (self._groups[g][1], 1), off)
+            else:
+                regions[key] = self.buffer[off:off + n * pb].view(n, pb)
         self._init_regions(regions)
 
     @classmethod
     def for_budget(cls, specs: Sequence[CacheGroupSpec], budget_bytes: int, *,
                    weights: Mapping[str, float] | None = None, pin: bool | None = None,
-                   reserve_bytes: int = 2 << 30, available_bytes: int | None = None) -> HostPool:
+                   reserve_bytes: int = 2 << 30, available_bytes: int | None = None,
+                   layout: str = "layer") -> HostPool:
         """A host pool sized from a byte budget (see :func:`pages_for_budget`)."""
         return cls(specs, pages_for_budget(specs, budget_bytes, weights), pin=pin,
-                   reserve_bytes=reserve_bytes, available_bytes=available_bytes)
+                   reserve_bytes=reserve_bytes, available_bytes=available_bytes, layout=layout)
 
     def __repr__(self) -> str:
         return (f"HostPool(groups={list(self.specs)}, pages={self._pages}, bytes={self.nbytes}, "
-                f"pinned={self.pinned})")
+                f"pinned={self.pinned}, layout={self.layout!r})")
 
 
 class DevicePool(_Pool):

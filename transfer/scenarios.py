@@ -40,8 +40,8 @@ def random_specs(rng: np.random.Generator, max_groups: int = 3) -> list[CacheGro
 
 
 def random_pools(rng: np.random.Generator, specs: list[CacheGroupSpec], registered: bool,
-                 device: str = "cpu") -> tuple[HostPool, DevicePool]:
-    host = HostPool(specs, {s.name: int(rng.integers(10, 20)) for s in specs})
+                 device: str = "cpu", host_layout: str = "layer") -> tuple[HostPool, DevicePool]:
+    host = HostPool(specs, {s.name: int(rng.integers(10, 20)) for s in specs}, layout=host_layout)
     dev_pages = {s.name: int(rng.integers(8, 14)) for s in specs}
     if registered:
         tensors: dict[tuple[str, str, int], torch.Tensor] = {}

@@ -36,6 +36,10 @@ class DirectionStats:
         sm_timed_bytes, sm_seconds, ce_timed_bytes, ce_seconds: ``timed_bytes`` and
             ``seconds`` of the flushes that used that engine alone.
         waits: chunks whose kernel part waited for a running loadback (``hybrid``).
+        stage_bytes, stage_copies: bytes and copy-engine copies of the staging path
+            (``hybrid`` with a page-major host pool, :mod:`.backends.staging`).
+        ring_waits: staging slots reused while their last copy was still running
+            (back-pressure: the copy waits on the device for the slot).
         max_blocks: thread blocks (= SMs at one block per SM) of the largest launch;
             a maximum, not a sum.
     """
@@ -63,6 +67,9 @@ class DirectionStats:
     ce_timed_bytes: int = 0
     ce_seconds: float = 0.0
     waits: int = 0
+    stage_bytes: int = 0
+    stage_copies: int = 0
+    ring_waits: int = 0
     max_blocks: int = 0
 
     @property

@@ -135,9 +135,9 @@ def test_refs_without_items_are_skipped() -> None:
     src = rng.integers(0, 256, 512, dtype=np.uint8)
     dst = np.zeros(512, dtype=np.uint8)
     runs = [[0, 0, 2], [5, 3, 1]]  # (src page, dst page, pages)
-    refs = [[0, 0, 16, 0, 0, 1],      # 2 runs of 16-byte pages: items 0, 1
-            [0, 0, 16, 0, 2, 1],      # no items
-            [256, 256, 20, 0, 2, 2]]  # 2 runs of 20-byte pages, 2 pieces each: items 2..5
+    refs = [[0, 0, 16, 0, 0, 1, 16, 16],      # 2 runs of 16-byte pages: items 0, 1
+            [0, 0, 16, 0, 2, 1, 16, 16],      # no items
+            [256, 256, 20, 0, 2, 2, 20, 20]]  # 2 runs of 20-byte pages, 2 pieces each: items 2..5
     words = np.array(sum(runs, []) + sum(refs, []), dtype=np.int64)
     _launch_runs(src, dst, words, 6, 3, 6, 32, 1, 8)
     want = np.zeros(512, dtype=np.uint8)

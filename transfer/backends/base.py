@@ -72,6 +72,8 @@ class ChunkCounts:
         ce_bytes, ce_copies, ce_calls: bytes, copies and driver calls of batched
             copy-engine copies (``hybrid`` backend).
         waits: 1 when this chunk's kernel part waited for a running loadback (``hybrid``).
+        stage_bytes, stage_copies, ring_waits: the staging path's bytes, copy-engine
+            copies and slots that had to wait for their last use (``hybrid``).
     """
 
     copy_calls: int = 0
@@ -83,6 +85,9 @@ class ChunkCounts:
     ce_copies: int = 0
     ce_calls: int = 0
     waits: int = 0
+    stage_bytes: int = 0
+    stage_copies: int = 0
+    ring_waits: int = 0
 
 
 class Backend(ABC):

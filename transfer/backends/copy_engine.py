@@ -51,6 +51,20 @@ class _MemcpyAttributes(ctypes.Structure):
                 ("flags", ctypes.c_uint)]
 
 
+class _Memcpy2D(ctypes.Structure):
+    """cuda.h ``CUDA_MEMCPY2D``."""
+
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_uint),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+                ("dstMemoryType", ctypes.c_uint), ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64),
+                ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t),
+                ("Height", ctypes.c_size_t)]
+
+
+_CU_MEMORYTYPE_UNIFIED = 4  # cuda.h: CUmemorytype (an address of the unified address space)
+_COPY2D_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
 _BATCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
 
@@ -69,6 +83,17 @@ class BatchCopier(ABC):
 
         Raises:
             TransferError: the copy could not be issued."""
+
+    def copy2d(self, direction: Direction, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+               rows: int, stream: int) -> int:
+        """Copy ``rows`` rows of ``width`` bytes from ``src`` (rows ``src_pitch`` bytes
+        apart) to ``dst`` (``dst_pitch`` apart), absolute addresses, in the order of
+        ``stream``. Returns the number of calls made. Default: one copy per row."""
+        if rows <= 0 or width <= 0:
+            return 0
+        r = np.arange(rows, dtype=np.uint64)
+        return self.copy(direction, np.uint64(dst) + r * np.uint64(dst_pitch),
+                         np.uint64(src) + r * np.uint64(src_pitch), np.full(rows, width, dtype=np.uint64), stream)
 
 
 class DriverBatchCopier(BatchCopier):
@@ -93,6 +118,13 @@ class DriverBatchCopier(BatchCopier):
             self.attrs[d] = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
         self._idx = ctypes.c_size_t(0)
         self._fail = ctypes.c_size_t(0)
+        self.fn2d: Any = None
+        try:
+            ptr = ctypes.cast(ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2, ctypes.c_void_p).value
+            self.fn2d = _COPY2D_FN(ptr) if ptr else None
+        except (OSError, AttributeError, TypeError):  # pitched copies fall back to one copy per row
+            self.fn2d = None
+        self._m2d = _Memcpy2D()
 
     @staticmethod
     def _lookup() -> Any:
@@ -129,6 +161,24 @@ class DriverBatchCopier(BatchCopier):
                 raise TransferError(f"cuMemcpyBatchAsync returned CUresult {err} for {k} copies "
                                     f"(first failing copy {self._fail.value} of that call)")
         return calls
+
+
+    def copy2d(self, direction: Direction, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+               rows: int, stream: int) -> int:
+        """One ``cuMemcpy2DAsync`` (both sides unified addresses)."""
+        if rows <= 0 or width <= 0:
+            return 0
+        if self.fn2d is None:
+            return super().copy2d(direction, dst, dst_pitch, src, src_pitch, width, rows, stream)
+        m = self._m2d
+        m.srcMemoryType = m.dstMemoryType = _CU_MEMORYTYPE_UNIFIED
+        m.srcDevice, m.srcPitch, m.dstDevice, m.dstPitch = src, src_pitch, dst, dst_pitch
+        m.WidthInBytes, m.Height = width, rows
+        err = self.fn2d(ctypes.addressof(m), stream)
+        if err != 0:
+            raise TransferError(f"cuMemcpy2DAsync returned CUresult {err} for {rows} rows of {width} bytes "
+                                f"(pitches {src_pitch} -> {dst_pitch})")
+        return 1
 
 
 class HostBatchCopier(BatchCopier):

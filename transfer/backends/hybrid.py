@@ -18,6 +18,11 @@ part runs at once). On CPU pools under the CUDA simulator the batches are
 ``memmove`` calls (:class:`.copy_engine.HostBatchCopier`) and the kernel the
 simulator's: CI covers the split, the address arithmetic and the selection.
 
+With a page-major host pool the backend also has the *staging path*
+(:mod:`.staging`, issued by :mod:`.stager`): groups whose host pages form long extents
+move through a device staging ring and one copy-engine copy per extent, chosen per chunk
+and group before the split above (:mod:`.hybrid_choice`).
+
 The calibration (:class:`.hybrid_choice.Calibration`) is measured when the backend binds on
 a GPU (``calibration="measure"``, or ``"auto"`` without a committed one for the
 device: about 0.3 s on scratch buffers), taken from :data:`.hybrid_choice.COMMITTED`
@@ -45,15 +50,18 @@ from ..plan import DEFAULT_PIECE_BYTES, ChunkPlan, ChunkRef, FlushPlan, Planner,
 from ..pools import DevicePool, HostPool
 from .base import ChunkCounts, TransferEvent
 from .copy_engine import BatchCopier, DriverBatchCopier, HostBatchCopier
-from .hybrid_choice import CE, DEFAULT_CALIBRATION, SM, Calibration, committed_calibration, copy_bytes
+from .hybrid_choice import CE, DEFAULT_CALIBRATION, SM, STAGING, Calibration, committed_calibration, copy_bytes
 from .numba_sm import NumbaBackend
+from .stager import Stager
+from .staging import DEFAULT_SLOTS, DEFAULT_STAGING_BYTES, StagePlan
 
 __all__ = ["HybridBackend", "CALIBRATION_SIZES"]
 
 U64 = npt.NDArray[np.uint64]
 
-#: Copy sizes (bytes) a start-up calibration measures.
-CALIBRATION_SIZES = (4096, 8192, 16384, 32768, 65536, 131072)
+#: Copy sizes (bytes) a start-up calibration measures (up to 4 MiB: the staging path's
+#: host extents are compared with the crossover too).
+CALIBRATION_SIZES = (4096, 8192, 16384, 32768, 65536, 131072, 1 << 20, 4 << 20)
 
 #: Calibrations measured in this process (``"auto"`` measures once per device and settings).
 _MEASURED: dict[tuple[Any, ...], Calibration] = {}
@@ -86,6 +94,7 @@ class _Split:
     sm_plan: FlushPlan
     chunks: tuple[_ChunkSplit, ...]
     engines: dict[str, str]  # "group/component" -> engine, for the statistics
+    stage: StagePlan | None = None
 
     @property
     def has_sm(self) -> bool:
@@ -106,6 +115,16 @@ class HybridBackend(NumbaBackend):
             GPU, ``memmove`` on CPU pools).
         writeback_waits: a writeback's kernel part waits for a running loadback
             (default True).
+        staging_bytes: device staging memory of both directions (bytes; half each, in
+            ``staging_slots`` slots) for the staging path (:mod:`.staging`), used with a
+            page-major host pool; None (default): 192 MiB on a GPU, 4 MiB on CPU pools,
+            when the host pool is page-major, else none; 0 turns it off.
+        staging_slots: slots per direction (default 3).
+        staging_min_bytes: a group's bytes of a chunk below this stay on the kernel or
+            the copy engines (default 256 KiB).
+        staging_one_way: stage a direction also while the other one is idle (default
+            False: on the H200 one direction alone ran 1-16 % slower staged than on the
+            kernel, both at once 13-40 % faster from 4 KiB pages up; bench/RESULTS.md).
 
     Raises:
         ConfigError: bad settings.
@@ -117,7 +136,9 @@ class HybridBackend(NumbaBackend):
     def __init__(self, blocks: int = 8, threads: int = 1024, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  address_view: bool = True, timing: bool = True,
                  calibration: str | Calibration | Mapping[str, Any] = "auto", copier: BatchCopier | None = None,
-                 writeback_waits: bool = True) -> None:
+                 writeback_waits: bool = True, staging_bytes: int | None = None,
+                 staging_slots: int = DEFAULT_SLOTS, staging_min_bytes: int = 256 << 10,
+                 staging_one_way: bool = False) -> None:
         super().__init__(blocks, threads, piece_bytes, address_view, timing)
         if isinstance(calibration, str):
             if calibration not in ("auto", "measure", "default"):
@@ -135,6 +156,12 @@ class HybridBackend(NumbaBackend):
         self.copier: BatchCopier | None = copier
         self.copier_error: str | None = None
         self.writeback_waits = bool(writeback_waits)
+        if staging_bytes is not None and (isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int)
+                                          or staging_bytes < 0):
+            raise ConfigError(f"hybrid backend: staging_bytes must be None or an int >= 0, got {staging_bytes!r}")
+        self._staging_args = (staging_bytes, staging_slots, staging_min_bytes)
+        self.staging_one_way = bool(staging_one_way)
+        self.stager: Stager | None = None
         self.calibration: Calibration | None = None
         self.calibration_seconds: float | None = None
         self._in_flush: set[Direction] = set()
@@ -154,6 +181,13 @@ class HybridBackend(NumbaBackend):
                     self.copier_error = str(e)
             else:
                 self.copier = HostBatchCopier()
+        nbytes, slots, min_bytes = self._staging_args
+        if nbytes is None:
+            nbytes = (DEFAULT_STAGING_BYTES if self.mode == "gpu" else 4 << 20) if host.page_major else 0
+        self.stager = None
+        if nbytes and self._views is not None and self.copier is not None:
+            self.stager = Stager(self, nbytes, slots, min_bytes)
+            self.stager.bind()
         arg = self._cal_arg
         if isinstance(arg, Calibration):
             self.calibration = arg
@@ -193,6 +227,8 @@ class HybridBackend(NumbaBackend):
         if x == -1:
             x = self._xover[key] = self.calibration.crossover(direction, busy)
         g = plan.groups[ref.group_index]
+        if self.planner.unit_runs(g.group):  # page-major host: its runs are not contiguous (staging covers it)
+            return SM
         return CE if x is not None and copy_bytes(g.pages, g.spans, ref.page_bytes) >= x else SM
 
     def split(self, direction: Direction, plan: FlushPlan, busy: bool) -> _Split:
@@ -206,10 +242,19 @@ class HybridBackend(NumbaBackend):
         engines: dict[str, str] = {}
         sm_chunks: list[ChunkPlan] = []
         parts: list[_ChunkSplit] = []
+        staged: dict[int, frozenset[int]] = {}
+        if (self.stager is not None and self.calibration is not None and self.copier is not None
+                and (busy or self.staging_one_way)):
+            x = self.calibration.crossover(direction, busy)
+            staged = self.stager.choose(direction, plan, lambda size: x is not None and size >= x)
         for chunk in plan.chunks:
             sm_refs: list[ChunkRef] = []
             ce_by_group: dict[int, list[ChunkRef]] = {}
+            skip = staged.get(chunk.index, frozenset())
             for r in chunk.refs:
+                if r.group_index in skip:
+                    engines[f"{r.group}/{r.component}"] = STAGING
+                    continue
                 e = self.engine_of(direction, plan, r, busy)
                 engines[f"{r.group}/{r.component}"] = e
                 if e == CE:
@@ -222,7 +267,7 @@ class HybridBackend(NumbaBackend):
             ce_bytes = 0
             for gi, refs in ce_by_group.items():
                 g = plan.groups[gi]
-                so, do, pb = self.planner._address(direction, g, refs)
+                so, do, pb, _, _ = self.planner._address(direction, g, refs)
                 srcs.append((sb + so[:, None] + g.run_src[None, :] * pb[:, None]).reshape(-1))
                 dsts.append((db + do[:, None] + g.run_dst[None, :] * pb[:, None]).reshape(-1))
                 sizes.append((g.run_len[None, :] * pb[:, None]).reshape(-1))
@@ -240,7 +285,8 @@ class HybridBackend(NumbaBackend):
 
             parts.append(_ChunkSplit(sm_chunk, cat(dsts), cat(srcs), cat(sizes), ce_bytes, sm_bytes, sm_rows))
         sm_plan = FlushPlan(direction, plan.groups, tuple(sm_chunks), {})
-        out = _Split(busy, sm_plan, tuple(parts), engines)
+        stage = self.stager.build(direction, plan, staged) if staged and self.stager is not None else None
+        out = _Split(busy, sm_plan, tuple(parts), engines, stage)
         plan.cache[key] = out
         return out
 
@@ -254,6 +300,8 @@ class HybridBackend(NumbaBackend):
         table and the batches' address arrays, all before the start event."""
         s = self.split(direction, plan, self._busy(direction))
         self._split_now[direction] = (plan, s)
+        if s.stage is not None and self.stager is not None:
+            self.stager.upload(direction, s.stage)
         if s.has_sm:
             super().prepare(direction, s.sm_plan)
 
@@ -267,6 +315,9 @@ class HybridBackend(NumbaBackend):
         cur = self._split_now.get(direction)
         s = cur[1] if cur is not None and cur[0] is plan else self.split(direction, plan, self._busy(direction))
         part = s.chunks[chunk.index]
+        staged = (0, 0, 0, 0)
+        if s.stage is not None and self.stager is not None:
+            staged = self.stager.issue(direction, plan, s.stage, chunk.index)
         ce_calls = 0
         if part.ce_copies:
             assert self.copier is not None
@@ -282,10 +333,23 @@ class HybridBackend(NumbaBackend):
                     waited = 1
                     self.waits += 1
             sm = super().run_chunk(direction, s.sm_plan, part.sm_chunk, op_ids)
-        return ChunkCounts(copy_calls=ce_calls, kernel_launches=sm.kernel_launches, thread_blocks=sm.thread_blocks,
+        return ChunkCounts(copy_calls=ce_calls + staged[1], kernel_launches=sm.kernel_launches + staged[3],
+                           thread_blocks=max(sm.thread_blocks, self._grid(1 << 30) if staged[3] else 0),
                            sm_bytes=part.sm_bytes if sm.kernel_launches else 0,
                            sm_copies=part.sm_copies if sm.kernel_launches else 0,
-                           ce_bytes=part.ce_bytes, ce_copies=part.ce_copies, ce_calls=ce_calls, waits=waited)
+                           ce_bytes=part.ce_bytes, ce_copies=part.ce_copies, ce_calls=ce_calls, waits=waited,
+                           stage_bytes=staged[0], stage_copies=staged[1], ring_waits=staged[2])
+
+    def begin(self, direction: Direction) -> TransferEvent:
+        ev = super().begin(direction)
+        if self.stager is not None:
+            self.stager.begin(direction)
+        return ev
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        if self.stager is not None:
+            self.stager.synchronize()
 
     def record(self, direction: Direction) -> TransferEvent:
         ev = super().record(direction)
@@ -403,5 +467,6 @@ class HybridBackend(NumbaBackend):
                   "copier_error": self.copier_error, "writeback_waits": self.writeback_waits,
                   "writeback_waits_done": self.waits,
                   "calibration": self.calibration.as_dict() if self.calibration is not None else None,
-                  "calibration_seconds": self.calibration_seconds})
+                  "calibration_seconds": self.calibration_seconds,
+                  "staging": self.stager.describe() if self.stager is not None else None})
         return d

@@ -21,6 +21,14 @@ Below the crossover the kernel moves the ref, and a writeback's kernel part wait
 the loadback in flight: the loadback (latency-critical, time to first token) keeps
 the link, the writeback yields.
 
+With a page-major host pool the same crossover decides the *staging path*
+(:mod:`.staging`) per chunk and group: a group whose host pages of the chunk form
+extents of mean size (bytes of the chunk's layers per extent) at or above
+``crossover(direction, busy)`` and at least ``staging_min_bytes`` in all is staged (one
+copy-engine copy per extent, gathered or scattered on the device); below it, the SM
+kernel reads or writes the scattered host pages directly. The kernels of either path
+run on at most ``blocks`` (default 8) SMs per direction.
+
 A :class:`Calibration` is measured on the device when the backend binds
 (:meth:`HybridBackend.calibrate <kvtier.transfer.backends.hybrid.HybridBackend.calibrate>`),
 or taken from the committed table for the GPU (:data:`COMMITTED`), or given.
@@ -35,12 +43,13 @@ from typing import Any
 
 from kvtier.fsm import ConfigError, Direction
 
-__all__ = ["Calibration", "SM", "CE", "engine_for", "copy_bytes", "COMMITTED", "committed_calibration",
+__all__ = ["Calibration", "SM", "CE", "STAGING", "engine_for", "copy_bytes", "COMMITTED", "committed_calibration",
            "DEFAULT_CALIBRATION"]
 
 #: Engine names as reported in the statistics.
 SM = "sm"
 CE = "copy_engine"
+STAGING = "staging"
 
 _DIRS = (Direction.LOADBACK, Direction.WRITEBACK)
 
@@ -175,14 +184,15 @@ DEFAULT_CALIBRATION = Calibration(
 #: (filled from ``bench/results/`` JSON; see ``bench/RESULTS.md``).
 COMMITTED: dict[str, dict[str, Any]] = {
     "NVIDIA H200": {
-        "source": "bench/results/transfer-20261201-ef0825f.json (measured at start-up, H200, commit ef0825f)",
-        "sizes": [4096, 8192, 16384, 32768, 65536, 131072],
-        "sm_gbps": {"loadback": [46.06, 46.43, 46.51, 46.45, 46.13, 46.14],
-                     "writeback": [47.57, 47.47, 47.81, 48.12, 48.03, 47.26]},
-        "ce_gbps": {"loadback": [2.22, 3.59, 4.74, 31.54, 39.52, 45.05],
-                     "writeback": [8.1, 14.79, 22.76, 32.81, 40.44, 46.62]},
-        "ce_pair_gbps": {"loadback": [2.38, 3.39, 4.62, 31.06, 38.19, 41.64],
-                     "writeback": [1.87, 2.76, 3.82, 22.48, 30.77, 37.9]}},
+        "source": ("bench/results/staging-serving-h200-20261202-0e41ace.json (measured at start-up, H200, "
+                   "commit 0e41ace)"),
+        "sizes": [4096, 8192, 16384, 32768, 65536, 131072, 1048576, 4194304],
+        "sm_gbps": {"loadback": [40.13, 41.5, 40.66, 43.38, 40.51, 42.4, 45.62, 45.62],
+                     "writeback": [44.55, 43.15, 42.26, 44.37, 43.43, 40.44, 47.54, 47.04]},
+        "ce_gbps": {"loadback": [2.22, 3.13, 4.25, 21.78, 30.89, 39.87, 52.79, 53.91],
+                     "writeback": [4.57, 8.17, 14.33, 22.95, 31.8, 45.45, 53.17, 53.89]},
+        "ce_pair_gbps": {"loadback": [2.02, 2.83, 3.82, 21.19, 30.53, 42.89, 50.02, 51.04],
+                         "writeback": [1.4, 2.14, 3.03, 13.32, 21.35, 35.98, 46.8, 48.42]}},
 }
 
 

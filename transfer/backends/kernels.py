@@ -134,9 +134,11 @@ def _copy_runs(src32: Any, dst32: Any, src8: Any, dst8: Any, runs: Any, refs: An
 
     ``runs`` and ``refs`` are 1-D int64 arrays (often the same one): run ``k`` is
     ``runs[3k:3k+3]`` = (source page, destination page, pages); this launch's ``nrefs``
-    refs start at word ``ref_word`` of ``refs``, 6 words each = (source region byte
+    refs start at word ``ref_word`` of ``refs``, 8 words each = (source region byte
     offset into ``src8``, destination region byte offset into ``dst8``, page bytes,
-    first run, first work item, pieces per run), first items ascending. Work item ``i``
+    first run, first work item, pieces per run, source page stride, destination page
+    stride; a run of several pages needs strides equal to the page bytes), first items
+    ascending. Work item ``i``
     (``0 <= i < items``) belongs to the last ref whose first item is <= ``i``; with
     ``k = i - first item`` it copies bytes ``[p, p + piece)`` (clipped to the run) of run
     ``first run + k // pieces``, ``p = (k % pieces) * piece``. ``src32``/``dst32`` are
@@ -152,10 +154,10 @@ def _copy_runs(src32: Any, dst32: Any, src8: Any, dst8: Any, runs: Any, refs: An
     teams = (cuda.gridDim.x * bdim) // team
     r = tid // team
     f = ref_word  # this team's ref: items only increase, so the search only moves forward
-    last = ref_word + 6 * (nrefs - 1)
+    last = ref_word + 8 * (nrefs - 1)
     while r < items:
-        while f < last and refs[f + 10] <= r:  # the next ref's first item
-            f += 6
+        while f < last and refs[f + 12] <= r:  # the next ref's first item
+            f += 8
         k = r - refs[f + 4]
         ppr = refs[f + 5]
         q = k
@@ -169,8 +171,8 @@ def _copy_runs(src32: Any, dst32: Any, src8: Any, dst8: Any, runs: Any, refs: An
         n = runs[run + 2] * pb - off
         if n > piece:
             n = piece
-        s = refs[f] + runs[run] * pb + off
-        d = refs[f + 1] + runs[run + 1] * pb + off
+        s = refs[f] + runs[run] * refs[f + 6] + off
+        d = refs[f + 1] + runs[run + 1] * refs[f + 7] + off
         if (s & 15) == (d & 15):
             w = 16
         elif (s & 3) == (d & 3):
@@ -238,7 +240,7 @@ def rows_as_runs(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     table = np.ascontiguousarray(table, dtype=np.int64).reshape(-1, 3)
     longest = int(table[:, 2].max()) if table.shape[0] else 0
     piece = max(16, -(-longest // 16) * 16)
-    refs = np.array([0, 0, 1, 0, 0, 1], dtype=np.int64)
+    refs = np.array([0, 0, 1, 0, 0, 1, 1, 1], dtype=np.int64)
     return table.reshape(-1), refs, piece
 
 

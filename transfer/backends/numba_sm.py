@@ -96,8 +96,8 @@ class NumbaBackend(Backend):
         self.mode = "unbound"
         self.sm_count: int | None = None
         self._views: dict[str, tuple[Any, Any]] | None = None
-        self._stage: dict[Direction, torch.Tensor] = {}
-        self._stage_event: dict[Direction, torch.cuda.Event] = {}
+        self._stage: dict[Any, torch.Tensor] = {}  # reused pinned table buffers, by key
+        self._stage_event: dict[Any, torch.cuda.Event] = {}
 
     # -- binding --------------------------------------------------------------------------
     def bind(self, host: HostPool, device: DevicePool, planner: Planner) -> None:
@@ -185,7 +185,7 @@ class NumbaBackend(Backend):
             t = torch.from_numpy(words).pin_memory().to(self.device.device, non_blocking=True)
         return t, self._k.device_array(t)
 
-    def _staging(self, direction: Direction, words: int) -> np.ndarray:
+    def _staging(self, direction: Any, words: int) -> np.ndarray:
         """A pinned host buffer of ``words`` int64 for the direction's next table (one
         buffer per direction, reused; grown by doubling). Waits for the buffer's last
         upload, which runs on its own stream and so is normally long finished."""
@@ -203,16 +203,18 @@ class NumbaBackend(Backend):
                 ev.synchronize()
         return buf[:words].numpy()
 
-    def _upload_staged(self, direction: Direction, words: int) -> tuple[Any, Any]:
-        """Copy the first ``words`` of the direction's staging buffer to a new device
-        tensor on the upload stream; the direction's stream waits for the copy."""
+    def _upload_staged(self, direction: Direction, words: int, key: Any = None) -> tuple[Any, Any]:
+        """Copy the first ``words`` of the pinned buffer ``key`` (default: the
+        direction's, :meth:`_staging`) to a new device tensor on the upload stream; the
+        direction's stream waits for the copy."""
+        key = direction if key is None else key
         stream = self.streams.stream(direction)
         with torch.cuda.stream(self._upload_stream):
             t = torch.empty(words, dtype=torch.int64, device=self.device.device)
-            t.copy_(self._stage[direction][:words], non_blocking=True)
+            t.copy_(self._stage[key][:words], non_blocking=True)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self._upload_stream)
-        self._stage_event[direction] = ev
+        self._stage_event[key] = ev
         stream.wait_event(ev)
         t.record_stream(stream)  # freed with its plan: not reused before the kernels that read it finish
         return t, self._k.device_array(t)
@@ -294,14 +296,21 @@ class NumbaBackend(Backend):
                            sm_copies=chunk.rows)
 
     def _region_view(self, side: str, r: ChunkRef) -> tuple[tuple[Any, Any], int]:
-        region = self._pool(side).region(r.group, r.component, r.layer)
+        pool = self._pool(side)
+        region = pool.region(r.group, r.component, r.layer)
+        extent = (region.shape[0] - 1) * region.stride(0) + region.shape[1]  # strided in a page-major pool
         if self.mode == "gpu":
             ptr = int(region.data_ptr())
             base = ptr // 16 * 16
             delta = ptr - base
-            nbytes = -(-(delta + region.numel()) // 16) * 16
+            nbytes = -(-(delta + extent) // 16) * 16
             return self._k.span_arrays(base, nbytes, region), delta
-        return self._sim_views(region.reshape(-1).numpy()), 0
+        if region.is_contiguous():
+            return self._sim_views(region.reshape(-1).numpy()), 0
+        buf = pool.single_buffer()  # a strided region: a flat view of its bytes in the pool's buffer
+        assert buf is not None
+        off = pool.region_offset(r.group, r.component, r.layer)
+        return self._sim_views(buf[off:off + extent].numpy()), 0
 
     # -- waiting and timing -----------------------------------------------------------------------
     def wait(self, event: TransferEvent) -> None:

@@ -43,6 +43,8 @@ from .tables import (
     DEFAULT_PIECE_BYTES,
     MAX_CHUNK_ITEMS,
     REF_COLS,
+    REF_DST_STRIDE,
+    REF_SRC_STRIDE,
     REF_DST,
     REF_ITEM0,
     REF_PAGE_BYTES,
@@ -58,4 +60,5 @@ from .tables import (
 
 __all__ = ["GroupPlan", "ChunkRef", "ChunkPlan", "Command", "I64", "FlushPlan", "Planner", "RunTable", "layers_for",
            "split_rows", "split_runs", "expand_run_table", "DEFAULT_PIECE_BYTES", "MAX_CHUNK_ITEMS", "RUN_COLS",
-           "REF_COLS", "REF_SRC", "REF_DST", "REF_PAGE_BYTES", "REF_RUN0", "REF_ITEM0", "REF_PIECES"]
+           "REF_COLS", "REF_SRC", "REF_DST", "REF_PAGE_BYTES", "REF_RUN0", "REF_ITEM0", "REF_PIECES",
+           "REF_SRC_STRIDE", "REF_DST_STRIDE"]

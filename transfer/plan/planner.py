@@ -25,6 +25,8 @@ from .tables import (
     REF_PIECES,
     REF_RUN0,
     REF_SRC,
+    REF_SRC_STRIDE,
+    REF_DST_STRIDE,
     RUN_COLS,
     RunTable,
     split_rows,
@@ -78,7 +80,8 @@ class Planner:
         self.plan_cache_size = plan_cache_size
         self._arrays: OrderedDict[int, tuple[GroupTransfer, I64, I64]] = OrderedDict()
         self._plans: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], FlushPlan]] = OrderedDict()
-        self._addr: dict[tuple[Direction, str, tuple[tuple[str, int], ...]], tuple[I64, I64, I64]] = {}
+        self._addr: dict[tuple[Direction, str, tuple[tuple[str, int], ...]], tuple[I64, I64, I64, I64, I64]] = {}
+        self._unit: dict[str, bool] = {}
         self._mark: dict[tuple[int, str], npt.NDArray[np.int32]] = {}
         self._iota = np.arange(1024, dtype=np.int32)
         self.counters = {"plan_hits": 0, "plan_misses": 0, "address_hits": 0, "address_misses": 0}
@@ -269,8 +272,27 @@ class Planner:
         return tuple(chunks)
 
     # -- address tables -------------------------------------------------------------------
+    def unit_runs(self, group: str) -> bool:
+        """True when a page of ``group`` is not laid next to the one before in some region
+        of either pool (a page-major host pool): its runs are then copied page by page."""
+        hit = self._unit.get(group)
+        if hit is None:
+            spec = self.specs[group]
+            hit = any(pool.page_stride(group, c.name, layer) != c.page_bytes for pool in (self.host, self.device)
+                      for layer in spec.layers for c in spec.components)
+            self._unit[group] = hit
+        return hit
+
+    def group_runs(self, group: GroupPlan) -> tuple[I64, I64, I64]:
+        """The group's runs as the copies see them: single pages where :meth:`unit_runs`."""
+        if self.unit_runs(group.group):
+            return split_runs(group.run_src, group.run_dst, group.run_len, 1)
+        return group.run_src, group.run_dst, group.run_len
+
     def _address(self, direction: Direction, group: GroupPlan,
-                 refs: Sequence[ChunkRef]) -> tuple[I64, I64, I64]:
+                 refs: Sequence[ChunkRef]) -> tuple[I64, I64, I64, I64, I64]:
+        """(source region offsets, destination region offsets, page bytes, source page
+        strides, destination page strides) of ``refs``, int64 ``[len(refs)]`` each (cached)."""
         key = (direction, group.group, tuple((r.component, r.layer) for r in refs))
         hit = self._addr.get(key)
         if hit is not None:
@@ -282,8 +304,10 @@ class Planner:
         so = np.array([src_pool.region_offset(r.group, r.component, r.layer) for r in refs], dtype=np.int64)
         do = np.array([dst_pool.region_offset(r.group, r.component, r.layer) for r in refs], dtype=np.int64)
         pb = np.array([r.page_bytes for r in refs], dtype=np.int64)
-        self._addr[key] = (so, do, pb)
-        return so, do, pb
+        ss = np.array([src_pool.page_stride(r.group, r.component, r.layer) for r in refs], dtype=np.int64)
+        ds = np.array([dst_pool.page_stride(r.group, r.component, r.layer) for r in refs], dtype=np.int64)
+        self._addr[key] = (so, do, pb, ss, ds)
+        return so, do, pb, ss, ds
 
     def table(self, plan: FlushPlan, chunk: ChunkPlan, piece_bytes: int = DEFAULT_PIECE_BYTES) -> I64:
         """The chunk's copy table over both pools' unified address spans.
@@ -300,19 +324,20 @@ class Planner:
         by_group: dict[int, list[ChunkRef]] = {}
         for r in chunk.refs:
             by_group.setdefault(r.group_index, []).append(r)
-        total = sum(len(refs) * plan.groups[gi].spans for gi, refs in by_group.items())
+        runs = {gi: self.group_runs(plan.groups[gi]) for gi in by_group}
+        total = sum(len(refs) * runs[gi][0].shape[0] for gi, refs in by_group.items())
         rows = np.empty((total, 3), dtype=np.int64)
         at = 0
         for gi, refs in by_group.items():
-            g = plan.groups[gi]
-            so, do, pb = self._address(plan.direction, g, refs)
-            n_rows = len(refs) * g.spans
-            block = rows[at:at + n_rows].reshape(len(refs), g.spans, 3)
-            np.multiply(g.run_src[None, :], pb[:, None], out=block[:, :, 0])
+            rs, rd, rl = runs[gi]
+            so, do, pb, ss, ds = self._address(plan.direction, plan.groups[gi], refs)
+            n_rows = len(refs) * rs.shape[0]
+            block = rows[at:at + n_rows].reshape(len(refs), rs.shape[0], 3)
+            np.multiply(rs[None, :], ss[:, None], out=block[:, :, 0])
             block[:, :, 0] += so[:, None]
-            np.multiply(g.run_dst[None, :], pb[:, None], out=block[:, :, 1])
+            np.multiply(rd[None, :], ds[:, None], out=block[:, :, 1])
             block[:, :, 1] += do[:, None]
-            np.multiply(g.run_len[None, :], pb[:, None], out=block[:, :, 2])
+            np.multiply(rl[None, :], pb[:, None], out=block[:, :, 2])
             at += n_rows
         table = split_rows(rows, piece_bytes)
         chunk.cache[key] = table
@@ -341,7 +366,7 @@ class Planner:
         n_runs = 0
         for g in plan.groups:
             max_pb = max(c.page_bytes for c in self.specs[g.group].components)
-            s = max(1, piece_bytes // max_pb)
+            s = 1 if self.unit_runs(g.group) else max(1, piece_bytes // max_pb)
             seg = split_runs(g.run_src, g.run_dst, g.run_len, s)
             segs.append(seg)
             seg_pages.append(s)
@@ -372,11 +397,13 @@ class Planner:
             for j, r in enumerate(chunk.refs):
                 by_group.setdefault(r.group_index, []).append(j)
             for gi, rows in by_group.items():
-                so, do, pb = self._address(plan.direction, plan.groups[gi], [chunk.refs[j] for j in rows])
+                so, do, pb, ss, ds = self._address(plan.direction, plan.groups[gi], [chunk.refs[j] for j in rows])
                 idx = np.asarray(rows, dtype=np.int64)
                 refs[idx, REF_SRC] = so
                 refs[idx, REF_DST] = do
                 refs[idx, REF_PAGE_BYTES] = pb
+                refs[idx, REF_SRC_STRIDE] = ss
+                refs[idx, REF_DST_STRIDE] = ds
                 refs[idx, REF_RUN0] = run0[gi]
                 refs[idx, REF_PIECES] = (seg_pages[gi] * pb + piece_bytes - 1) // piece_bytes
             if nr:

@@ -22,7 +22,8 @@ from kvtier.fsm import ConfigError
 from .records import I64
 
 __all__ = ["RunTable", "split_rows", "split_runs", "expand_run_table", "DEFAULT_PIECE_BYTES", "MAX_CHUNK_ITEMS",
-           "RUN_COLS", "REF_COLS", "REF_SRC", "REF_DST", "REF_PAGE_BYTES", "REF_RUN0", "REF_ITEM0", "REF_PIECES"]
+           "RUN_COLS", "REF_COLS", "REF_SRC", "REF_DST", "REF_PAGE_BYTES", "REF_RUN0", "REF_ITEM0", "REF_PIECES",
+           "REF_SRC_STRIDE", "REF_DST_STRIDE"]
 
 #: Default largest piece (bytes) of one table row; longer runs are split so that the
 #: work spreads over all warps of a persistent kernel.
@@ -35,9 +36,11 @@ MAX_CHUNK_ITEMS = 1 << 31
 RUN_COLS = 3
 #: int64 words per tensor ref of a :class:`RunTable`: (source region offset, destination
 #: region offset, page bytes, index of the group's first run, index of the ref's first
-#: work item in the chunk, work items (pieces) per run).
-REF_COLS = 6
-REF_SRC, REF_DST, REF_PAGE_BYTES, REF_RUN0, REF_ITEM0, REF_PIECES = range(REF_COLS)
+#: work item in the chunk, work items (pieces) per run, source and destination page
+#: strides in bytes: page bytes in a layer-first region; where a stride differs from
+#: the page bytes, runs are single pages).
+REF_COLS = 8
+REF_SRC, REF_DST, REF_PAGE_BYTES, REF_RUN0, REF_ITEM0, REF_PIECES, REF_SRC_STRIDE, REF_DST_STRIDE = range(REF_COLS)
 
 
 @dataclass(eq=False)
@@ -50,7 +53,8 @@ class RunTable:
     ``pieces`` work items per run no item copies more than ``piece_bytes``), then each
     chunk's tensor refs (:data:`REF_COLS` words each: source and destination region
     offsets from the pools' ``base_ptr``, page bytes, index of the group's first run,
-    index of the ref's first work item in the chunk, pieces per run).
+    index of the ref's first work item in the chunk, pieces per run, source and
+    destination page strides).
 
     Work item ``i`` of a chunk belongs to the last ref whose first item is <= ``i``;
     with ``k = i - first item``, it copies piece ``k % pieces`` (``piece_bytes`` bytes
@@ -111,8 +115,8 @@ def expand_run_table(rt: RunTable, chunk_index: int) -> I64:
     run = rt.runs[r[:, REF_RUN0] + q]
     pb = r[:, REF_PAGE_BYTES]
     off = piece * rt.piece_bytes
-    out[:, 0] = r[:, REF_SRC] + run[:, 0] * pb + off
-    out[:, 1] = r[:, REF_DST] + run[:, 1] * pb + off
+    out[:, 0] = r[:, REF_SRC] + run[:, 0] * r[:, REF_SRC_STRIDE] + off
+    out[:, 1] = r[:, REF_DST] + run[:, 1] * r[:, REF_DST_STRIDE] + off
     out[:, 2] = np.minimum(rt.piece_bytes, run[:, 2] * pb - off)
     return out
 

@@ -1,0 +1,369 @@
+"""The staging path: whole host extents through the copy engines, pages gathered and
+scattered on the device (used by the ``hybrid`` backend, :mod:`.hybrid`).
+
+With a page-major host pool (``HostPool(layout="page")``: every layer and component of
+a host page contiguous) a run of consecutive host pages is one contiguous byte range.
+For a cache group of a flush whose host pages form few such *extents*:
+
+- a **writeback** gathers the flush's device pages of every layer and component into a
+  contiguous device staging slot with the copy kernel (device memory only, at HBM
+  speed, on at most ``blocks`` SMs), then copies the slot to the host extents with the
+  copy engines (one contiguous copy per extent);
+- a **loadback** copies the extents into a slot (one copy per extent; a layer chunk of
+  the flush is one pitched copy per extent, the chunk's layers of each page) and
+  scatters the slot to the device pages with the kernel. A chunk of layers is one
+  staged copy and one scatter; its event (what ``wait_layer`` waits for) follows the
+  scatter.
+
+The staging memory is a :class:`StagingRing` per direction: ``slots`` device buffers of
+``slot_bytes`` each, taken in turn. A slot is reused only after its last use finished:
+the copy (or the kernel) of its next use waits on the device for the event of its last
+use (back-pressure: flushes keep being issued without blocking the host; the
+statistics count such waits as ``ring_waits``). A chunk larger than a slot is cut into
+pieces of at most one slot each.
+
+A slot holds the pages of a piece in host order: page ``k`` of a group segment (the
+``k``-th host page of the segment in ascending order) at ``segment offset + k * width``,
+``width`` = the bytes of the chunk's layers in one host page, so that every extent is
+one range on both sides. The kernel's run table for the pieces (runs of one page:
+staging page <-> device page; one ref per (layer, component), the staging side's page
+stride being ``width``) is built with NumPy and uploaded once per flush.
+
+Under the CUDA simulator (CPU pools) copies are ``memmove`` calls, the kernel the simulator's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.fsm import ConfigError, Direction
+
+from ..plan import REF_COLS, RUN_COLS, ChunkRef, FlushPlan, GroupPlan, I64, Planner
+from ..pools import DevicePool, HostPool
+
+__all__ = ["StagingRing", "StagedCopy", "StagePiece", "StagePlan", "host_extents", "plan_staging",
+           "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "stageable", "extents_of", "ALIGN", "fill_runs"]
+
+#: Staging memory (bytes, both directions together) when the host pool is page-major
+#: and no size is given: 3 slots of 32 MiB per direction (a probe on the H200 filled the
+#: link with 32 MiB slots in a ring of 3, not with 8 MiB ones; bench/RESULTS.md).
+DEFAULT_STAGING_BYTES = 192 << 20
+#: Slots per direction.
+DEFAULT_SLOTS = 3
+
+ALIGN = 256
+
+
+class StagingRing:
+    """``slots`` slots of ``slot_bytes`` in one buffer, taken in turn (one ring per direction).
+
+    Args:
+        slots: number of slots (>= 1).
+        slot_bytes: bytes per slot (a positive multiple of 256).
+
+    Raises:
+        ConfigError: bad sizes.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ConfigError(f"staging ring: slots must be an int >= 1, got {slots!r}")
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0 or slot_bytes % ALIGN:
+            raise ConfigError(f"staging ring: slot bytes must be a positive multiple of {ALIGN}, got {slot_bytes!r}")
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self._next = 0
+        self._busy: list[Any] = [None] * slots  # the event of each slot's last use
+        self.waits = 0
+        self.uses = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ring (``slots * slot_bytes``)."""
+        return self.slots * self.slot_bytes
+
+    def take(self) -> tuple[int, Any]:
+        """The next slot: (its index, the event of its last use or None). When that
+        event has not completed, the caller must make its first copy wait for it; this
+        counts in :attr:`waits`."""
+        j = self._next
+        self._next = (j + 1) % self.slots
+        ev = self._busy[j]
+        self.uses += 1
+        if ev is not None and not ev.done():
+            self.waits += 1
+            return j, ev
+        return j, None
+
+    def release(self, slot: int, event: Any) -> None:
+        """Record the event after which ``slot`` is free again."""
+        self._busy[slot] = event
+
+
+def host_extents(pages: I64, distinct: bool = False) -> tuple[I64, I64, I64, I64]:
+    """(unique host pages ascending, index of each extent's first unique page, extent
+    lengths, rank of each of ``pages`` among the unique pages) for int64 ``pages``
+    (``distinct``: known to hold no page twice). No sort when the pages are one range."""
+    n = int(pages.shape[0])
+    lo, hi = int(pages.min()), int(pages.max())
+    one = hi - lo + 1 == n
+    if one and not distinct:
+        mark = np.zeros(n, dtype=np.bool_)
+        mark[pages - lo] = True
+        one = bool(mark.all())
+    if one:  # one extent of distinct pages (the common case)
+        return (np.arange(lo, hi + 1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.array([n], dtype=np.int64),
+                pages - lo)
+    uniq = np.unique(pages)
+    rank = np.searchsorted(uniq, pages)
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(np.diff(uniq) != 1) + 1))
+    lens = np.diff(np.concatenate((starts, np.array([uniq.shape[0]], dtype=np.int64)))).astype(np.int64)
+    return uniq, starts, lens, rank.astype(np.int64)
+
+
+@dataclass(eq=False)
+class StagedCopy:
+    """One copy-engine copy of a piece: ``rows`` rows of ``width`` bytes between the
+    host (byte offset ``host`` from the host pool's base, rows ``pitch`` apart) and the
+    slot (offset ``stage`` from the slot's start, rows packed)."""
+
+    host: int
+    stage: int
+    rows: int
+    width: int
+    pitch: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width
+
+
+@dataclass(eq=False)
+class StagePiece:
+    """At most one slot of a chunk: copies, and the kernel launch over the piece's part
+    of the run table (``ref_word``, ``refs``, ``items``); staging offsets are from the
+    start of whichever slot the piece gets (the kernel's staging view starts there)."""
+
+    copies: list[StagedCopy]
+    ref_word: int = 0
+    refs: int = 0
+    items: int = 0
+    #: segments whose runs this piece writes first: (group index, first rank, end rank,
+    #: first word, pages); built when the piece is issued (:func:`fill_runs`)
+    builds: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    built: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.copies)
+
+
+@dataclass(eq=False)
+class StagePlan:
+    """The staged part of a plan for one direction (cached on the plan).
+
+    Attributes:
+        groups: per chunk index, the plan's group indices staged in that chunk.
+        pieces: per chunk index, its pieces in issue order.
+        packed: int64 run table of every piece (runs, then refs): the refs at once, each
+            piece's runs when it is issued (so the first copy does not wait for them all).
+        bytes: per chunk index, the device bytes the staged pieces move.
+    """
+
+    groups: dict[int, frozenset[int]]
+    pieces: dict[int, list[StagePiece]]
+    packed: I64
+    bytes: dict[int, int] = field(default_factory=dict)
+    refs_word: int = 0
+    table: Any = None
+    owner: Any = None
+    host: Any = None
+    key: Any = None
+
+
+def _span(host: HostPool, gp: GroupPlan, refs: list[ChunkRef]) -> tuple[int, int] | None:
+    """(first byte within a host page, width) of the refs' bytes in a page, when they
+    are one contiguous range of the page; else None."""
+    base, stride = host.group_block(gp.group)
+    spans = sorted((host.region_offset(r.group, r.component, r.layer) - base, r.page_bytes) for r in refs)
+    lo = spans[0][0]
+    at = lo
+    for off, pb in spans:
+        if off != at:
+            return None
+        at += pb
+    width = at - lo
+    if lo == 0 and -(-width // 16) * 16 == stride:
+        width = stride  # every layer: whole pages, one contiguous copy per extent
+    return lo, width
+
+
+def _by_rank(plan: FlushPlan, gi: int, rank: I64, dp: I64, perm: bool) -> tuple[I64, I64]:
+    """Group ``gi``'s device pages in host order and their ranks: with ``perm`` (each
+    rank once) one scatter, ``dev[rank] = dp`` and ranks ``0..n-1``; else a stable sort.
+    Cached on the plan."""
+    key = ("stage-order", gi)
+    hit = plan.cache.get(key)
+    if hit is None:
+        if perm:
+            dev = np.empty_like(dp)
+            dev[rank] = dp
+            hit = (dev, np.arange(dp.shape[0], dtype=np.int64))
+        else:
+            order = np.argsort(rank, kind="stable")
+            hit = (dp[order], rank[order])
+        plan.cache[key] = hit
+    return hit
+
+
+def fill_runs(direction: Direction, plan: FlushPlan, piece: StagePiece, out: I64) -> tuple[int, int]:
+    """Write the runs of the segments ``piece`` builds into ``out`` (the plan's table
+    words); returns the word range written (empty: ``(0, 0)``)."""
+    loadback = direction is Direction.LOADBACK
+    lo_w, hi_w = -1, 0
+    for gi, a, b, word, k in piece.builds:
+        g = plan.groups[gi]
+        dp = g.dst if loadback else g.src
+        uniq, _, _, rank = extents_of(direction, plan, gi)
+        perm = int(uniq.shape[0]) == int(rank.shape[0])
+        dev, ranks = _by_rank(plan, gi, rank, dp, perm)
+        i0, i1 = (a, b) if perm else (int(np.searchsorted(ranks, a)), int(np.searchsorted(ranks, b)))
+        block = out[word:word + RUN_COLS * k].reshape(k, RUN_COLS)
+        block[:, 0 if loadback else 1] = ranks[i0:i1] - a
+        block[:, 1 if loadback else 0] = dev[i0:i1]
+        block[:, 2] = 1
+        lo_w = word if lo_w < 0 else min(lo_w, word)
+        hi_w = max(hi_w, word + RUN_COLS * k)
+    piece.built = True
+    return (lo_w, hi_w) if lo_w >= 0 else (0, 0)
+
+
+def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: HostPool, device: DevicePool,
+                 ring: StagingRing, chosen: dict[int, frozenset[int]], piece_bytes: int) -> StagePlan:
+    """Pieces and run table layout of the groups ``chosen`` per chunk (plan group
+    indices): copies and refs now, each piece's runs when it is issued (:func:`fill_runs`).
+
+    Raises:
+        ConfigError: a group that cannot be staged (a width larger than a slot, or a
+            chunk's layers not contiguous in a host page): :func:`stageable` says which."""
+    slot_bytes = ring.slot_bytes
+    loadback = direction is Direction.LOADBACK
+    n_runs = 0
+    seg_runs: dict[tuple[int, int, int], tuple[int, int]] = {}
+    ref_rows: list[list[int]] = []
+    pieces: dict[int, list[StagePiece]] = {}
+    nbytes: dict[int, int] = {}
+    for chunk in plan.chunks:
+        gis = chosen.get(chunk.index, frozenset())
+        if not gis:
+            continue
+        out: list[StagePiece] = []
+        piece: StagePiece | None = None
+        used = 0
+        piece_refs: list[list[int]] = []
+        items = 0
+
+        def close() -> None:
+            nonlocal piece, items
+            if piece is not None:
+                piece.ref_word = len(ref_rows) * REF_COLS  # relative to the refs part; fixed below
+                piece.refs = len(piece_refs)
+                piece.items = items
+                ref_rows.extend(piece_refs)
+                out.append(piece)
+            piece = None
+            piece_refs.clear()
+            items = 0
+
+        for gi in sorted(gis):
+            gp = plan.groups[gi]
+            refs = [r for r in chunk.refs if r.group_index == gi]
+            span = _span(host, gp, refs)
+            if span is None:
+                raise ConfigError(f"staging: the chunk's layers of cache group {gp.group!r} are not contiguous "
+                                  f"in a host page")
+            lo, width = span
+            if width > slot_bytes:
+                raise ConfigError(f"staging: a host page of cache group {gp.group!r} holds {width} bytes of the "
+                                  f"chunk, more than a staging slot ({slot_bytes} bytes)")
+            gbase, stride = host.group_block(gp.group)
+            uniq, starts, lens, rank = extents_of(direction, plan, gi)
+            total = int(uniq.shape[0])
+            perm = total == int(rank.shape[0])
+            ranks = None if perm else _by_rank(plan, gi, rank, gp.dst if loadback else gp.src, False)[1]
+            ends = starts + lens
+            ref_info = [(host.region_offset(r.group, r.component, r.layer) - gbase - lo,
+                         device.region_offset(r.group, r.component, r.layer),
+                         device.page_stride(r.group, r.component, r.layer), r.page_bytes,
+                         -(-r.page_bytes // piece_bytes)) for r in refs]
+            ref_bytes = sum(r.page_bytes for r in refs)
+            a = 0
+            while a < total:
+                if piece is None:
+                    piece = StagePiece([])
+                    used = 0
+                seg_off = -(-used // 16) * 16
+                m = min(total - a, (slot_bytes - seg_off) // width)
+                if m <= 0:
+                    close()
+                    continue
+                b = a + m
+                # copies: the extents clipped to unique pages [a, b)
+                hit = np.flatnonzero((ends > a) & (starts < b))
+                for e in hit.tolist():
+                    cs, ce = max(int(starts[e]), a), min(int(ends[e]), b)
+                    piece.copies.append(StagedCopy(gbase + int(uniq[cs]) * stride + lo, seg_off + (cs - a) * width,
+                                                   ce - cs, width, stride))
+                # kernel: one single-page run per plan page of the segment, one ref per (layer, component)
+                seg = seg_runs.get((gi, a, b))
+                if seg is None:  # the same pages in another chunk reuse these runs
+                    k = b - a if ranks is None else int(np.searchsorted(ranks, b) - np.searchsorted(ranks, a))
+                    piece.builds.append((gi, a, b, RUN_COLS * n_runs, k))
+                    seg = seg_runs[(gi, a, b)] = (n_runs, k)
+                    n_runs += k
+                run0, k = seg
+                for inpage, dev_off, dev_stride, pb, ppr in ref_info:
+                    st_off = seg_off + inpage  # from the slot's start
+                    piece_refs.append([st_off, dev_off, pb, run0, items, ppr, width, dev_stride] if loadback
+                                      else [dev_off, st_off, pb, run0, items, ppr, dev_stride, width])
+                    items += k * ppr
+                nbytes[chunk.index] = nbytes.get(chunk.index, 0) + k * ref_bytes
+                used = seg_off + m * width
+                a = b
+        close()
+        pieces[chunk.index] = out
+    words_runs = RUN_COLS * n_runs
+    packed = np.empty(words_runs + REF_COLS * len(ref_rows), dtype=np.int64)  # runs: filled per piece
+    refs_arr = packed[words_runs:].reshape(-1, REF_COLS)
+    if ref_rows:
+        refs_arr[:] = np.asarray(ref_rows, dtype=np.int64)
+    for out in pieces.values():
+        for p in out:
+            p.ref_word += words_runs
+    return StagePlan(dict(chosen), pieces, packed, nbytes, words_runs)
+
+
+def stageable(host: HostPool, plan: FlushPlan, chunk_refs: list[ChunkRef], gi: int,
+              slot_bytes: int) -> tuple[int, int] | None:
+    """(first byte in a host page, width) when group ``gi``'s refs of a chunk can be
+    staged (page-major host, the chunk's layers one range of a host page, a page's width
+    within one slot), else None."""
+    if not host.page_major:
+        return None
+    span = _span(host, plan.groups[gi], chunk_refs)
+    return span if span is not None and span[1] <= slot_bytes else None
+
+
+def extents_of(direction: Direction, plan: FlushPlan, gi: int) -> tuple[I64, I64, I64, I64]:
+    """:func:`host_extents` of group ``gi``'s host pages (cached on the plan)."""
+    key = ("stage-extents", gi)
+    hit = plan.cache.get(key)
+    if hit is None:
+        g = plan.groups[gi]
+        # a writeback's host pages are destinations: the planner leaves none twice
+        hit = plan.cache[key] = host_extents(g.src if direction is Direction.LOADBACK else g.dst,
+                                             direction is Direction.WRITEBACK)
+    return hit
