@@ -41,7 +41,7 @@ from .backends import Backend, TransferEvent, make_backend
 from .errors import TransferError
 from .layers import LayerCounter, OpLayers
 from .plan import FlushPlan, Planner, layers_for
-from .pools import DevicePool, HostPool, _Pool, put_layers
+from .pools import DevicePool, HostPool, _Pool, put_layers, take_layers
 from .stats import DirectionStats, TransferStats
 
 __all__ = ["TransferEngine"]
@@ -419,7 +419,7 @@ class TransferEngine:
     def read_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """A copy of ``pages`` of ``component`` in every layer of ``group``: uint8
         ``[layers, len(pages), page_bytes]`` (layers in the spec's order), in one
-        ``index_select`` when the pool has a layer view; checked like :meth:`read_pages`."""
+        indexed gather when the pool has a layer view; checked like :meth:`read_pages`."""
         spec = self._pool(side).specs[group]
         check = getattr(self.backend, "check_read", None)
         if check is not None:
@@ -429,7 +429,7 @@ class TransferEngine:
         if view is None:
             ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
             return torch.stack([self.read_pages(side, group, component, layer, ids) for layer in spec.layers])
-        return view.index_select(1, self._index(pages, view.device))
+        return take_layers(view, self._index(pages, view.device))
 
     def write_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor,
                      data: torch.Tensor) -> None:
