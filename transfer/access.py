@@ -12,7 +12,7 @@ import torch
 from kvtier.fsm import ConfigError
 
 from .backends import Backend
-from .pools import DevicePool, HostPool, _Pool, put_layers
+from .pools import DevicePool, HostPool, _Pool, put_layers, take_layers
 
 __all__ = ["PageAccess"]
 
@@ -48,7 +48,7 @@ class PageAccess:
     def read_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """A copy of ``pages`` of ``component`` in every layer of ``group``: uint8
         ``[layers, len(pages), page_bytes]`` (layers in the spec's order), in one
-        ``index_select`` when the pool has a layer view; checked like :meth:`read_pages`."""
+        indexed gather when the pool has a layer view; checked like :meth:`read_pages`."""
         spec = self._pool(side).specs[group]
         check = getattr(self.backend, "check_read", None)
         if check is not None:
@@ -58,7 +58,7 @@ class PageAccess:
         if view is None:
             ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
             return torch.stack([self.read_pages(side, group, component, layer, ids) for layer in spec.layers])
-        return view.index_select(1, self._index(pages, view.device))
+        return take_layers(view, self._index(pages, view.device))
 
     def write_layers(self, side: str, group: str, component: str, pages: Sequence[int] | torch.Tensor,
                      data: torch.Tensor) -> None:

@@ -34,6 +34,7 @@ from .page_layout import REGION_ALIGN, _layout, _page_layout
 
 __all__ = [
     "put_layers",
+    "take_layers",
     "REGION_ALIGN",
     "RegionKey",
     "HostPool",
@@ -61,6 +62,18 @@ def put_layers(view: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> N
     except RuntimeError:  # page bytes or offsets not multiples of 8: store bytes
         pass
     view[:, index] = data
+
+
+def take_layers(view: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A copy of ``view[:, index]``: uint8 ``[layers, len(index), page_bytes]`` from a
+    ``[layers, pages, page_bytes]`` uint8 layer view (:meth:`_Pool.layer_view`), gathered
+    in 8-byte words when the view allows it. Advanced indexing, not ``index_select``: on
+    a view whose layers are not adjacent (components interleave) ``index_select`` first
+    copies the whole view, hundreds of times slower."""
+    try:
+        return view.view(torch.int64)[:, index].view(torch.uint8)
+    except RuntimeError:  # page bytes or offsets not multiples of 8: gather bytes
+        return view[:, index]
 
 
 def _check_specs(specs: Sequence[CacheGroupSpec]) -> dict[str, CacheGroupSpec]:

@@ -191,57 +191,54 @@ class Batcher:
         """
         rids = self._ids(results, 2, 4, "results")
         qids = self._ids(reserve, 2, 2, "reserve")
-        stop_on_short = as_bool(stop_on_short, "step: stop_on_short")
+        if stop_on_short is not True and stop_on_short is not False:
+            stop_on_short = as_bool(stop_on_short, "step: stop_on_short")
         find = self.table.find
         quick = self.forward.quick
         covered = self.admitter.covered
         adopted: dict[int, PageMap] = {}
         new_pages: dict[int, PageMap] = {}
         errors: dict[tuple[str, int], KvtierError] = {}
-        rst: list[str] = []
+        # the hot path first (a decode token: two fields, no unit completed), as one pass
+        # of the items; any other item goes through result_one below, in order
+        rst: list[str] = [OK] * len(results)
+        slow: list[int] = []
         for i, f in enumerate(results):
-            r = find(f[0])
+            r = find(rids[i])
             n = f[1]
-            units = f[2] if len(f) > 2 else ()
-            ckpt = f[3] if len(f) > 3 else False
-            if (r is not None and type(n) is int and n >= 0 and type(units) is tuple and not units
-                    and ckpt is False and quick(r, n, units, False)):
-                rst.append(OK)
-                continue
+            if not (r is not None and len(f) == 2 and type(n) is int and n >= 0 and quick(r, n, (), False)):
+                slow.append(i)
+        for i in slow:
+            f = results[i]
             try:
-                pages = self.result_one(f[0], n, units, ckpt)
+                pages = self.result_one(f[0], f[1], f[2] if len(f) > 2 else (), f[3] if len(f) > 3 else False)
             except KvtierError as exc:
                 errors[("results", i)] = exc
-                rst.append(REFUSED)
+                rst[i] = REFUSED
                 continue
             if pages:
                 adopted[i] = pages
-            rst.append(OK)
-        qst: list[str] = []
+        qst: list[str] = [OK] * len(reserve)
         accepts = self._reserve_states
-        short = False
         for i, q in enumerate(reserve):
-            if short:
-                qst.append(SKIPPED)
-                continue
-            r = find(q[0])
+            r = find(qids[i])
             n = q[1]
             if r is not None and r.state in accepts and type(n) is int and n >= 1 and covered(r, n):
-                qst.append(OK)
                 continue
             try:
                 new = self.reserve_one(q[0], n)
             except KvtierError as exc:
                 errors[("reserve", i)] = exc
-                qst.append(REFUSED)
+                qst[i] = REFUSED
                 continue
             if new is None:
-                qst.append(SHORT)
-                short = stop_on_short
+                qst[i] = SHORT
+                if stop_on_short:
+                    qst[i + 1:] = [SKIPPED] * (len(reserve) - i - 1)
+                    break
                 continue
             if new:
                 new_pages[i] = new
-            qst.append(OK)
         return StepOutcome(rids, tuple(rst), qids, tuple(qst), adopted, new_pages, errors)
 
     @staticmethod
@@ -251,7 +248,7 @@ class Batcher:
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise UsageError(f"step: {what} must be a list of tuples, got {items!r}")
         try:
-            ids = tuple(x[0] for x in items if isinstance(x, tuple) and least <= len(x) <= most)
+            ids = tuple([x[0] for x in items if isinstance(x, tuple) and least <= len(x) <= most])
         except TypeError:
             raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
                              f"(ForwardResult / Reservation), got {items!r}") from None

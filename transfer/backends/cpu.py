@@ -11,7 +11,7 @@ from kvtier.fsm import Direction
 
 from ..errors import BackendUnavailable
 from ..plan import ChunkPlan, ChunkRef, FlushPlan, Planner
-from ..pools import DevicePool, HostPool, _Pool, put_layers
+from ..pools import DevicePool, HostPool, _Pool, put_layers, take_layers
 from .base import Backend, ChunkCounts, DoneEvent, TransferEvent
 
 __all__ = ["CpuBackend", "copy_chunk_indexed"]
@@ -19,7 +19,7 @@ __all__ = ["CpuBackend", "copy_chunk_indexed"]
 
 def copy_chunk_indexed(src_pool: _Pool, dst_pool: _Pool, plan: FlushPlan, chunk: ChunkPlan) -> int:
     """Copy every ref of ``chunk`` by index arrays: for each (group, component), the
-    chunk's layers of that component in one ``index_select`` + indexed store over the
+    chunk's layers of that component in one indexed gather + indexed store over the
     pools' ``[layers, pages, page_bytes]`` views (:meth:`_Pool.layer_view`) when its
     layers are consecutive in the group's spec, else one pair per ref.
 
@@ -37,7 +37,7 @@ def copy_chunk_indexed(src_pool: _Pool, dst_pool: _Pool, plan: FlushPlan, chunk:
         dst_v = dst_pool.layer_view(group, comp) if src_v is not None else None
         if span is not None and src_v is not None and dst_v is not None:
             lo, hi = span
-            put_layers(dst_v[lo:hi], d_idx, src_v[lo:hi].index_select(1, s_idx))
+            put_layers(dst_v[lo:hi], d_idx, take_layers(src_v[lo:hi], s_idx))
             calls += 1
             continue
         for r in refs:

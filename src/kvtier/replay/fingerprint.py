@@ -91,6 +91,9 @@ class BytesExecutor:
         self._groups = {g.name: (i, g) for i, g in enumerate(layout.groups)}
         self._prefix: dict[str, list[int]] = {}
         self._align = layout.alignment
+        #: (name, tokens per page, pages per unit) of each history group, in layout order
+        self._history = [(g.name, g.tokens_per_page, self._align // g.tokens_per_page)
+                         for g in layout.history_groups]
         self._pending_checks: dict[str, Admission] = {}
 
     # -- the scheduler's hooks -------------------------------------------------------
@@ -132,22 +135,22 @@ class BytesExecutor:
                         torch.arange(n, dtype=torch.int64), state=True)
 
     def forward(self, cache: TieredCache, batch: Sequence[tuple[str, int, int]]) -> None:
+        pending = self._pending_checks
         for rid, start, n in batch:
-            adm = self._pending_checks.pop(rid, None)
+            adm = pending.pop(rid, None) if pending else None
             if adm is not None and cache.allows(rid, "reserve"):  # running or loading (spec [request.calls])
                 self._check_hit(cache, adm)
             # only pages this pass completes: only full units are ever published and reused
             table = None
-            for g in self.layout.history_groups:
-                tpp = g.tokens_per_page
-                first, last = start // tpp, (start + n) // tpp - 1
+            end = start + n
+            for name, tpp, ppu in self._history:
+                first, last = start // tpp, end // tpp - 1
                 if last < first:
                     continue
                 table = table or cache.page_table(rid)
-                pages = table[g.name][first:last + 1]
-                ppu = self._align // tpp
+                pages = table[name][first:last + 1]
                 idx = torch.arange(first, last + 1, dtype=torch.int64)
-                self._write(cache, rid, g.name, pages, idx // ppu, idx % ppu)
+                self._write(cache, rid, name, pages, idx // ppu, idx % ppu)
 
     # -- fingerprints ----------------------------------------------------------------
     def _prefix_hashes(self, cache: TieredCache, rid: str, upto: int) -> torch.Tensor:

@@ -250,7 +250,8 @@ class ReferenceScheduler:
         running = self._running
         pending = sorted((r for r in running if r.tokens >= r.kv_target), key=lambda r: r.admitted_order)
         while pending:
-            batch = [r for r in pending if r in running][:max(0, plan.budget)]
+            present = {id(r) for r in running}  # a retraction may have removed some
+            batch = [r for r in pending if id(r) in present][:max(0, plan.budget)]
             if not batch:
                 return
             self._timed.decode = True
