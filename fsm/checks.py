@@ -11,6 +11,7 @@ import math
 import numbers
 import operator
 from collections.abc import Hashable, Sequence
+from itertools import chain
 
 from .errors import ConfigError, KvtierError, UsageError
 
@@ -105,18 +106,53 @@ def check_key_sequence(value: object, what: str) -> None:
         raise UsageError(f"{what} must be a sequence of unit keys (not a str or bytes), got {value!r}")
 
 
+#: Unit key types whose hash and ``==`` never raise: the radix tree compares them unprobed.
+_PLAIN_KEYS = frozenset({int, str, bytes})
+_PLAIN_OR_TUPLE = _PLAIN_KEYS | {tuple}
+_PROBE = object()
+
+
 def check_hashable(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = UsageError) -> None:
-    """Raise ``error`` naming the first unit of ``value`` that cannot be hashed (a radix
-    tree's children are found by hashing unit keys)."""
+    """Raise ``error`` naming the first unit of ``value`` that cannot be hashed, or whose
+    hash or ``==`` raises (a radix tree's children are found by hashing unit keys and
+    compared with ``==``): such a key is refused before anything changes. Keys of other
+    types than int, str, bytes and tuples of those are probed once each (``hash``, ``==`` with itself and
+    with a foreign object, and the truth of the result)."""
     try:
         hash(value if isinstance(value, tuple) else tuple(value))  # one C-level pass
-    except TypeError:
+    except Exception:  # noqa: BLE001 (a key's own __hash__ may raise anything)
         for u in value:
             try:
                 hash(u)
             except TypeError:
                 raise error(f"{what}: unit keys must be hashable, got {u!r}") from None
+            except Exception as exc:  # noqa: BLE001
+                raise error(f"{what}: a unit key's hash raised {type(exc).__name__}: {exc}") from exc
         raise
+    kinds = set(map(type, value))
+    if kinds <= _PLAIN_KEYS or (kinds <= _PLAIN_OR_TUPLE and _PLAIN_KEYS.issuperset(
+            map(type, chain.from_iterable(u for u in value if type(u) is tuple)))):
+        return  # plain keys, or tuples of plain keys (the common case: one C-level pass)
+    for u in value:
+        if type(u) not in _PLAIN_KEYS:
+            try:
+                _probe(u)
+            except Exception as exc:  # noqa: BLE001 (a key's own __eq__ or __bool__ may raise anything)
+                raise error(f"{what}: a unit key's == raised {type(exc).__name__}: {exc} "
+                            f"(unit keys must compare without raising), got a {type(u).__name__}") from exc
+
+
+def _probe(u: object) -> None:
+    """Compare ``u`` with itself and with a foreign object, and take the truth of each
+    result (a tuple's elements one by one: tuple comparison skips identical elements)."""
+    if type(u) is tuple:
+        for x in u:
+            if type(x) not in _PLAIN_KEYS:
+                _probe(x)
+        return
+    bool(u == u)
+    bool(u == _PROBE)
+    bool(_PROBE == u)
 
 
 def _bounds(minimum: int | None, maximum: int | None) -> str:
