@@ -210,3 +210,21 @@ def test_admit_undoes_its_record_when_the_tree_finds_a_raising_key(waiting: bool
         assert c.state("w") == "waiting" and c.unit_keys("w") == tuple("abcdefgh")
     else:
         assert "n" not in [v.request_id for v in c.requests()]
+
+
+class Unreadable(list):  # type: ignore[type-arg]
+    """A list of keys whose iteration raises."""
+
+    def __iter__(self) -> Any:
+        raise Boom("iter")
+
+
+@pytest.mark.parametrize("call", ["admit", "step_done"])
+def test_keys_that_cannot_be_read_are_refused(call: str) -> None:
+    c = warm("eq-raises")
+    keys = Unreadable("abcd")
+    if call == "admit":
+        refused(c, lambda: c.admit("n", keys, 9, 9), UsageError, "the unit keys could not be read: Boom: iter")
+    else:
+        refused(c, lambda: c.step_done("x", 3, new_units=keys), UsageError,
+                "step_done new_units: the unit keys could not be read: Boom: iter")
