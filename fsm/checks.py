@@ -11,10 +11,11 @@ import math
 import numbers
 import operator
 from collections.abc import Hashable, Sequence
+from itertools import chain
 
 from .errors import ConfigError, KvtierError, UsageError
 
-__all__ = ["as_int", "as_time", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "check_key_sequence", "check_hashable", "ConfigError", "UsageError"]
+__all__ = ["as_int", "as_time", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "check_key_sequence", "check_hashable", "check_comparable", "ConfigError", "UsageError"]
 
 
 def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | None = None,
@@ -91,10 +92,12 @@ def as_text(value: object, what: str, *, error: type[KvtierError] = UsageError) 
 
 
 def as_keys(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = UsageError) -> Sequence[Hashable]:
-    """``value`` if it is a list or tuple (not a str or bytes) of hashable unit keys."""
+    """``value`` if it is a list or tuple (not a str or bytes) of hashable unit keys whose
+    hash and ``==`` do not raise (:func:`check_hashable`, :func:`check_comparable`)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise error(f"{what} must be a list or tuple of unit keys, got {value!r}")
     check_hashable(value, what, error=error)
+    check_comparable(value, what, error=error)
     return value
 
 
@@ -105,18 +108,63 @@ def check_key_sequence(value: object, what: str) -> None:
         raise UsageError(f"{what} must be a sequence of unit keys (not a str or bytes), got {value!r}")
 
 
+#: Unit key types whose hash and ``==`` never raise: the radix tree compares them unprobed.
+_PLAIN_KEYS = frozenset({int, str, bytes})
+_TUPLE = {tuple}
+_PROBE = object()
+
+
 def check_hashable(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = UsageError) -> None:
-    """Raise ``error`` naming the first unit of ``value`` that cannot be hashed (a radix
-    tree's children are found by hashing unit keys)."""
+    """Raise ``error`` naming the first unit of ``value`` that cannot be hashed, or whose
+    hash raises (a radix tree's children are found by hashing unit keys)."""
     try:
         hash(value if isinstance(value, tuple) else tuple(value))  # one C-level pass
-    except TypeError:
-        for u in value:
+    except Exception as first:  # a key's own __hash__ (or the sequence's iteration) may raise anything
+        try:
+            keys = list(value)
+        except Exception as exc:
+            raise error(f"{what}: the unit keys could not be read: {type(exc).__name__}: {exc}") from exc
+        for u in keys:
             try:
                 hash(u)
             except TypeError:
                 raise error(f"{what}: unit keys must be hashable, got {u!r}") from None
-        raise
+            except Exception as exc:
+                raise error(f"{what}: a unit key's hash raised {type(exc).__name__}: {exc}") from exc
+        raise error(f"{what}: the unit keys could not be hashed: {type(first).__name__}: {first}") from first
+
+
+def check_comparable(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = UsageError) -> None:
+    """Raise ``error`` naming the first unit key of ``value`` whose ``==`` (or the truth of
+    its result) raises: the radix tree compares unit keys with ``==``, and such a key is
+    refused before anything changes. Keys of other types than int, str, bytes and tuples
+    of those are probed once each (``==`` with itself and with a foreign object, and the
+    truth of each result; a tuple's elements one by one)."""
+    kinds = set(map(type, value))
+    if kinds <= _PLAIN_KEYS:
+        return  # plain keys (the common case: one C-level pass)
+    if kinds == _TUPLE and _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(value))):
+        return  # tuples of plain keys
+    for u in value:
+        if type(u) not in _PLAIN_KEYS:
+            try:
+                _probe(u)
+            except Exception as exc:  # a key's own __eq__ or __bool__ may raise anything
+                raise error(f"{what}: a unit key's == raised {type(exc).__name__}: {exc} "
+                            f"(unit keys must compare without raising), got a {type(u).__name__}") from exc
+
+
+def _probe(u: object) -> None:
+    """Compare ``u`` with itself and with a foreign object, and take the truth of each
+    result (a tuple's elements one by one: tuple comparison skips identical elements)."""
+    if type(u) is tuple:
+        for x in u:
+            if type(x) not in _PLAIN_KEYS:
+                _probe(x)
+        return
+    bool(u == u)
+    bool(u == _PROBE)
+    bool(_PROBE == u)
 
 
 def _bounds(minimum: int | None, maximum: int | None) -> str:

@@ -152,6 +152,8 @@ def preset(name: str, **params: Any) -> CacheLayout:
     Raises:
         ConfigError: unknown preset (the message lists the presets) or bad parameters.
     """
+    if not isinstance(name, str):
+        raise ConfigError(f"model preset must be a name (str), one of {sorted(PRESETS)}, got {name!r}")
     try:
         factory = PRESETS[name]
     except KeyError:

@@ -37,9 +37,10 @@ changes nothing. Units: tokens; a *unit* is ``layout.alignment`` tokens.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from threading import Lock, get_ident
 from typing import Any
 
-from kvtier.fsm import Completion, ConfigError, Direction, UsageError
+from kvtier.fsm import Completion, ConfigError, Direction, KvtierError, UsageError
 from kvtier.fsm.request.admission import Admitter
 from kvtier.fsm.request.batch import Batcher, ForwardResult, ItemOutcome, Reservation, StepOutcome
 from kvtier.fsm.checks import as_bool, as_int, as_keys, as_text
@@ -55,13 +56,21 @@ from kvtier.fsm.request.table import DEFAULT_ENDED_HISTORY, CacheCore, RequestTa
 
 __all__ = ["TieredCache", "Admission", "RequestEvent", "PollResult", "RequestView", "Outstanding", "TERMINAL",
            "DEFAULT_OP_DEADLINE_STEPS", "DEFAULT_ENDED_HISTORY", "ForwardResult", "Reservation", "ItemOutcome",
-           "StepOutcome", "L3Options", "WritePolicy"]
+           "StepOutcome", "L3Options", "WritePolicy", "DEFAULT_MAX_REQUEST_TOKENS"]
 
 #: The default ``op_deadline_steps``: an operation not acknowledged on every rank within
 #: this many :meth:`TieredCache.advance_step` steps fails (its request recomputes or
 #: ends; a late completion is absorbed), so one lost completion cannot hold a request
 #: forever. 10,000 steps is minutes of decode steps, far beyond any real transfer.
 DEFAULT_OP_DEADLINE_STEPS = 10_000
+
+#: The default ``max_request_tokens``: the most tokens one request may hold (prompt plus
+#: the decode units given in advance), 2**24 (16,777,216: 16x the longest prompt a trace
+#: may hold, ``kvtier.replay.trace.MAX_INPUT_LENGTH``). :meth:`TieredCache.admit` checks
+#: ``prompt_tokens`` and the number of unit keys against it before reading the keys.
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 24
+
+_BINDING = Lock()  # taken only while a cache binds its driving thread
 
 
 class TieredCache:
@@ -87,6 +96,15 @@ class TieredCache:
         l3: :class:`kvtier.fsm.l3.L3Options` turns on the L3 tier ``cache.l3`` (docs/l3.md).
         ended_history: how many ended requests :meth:`state` and :meth:`request` still
             answer for after :meth:`poll` reported their end (oldest dropped first).
+        max_request_tokens: the most tokens one request may hold (default
+            :data:`DEFAULT_MAX_REQUEST_TOKENS`): a longer prompt, or more unit keys than
+            ``max_request_tokens // alignment``, is refused before the keys are read.
+
+    One thread drives a cache: the first call that changes it (admit, resume, reserve,
+    step_done, step, finish, retract, abort, abort_victim, complete, advance_step, poll)
+    binds it to the calling thread, and such a call from any other thread raises
+    ``UsageError`` and changes nothing (the read-only queries answer from any thread;
+    :meth:`bind_thread` hands the cache over to another thread).
 
     Capacities: at most :data:`kvtier.fsm.node.pages.MAX_POOL_PAGES` (2**53) pages per pool and
     group; memory grows with the pages in use, never with the capacity.
@@ -101,7 +119,9 @@ class TieredCache:
                  world_size: int = 1, max_writebacks_in_flight: int = 2,
                  op_deadline_steps: int | None = DEFAULT_OP_DEADLINE_STEPS, finish_writeback: bool | None = None,
                  history_replay: bool = False, ended_history: int = DEFAULT_ENDED_HISTORY, eviction: str = "lru",
-                 exclusive: bool = False, l3: L3Options | None = None) -> None:
+                 exclusive: bool = False, l3: L3Options | None = None,
+                 max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
+        self._owner: int | None = None  # the thread that drives it (bound at the first call)
         self.core = CacheCore(layout, device_pages, host_pages, policy=policy, write_threshold=write_threshold,
                               world_size=world_size, op_deadline_steps=op_deadline_steps, eviction=eviction,
                               exclusive=exclusive)
@@ -110,6 +130,7 @@ class TieredCache:
         if finish_writeback is not None:
             finish_writeback = as_bool(finish_writeback, "finish_writeback (or None)", error=ConfigError)
         self.history_replay = as_bool(history_replay, "history_replay", error=ConfigError)
+        self.max_request_tokens = as_int(max_request_tokens, "max_request_tokens", minimum=1, error=ConfigError)
         self.layout = layout
         self.finish_writeback = self.core.policy is WritePolicy.WRITE_THROUGH if finish_writeback is None else finish_writeback
         self._table = RequestTable(self.core, ended_history)
@@ -144,16 +165,41 @@ class TieredCache:
             UsageError: the id is admitted and not ``waiting``, bad lengths, or too few
                 (or unhashable) unit keys; nothing changes.
         """
+        if self._owner != get_ident():
+            self._bind()
         as_text(request_id, "request_id")
+        most = self.max_request_tokens
         prompt_tokens = as_int(prompt_tokens, "prompt_tokens", minimum=1)
+        if prompt_tokens > most:
+            raise UsageError(f"request {request_id!r}: prompt_tokens {prompt_tokens} above max_request_tokens {most}")
         chunk_tokens = as_int(chunk_tokens, "chunk_tokens", minimum=1)
+        if isinstance(units, Sequence) and not isinstance(units, (str, bytes)):
+            n = len(units)
+            if n > most // self.layout.alignment:
+                raise UsageError(f"request {request_id!r}: {n} unit keys, more than max_request_tokens {most} "
+                                 f"holds ({most // self.layout.alignment} units of {self.layout.alignment} tokens)")
         units = as_keys(units, f"request {request_id!r}: units")
-        return self._admitter.admit(request_id, units, prompt_tokens, chunk_tokens)
+        prev = self._table.find(request_id)
+        kept = (prev.units, prev.prompt_tokens) if prev is not None else None
+        try:
+            return self._admitter.admit(request_id, units, prompt_tokens, chunk_tokens)
+        except KvtierError:
+            raise
+        except Exception as exc:  # a key that passed the probe raised in the tree's match (it changes
+            # nothing before the key's last comparison): put the request's record back as it was
+            if prev is None:
+                self._table._records.pop(request_id, None)
+            elif kept is not None:
+                prev.units, prev.prompt_tokens = kept
+            raise UsageError(f"request {request_id!r}: a unit key raised {type(exc).__name__} in the radix "
+                             f"tree: {exc}") from exc
 
     def resume(self, request_id: str, chunk_tokens: int) -> Admission | None:
         """Re-admit a retracted request with ``state_recovery`` (its own terminal exactly,
         or recompute from scratch); all or nothing like :meth:`admit`. IllegalTransition:
         not retracted; UsageError: bad ``chunk_tokens``. Nothing changes."""
+        if self._owner != get_ident():
+            self._bind()
         r = self._table.get(request_id)
         self._table.check(r, "resume")
         return self._admitter.resume(r, as_int(chunk_tokens, f"request {request_id!r}: resume chunk_tokens",
@@ -167,6 +213,8 @@ class TieredCache:
         (group -> page ids, in order; empty when its pages cover them), or ``None`` if pages
         are short after eviction. UsageError: unknown request, a state other than
         ``running``/``loading``, or ``tokens`` < 1. Nothing changes on ``None`` or error."""
+        if self._owner != get_ident():
+            self._bind()
         return self._batch.reserve_one(request_id, tokens)
 
     def step_done(self, request_id: str, computed_tokens: int, *, new_units: Sequence[Hashable] = (),
@@ -179,6 +227,8 @@ class TieredCache:
         pages the tree adopted (state group -> page ids; the engine copies its state there).
         UsageError: unknown request, nothing owed, a bad argument, or more tokens than
         reserved; nothing changes."""
+        if self._owner != get_ident():
+            self._bind()
         return self._batch.result_one(request_id, computed_tokens, new_units, checkpoint)
 
     def step(self, results: Sequence[ForwardResult | tuple[Any, ...]] = (),
@@ -189,9 +239,13 @@ class TieredCache:
         Each item is all or nothing on its own: a refused one (``"refused"`` with its
         ``error``, or ``"short"`` of pages) changes nothing and leaves the others intact;
         with ``stop_on_short`` the reservations after the first short one are ``"skipped"``.
+        Every item's arguments are checked before it changes anything: a unit key whose
+        hash or ``==`` raises refuses its item (``UsageError``), never escapes half-applied.
         Returns a :class:`StepOutcome` (one :class:`ItemOutcome` per item, ``pages``: adopted
         checkpoint pages or new pages). UsageError: not lists of those records, or a request
         twice in one list (nothing changes)."""
+        if self._owner != get_ident():
+            self._bind()
         return self._batch.step(results, reserve, stop_on_short)
 
     def states(self, request_ids: Sequence[str]) -> list[str]:
@@ -209,6 +263,8 @@ class TieredCache:
             IllegalTransition: not running.
             GuardRejected: a forward result is owed (step_done first). Nothing changes.
         """
+        if self._owner != get_ident():
+            self._bind()
         return self._ender.finish(self._table.get(request_id))
 
     def retract(self, request_id: str) -> PageMap:
@@ -224,6 +280,8 @@ class TieredCache:
             GuardRejected: ``settled`` is false: a pass is out, whose KV writes would land in
                 pages given away (step_done first). Nothing changes.
         """
+        if self._owner != get_ident():
+            self._bind()
         return self._ender.retract(self._table.get(request_id))
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
@@ -232,6 +290,8 @@ class TieredCache:
         :meth:`poll` has not handed out yet is withdrawn and never handed out).
         UsageError: unknown request or empty ``reason``; IllegalTransition: already ended
         or aborting. Nothing changes."""
+        if self._owner != get_ident():
+            self._bind()
         r = self._table.get(request_id)
         for settled in self._ender.abort(r, as_text(reason, "abort: reason")):
             self._router.on_core_event(settled)  # its own writeback not yet handed out: withdrawn
@@ -240,6 +300,8 @@ class TieredCache:
         """Abort one deterministic victim among ``blocked`` (the largest token count, ties
         to the smallest id), only when no operation and no forward result is owed by any
         request. Returns its id or ``None``. UsageError: bad ``blocked`` or ``reason``."""
+        if self._owner != get_ident():
+            self._bind()
         if isinstance(blocked, str) or not isinstance(blocked, Sequence):
             raise UsageError(f"abort_victim: blocked must be a list of request ids, got {blocked!r}")
         victim = self._ender.abort_victim(blocked, as_text(reason, "abort_victim: reason"))
@@ -251,6 +313,8 @@ class TieredCache:
         """A transfer completion from any rank, per layer or final, in any order
         (UnknownOperation, DuplicateCompletion, ConfigError from the core; UsageError for an
         op whose command :meth:`poll` has not handed out yet: nothing changes)."""
+        if self._owner != get_ident():
+            self._bind()
         if isinstance(completion, Completion) and any(c.op_id == completion.op_id for c in self.core.pending_commands()):
             raise UsageError(f"completion for op {completion.op_id}: its command has not been handed out by poll() yet")
         for out in self.core.complete(completion):
@@ -258,6 +322,8 @@ class TieredCache:
 
     def advance_step(self, steps: int = 1) -> None:
         """Advance the scheduler's step counter (operation deadlines)."""
+        if self._owner != get_ident():
+            self._bind()
         for s in self.core.advance_step(steps):
             self._router.on_core_event(s)
 
@@ -279,11 +345,32 @@ class TieredCache:
         loadbacks, finish and retract writebacks and tree writebacks; submit every one.
         An ended request is forgotten once reported (its event is how the engine learns
         the end); :meth:`state` still answers for the last ``ended_history`` of them."""
+        if self._owner != get_ident():
+            self._bind()
         room = self.max_writebacks_in_flight - self.core.ops_in_flight(Direction.WRITEBACK)
         if room > 0:
             self.core.issue_writebacks(room)
         commands = tuple(self.core.poll_commands())
         return PollResult(commands, tuple(self._table.take_events()))
+
+    # ------------------------------------------------------------------ the driving thread
+    def bind_thread(self) -> None:
+        """Make the calling thread the one that drives the cache (an engine that moves its
+        scheduler loop to another thread calls this there first, once the old thread has
+        stopped calling)."""
+        self._owner = get_ident()
+
+    def _bind(self) -> None:
+        """The first call that changes the cache binds it to its thread; a call from
+        another thread raises UsageError before anything changes."""
+        with _BINDING:  # two threads' first calls at once: one of them binds
+            if self._owner is None:
+                self._owner = get_ident()
+            if self._owner == get_ident():
+                return
+        raise UsageError(f"TieredCache called from thread {get_ident()}, but thread {self._owner} drives it: "
+                         f"one thread drives a cache (bind_thread() hands it over; serialise calls from "
+                         f"several threads with one lock and bind_thread() under it)")
 
     # ------------------------------------------------------------------ read-only queries
     def request(self, request_id: str) -> RequestView:

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from .cache import RankCache
 from .digest import DecisionDigest
-from .launch import RankError, launch
+from .launch import RankError, RankFailed, launch
 from .rank import AgreedClock, RankExecutor, check_drained, drain_report, shard_layout
 from .replay import RankJob, fresh, reference_run, run_jobs, run_rank
 from .sync import RankDivergence, StepSync, SyncStats
 
 __all__ = ["RankCache", "DecisionDigest", "StepSync", "SyncStats", "RankDivergence", "RankExecutor", "AgreedClock",
-           "shard_layout", "drain_report", "check_drained", "launch", "RankError", "RankJob", "run_rank", "run_jobs",
+           "shard_layout", "drain_report", "check_drained", "launch", "RankError", "RankFailed", "RankJob", "run_rank", "run_jobs",
            "reference_run", "fresh"]

@@ -69,6 +69,10 @@ class ReferenceScheduler:
         self._retracted: deque[SchedRequest] = deque()
         self._live: dict[str, SchedRequest] = {}
         self._running: list[SchedRequest] = []
+        # a failed resume is tried again only once capacity may have come back: a request
+        # event or a completion since (``_changes``), or a smaller first chunk
+        self._changes = 0
+        self._resume_failed: tuple[str, int, int] | None = None  # (request, _changes, chunk)
 
     # -- helpers ---------------------------------------------------------------------
     def _command_bytes(self, cmd: TransferCommand) -> int:
@@ -95,6 +99,7 @@ class ReferenceScheduler:
                 self.stats.writeback_bytes += nbytes
                 self.stats.writeback_pages += cmd.pages
         self.executor.submit(out.commands)
+        self._changes += bool(out.events)
         for e in out.events:
             if e.state == "aborted":
                 self._on_abort(e.request_id, e.reason or "aborted")
@@ -125,6 +130,7 @@ class ReferenceScheduler:
     def _deliver(self) -> None:
         for c in self.executor.collect():
             self.cache.complete(c)
+            self._changes += 1
 
     def _decode_unit_key(self, r: SchedRequest, index: int) -> Hashable:
         return (r.request_id, "u", index)
@@ -179,6 +185,7 @@ class ReferenceScheduler:
         self._pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
         self._waiting = deque()
         self._retracted = deque()
+        self._resume_failed = None
         self._live = {}
         self._running = []
         ended_before = 0
@@ -333,9 +340,16 @@ class ReferenceScheduler:
                 r = queue[0]
                 if resume and cache.state(r.request_id) != "retracted":
                     break  # its retract writeback is still in flight
+                failed = self._resume_failed
+                if (resume and failed is not None and failed[:2] == (r.request_id, self._changes)
+                        and plan.budget >= failed[2]):
+                    plan.blocked.append(r.request_id)  # nothing freed since it failed: it fails again
+                    break
                 adm = (cache.resume(r.request_id, plan.budget) if resume else
                        cache.admit(r.request_id, r.units, r.prompt_tokens, plan.budget))
                 if adm is None:
+                    if resume:
+                        self._resume_failed = (r.request_id, self._changes, plan.budget)
                     plan.blocked.append(r.request_id)
                     break
                 queue.popleft()
