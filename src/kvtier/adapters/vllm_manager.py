@@ -164,8 +164,10 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         Raises:
             UsageError: ``key`` is not an OffloadKey, or ``req_context`` not a ReqContext.
         """
-        ctx = check_ctx(req_context, "lookup")
-        n = self.tier.resolve(check_key(key, "lookup"))
+        ctx = req_context if type(req_context) is ReqContext else check_ctx(req_context, "lookup")
+        if type(key) is not bytes or len(key) < 4:
+            key = check_key(key, "lookup")
+        n = self.tier.resolve(key)
         if n is None:
             out = LookupResult.MISS
         elif n.state in HOST_VISIBLE:
@@ -176,7 +178,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             out = LookupResult.MISS
         st = self._reqs.get(ctx.req_id)
         if st is not None and out is not LookupResult.MISS:  # (a request vLLM announced)
-            self.order.coord(bytes(key), ctx, st)
+            self.order.coord(key, ctx, st)
         return out
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
@@ -290,21 +292,23 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         reused: dict[int, Node] = {}
         skipped = 0
         prev: Node | None = None
+        resolve, coord, visible = tier.resolve, order.coord, HOST_VISIBLE
         for i, key in enumerate(keys):
-            n = tier.resolve(key)
+            n = resolve(key)
             if n is not None:
-                if n.state in HOST_VISIBLE:
-                    reused[n.node_id] = n
-                    if prev is not None and n is not prev and n.parent is not prev:
-                        order.coord(keys[i - 1], ctx, st)  # a tree boundary inside the prefix: the
-                        order.coord(key, ctx, st)  # request's order across it (stamp_heads)
+                if n.state in visible:
+                    if n is not prev:
+                        reused[n.node_id] = n
+                        if prev is not None and n.parent is not prev:
+                            coord(keys[i - 1], ctx, st)  # a tree boundary inside the prefix: the
+                            coord(key, ctx, st)  # request's order across it (stamp_heads)
                 prev = n
                 continue  # (being stored by another call: it becomes visible on its ack)
             prev = None
             if eligible is not None and key not in eligible:
                 skipped += 1
                 continue
-            c = order.coord(key, ctx, st)
+            c = coord(key, ctx, st)
             if c is None:
                 flat.append(key)
             else:
@@ -367,9 +371,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             tier.stamp_heads(order, n, st)
         keys_to_store = [k for k in keys if k in slot]
         tier.sweep()
-        return PrepareStoreOutput(keys_to_store=[OffloadKey(k) for k in keys_to_store],
+        return PrepareStoreOutput(keys_to_store=keys_to_store,  # (OffloadKey is bytes: a NewType)
                                   store_spec=CPULoadStoreSpec([slot[k] for k in keys_to_store]),
-                                  evicted_keys=[OffloadKey(k) for k in evicted])
+                                  evicted_keys=evicted)
 
     def _parent_coord(self, first: tuple[tuple[int, int], bytes, int], keys: list[bytes], ctx: ReqContext,
                       st: RequestRecord) -> tuple[int, int] | None:
