@@ -43,6 +43,8 @@ from .vllm_stats import CONFIG_INFO_KEYS, manager_stats
 
 __all__ = ["KvtierOffloadingManager"]
 
+_HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-ignore]
     """vLLM ``OffloadingManager`` whose host tier is kvtier's radix core.
 
@@ -168,16 +170,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         if type(key) is not bytes or len(key) < 4:
             key = check_key(key, "lookup")
         n = self.tier.resolve(key)
-        if n is None:
-            out = LookupResult.MISS
-        elif n.state in HOST_VISIBLE:
-            out = LookupResult.HIT
-        elif n.state == "writing":
-            out = LookupResult.HIT_PENDING
-        else:
-            out = LookupResult.MISS
-        st = self._reqs.get(ctx.req_id)
-        if st is not None and out is not LookupResult.MISS:  # (a request vLLM announced)
+        out = _MISS if n is None else _HIT if n.state in HOST_VISIBLE else _HIT_PENDING if n.state == "writing" else _MISS
+        if out is not _MISS and (st := self._reqs.get(ctx.req_id)) is not None:  # (a request vLLM announced)
             self.order.coord(key, ctx, st)
         return out
 
@@ -292,10 +286,15 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         reused: dict[int, Node] = {}
         skipped = 0
         prev: Node | None = None
-        resolve, coord, visible = tier.resolve, order.coord, HOST_VISIBLE
+        at = -1  # the previous key's place in prev.key
+        resolve, coord, visible, index = tier.resolve, order.coord, HOST_VISIBLE, tier.index
         for i, key in enumerate(keys):
+            if prev is not None and at + 1 < len(prev.key) and prev.key[at + 1] == key:
+                at += 1  # the previous key's node goes on: nothing new (offers follow the prefix)
+                continue
             n = resolve(key)
             if n is not None:
+                at = len(n.key) - 1 - index[key][1]
                 if n.state in visible:
                     if n is not prev:
                         reused[n.node_id] = n
@@ -434,7 +433,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if not s.keys <= want:
                 raise UsageError(f"complete_store: the keys cover {len(s.keys & want)} of the {len(s.keys)} chunks "
                                  f"of one store of request {s.req_id!r}; complete a prepare_store's chunks together")
-        done: list[bytes] = []
         for s in stores.values():
             for k in s.keys:
                 del self._pending[k]
@@ -442,10 +440,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if owner is not None:
                 owner.stores.remove(s)
             self.tier.settle(s.op_ids, s.keys, success)
-            done.extend(k for k in keys_ if k in s.keys)
             if owner is not None:
                 self._maybe_drop(owner)
-        self._event(done, removed=not success, metadata_only=not success)
+        if self.events is not None:  # (per store settled, its keys in the caller's order)
+            self._event([k for s in stores.values() for k in keys_ if k in s.keys], removed=not success,
+                        metadata_only=not success)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         st = self._reqs.get(check_ctx(req_context, "on_request_finished").req_id)
