@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
     LoadStoreSpec,
@@ -167,12 +167,12 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             UsageError: ``key`` is not an OffloadKey, or ``req_context`` not a ReqContext.
         """
         ctx = req_context if type(req_context) is ReqContext else check_ctx(req_context, "lookup")
-        if type(key) is not bytes or len(key) < 4:
-            key = check_key(key, "lookup")
-        n = self.tier.resolve(key)
-        out = _MISS if n is None else _HIT if n.state in HOST_VISIBLE else _HIT_PENDING if n.state == "writing" else _MISS
-        if out is not _MISS and (st := self._reqs.get(ctx.req_id)) is not None:  # (a request vLLM announced)
-            self.order.coord(key, ctx, st)
+        k: bytes = key if type(key) is bytes and len(key) >= 4 else check_key(key, "lookup")
+        n = self.tier.resolve(k)
+        state = n.state if n is not None else None
+        out = _HIT if state in HOST_VISIBLE else _HIT_PENDING if state == "writing" else _MISS
+        if out is not _MISS and (st := self._reqs.get(ctx.req_id)) is not None:  # (vLLM announced it)
+            self.order.coord(k, ctx, st)
         return out
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
@@ -370,9 +370,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             tier.stamp_heads(order, n, st)
         keys_to_store = [k for k in keys if k in slot]
         tier.sweep()
-        return PrepareStoreOutput(keys_to_store=keys_to_store,  # (OffloadKey is bytes: a NewType)
+        return PrepareStoreOutput(keys_to_store=cast("list[OffloadKey]", keys_to_store),  # (a NewType of bytes)
                                   store_spec=CPULoadStoreSpec([slot[k] for k in keys_to_store]),
-                                  evicted_keys=evicted)
+                                  evicted_keys=cast("list[OffloadKey]", evicted))
 
     def _parent_coord(self, first: tuple[tuple[int, int], bytes, int], keys: list[bytes], ctx: ReqContext,
                       st: RequestRecord) -> tuple[int, int] | None:

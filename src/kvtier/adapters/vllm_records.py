@@ -123,7 +123,7 @@ class ChainOrder:
         if gt is None:
             return None
         g, t = gt
-        pos = ctx.get_offload_key_position(key)  # (OffloadKey is bytes: a NewType)
+        pos = ctx.get_offload_key_position(key)  # type: ignore[arg-type, unused-ignore]  # (a NewType of bytes)
         if pos is None or pos <= 0 or pos % t:
             return None
         c = st.coord[key] = (int(pos), g)
