@@ -65,9 +65,7 @@ class _Victims:
         self.name = inner.name
         self.considered: list[Node] = []
         self.only: list[Node] | None = None
-
-    def touch(self, node: Node) -> None:
-        self.inner.touch(node)
+        self.touch = inner.touch  # (the core's, unwrapped: called on every node event)
 
     def device_candidates(self) -> Iterator[Node]:
         return iter(self.only) if self.only is not None else self.inner.device_candidates()
@@ -145,12 +143,13 @@ class ChunkTier:
             node = node.parent
         return node
 
-    @staticmethod
-    def host_slot(node: Node, key: bytes) -> int:
-        """The host page (vLLM's chunk slot) of ``key`` in ``node``: its acknowledged
-        copy, or its reservation while it is written."""
+    def host_slot(self, node: Node, key: bytes) -> int:
+        """The host page (vLLM's chunk slot) of ``key`` in ``node`` (as :meth:`resolve`
+        returned it): its acknowledged copy, or its reservation while it is written."""
         pages = node.host.get(GROUP) or node.pending[GROUP]
-        return int(pages[node.key.index(key)])
+        got = self.index.get(key)
+        i = len(node.key) - 1 - got[1] if got is not None and got[0] is node else node.key.index(key)
+        return int(pages[i])
 
     def used(self) -> int:
         """Host chunks holding acknowledged or reserved copies."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from vllm.v1.kv_offload.base import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
     LoadStoreSpec,
@@ -42,6 +42,8 @@ from .vllm_records import (ChainOrder, LoadRecord, OfferCounter, RequestRecord, 
 from .vllm_stats import CONFIG_INFO_KEYS, manager_stats
 
 __all__ = ["KvtierOffloadingManager"]
+
+_HIT, _HIT_PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
 
 class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-ignore]
     """vLLM ``OffloadingManager`` whose host tier is kvtier's radix core.
@@ -164,19 +166,13 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         Raises:
             UsageError: ``key`` is not an OffloadKey, or ``req_context`` not a ReqContext.
         """
-        ctx = check_ctx(req_context, "lookup")
-        n = self.tier.resolve(check_key(key, "lookup"))
-        if n is None:
-            out = LookupResult.MISS
-        elif n.state in HOST_VISIBLE:
-            out = LookupResult.HIT
-        elif n.state == "writing":
-            out = LookupResult.HIT_PENDING
-        else:
-            out = LookupResult.MISS
-        st = self._reqs.get(ctx.req_id)
-        if st is not None and out is not LookupResult.MISS:  # (a request vLLM announced)
-            self.order.coord(bytes(key), ctx, st)
+        ctx = req_context if type(req_context) is ReqContext else check_ctx(req_context, "lookup")
+        k: bytes = key if type(key) is bytes and len(key) >= 4 else check_key(key, "lookup")
+        n = self.tier.resolve(k)
+        state = n.state if n is not None else None
+        out = _HIT if state in HOST_VISIBLE else _HIT_PENDING if state == "writing" else _MISS
+        if out is not _MISS and (st := self._reqs.get(ctx.req_id)) is not None:  # (vLLM announced it)
+            self.order.coord(k, ctx, st)
         return out
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
@@ -290,21 +286,28 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         reused: dict[int, Node] = {}
         skipped = 0
         prev: Node | None = None
+        at = -1  # the previous key's place in prev.key
+        resolve, coord, visible, index = tier.resolve, order.coord, HOST_VISIBLE, tier.index
         for i, key in enumerate(keys):
-            n = tier.resolve(key)
+            if prev is not None and at + 1 < len(prev.key) and prev.key[at + 1] == key:
+                at += 1  # the previous key's node goes on: nothing new (offers follow the prefix)
+                continue
+            n = resolve(key)
             if n is not None:
-                if n.state in HOST_VISIBLE:
-                    reused[n.node_id] = n
-                    if prev is not None and n is not prev and n.parent is not prev:
-                        order.coord(keys[i - 1], ctx, st)  # a tree boundary inside the prefix: the
-                        order.coord(key, ctx, st)  # request's order across it (stamp_heads)
+                at = len(n.key) - 1 - index[key][1]
+                if n.state in visible:
+                    if n is not prev:
+                        reused[n.node_id] = n
+                        if prev is not None and n.parent is not prev:
+                            coord(keys[i - 1], ctx, st)  # a tree boundary inside the prefix: the
+                            coord(key, ctx, st)  # request's order across it (stamp_heads)
                 prev = n
                 continue  # (being stored by another call: it becomes visible on its ack)
             prev = None
             if eligible is not None and key not in eligible:
                 skipped += 1
                 continue
-            c = order.coord(key, ctx, st)
+            c = coord(key, ctx, st)
             if c is None:
                 flat.append(key)
             else:
@@ -367,9 +370,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             tier.stamp_heads(order, n, st)
         keys_to_store = [k for k in keys if k in slot]
         tier.sweep()
-        return PrepareStoreOutput(keys_to_store=[OffloadKey(k) for k in keys_to_store],
+        return PrepareStoreOutput(keys_to_store=cast("list[OffloadKey]", keys_to_store),  # (a NewType of bytes)
                                   store_spec=CPULoadStoreSpec([slot[k] for k in keys_to_store]),
-                                  evicted_keys=[OffloadKey(k) for k in evicted])
+                                  evicted_keys=cast("list[OffloadKey]", evicted))
 
     def _parent_coord(self, first: tuple[tuple[int, int], bytes, int], keys: list[bytes], ctx: ReqContext,
                       st: RequestRecord) -> tuple[int, int] | None:
@@ -430,7 +433,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if not s.keys <= want:
                 raise UsageError(f"complete_store: the keys cover {len(s.keys & want)} of the {len(s.keys)} chunks "
                                  f"of one store of request {s.req_id!r}; complete a prepare_store's chunks together")
-        done: list[bytes] = []
         for s in stores.values():
             for k in s.keys:
                 del self._pending[k]
@@ -438,10 +440,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if owner is not None:
                 owner.stores.remove(s)
             self.tier.settle(s.op_ids, s.keys, success)
-            done.extend(k for k in keys_ if k in s.keys)
             if owner is not None:
                 self._maybe_drop(owner)
-        self._event(done, removed=not success, metadata_only=not success)
+        if self.events is not None:  # (per store settled, its keys in the caller's order)
+            self._event([k for s in stores.values() for k in keys_ if k in s.keys], removed=not success,
+                        metadata_only=not success)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         st = self._reqs.get(check_ctx(req_context, "on_request_finished").req_id)

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from vllm.v1.kv_offload.base import ReqContext  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from kvtier.fsm import KvtierError, UsageError
 from kvtier.fsm.node import LockReceipt, NodeReceipt
@@ -78,8 +78,8 @@ def check_keys(keys: object, what: str, *, unique: bool) -> list[bytes]:
         raise UsageError(f"{what}: keys must be a collection of vLLM OffloadKeys, got {type(keys).__name__} "
                          f"{keys!r:.60}")
     out = list(keys)
-    for k in out:
-        if type(k) is not bytes or len(k) < 4:
+    if out and (set(map(type, out)) != {bytes} or min(map(len, out)) < 4):  # (C loops; the slow path names the key)
+        for k in out:
             check_key(k, what)  # (a bytes subclass passes; anything else raises)
     if unique and len(set(out)) != len(out):
         seen: set[bytes] = set()
@@ -109,6 +109,8 @@ class ChainOrder:
     def __init__(self, tokens_per_chunk: Mapping[int, int]) -> None:
         self.groups = sorted(tokens_per_chunk.items())
         self.tokens = dict(self.groups)
+        #: a key's last 4 bytes (its group index, big-endian) -> (group, tokens per chunk)
+        self._by_suffix = {g.to_bytes(4, "big"): (g, t) for g, t in self.groups if 0 <= g < 1 << 32}
         self._single = self.groups[0] if len(self.groups) == 1 else None
 
     def coord(self, key: bytes, ctx: ReqContext, st: RequestRecord) -> Coord | None:
@@ -117,11 +119,11 @@ class ChainOrder:
         c = st.coord.get(key)
         if c is not None:
             return c
-        g = int.from_bytes(key[-4:], "big")
-        t = self.tokens.get(g)
-        if t is None:
+        gt = self._by_suffix.get(key[-4:])
+        if gt is None:
             return None
-        pos = ctx.get_offload_key_position(OffloadKey(key))
+        g, t = gt
+        pos = ctx.get_offload_key_position(key)  # type: ignore[arg-type, unused-ignore]  # (a NewType of bytes)
         if pos is None or pos <= 0 or pos % t:
             return None
         c = st.coord[key] = (int(pos), g)
