@@ -148,6 +148,12 @@ class Outstanding:
             pages), summed over groups.
         queued_writebacks: tree nodes waiting for a tree writeback (cache work, not a
             leak: not part of :attr:`quiescent`).
+        reserved_pages: host pages reserved by L3 gets in flight (``fetching`` nodes),
+            summed over groups.
+        store_operations: op ids of the L3 tier's store operations in flight (exists,
+            get, put, remove; the facade's ``l3``), sorted.
+        store_commands: op ids of those ``l3.poll_commands`` has not handed out yet.
+        prefetches: requests with an L3 prefetch in flight, sorted.
     """
 
     requests: tuple[str, ...]
@@ -160,13 +166,19 @@ class Outstanding:
     borrows: int
     caller_pages: int
     queued_writebacks: int = 0
+    reserved_pages: int = 0
+    store_operations: tuple[int, ...] = ()
+    store_commands: tuple[int, ...] = ()
+    prefetches: tuple[str, ...] = ()
 
     @property
     def quiescent(self) -> bool:
         """Nothing held or owed: no request tracked, no forward result, operation, command
-        or event outstanding, no receipt and no device page held outside the tree."""
+        or event outstanding, no receipt, no device page held outside the tree, no host
+        page reserved and nothing in flight or unpolled on the L3 tier."""
         return not (self.requests or self.owed_forward or self.operations or self.commands or self.events
-                    or self.locks or self.pins or self.borrows or self.caller_pages)
+                    or self.locks or self.pins or self.borrows or self.caller_pages or self.reserved_pages
+                    or self.store_operations or self.store_commands or self.prefetches)
 
 
 class Request:
