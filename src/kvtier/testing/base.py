@@ -64,7 +64,10 @@ def recorded(fn: F) -> F:
     def wrapper(self: KitMachine, **kwargs: Any) -> Any:
         self.kit_trace.append(Step.of(name, kwargs))
         STATS.steps += 1
-        return fn(self, **kwargs)
+        self.kit_ok = False  # until the step returns: a failed example is not drained
+        out = fn(self, **kwargs)
+        self.kit_ok = True
+        return out
 
     return wrapper  # type: ignore[return-value]
 
@@ -151,6 +154,8 @@ class KitMachine(RuleBasedStateMachine):
         self.kit_rate = self.fault_rate
         self.kit_trace: list[Step] = []
         self.kit_replaying = False
+        self.kit_ok = True  # no step or check of this example failed (yet)
+        self.kit_drained = False
         STATS.examples += 1
         _CURRENT[:] = [self]
 
@@ -183,8 +188,30 @@ class KitMachine(RuleBasedStateMachine):
     def kit_check(self) -> None:
         """Run every invariant check of this machine."""
         STATS.checks += 1
+        self.kit_ok = False
         for name in self.kit_invariants:
             getattr(self, name)()
+        self.kit_ok = True
+
+    # -- the end of an example ---------------------------------------------------------
+    def kit_drain(self) -> None:
+        """Drain this machine to quiescence and check that nothing leaked
+        (:mod:`kvtier.testing.drain`): every machine that drives the product overrides it
+        (complete or fail every transfer, end every request, release its own receipts, then
+        require every tier empty and the whole tree evictable to full pools)."""
+
+    def kit_end(self) -> None:
+        """Drain once at the end of the example (:meth:`kit_drain`, then every invariant),
+        unless a step or check of the example failed (its failure is the one reported)."""
+        if self.kit_ok and not self.kit_drained:
+            self.kit_drained = True
+            self.kit_ok = False
+            self.kit_drain()
+            self.kit_check()
+
+    def teardown(self) -> None:
+        """Hypothesis ends every example here: :meth:`kit_end`."""
+        self.kit_end()
 
     @invariant()
     def kit_all_invariants(self) -> None:

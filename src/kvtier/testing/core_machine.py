@@ -19,6 +19,7 @@ from ..eventlog import attach_active
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, kit_layout, layout_named, probe_layers, recorded
 from .content import node_prefix
+from .drain import check_core_drained, evict_to_full_pools
 from .core_steps import CoreSteps
 from .logged import LogCheck
 from .models import ModelViolation, liveness_bound
@@ -371,9 +372,35 @@ class CoreMachine(CoreSteps):
             raise ModelViolation("model_liveness", "the core",
                                  f"after {bound} rounds: queued {sorted(left)}, in flight {sorted(views.ops(c))}")
 
+    def kit_drain(self) -> None:
+        """Every transfer completes (queued writebacks issued), then every lock, pin and
+        borrow the rules took is released: nothing may be left on the core, and the whole
+        tree must evict to full pools (:mod:`kvtier.testing.drain`)."""
+        if not hasattr(self, "cache"):
+            return
+        c = self.cache
+
+        def settle() -> None:
+            for _ in range(liveness_bound(len(views.nodes(c))) + 2):
+                c.issue_writebacks()
+                self._take_commands()
+                if not self.events:
+                    return
+                self._drain()
+
+        settle()
+        while self.locks:
+            self._unlock(self.locks.pop())
+        while self.receipts:
+            c.release(self.receipts.pop())
+        check_core_drained(c, "the core")
+        evict_to_full_pools(c, settle, "the core")
+
     def teardown(self) -> None:
-        """The example's event log, when it recorded one, must pass ``kvtier check``."""
+        """The drain (:meth:`kit_drain`); then the example's event log, when it recorded
+        one, must pass ``kvtier check``."""
         log, self.log = self.log, None
+        super().teardown()
         if log is not None:
             log.finish()
 
