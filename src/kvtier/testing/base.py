@@ -13,6 +13,7 @@ from 1 and 2).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -47,9 +48,19 @@ class RunStats:
     steps: int = 0
     checks: int = 0
     examples: int = 0
+    #: steps run (since the last reset) and ``time.perf_counter()`` when a step, check or
+    #: drain first raised, before any shrinking (``None``: nothing failed yet)
+    failed_at_step: int | None = None
+    failed_at: float | None = None
 
     def reset(self) -> None:
         self.steps = self.checks = self.examples = 0
+        self.failed_at_step = self.failed_at = None
+
+    def note_failure(self) -> None:
+        """Remember the first failure's step and time (later ones are the shrinker's)."""
+        if self.failed_at_step is None:
+            self.failed_at_step, self.failed_at = self.steps, time.perf_counter()
 
 
 STATS = RunStats()
@@ -65,7 +76,11 @@ def recorded(fn: F) -> F:
         self.kit_trace.append(Step.of(name, kwargs))
         STATS.steps += 1
         self.kit_ok = False  # until the step returns: a failed example is not drained
-        out = fn(self, **kwargs)
+        try:
+            out = fn(self, **kwargs)
+        except Exception:
+            STATS.note_failure()
+            raise
         self.kit_ok = True
         return out
 
@@ -189,8 +204,12 @@ class KitMachine(RuleBasedStateMachine):
         """Run every invariant check of this machine."""
         STATS.checks += 1
         self.kit_ok = False
-        for name in self.kit_invariants:
-            getattr(self, name)()
+        try:
+            for name in self.kit_invariants:
+                getattr(self, name)()
+        except Exception:
+            STATS.note_failure()
+            raise
         self.kit_ok = True
 
     # -- the end of an example ---------------------------------------------------------
@@ -206,7 +225,11 @@ class KitMachine(RuleBasedStateMachine):
         if self.kit_ok and not self.kit_drained:
             self.kit_drained = True
             self.kit_ok = False
-            self.kit_drain()
+            try:
+                self.kit_drain()
+            except Exception:
+                STATS.note_failure()
+                raise
             self.kit_check()
 
     def teardown(self) -> None:
@@ -216,6 +239,15 @@ class KitMachine(RuleBasedStateMachine):
     @invariant()
     def kit_all_invariants(self) -> None:
         self.kit_check()
+
+    def check_invariants(self, *args: Any, **kwargs: Any) -> None:
+        """Hypothesis's check of every ``@invariant()`` (an engine's own included): a
+        failure is noted as the campaign's first (:meth:`RunStats.note_failure`)."""
+        try:
+            super().check_invariants(*args, **kwargs)  # type: ignore[misc]
+        except Exception:
+            STATS.note_failure()
+            raise
 
     # -- sequences -----------------------------------------------------------------
     def kit_sequence(self, name: str = "sequence", description: str = "") -> EventSequence:
