@@ -166,3 +166,23 @@ def test_a_failed_example_is_not_drained_again() -> None:
     _leak_pin(m.cache)
     m.kit_end()
     assert not m.kit_drained
+
+
+def test_the_reference_machine_fails_on_the_first_difference_with_the_model(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from kvtier.testing import reference
+    from kvtier.testing.fuzz import campaign
+
+    clean = campaign(steps=300, seed_value=1, mix={"reference": 1.0}, progress=False)
+    assert clean.ok and clean.product_sources == {"reference"}
+    admit = reference.ReferenceCache.admit
+
+    def off_by_one(self: Any, *args: Any) -> Any:  # a model that counts one device token more
+        hit = admit(self, *args)
+        return hit if hit is None or not hit.hit_tokens else reference.Hit(hit.device_tokens + 1, hit.host_tokens)
+
+    monkeypatch.setattr(reference.ReferenceCache, "admit", off_by_one)
+    res = campaign(steps=3000, seed_value=1, mix={"reference": 1.0}, progress=False, save=tmp_path / "f.json")
+    assert res.failure_result is not None and res.failure_result.invariant == "model_reference"
+    assert "differs in admit" in res.failure_result.message + (res.failure_result.detail or "")
+    assert res.first_failure_step is not None and res.first_failure_step <= res.steps

@@ -146,7 +146,7 @@ def test_cli_fuzz_names_the_default_mix_and_refuses_bad_input_before_running(
         main(["fuzz", "--help"])
     assert done.value.code == 0
     fuzz_help = " ".join(capsys.readouterr().out.split())
-    assert "(core, facade, engine, node, request, l3, l3tier, misuse)" in fuzz_help
+    assert "(core, facade, engine, node, request, l3, l3tier, misuse, reference)" in fuzz_help
     # an unknown or unimportable machine: one line on stderr, status 2, and nothing printed before it
     assert main(["fuzz", "--machine", "core", "--machine", "nope", "--steps", "10"]) == 2
     out, err = capsys.readouterr()

@@ -32,8 +32,8 @@ from .sequence import EventSequence, ReplayResult, SequenceError, classify, mach
 __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
 #: machine name -> share of the step budget
-DEFAULT_MIX: dict[str, float] = {"core": 0.33, "facade": 0.33, "engine": 0.1, "node": 0.1, "request": 0.09, "l3": 0.05,
-                                 "l3tier": 0.05, "misuse": 0.05}
+DEFAULT_MIX: dict[str, float] = {"core": 0.31, "facade": 0.31, "engine": 0.1, "node": 0.1, "request": 0.09, "l3": 0.05,
+                                 "l3tier": 0.05, "misuse": 0.05, "reference": 0.04}
 LIFECYCLE_DRIVERS = ("core", "facade", "engine")
 #: The machines that fire events at the spec's lifecycles directly (not the product).
 RAW_MACHINES = ("node", "request", "l3")
