@@ -352,6 +352,26 @@ class CoreMachine(CoreSteps):
         self._pressure(0, 4, "device")
         self._pressure(0, 4, "host")
 
+    @precondition(lambda self: any(n.state == "host" for n in views.nodes(self.cache).values()))
+    @rule(i=st.integers(0, 100), times=st.integers(1, 3))
+    @recorded
+    def reload_and_demote(self, i: int, times: int = 1) -> None:
+        """A host-only node is loaded back, its loadback completes and is released, then
+        device pressure demotes it again (under the exclusive host tier its host copy moved
+        to the device and must move back), ``times`` over; every eviction is checked
+        against the policy's order."""
+        nodes = [n for _, n in sorted(views.nodes(self.cache).items()) if n.state == "host"]
+        key = tuple(node_prefix(nodes[i % len(nodes)]))
+        for _ in range(times):
+            locks, receipts = len(self.locks), len(self.receipts)
+            self._load_key(key)
+            self._drain()
+            while len(self.locks) > locks:
+                self._unlock(self.locks.pop())
+            while len(self.receipts) > receipts:
+                self.cache.release(self.receipts.pop())
+            self._pressure(0, sum(a.capacity for a in self.cache.device.values()), "device")
+
     @rule()
     @recorded
     def quiesce(self) -> None:
