@@ -79,7 +79,8 @@ def test_campaign_runs_reproducibly_and_reports() -> None:
     runs = [campaign(steps=1500, seed_value=3, progress=False) for _ in range(2)]
     a, b = runs
     assert a.ok and a.steps >= 1500 and a.checks > 0 and set(a.steps_by_machine) == {"core", "facade", "engine", "node",
-                                                                                     "request", "l3", "l3tier", "misuse"}
+                                                                                     "request", "l3", "l3tier", "misuse",
+                                                                                     "reference"}
     assert a.steps_by_machine == b.steps_by_machine  # same seed, same campaign
     text = a.report()
     assert "steps run:" in text and "invariants checked:" in text and "coverage (from the spec)" in text
