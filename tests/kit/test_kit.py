@@ -85,7 +85,7 @@ def test_campaign_runs_reproducibly_and_reports() -> None:
     text = a.report()
     assert "steps run:" in text and "invariants checked:" in text and "coverage (from the spec)" in text
     assert "result: no violation" in text
-    assert "driven by the product (core, engine, facade, l3tier):" in text and "raw machines only" in text
+    assert "driven by the product (core, engine, facade, l3tier, reference):" in text and "raw machines only" in text
 
 
 def test_verify_small_bound_and_clone_independence() -> None:
