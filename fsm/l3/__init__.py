@@ -6,8 +6,8 @@ Everything :mod:`~kvtier.fsm.l3.tier` exports is importable from here, as it was
 ``kvtier.fsm.l3`` before the core was grouped by the spec's chapters.
 """
 
-from .tier import (WRITE_POLICIES, L3Object, L3Options, L3Stats, L3Tier, StoreCommand, StoreOp, StoreResult,
-                   chain_keys, namespace)
+from .tier import (WRITE_POLICIES, L3Object, L3Options, L3Outstanding, L3Stats, L3Tier, StoreCommand, StoreOp,
+                   StoreResult, chain_keys, namespace)
 
-__all__ = ["StoreOp", "StoreCommand", "StoreResult", "L3Options", "L3Stats", "L3Object", "L3Tier",
+__all__ = ["StoreOp", "StoreCommand", "StoreResult", "L3Options", "L3Stats", "L3Object", "L3Outstanding", "L3Tier",
            "WRITE_POLICIES", "namespace", "chain_keys"]

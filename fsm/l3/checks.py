@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ..errors import InvariantViolation
-from .options import L3Object
+from .options import L3Object, L3Outstanding, Prefetch
 from ..lifecycle.names import HOST_VISIBLE, L3_STATE as LS
-from ..records import StoreOp
+from ..records import StoreCommand, StoreOp
 
 if TYPE_CHECKING:
     from .tier import L3Tier
 
-__all__ = ["check_l3"]
+__all__ = ["check_l3", "l3_outstanding"]
 
 
 def check_l3(tier: L3Tier) -> None:
@@ -48,3 +49,14 @@ def check_l3(tier: L3Tier) -> None:
     for op_id, _ in tier.core.fetches.items():
         if op_id not in in_get:
             raise fail("l3_get_invisible", None, f"fetching nodes of get {op_id}, which is not in flight")
+
+
+def l3_outstanding(tier: L3Tier, outbox: Iterable[StoreCommand], prefetches: Mapping[str, Prefetch]) -> L3Outstanding:
+    """Count what ``tier`` holds or owes, in O(operations + objects)."""
+    ops = tier.operations
+    reserved = sum(len(p) for _, nodes in tier.core.fetches.items()
+                   for n in nodes for p in n.pending.values())
+    pins = sum(1 for op in ops.values() if op.receipt is not None and not op.receipt.released)
+    return L3Outstanding(tuple(sorted(ops)), tuple(sorted(c.op_id for c in outbox)),
+                         tuple(sorted(o for o, p in prefetches.items() if not p.done)), reserved, pins,
+                         sum(1 for o in tier.objects.values() if o.state == LS.leased))

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..node.node import NodeReceipt
     from ..records import StoreOp
 
-__all__ = ["L3Op", "L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
+__all__ = ["L3Outstanding", "L3Op", "L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
 
 #: L3 write policies: put a request's host-visible prefix when it is offered (``host_write``),
 #: only chunks reused at least ``write_threshold`` times (``selective``), or the host tier's
@@ -107,6 +107,7 @@ class L3Stats:
     removes_deferred_by_lease: int = 0
     op_errors: int = 0  # operations the backend failed as a whole
     expired_ops: int = 0
+    cancelled_prefetches: int = 0  # prefetches in flight cancelled (their requests aborted)
     absorbed_late_results: int = 0
     prefetches: int = 0
     bytes_in: int = 0  # store -> host
@@ -188,3 +189,32 @@ class L3Op:
     deadline: float
     owner: str | None = None
     receipt: NodeReceipt | None = None
+
+
+@dataclass(frozen=True)
+class L3Outstanding:
+    """What an L3 tier holds or owes (:meth:`kvtier.fsm.l3.tier.L3Tier.outstanding`).
+
+    Attributes:
+        operations: op ids of the store operations in flight (exists, get, put, remove),
+            sorted.
+        commands: op ids of those :meth:`~kvtier.fsm.l3.tier.L3Tier.poll_commands` has not
+            handed out yet.
+        prefetches: owners with a prefetch in flight, sorted.
+        reserved_pages: host pages reserved by gets in flight, summed over groups.
+        pins: host pin receipts held by puts in flight.
+        leases: objects under a read lease (they end by time, in
+            :meth:`~kvtier.fsm.l3.tier.L3Tier.expire`: not part of :attr:`quiescent`).
+    """
+
+    operations: tuple[int, ...] = ()
+    commands: tuple[int, ...] = ()
+    prefetches: tuple[str, ...] = ()
+    reserved_pages: int = 0
+    pins: int = 0
+    leases: int = 0
+
+    @property
+    def quiescent(self) -> bool:
+        """No store operation, command, prefetch, reserved page or pin outstanding."""
+        return not (self.operations or self.commands or self.prefetches or self.reserved_pages or self.pins)

@@ -33,16 +33,18 @@ from typing import TYPE_CHECKING
 
 from ..checks import as_time, check_key_sequence, plain_int
 from ..errors import ConfigError, UsageError
-from .options import WRITE_POLICIES, L3Object, L3Op, L3Options, L3Stats, Prefetch, chain_keys, namespace
+from .walks import local_end, offer_items, victim_items
+from .options import (WRITE_POLICIES, L3Object, L3Op, L3Options, L3Outstanding, L3Stats, Prefetch, chain_keys,
+                      namespace)
 from ..lifecycle.machines import l3_lifecycle
 from ..records import StoreCommand, StoreOp, StoreResult, store_result_fields
-from ..lifecycle.names import DEVICE_READABLE, HOST_VISIBLE, L3_EVENT as EV, L3_STATE as LS
+from ..lifecycle.names import HOST_VISIBLE, L3_EVENT as EV, L3_STATE as LS
 from ..node.node import Node, NodeReceipt, PageMap
 
 if TYPE_CHECKING:
     from ..node.core import CacheCore
 
-__all__ = ["StoreOp", "StoreCommand", "StoreResult", "L3Options", "L3Stats", "L3Object", "L3Tier",
+__all__ = ["StoreOp", "StoreCommand", "StoreResult", "L3Options", "L3Stats", "L3Object", "L3Outstanding", "L3Tier",
            "WRITE_POLICIES", "namespace", "chain_keys"]
 
 class L3Tier:
@@ -101,11 +103,56 @@ class L3Tier:
         p = self._prefetch.get(owner)
         return p.fetched if p is not None else 0
 
-    def forget(self, owner: str) -> None:
-        """Drop ``owner``'s finished prefetch record (after it was admitted)."""
-        p = self._prefetch.get(owner)
-        if p is not None and p.done:
-            del self._prefetch[owner]
+    def forget(self, owner: str, now: float | None = None, cancel: Callable[[int], None] | None = None) -> None:
+        """Drop ``owner``'s prefetch record (after it was admitted, or its request ended).
+        One still in flight is cancelled first (:meth:`cancel`; with ``now`` left out it
+        is only detached: its store operation stays in flight until answered or expired)."""
+        if self.prefetching(owner):
+            self.cancel(owner, now, cancel)
+        self._prefetch.pop(owner, None)
+
+    def cancel(self, owner: str, now: float | None, cancel: Callable[[int], None] | None = None) -> bool:
+        """Cancel ``owner``'s prefetch in flight (its request was aborted); the record is
+        dropped and ``owner`` may prefetch again. Its store operation (exists or get):
+
+        - not handed out by :meth:`poll_commands` yet: withdrawn and failed now;
+        - handed out, with ``cancel`` (the store driver's): ``cancel(op_id)`` is called,
+          then it fails now;
+        - handed out without ``cancel``, or ``now`` is ``None``: it stays in flight (a
+          backend may still write its pages) and the store's answer or its deadline ends
+          it as any get (acknowledged units become host copies no request waits on).
+
+        A get that fails releases its reserved host pages once (a late answer is absorbed).
+
+        Returns:
+            ``True`` if a prefetch was in flight.
+
+        Raises:
+            UsageError: ``owner`` not a string or ``now`` not a finite number or ``None``.
+        """
+        if not isinstance(owner, str):
+            raise UsageError(f"l3 cancel: owner must be a request id string, got {owner!r}")
+        if now is not None:
+            now = as_time(now, "l3 cancel: now")
+        if not self.prefetching(owner):
+            return False
+        op_id = self._prefetch.pop(owner).op_id
+        self.stats.cancelled_prefetches += 1
+        waiting = [c for c in self._outbox if c.op_id == op_id]
+        if now is None or not (waiting or cancel is not None):
+            return True
+        if waiting:
+            self._outbox = [c for c in self._outbox if c.op_id != op_id]
+        elif cancel is not None:
+            cancel(op_id)
+        self._fail_now(op_id, now, "cancelled: the request's prefetch was cancelled")
+        return True
+
+    def outstanding(self) -> L3Outstanding:
+        """What this tier holds or owes (:class:`~kvtier.fsm.l3.options.L3Outstanding`)."""
+        from .checks import l3_outstanding
+
+        return l3_outstanding(self, self._outbox, self._prefetch)
 
     def keys_for(self, units: Sequence[Hashable]) -> list[str]:
         """The object keys of ``units`` (a prefix from the root), in order."""
@@ -153,16 +200,6 @@ class L3Tier:
             self._hint.popitem(last=False)
 
     # ------------------------------------------------------------------ prefetch (get path)
-    def _local_end(self, units: Sequence[Hashable]) -> tuple[Node, int]:
-        """The deepest node of ``units``' path whose data is available locally (device
-        readable or host visible), and its depth in units."""
-        last: Node = self.core.root
-        for n in self.core.walk(units):
-            if n.depth > len(units) or not (n.state in DEVICE_READABLE or n.state in HOST_VISIBLE):
-                break
-            last = n
-        return last, last.depth if last is not self.core.root else 0
-
     def prefetch(self, owner: str, units: Sequence[Hashable], now: float) -> bool:
         """Start a prefetch for ``owner`` (a waiting request): ask the store which chunks
         beyond the local hit of ``units`` it holds (one batch exists). The get follows when
@@ -183,7 +220,7 @@ class L3Tier:
         if self.prefetching(owner):
             return False
         self._prefetch.pop(owner, None)
-        node, start = self._local_end(units)
+        node, start = local_end(self.core, units)
         if node is not self.core.root and node.state not in HOST_VISIBLE:
             return False  # a device-only end: its children cannot have a host copy yet
         end = min(len(units), start + self.options.prefetch_units)
@@ -207,7 +244,7 @@ class L3Tier:
         if present == 0:
             pf.done = True
             return
-        node, depth = self._local_end(pf.units[:pf.start])
+        node, depth = local_end(self.core, pf.units[:pf.start])
         if depth != pf.start or (node is not self.core.root and node.state not in HOST_VISIBLE):
             pf.done = True  # the local prefix changed meanwhile: start over next time
             return
@@ -267,12 +304,6 @@ class L3Tier:
             pf.done = True
 
     # ------------------------------------------------------------------ put path
-    def _unit_keys_of(self, node: Node) -> list[Hashable]:
-        units: list[Hashable] = []
-        for n in reversed(node.path()):
-            units.extend(n.key)
-        return units
-
     def _put_units(self, items: list[tuple[Node, int, str]], now: float) -> int:
         """Put (node, unit index within node, key) items, one operation; returns keys put."""
         if not items:
@@ -316,49 +347,10 @@ class L3Tier:
         """
         now = as_time(now, "l3 offer: now")
         check_key_sequence(units, "l3 offer: units")
+        wants = self._wants
         if self.options.write_policy == "host_eviction":
-            return self._put_victims(now)
-        items: list[tuple[Node, int, str]] = []
-        keys: list[str] | None = None
-        for n in self.core.walk(units):
-            if n.depth > len(units) or n.state not in HOST_VISIBLE:
-                break
-            lo = n.depth - len(n.key)
-            for i in range(len(n.key)):
-                if keys is None:
-                    keys = self.keys_for(units[:min(len(units), self._path_end(units))])
-                key = keys[lo + i]
-                if self._wants(key, n):
-                    items.append((n, i, key))
-                if len(items) >= self.options.max_put_units:
-                    break
-            if len(items) >= self.options.max_put_units:
-                break
-        return self._put_units(items, now)
-
-    def _path_end(self, units: Sequence[Hashable]) -> int:
-        depth = 0
-        for n in self.core.walk(units):
-            if n.depth > len(units) or n.state not in HOST_VISIBLE:
-                break
-            depth = n.depth
-        return depth
-
-    def _put_victims(self, now: float) -> int:
-        core = self.core
-        victims = sorted((n for n in core.tree if core.evictable_on_host(n)),
-                         key=lambda n: (n.last_access, -n.depth, n.node_id))[:self.options.eviction_lookahead]
-        items: list[tuple[Node, int, str]] = []
-        for n in victims:
-            units = self._unit_keys_of(n)
-            lo = n.depth - len(n.key)
-            keys = [d.hex() for d in chain_keys(self.seed, units)]
-            for i in range(len(n.key)):
-                if self._wants(keys[lo + i], n):
-                    items.append((n, i, keys[lo + i]))
-            if len(items) >= self.options.max_put_units:
-                break
-        return self._put_units(items[:self.options.max_put_units], now)
+            return self._put_units(victim_items(self.core, self.seed, self.options, wants), now)
+        return self._put_units(offer_items(self.core, self.keys_for, self.options, units, wants), now)
 
     def _on_put(self, op: L3Op, res: StoreResult) -> None:
         if op.receipt is not None:
@@ -474,11 +466,7 @@ class L3Tier:
             if cancel is not None:
                 cancel(op.op_id)
             self.stats.expired_ops += 1
-            self._complete(StoreResult(op.op_id, error="deadline: the store did not answer in time"), now)
-            self.stats.op_errors -= 1  # counted as expired, not as a backend error
-            self.stats.errors["deadline"] -= 1
-            if not self.stats.errors["deadline"]:
-                del self.stats.errors["deadline"]
+            self._fail_now(op.op_id, now, "deadline: the store did not answer in time")
         for o in [o for o in self._objects.values() if o.state == LS.leased and o.lease_until <= now]:
             self._fire(o, EV.lease_end)
         if self._pending_removes:
@@ -487,6 +475,16 @@ class L3Tier:
             if ready:
                 self._remove(ready, now)
         return [op.op_id for op in expired]
+
+    def _fail_now(self, op_id: int, now: float, error: str) -> None:
+        """Fail operation ``op_id`` on the caller's side (deadline or cancel), counted as
+        such, not as a backend error."""
+        self._complete(StoreResult(op_id, error=error), now)
+        why = error.split(":", 1)[0]
+        self.stats.op_errors -= 1
+        self.stats.errors[why] -= 1
+        if not self.stats.errors[why]:
+            del self.stats.errors[why]
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:

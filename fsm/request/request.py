@@ -151,6 +151,12 @@ class Outstanding:
         fenced: op ids of the operations past their deadline whose copy may still run:
             their pages stay fenced until every rank's engine confirms the copy ended
             (a late acknowledgement, e.g. after ``TransferEngine.cancel``), sorted.
+        reserved_pages: host pages reserved by L3 gets in flight (``fetching`` nodes),
+            summed over groups.
+        store_operations: op ids of the L3 tier's store operations in flight (exists,
+            get, put, remove; the facade's ``l3``), sorted.
+        store_commands: op ids of those ``l3.poll_commands`` has not handed out yet.
+        prefetches: requests with an L3 prefetch in flight, sorted.
     """
 
     requests: tuple[str, ...]
@@ -164,14 +170,20 @@ class Outstanding:
     caller_pages: int
     queued_writebacks: int = 0
     fenced: tuple[int, ...] = ()
+    reserved_pages: int = 0
+    store_operations: tuple[int, ...] = ()
+    store_commands: tuple[int, ...] = ()
+    prefetches: tuple[str, ...] = ()
 
     @property
     def quiescent(self) -> bool:
         """Nothing held or owed: no request tracked, no forward result, operation (fenced
-        ones included), command or event outstanding, no receipt and no device page held
-        outside the tree."""
+        ones included), command or event outstanding, no receipt, no device page held
+        outside the tree, no host page reserved and nothing in flight or unpolled on the
+        L3 tier."""
         return not (self.requests or self.owed_forward or self.operations or self.commands or self.events
-                    or self.locks or self.pins or self.borrows or self.caller_pages or self.fenced)
+                    or self.locks or self.pins or self.borrows or self.caller_pages or self.fenced
+                    or self.reserved_pages or self.store_operations or self.store_commands or self.prefetches)
 
 
 class Request:

@@ -118,7 +118,8 @@ class RequestTable:
                            tuple(sorted(c.op_id for c in core.pending_commands())), len(self._events),
                            len(core.receipts.locks()), kinds.count("pin"), kinds.count("borrow"),
                            core.ledger.caller_count(), len(core.writebacks),
-                           tuple(op.op_id for op in core.optable.fenced()))
+                           tuple(op.op_id for op in core.optable.fenced()),
+                           sum(len(p) for _, nodes in core.fetches.items() for n in nodes for p in n.pending.values()))
 
     def find(self, request_id: str) -> Request | None:
         """The record of ``request_id``, or ``None``."""

@@ -37,6 +37,7 @@ changes nothing. Units: tokens; a *unit* is ``layout.alignment`` tokens.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 from threading import Lock, get_ident
 from typing import Any
 
@@ -295,6 +296,8 @@ class TieredCache:
         r = self._table.get(request_id)
         for settled in self._ender.abort(r, as_text(reason, "abort: reason")):
             self._router.on_core_event(settled)  # its own writeback not yet handed out: withdrawn
+        if self.l3 is not None:  # an L3 prefetch of its id in flight is detached (l3.cancel says how)
+            self.l3.forget(request_id)
 
     def abort_victim(self, blocked: Sequence[str], reason: str = "cache capacity exhausted") -> str | None:
         """Abort one deterministic victim among ``blocked`` (the largest token count, ties
@@ -423,8 +426,13 @@ class TieredCache:
     def outstanding(self) -> Outstanding:
         """What the cache still holds or owes: requests tracked, forward results, operations,
         commands not handed out, unreported events, receipts and device pages held outside
-        the tree (:class:`Outstanding`; cost grows with what is held, never capacity)."""
-        return self._table.outstanding()
+        the tree, host pages reserved and the L3 tier's work (:class:`Outstanding`; cost
+        grows with what is held, never capacity)."""
+        out = self._table.outstanding()
+        if self.l3 is None:
+            return out
+        l3 = self.l3.outstanding()
+        return replace(out, store_operations=l3.operations, store_commands=l3.commands, prefetches=l3.prefetches)
 
     def quiescent(self) -> bool:
         """True when nothing is held or owed (:attr:`Outstanding.quiescent`): after an

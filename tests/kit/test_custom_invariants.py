@@ -63,6 +63,10 @@ def test_campaign_saves_the_failed_invariant_and_replay_fails_the_same_way(
     res = campaign(steps=5000, seed_value=1, mix={"custom": 1.0}, machines={"custom": TwoRequests},
                    save=path, progress=False)
     assert res.failure is not None and res.saved == path
+    # the first failure is reported apart from the shrinking that followed it
+    assert res.first_failure_step is not None and res.first_failure_seconds is not None
+    assert 2 <= res.first_failure_step < res.steps and 0 < res.first_failure_seconds <= res.seconds
+    assert f"first failure at step {res.first_failure_step:,} of the campaign" in res.report()
     saved = json.loads(path.read_text())
     assert saved["expect"] == {"outcome": "violation", "invariant": "one_request_at_a_time"}
     assert saved["machine"] == f"{__name__}:TwoRequests"

@@ -13,6 +13,7 @@ from 1 and 2).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -47,9 +48,19 @@ class RunStats:
     steps: int = 0
     checks: int = 0
     examples: int = 0
+    #: steps run (since the last reset) and ``time.perf_counter()`` when a step, check or
+    #: drain first raised, before any shrinking (``None``: nothing failed yet)
+    failed_at_step: int | None = None
+    failed_at: float | None = None
 
     def reset(self) -> None:
         self.steps = self.checks = self.examples = 0
+        self.failed_at_step = self.failed_at = None
+
+    def note_failure(self) -> None:
+        """Remember the first failure's step and time (later ones are the shrinker's)."""
+        if self.failed_at_step is None:
+            self.failed_at_step, self.failed_at = self.steps, time.perf_counter()
 
 
 STATS = RunStats()
@@ -64,7 +75,14 @@ def recorded(fn: F) -> F:
     def wrapper(self: KitMachine, **kwargs: Any) -> Any:
         self.kit_trace.append(Step.of(name, kwargs))
         STATS.steps += 1
-        return fn(self, **kwargs)
+        self.kit_ok = False  # until the step returns: a failed example is not drained
+        try:
+            out = fn(self, **kwargs)
+        except Exception:
+            STATS.note_failure()
+            raise
+        self.kit_ok = True
+        return out
 
     return wrapper  # type: ignore[return-value]
 
@@ -151,6 +169,8 @@ class KitMachine(RuleBasedStateMachine):
         self.kit_rate = self.fault_rate
         self.kit_trace: list[Step] = []
         self.kit_replaying = False
+        self.kit_ok = True  # no step or check of this example failed (yet)
+        self.kit_drained = False
         STATS.examples += 1
         _CURRENT[:] = [self]
 
@@ -183,12 +203,51 @@ class KitMachine(RuleBasedStateMachine):
     def kit_check(self) -> None:
         """Run every invariant check of this machine."""
         STATS.checks += 1
-        for name in self.kit_invariants:
-            getattr(self, name)()
+        self.kit_ok = False
+        try:
+            for name in self.kit_invariants:
+                getattr(self, name)()
+        except Exception:
+            STATS.note_failure()
+            raise
+        self.kit_ok = True
+
+    # -- the end of an example ---------------------------------------------------------
+    def kit_drain(self) -> None:
+        """Drain this machine to quiescence and check that nothing leaked
+        (:mod:`kvtier.testing.drain`): every machine that drives the product overrides it
+        (complete or fail every transfer, end every request, release its own receipts, then
+        require every tier empty and the whole tree evictable to full pools)."""
+
+    def kit_end(self) -> None:
+        """Drain once at the end of the example (:meth:`kit_drain`, then every invariant),
+        unless a step or check of the example failed (its failure is the one reported)."""
+        if self.kit_ok and not self.kit_drained:
+            self.kit_drained = True
+            self.kit_ok = False
+            try:
+                self.kit_drain()
+            except Exception:
+                STATS.note_failure()
+                raise
+            self.kit_check()
+
+    def teardown(self) -> None:
+        """Hypothesis ends every example here: :meth:`kit_end`."""
+        self.kit_end()
 
     @invariant()
     def kit_all_invariants(self) -> None:
         self.kit_check()
+
+    def check_invariants(self, *args: Any, **kwargs: Any) -> None:
+        """Hypothesis's check of every ``@invariant()`` (an engine's own included): a
+        failure is noted as the campaign's first (:meth:`RunStats.note_failure`)."""
+        try:
+            super().check_invariants(*args, **kwargs)  # type: ignore[misc]
+        except Exception:
+            STATS.note_failure()
+            raise
 
     # -- sequences -----------------------------------------------------------------
     def kit_sequence(self, name: str = "sequence", description: str = "") -> EventSequence:

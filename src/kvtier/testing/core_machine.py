@@ -19,6 +19,7 @@ from ..eventlog import attach_active
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, kit_layout, layout_named, probe_layers, recorded
 from .content import node_prefix
+from .drain import check_core_drained, evict_to_full_pools
 from .core_steps import CoreSteps
 from .logged import LogCheck
 from .models import ModelViolation, liveness_bound
@@ -351,6 +352,26 @@ class CoreMachine(CoreSteps):
         self._pressure(0, 4, "device")
         self._pressure(0, 4, "host")
 
+    @precondition(lambda self: any(n.state == "host" for n in views.nodes(self.cache).values()))
+    @rule(i=st.integers(0, 100), times=st.integers(1, 3))
+    @recorded
+    def reload_and_demote(self, i: int, times: int = 1) -> None:
+        """A host-only node is loaded back, its loadback completes and is released, then
+        device pressure demotes it again (under the exclusive host tier its host copy moved
+        to the device and must move back), ``times`` over; every eviction is checked
+        against the policy's order."""
+        nodes = [n for _, n in sorted(views.nodes(self.cache).items()) if n.state == "host"]
+        key = tuple(node_prefix(nodes[i % len(nodes)]))
+        for _ in range(times):
+            locks, receipts = len(self.locks), len(self.receipts)
+            self._load_key(key)
+            self._drain()
+            while len(self.locks) > locks:
+                self._unlock(self.locks.pop())
+            while len(self.receipts) > receipts:
+                self.cache.release(self.receipts.pop())
+            self._pressure(0, sum(a.capacity for a in self.cache.device.values()), "device")
+
     @rule()
     @recorded
     def quiesce(self) -> None:
@@ -371,9 +392,35 @@ class CoreMachine(CoreSteps):
             raise ModelViolation("model_liveness", "the core",
                                  f"after {bound} rounds: queued {sorted(left)}, in flight {sorted(views.ops(c))}")
 
+    def kit_drain(self) -> None:
+        """Every transfer completes (queued writebacks issued), then every lock, pin and
+        borrow the rules took is released: nothing may be left on the core, and the whole
+        tree must evict to full pools (:mod:`kvtier.testing.drain`)."""
+        if not hasattr(self, "cache"):
+            return
+        c = self.cache
+
+        def settle() -> None:
+            for _ in range(liveness_bound(len(views.nodes(c))) + 2):
+                c.issue_writebacks()
+                self._take_commands()
+                if not self.events:
+                    return
+                self._drain()
+
+        settle()
+        while self.locks:
+            self._unlock(self.locks.pop())
+        while self.receipts:
+            c.release(self.receipts.pop())
+        check_core_drained(c, "the core")
+        evict_to_full_pools(c, settle, "the core")
+
     def teardown(self) -> None:
-        """The example's event log, when it recorded one, must pass ``kvtier check``."""
+        """The drain (:meth:`kit_drain`); then the example's event log, when it recorded
+        one, must pass ``kvtier check``."""
         log, self.log = self.log, None
+        super().teardown()
         if log is not None:
             log.finish()
 

@@ -348,6 +348,11 @@ class EngineFacadeMachine(FacadeMachine):
         (the transfers this machine exists for; the facade rules alone make few)."""
         FacadeMachine.admit_cached.__wrapped__(self, req=req, i=i, chunk=chunk, tail=True, demote=True)  # type: ignore[attr-defined]
 
+    def xfer_faults_off(self) -> None:
+        """The drain issues every copy without an injected failure."""
+        if isinstance(self.xfer, EngineTransfer):
+            self.xfer.issue_rate = 0.0
+
     def make_transfer(self, world: int, num_layers: int) -> TransferBackend:
         core = self.cache.core
         dev = {g: a.capacity for g, a in core.device.items()}

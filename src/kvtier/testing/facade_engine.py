@@ -257,8 +257,10 @@ class FacadeTransferRules(FacadeSteps):
         every command and event is polled, until nothing moves. Model: nothing is then held,
         in flight or tracked (:func:`~kvtier.testing.facade_models.check_drained`), and every
         request's end was reported exactly once (the polls' checks)."""
-        if go != 0:
-            return
+        if go == 0:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         for rid in sorted(views.requests(self.cache)):
             if self._state(rid) not in ("aborting", *TERMINAL):
                 self._abort(rid)

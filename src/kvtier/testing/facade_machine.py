@@ -20,10 +20,12 @@ from ..tiered import TieredCache
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, TERMINAL, layout_named, recorded
 from .canonical import CanonicalState
+from .drain import check_core_drained, evict_to_full_pools
 from .facade_checks import FacadeChecks
 from .facade_engine import FacadeTransferRules
 from .facade_rules import FacadeRequestRules
 from .logged import LogCheck
+from .models import ModelViolation, liveness_bound
 from .plugs import SchedulerAdapter, TransferBackend
 from .steps import Step
 
@@ -124,9 +126,40 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
             self.sched.batched = False
         self.xfer = self.make_transfer(world, self.cache.layout.num_layers)
 
+    def kit_drain(self) -> None:
+        """The engine shuts down (:meth:`shutdown`'s procedure: every request aborted, every
+        forward result returned, every transfer completed, every command and event polled);
+        then ``quiescent()`` must hold, nothing be left on the core
+        (:func:`~kvtier.testing.drain.check_core_drained`) and the whole tree evict to full
+        pools, every transfer succeeding (:mod:`kvtier.testing.drain`)."""
+        if not hasattr(self, "cache"):
+            return
+        self.xfer_faults_off()
+        self._shutdown()
+        if not self.cache.quiescent():
+            raise ModelViolation("model_drain", "the facade", f"quiescent() is false: {self.cache.outstanding()}")
+        check_core_drained(self.cache.core, "the facade's core")
+        evict_to_full_pools(self.cache.core, self._settle_all, "the facade's core")
+        self._poll()
+        if not self.cache.quiescent():
+            raise ModelViolation("model_drain", "the facade", f"after evicting: {self.cache.outstanding()}")
+
+    def xfer_faults_off(self) -> None:
+        """Hook: a machine whose transfer backend fails on its own turns that off for the
+        drain (the kit's backend fails only when a rule says so)."""
+
+    def _settle_all(self) -> None:
+        for _ in range(liveness_bound(len(views.nodes(self.cache.core))) + 2):
+            self._pump()
+            self._poll()
+            if not (self.xfer.ready() or views.outbox(self.cache.core) or views.ops(self.cache.core)):
+                return
+
     def teardown(self) -> None:
-        """The example's event log, when it recorded one, must pass ``kvtier check``."""
+        """The drain (:meth:`kit_drain`); then the example's event log, when it recorded one,
+        must pass ``kvtier check``."""
         log, self.log = self.log, None
+        super().teardown()
         if log is not None:
             log.finish()
 

@@ -67,12 +67,16 @@ class FacadeRequestRules(FacadeSteps):
         self._admit(rid, len(key) * align + (1 if tail else 0), chunk * align)
 
     @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
-    @rule(req=st.integers(0, REQUESTS - 1), i=st.integers(0, 100), layers=st.integers(0, 3))
+    @rule(req=st.integers(0, REQUESTS - 1), i=st.integers(0, 100), layers=st.integers(0, 3),
+          then=st.sampled_from(["nothing", "nothing", "fault", "evict", "evict_then_fault"]))
     @recorded
-    def shared_loadback(self, req: int, i: int, layers: int) -> None:
+    def shared_loadback(self, req: int, i: int, layers: int, then: str = "nothing") -> None:
         """Two requests with the same cached prompt arrive while it is on the host only:
         the first one's loadback starts, the first rank delivers ``layers`` layer
-        completions of it (the other ranks none yet), then the second request joins it."""
+        completions of it (the other ranks none yet), then the second request joins it.
+        ``then`` builds what follows on purpose: the parent's loadback fails on every rank
+        (``fault``), an eviction asks for every device page while the loaded chain hangs
+        from its nodes (``evict``), or both in that order."""
         first, second = self._rid(req), self._rid(req + 1)
         for rid in (first, second):
             r = views.requests(self.cache).get(rid)
@@ -98,6 +102,14 @@ class FacadeRequestRules(FacadeSteps):
                     self._sync()
         self.units[second] = list(key)
         self._admit(second, len(key) * align + 1, 3 * align)
+        core = self.cache.core
+        if then.startswith("evict"):
+            core.evict_device({g: a.capacity for g, a in core.device.items()})
+            self._sync()
+        if then.endswith("fault"):
+            for op in sorted(r.ops):
+                if op in views.ops(core):
+                    self._finish_op(op, False)
 
     @precondition(lambda self: any(n.state == "loading" for n in views.nodes(self.cache.core).values()))
     @rule(req=st.integers(0, REQUESTS - 1), i=st.integers(0, 100), tail=st.booleans())

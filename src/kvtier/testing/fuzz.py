@@ -32,8 +32,8 @@ from .sequence import EventSequence, ReplayResult, SequenceError, classify, mach
 __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
 #: machine name -> share of the step budget
-DEFAULT_MIX: dict[str, float] = {"core": 0.33, "facade": 0.33, "engine": 0.1, "node": 0.08, "request": 0.09, "l3": 0.05,
-                                 "transfer": 0.02, "l3tier": 0.05, "misuse": 0.05}
+DEFAULT_MIX: dict[str, float] = {"core": 0.31, "facade": 0.31, "engine": 0.1, "node": 0.08, "request": 0.09, "l3": 0.05,
+                                 "transfer": 0.02, "l3tier": 0.05, "misuse": 0.05, "reference": 0.04}
 LIFECYCLE_DRIVERS = ("core", "facade", "engine")
 #: The machines that fire events at the spec's lifecycles directly (not the product).
 RAW_MACHINES = ("node", "request", "l3", "transfer")
@@ -55,6 +55,9 @@ class CampaignResult:
     failure: EventSequence | None = None
     failure_result: ReplayResult | None = None
     saved: Path | None = None
+    #: steps run and seconds spent when the first failure came, before the shrinking
+    first_failure_step: int | None = None
+    first_failure_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -107,6 +110,11 @@ class CampaignResult:
                          + "; ".join(f"{k} ({v})" for k, v in UNREACHABLE_BY_PRODUCT.items()))
         if self.failure is not None:
             res = self.failure_result
+            if self.first_failure_step is not None and self.first_failure_seconds is not None:
+                lines.append(f"first failure at step {self.first_failure_step:,} of the campaign, after "
+                             f"{self.first_failure_seconds:.1f} s (the shrinking ran "
+                             f"{self.steps - self.first_failure_step:,} steps more, "
+                             f"{self.seconds - self.first_failure_seconds:.1f} s)")
             lines.append(f"VIOLATION of {res.invariant if res else '?'}: {res.message if res else ''}")
             lines.append(f"minimal failing sequence ({len(self.failure.steps)} steps, machine "
                          f"{self.failure.machine!r}):")
@@ -197,6 +205,9 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
                     factory: Any = seed(_derive(seed_value, name, chunk))(lambda: cls())
                     run_state_machine_as_test(factory, settings=chunk_settings)
                 except Exception as exc:  # noqa: BLE001 - a failure of the system under test
+                    if STATS.failed_at_step is not None and STATS.failed_at is not None:
+                        res.first_failure_step = STATS.failed_at_step
+                        res.first_failure_seconds = STATS.failed_at - t0
                     current = KitMachine.kit_current()
                     trace = current.kit_sequence(f"fuzz-seed{seed_value}-{name}") if current else None
                     if trace is not None:

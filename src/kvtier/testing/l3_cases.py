@@ -237,12 +237,11 @@ def _reserve_taken(m: L3Steps, i: int, v: int) -> object:
     return core.fetches.reserve(parent, [first, "z"], 10**6) == []
 
 
-def _forget_unfinished(m: L3Steps, i: int, v: int) -> object:
+def _forget_unknown(m: L3Steps, i: int, v: int) -> object:
     tier = m.tiers[i]
-    owners = sorted({op.owner for op in tier.operations.values() if op.owner is not None})
-    owner = owners[v % len(owners)] if owners and v % 2 else "never-prefetched"
+    owner = ("never-prefetched", "")[v % 2]
     tier.forget(owner)
-    return tier.prefetching(owner) == (owner != "never-prefetched")
+    return not tier.prefetching(owner) and tier.fetched_units(owner) == 0 and not tier.cancel(owner, m.now)
 
 
 def _remove_nothing(m: L3Steps, i: int, v: int) -> object:
@@ -253,7 +252,7 @@ def _remove_nothing(m: L3Steps, i: int, v: int) -> object:
 INERT: tuple[tuple[str, Callable[[L3Steps, int, int], object]], ...] = (
     ("prefetch while that owner's is in flight", _prefetch_in_flight),
     ("reserve under a node that has that child", _reserve_taken),
-    ("forget an owner with nothing finished", _forget_unfinished),
+    ("forget or cancel an owner never prefetched", _forget_unknown),
     ("remove no keys", _remove_nothing),
 )
 

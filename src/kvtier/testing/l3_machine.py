@@ -478,6 +478,12 @@ class L3TierMachine(L3Steps):
         keys = sorted(self.store)
         del self.store[keys[pick % len(keys)]]
 
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100), tell=st.booleans())
+    @recorded
+    def abort_prefetch(self, i: int, pick: int, tell: bool) -> None:
+        """A waiting request is aborted: its prefetch in flight is cancelled (``_cancel``)."""
+        self._cancel(i, pick, tell)
+
     @rule(dt=st.sampled_from([0.5, 1.5, 3.5, 6.0]), tell=st.booleans())
     @recorded
     def advance(self, dt: float, tell: bool = True) -> None:

@@ -18,6 +18,7 @@ from kvtier.fsm.l3 import L3Tier, StoreCommand, StoreOp, StoreResult
 from kvtier.fsm.records import TransferCommand
 
 from . import _views as views
+from .drain import check_core_drained, check_l3_drained, evict_to_full_pools
 from .base import KitMachine
 from .content import check_tree_bytes, content, node_prefix
 from .models import ModelViolation
@@ -200,8 +201,9 @@ class L3Steps(KitMachine):
         self._offer(i, k)
 
     def _forget(self, i: int, owner: str) -> None:
-        """The request was admitted: the engine drops its prefetch record. A finished one
-        reports what its get delivered (the model's count), then nothing."""
+        """The request was admitted or ended: the engine drops its prefetch record. A
+        finished one reports what its get delivered (the model's count), then nothing; one
+        in flight is detached (its operation ends by the store's answer or its deadline)."""
         tier = self.tiers[i]
         busy = tier.prefetching(owner)
         if not busy and tier.fetched_units(owner) != self.model[i].fetched.get(owner, 0):
@@ -209,9 +211,44 @@ class L3Steps(KitMachine):
                                      f"fetched_units {tier.fetched_units(owner)}, but its get delivered "
                                      f"{self.model[i].fetched.get(owner, 0)}")
         tier.forget(owner)
-        if tier.prefetching(owner) != busy or (not busy and tier.fetched_units(owner) != 0):
+        if tier.prefetching(owner) or tier.fetched_units(owner) != 0:
             raise ModelViolation("model_l3_fetched", f"prefetch {owner} on instance {i}",
-                                     "forget dropped a prefetch in flight or kept a finished one")
+                                     "forget kept a prefetch (in flight: it is detached)")
+        self._detach(i, owner)
+
+    def _cancel(self, i: int, pick: int, tell: bool) -> None:
+        """The ``pick``-th request with a prefetch in flight on instance ``i`` is aborted:
+        ``cancel`` with the driver's callback (``tell``: the operation fails now, its
+        reserved host pages freed once, its answer comes late) or without (detached: the
+        pages stay reserved until the store answers or the deadline passes)."""
+        tier = self.tiers[i]
+        owners = sorted(p[0] for p in views.l3_internals(tier)[3] if not p[6])
+        if not owners:
+            return
+        owner = owners[pick % len(owners)]
+        op_id = next(p[4] for p in views.l3_internals(tier)[3] if p[0] == owner)
+        told: list[int] = []
+        reserved = tier.outstanding().reserved_pages
+        mine = sum(len(ps) for n in (tier.core.fetches.nodes(op_id) if op_id in tier.core.fetches else ())
+                   for ps in n.pending.values())
+        if not tier.cancel(owner, self.now, told.append if tell else None) or tier.prefetching(owner):
+            raise ModelViolation("model_l3_fetched", f"prefetch {owner} on instance {i}", "cancel left it in flight")
+        left = tier.outstanding().reserved_pages
+        if told != ([op_id] if tell else []) or left != (reserved - mine if tell else reserved):
+            raise ModelViolation("model_drain", f"cancel of {owner}'s prefetch on instance {i}",
+                                 f"driver told {told} (op {op_id}), reserved host pages {reserved} -> {left} "
+                                 f"(the get held {mine})")
+        for p in self.pending:
+            if tell and p.inst == i and p.cmd.op_id == op_id:
+                p.cancelled = True
+        self._detach(i, owner)
+
+    def _detach(self, i: int, owner: str) -> None:
+        """``owner``'s prefetch record is gone: its operations still in flight answer no one."""
+        self.model[i].fetched.pop(owner, None)
+        for p in self.pending:
+            if p.inst == i and p.owner == owner:
+                p.owner = None
 
     def _load(self, i: int, key: tuple[Hashable, ...]) -> None:
         core = self.cores[i]
@@ -379,6 +416,33 @@ class L3Steps(KitMachine):
                 raise ModelViolation("model_liveness", f"instance {i}",
                                          f"deferred removes of free objects {sorted(k[:12] for k in stuck)} "
                                          f"did not go out at expiry, or left the waiting list")
+
+    # -- the end of an example ----------------------------------------------------------
+    def kit_drain(self) -> None:
+        """The store answers everything without a fault, transfers succeed, time passes
+        until every lease has ended and every deferred remove went out and was answered;
+        then neither tier nor core may hold anything (store operations, commands,
+        prefetches, reserved pages, put pins, leases, receipts) and both trees must evict
+        to full pools (:mod:`kvtier.testing.drain`)."""
+        if not self.tiers:
+            return
+        self.kit_rate = 0.0
+        for _ in range(64):
+            for _ in range(256):
+                if not self.pending:
+                    break
+                self._answer_one(0, 999, "error")  # roll 999: never a fault
+            for i in range(len(self.cores)):
+                self._settle_core(i)
+            self._advance(1e6)  # past every deadline and lease: deferred removes go out
+            if not self.pending:
+                break
+        for i, (core, tier) in enumerate(zip(self.cores, self.tiers)):
+            for owner in sorted(p[0] for p in views.l3_internals(tier)[3]):
+                self._forget(i, owner)
+            check_l3_drained(tier, f"instance {i}'s L3 tier")
+            check_core_drained(core, f"instance {i}'s core")
+            evict_to_full_pools(core, lambda i=i: self._settle_core(i), f"instance {i}'s core")
 
     # -- invariants ----------------------------------------------------------------------
     def check_cores(self) -> None:

@@ -25,7 +25,7 @@ from hypothesis.stateful import initialize, rule
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, Direction, Family
 from kvtier.fsm.node.core import CacheCore
-from kvtier.fsm.errors import InvariantViolation, KvtierError
+from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, KvtierError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.lifecycle.names import NODE_STATE
 from kvtier.fsm.presets import preset
@@ -35,8 +35,10 @@ from kvtier.fsm.lifecycle.spec import load_spec, parse_spec, spec_text
 from ..tiered import TieredCache
 from . import _views as views
 from ._views import fingerprint
-from .base import KitMachine, kit_layout, recorded
+from .base import TERMINAL, KitMachine, kit_layout, recorded
 from .corruptions import check_corruptions
+from .drain import check_core_drained, evict_to_full_pools
+from .models import ModelViolation
 
 __all__ = ["MisuseMachine", "CASES", "fingerprint"]
 
@@ -117,14 +119,45 @@ class MisuseMachine(KitMachine):
     @recorded
     def pump(self, ok: bool) -> None:
         """Poll, then deliver every command's completions on every rank (``ok``)."""
+        self._pump(ok)
+
+    def _pump(self, ok: bool) -> None:
         out = self.cache.poll()
         for cmd in out.commands:
-            for rank in range(self.cache.core.world_size):
-                if cmd.direction is Direction.LOADBACK:
-                    for layer in cmd.layers:
-                        self.cache.complete(Completion(cmd.op_id, rank, ok, layer))
-                self.cache.complete(Completion(cmd.op_id, rank, ok))
+            self._deliver(cmd, ok)
         self.cache.poll()
+
+    def _deliver(self, cmd: TransferCommand, ok: bool) -> None:
+        for rank in range(self.cache.core.world_size):
+            if cmd.direction is Direction.LOADBACK:
+                for layer in cmd.layers:
+                    self.cache.complete(Completion(cmd.op_id, rank, ok, layer))
+            self.cache.complete(Completion(cmd.op_id, rank, ok))
+
+    def kit_drain(self) -> None:
+        """Every request aborted, its passes returned, every transfer succeeding: then the
+        cache is quiescent, nothing is left on the core and the tree evicts to full pools."""
+        if not hasattr(self, "cache"):
+            return
+        c = self.cache
+        for rid, r in sorted(views.requests(c).items()):
+            if r.state not in ("aborting", *TERMINAL):
+                c.abort(rid)
+        for _ in range(8):
+            for rid, r in sorted(views.requests(c).items()):
+                while r.owed_forward > 0:
+                    c.step_done(rid, 0)
+            self._pump(True)
+            for o in list(views.ops(c.core).values()):  # handed out by a hostile call's poll
+                try:
+                    self._deliver(o.command, True)
+                except DuplicateCompletion:  # some ranks already delivered: the rest settles it
+                    continue
+            c.poll()
+        if not c.quiescent():
+            raise ModelViolation("model_drain", "the misuse machine's cache", f"{c.outstanding()}")
+        check_core_drained(c.core, "the misuse machine's core")
+        evict_to_full_pools(c.core, lambda: self._pump(True), "the misuse machine's core")
 
     @rule(i=st.integers(0, 100), borrow=st.booleans())
     @recorded

@@ -182,6 +182,9 @@ def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
             machine.kit_replaying = True
             getattr(machine, step.rule)(**step.args)
             check_all(machine)
+        end = getattr(machine, "kit_end", None)
+        if callable(end):  # the drain every example ends with (a leak fails here)
+            end()
     except SequenceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the system under test

@@ -90,7 +90,7 @@ def test_l3_records_start_empty() -> None:
         "exists_ops": 0, "exists_keys": 0, "exists_present": 0, "get_ops": 0, "get_keys": 0, "get_ok": 0,
         "get_failed": 0, "get_misses": 0, "get_corrupt": 0, "get_no_room": 0, "put_ops": 0, "put_keys": 0,
         "put_ok": 0, "put_failed": 0, "remove_ops": 0, "remove_keys": 0, "removes_deferred_by_lease": 0,
-        "op_errors": 0, "expired_ops": 0, "absorbed_late_results": 0, "prefetches": 0, "bytes_in": 0,
+        "op_errors": 0, "expired_ops": 0, "cancelled_prefetches": 0, "absorbed_late_results": 0, "prefetches": 0, "bytes_in": 0,
         "bytes_out": 0, "seconds": 0.0, "get_seconds": 0.0, "errors": {}}
     assert st.errors is not L3Stats().errors
 
