@@ -21,7 +21,8 @@ def test_readme_is_about_250_lines() -> None:
 def test_readme_order_commands_first_then_install_then_the_embedding_example() -> None:
     text = README.read_text(encoding="utf-8")
     headings = re.findall(r"^## (.+)$", text, flags=re.M)
-    assert headings == ["Start here", "Install", "Embedding kvtier in a scheduler", "Layout and reading order", "More"]
+    assert headings == ["Start here", "Install", "Embedding kvtier in a scheduler", "kvtier inside vLLM and SGLang",
+                        "Layout and reading order", "More"]
     code = [b for b in blocks(README) if b.lang in ("bash", "python")]
     assert code[0].code == "bash scripts/setup.sh && .venv/bin/kvtier replay\n"
     assert code[1].code == "bash scripts/test.sh\n"
