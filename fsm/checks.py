@@ -12,6 +12,7 @@ import numbers
 import operator
 from collections.abc import Hashable, Sequence
 from itertools import chain
+from typing import cast
 
 from .errors import ConfigError, KvtierError, UsageError
 
@@ -143,7 +144,7 @@ def check_comparable(value: Sequence[Hashable], what: str, *, error: type[Kvtier
     kinds = set(map(type, value))
     if kinds <= _PLAIN_KEYS:
         return  # plain keys (the common case: one C-level pass)
-    if kinds == _TUPLE and _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(value))):
+    if kinds == _TUPLE and _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(cast("Sequence[tuple[Hashable, ...]]", value)))):
         return  # tuples of plain keys
     for u in value:
         if type(u) not in _PLAIN_KEYS:

@@ -127,7 +127,7 @@ def eviction_window(core: CacheCore) -> int:
 
 # -- the L3 tier (L3Tier) ----------------------------------------------------------------
 
-def l3_internals(tier: L3Tier) -> tuple[int, tuple[str, ...], tuple[str, ...], tuple[object, ...],
+def l3_internals(tier: L3Tier) -> tuple[int, tuple[str, ...], tuple[str, ...], tuple[tuple[Any, ...], ...],
                                          tuple[StoreCommand, ...]]:
     """What an :class:`~kvtier.fsm.l3.L3Tier` keeps beyond its public views, as a
     comparable snapshot: op ids issued, the put hint (oldest first), removes waiting, the

@@ -244,7 +244,7 @@ class KitMachine(RuleBasedStateMachine):
         """Hypothesis's check of every ``@invariant()`` (an engine's own included): a
         failure is noted as the campaign's first (:meth:`RunStats.note_failure`)."""
         try:
-            super().check_invariants(*args, **kwargs)  # type: ignore[misc]
+            super().check_invariants(*args, **kwargs)
         except Exception:
             STATS.note_failure()
             raise

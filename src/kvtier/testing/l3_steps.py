@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvtier.fsm import CacheCore, CapacityError, Completion, Direction
@@ -442,7 +443,7 @@ class L3Steps(KitMachine):
                 self._forget(i, owner)
             check_l3_drained(tier, f"instance {i}'s L3 tier")
             check_core_drained(core, f"instance {i}'s core")
-            evict_to_full_pools(core, lambda i=i: self._settle_core(i), f"instance {i}'s core")
+            evict_to_full_pools(core, partial(self._settle_core, i), f"instance {i}'s core")
 
     # -- invariants ----------------------------------------------------------------------
     def check_cores(self) -> None:
