@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -14,7 +13,7 @@ from kvtier.fsm.request.batch import OK, SHORT
 from ..replay.costmodel import CostModel
 from ..tiered import Admission, Reservation, TieredCache
 from .executor import Clock, Executor, InstantExecutor
-from .requests import SchedRequest, SchedulerStalled, as_index, check_fresh
+from .requests import SchedRequest, SchedulerStalled, StepPlan, as_index, check_fresh
 from .stats import RunStats, TimedCache
 
 __all__ = ["ReferenceScheduler", "DEFAULT_MAX_IDLE_STEPS"]
@@ -211,7 +210,7 @@ class ReferenceScheduler:
             self.cache.advance_step()
             self._submit()
             self._running[:] = [r for r in self._running if r.request_id in self._live and not r.done]
-            plan = _StepPlan(self.token_budget)
+            plan = StepPlan(self.token_budget)
             self._decode(plan)
             self._continue_prefills(plan)
             self._resume_and_admit(plan)
@@ -250,7 +249,7 @@ class ReferenceScheduler:
             arrived += 1
         return arrived
 
-    def _decode(self, plan: _StepPlan) -> None:
+    def _decode(self, plan: StepPlan) -> None:
         """One decode token for each decoding request, oldest admission first, in one
         batched :meth:`TieredCache.step`; when pages run out, retract the newest decoding
         request not yet in the batch (then the batch goes on after the short request)."""
@@ -275,21 +274,36 @@ class ReferenceScheduler:
                     pending = batch[i + 1:]
                     break
 
-    def _decode_short(self, r: SchedRequest, plan: _StepPlan) -> bool:
-        """Pages are short for ``r``'s decode token: retract the newest decoding request
-        not in the batch (a loading one cannot retract) until it fits; whether it did."""
+    def _decode_short(self, r: SchedRequest, plan: StepPlan) -> bool:
+        """Pages are short for ``r``'s decode token: retract the newest decoding request not in
+        the batch (a loading one cannot retract; when that is ``r``, the newest running one: a
+        newer prefill spared recomputes into the same pages, a livelock) until it fits, unless
+        ``r`` never fits (:meth:`_never_fits`); whether it did."""
         running = self._running
-        while True:  # each pass retracts one request of `running`, or stops
-            victims = [x for x in running if x.tokens >= x.kv_target and all(x is not b for b, _ in plan.batch)
+        while not self._never_fits(r):  # each pass retracts one request of `running`, or stops
+            victims = [x for x in running if all(x is not b for b, _ in plan.batch)
                        and self.cache.state(x.request_id) == "running"]
-            if not victims:
+            decoding = [x for x in victims if x.tokens >= x.kv_target]
+            if not decoding:
                 return False
-            victim = max(victims, key=lambda x: x.admitted_order)
+            victim = max(decoding, key=lambda x: x.admitted_order)
+            victim = max(victims, key=lambda x: x.admitted_order) if victim is r else victim
             self._retract(victim)
             if victim is r:
                 return False
             if self.cache.reserve(r.request_id, 1) is not None:
                 return True
+        return False
+
+    def _never_fits(self, r: SchedRequest) -> bool:
+        """Short of pages after eviction with no other request running and nothing in flight,
+        ``r`` never fits: abort it (``"cache capacity exhausted"``, as :meth:`_idle`); whether it did."""
+        others = self.cache.states([x.request_id for x in self._running if x is not r])
+        if self.cache.in_flight() or "running" in others or "loading" in others:
+            return False
+        self.cache.abort(r.request_id, "cache capacity exhausted")
+        self._submit()  # the next step's filter drops it from the running list
+        return True
 
     def _retract(self, victim: SchedRequest) -> None:
         """Retract ``victim``: it resumes later by recomputing what it had."""
@@ -298,11 +312,11 @@ class ReferenceScheduler:
             self.executor.checkpointed(self._real_cache, victim.request_id, adopted, victim.tokens)
         self.stats.retractions += 1
         self._running.remove(victim)
-        victim.resume_to = victim.tokens
-        victim.kv_target = max(victim.prompt_tokens, victim.tokens)
+        if victim.tokens >= victim.kv_target:  # decoding: recompute what it had (a prefill resumes as it was)
+            victim.resume_to = victim.kv_target = victim.tokens
         self._retracted.append(victim)
 
-    def _continue_prefills(self, plan: _StepPlan) -> None:
+    def _continue_prefills(self, plan: StepPlan) -> None:
         """The next prefill chunk of each running prefill, oldest admission first, in one
         batched :meth:`TieredCache.step` (a request short of pages is blocked; the chunks
         after it are sized again with the budget it left)."""
@@ -327,11 +341,12 @@ class ReferenceScheduler:
                 if st == OK:
                     plan.add(r, n)
                 elif st == SHORT:
-                    plan.blocked.append(r.request_id)
+                    if not self._never_fits(r):
+                        plan.blocked.append(r.request_id)
                     pending = [x for x, _ in batch[i + 1:]] + rest
                     break
 
-    def _resume_and_admit(self, plan: _StepPlan) -> None:
+    def _resume_and_admit(self, plan: StepPlan) -> None:
         """Resume retracted requests, then admit waiting ones (FIFO each; a queue stops at
         the first request that does not fit)."""
         cache = self.cache
@@ -379,8 +394,7 @@ class ReferenceScheduler:
         has stalled; otherwise wait for transfers or the next arrival."""
         cache = self.cache
         if blocked and not cache.in_flight():
-            victim_id = cache.abort_victim(blocked)
-            if victim_id is not None:
+            if cache.abort_victim(blocked) is not None:
                 self._submit()
                 return
         if not cache.in_flight() and not self._pending and not self._waiting and not self._retracted \
@@ -484,17 +498,3 @@ class ReferenceScheduler:
             self._deliver()
             self.cache.advance_step()
             self._submit()
-
-
-@dataclass
-class _StepPlan:
-    """What one step runs: ``(request, tokens)`` items, the token budget left, and the
-    requests that could not get pages."""
-
-    budget: int
-    batch: list[tuple[SchedRequest, int]] = field(default_factory=list)
-    blocked: list[str] = field(default_factory=list)
-
-    def add(self, r: SchedRequest, tokens: int) -> None:
-        self.batch.append((r, tokens))
-        self.budget -= tokens

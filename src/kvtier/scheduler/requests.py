@@ -1,5 +1,6 @@
-"""The requests of the reference scheduler (:class:`SchedRequest`), their checks, and the
-error a run that stops making progress raises (:class:`SchedulerStalled`)."""
+"""The requests of the reference scheduler (:class:`SchedRequest`), their checks, what one
+step runs (:class:`StepPlan`), and the error a run that stops making progress raises
+(:class:`SchedulerStalled`)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import math
 import numbers
 import operator
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.fsm import ConfigError, KvtierError
 
 from ..replay.trace import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, MAX_TIMESTAMP_MS
 
-__all__ = ["SchedRequest", "SchedulerStalled", "MAX_ARRIVAL_S", "as_index", "check_fresh"]
+__all__ = ["SchedRequest", "SchedulerStalled", "StepPlan", "MAX_ARRIVAL_S", "as_index", "check_fresh"]
 
 MAX_ARRIVAL_S = MAX_TIMESTAMP_MS / 1000
 """Latest arrival time accepted, in seconds (1e10 s: the trace reader's ``MAX_TIMESTAMP_MS``)."""
@@ -135,3 +136,17 @@ def check_fresh(requests: Sequence[SchedRequest]) -> int:
         seen.add(r.request_id)
         work += r.prompt_tokens + max(1, r.output_tokens)
     return work
+
+
+@dataclass
+class StepPlan:
+    """What one step runs: ``(request, tokens)`` items, the token budget left (tokens), and
+    the ids of the requests that could not get pages."""
+
+    budget: int
+    batch: list[tuple[SchedRequest, int]] = field(default_factory=list)
+    blocked: list[str] = field(default_factory=list)
+
+    def add(self, r: SchedRequest, tokens: int) -> None:
+        self.batch.append((r, tokens))
+        self.budget -= tokens
