@@ -1,6 +1,6 @@
 """bench/policies.py prints every policy row beside the ideal LRU and records its section.
 
-The ideal LRU oracles live with the peers' harness (``../shared/peers``), which a clone does
+The ideal LRU oracles live with the peers' harness outside the repository, which a clone does
 not have: the test gives the table fixed ideal rates and runs kvtier's rows on the embedded
 trace, so what it checks is kvtier's side of the table and the table's arithmetic."""
 
