@@ -179,6 +179,7 @@ class TransferEngine(PageAccess):
         other = Direction.WRITEBACK if command.direction is Direction.LOADBACK else Direction.LOADBACK
         if self._queue[other]:
             self.planner.check_same_pages(command, self._queue[other])
+        self.planner.queue(command)
         self._queue[command.direction].append(command)
         self._op_layers[op] = op_layers
 
@@ -214,6 +215,7 @@ class TransferEngine(PageAccess):
         self.backend.preflight([p for _, _, p in plans if isinstance(p, FlushPlan)])  # may raise HazardError
         for direction, _ in work:
             self._queue[direction] = []
+            self.planner.unqueue(direction)
         self._stats.begin_flush()
         for direction, cmds, plan in plans:
             if isinstance(plan, FlushPlan):
@@ -401,6 +403,7 @@ class TransferEngine(PageAccess):
             for i, c in enumerate(queue):
                 if c.op_id == op_id:
                     del queue[i]
+                    self.planner.unqueue(direction, queue)
                     self._fail_now(op_id)
                     return "cancelled"
         entry = self._inflight.get(op_id)

@@ -129,7 +129,7 @@ class NumbaBackend(Backend):
                     "host": kernels.span_arrays(host.base_ptr, host.span_bytes, host),
                     "device": kernels.span_arrays(device.base_ptr, device.span_bytes, device),
                 }
-            self._compile_now()
+            self._bind_launcher(self._compile_now())
         else:
             if not kernels.SIMULATOR:
                 raise BackendUnavailable(f"backend 'numba' with a device pool on {device.device} needs the CUDA "
@@ -138,9 +138,10 @@ class NumbaBackend(Backend):
             if self.address_view and host.buffer is not None and device.buffer is not None:
                 self._views = {"host": self._np_views(host), "device": self._np_views(device)}
 
-    def _compile_now(self) -> None:
+    def _compile_now(self) -> tuple[Any, ...]:
         """Compile the kernel for the argument types of real launches with an empty
-        launch (no work item), so that no flush pays Numba's compilation."""
+        launch (no work item), so that no flush pays Numba's compilation; returns the
+        launch's array arguments."""
         scratch = torch.zeros(2 * REF_COLS, dtype=torch.int64, device=self.device.device)
         view = self._k.span_arrays(int(scratch.data_ptr()), int(scratch.numel()) * 8, scratch)
         table = self._k.device_array(scratch)
@@ -148,6 +149,35 @@ class NumbaBackend(Backend):
         self._k.launch_runs(view[0], view[0], view[1], view[1], table, table, 0, 1, 0, self.piece_bytes, 1,
                             self.threads, stream)
         self.streams.stream(Direction.LOADBACK).synchronize()
+        return (view[0], view[0], view[1], view[1], table, table)
+
+    def _bind_launcher(self, sample: tuple[Any, ...]) -> None:
+        """Pre-bind the kernel's launch (:class:`.driver.BoundKernel`, checked by its
+        self-test); when that fails, launches go through Numba (``bound_error`` says why)."""
+        from .driver import BoundKernel
+
+        self.bound_error: str | None = None
+        try:
+            bound = BoundKernel(self._k, sample)
+            err = bound.self_test(self.device.device)
+            if err is not None:
+                raise BackendUnavailable(err)
+            self._bound: BoundKernel | None = bound
+            self._launcher: Any = bound.launch
+            return
+        except Exception as e:  # the ordinary launch still works
+            self.bound_error = f"{type(e).__name__}: {e}"
+            self._bound = None
+        by_handle: dict[int, Any] = {}
+
+        def numba_launch(*args: Any) -> None:
+            handle = args[-1]
+            stream = by_handle.get(handle)
+            if stream is None:
+                stream = by_handle[handle] = self._k.external_stream(handle)
+            self._k.launch_runs(*args[:-1], stream)
+
+        self._launcher = numba_launch
 
     def _np_views(self, pool: _Pool) -> tuple[Any, Any]:
         buf = pool.single_buffer()
@@ -249,9 +279,12 @@ class NumbaBackend(Backend):
     def _launch(self, direction: Direction, src: tuple[Any, Any], dst: tuple[Any, Any], runs: Any, refs: Any,
                 ref_word: int, nrefs: int, items: int) -> int:
         blocks = self._grid(items)
-        stream = self._nb_streams[direction] if self.mode == "gpu" else 0
-        self._k.launch_runs(src[0], dst[0], src[1], dst[1], runs, refs, ref_word, nrefs, items, self.piece_bytes,
-                            blocks, self.threads, stream)
+        if self.mode == "gpu":
+            self._launcher(src[0], dst[0], src[1], dst[1], runs, refs, ref_word, nrefs, items, self.piece_bytes,
+                           blocks, self.threads, int(self.streams.stream(direction).cuda_stream))
+        else:
+            self._k.launch_runs(src[0], dst[0], src[1], dst[1], runs, refs, ref_word, nrefs, items, self.piece_bytes,
+                                blocks, self.threads, 0)
         return blocks
 
     def run_chunk(self, direction: Direction, plan: FlushPlan, chunk: ChunkPlan,
@@ -329,6 +362,9 @@ class NumbaBackend(Backend):
             self.streams.synchronize()
 
     def describe(self) -> dict[str, object]:
+        bound = getattr(self, "_bound", None)
         return {"name": self.name, "mode": self.mode, "blocks": self.blocks, "threads": self.threads,
                 "piece_bytes": self.piece_bytes, "address_view": self._views is not None,
-                "sm_count": self.sm_count}
+                "sm_count": self.sm_count, "bound_launch": bound is not None,
+                "bound_error": getattr(self, "bound_error", None),
+                "bound_launches": bound.launches if bound is not None else 0}

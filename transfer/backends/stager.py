@@ -48,14 +48,25 @@ class Stager:
                         for d, r in self.rings.items()}
         self.views: dict[Direction, list[Any]] = {}
         self.copy_streams: dict[Direction, Any] = {}
+        self._ready: dict[Direction, list[Any]] = {}
+        self._free: dict[Direction, list[Any]] = {}
+        self._sent: dict[Any, Any] = {}
+        self._start: dict[Direction, Any] = {}
         for d, r in self.rings.items():
             buf = self.buffers[d]
             sb = r.slot_bytes
             if b.mode == "gpu":
+                from .driver import RawEvent, driver
+
+                self.drv = driver()
                 ptr = int(buf.data_ptr())
                 self.views[d] = [b._k.span_arrays(ptr + j * sb, sb, buf) for j in range(r.slots)]
                 self.copy_streams[d] = torch.cuda.Stream(device=b.device.device,  # type: ignore[no-untyped-call]
                                                          priority=b.streams.stream(d).priority)
+                # per slot: the hand-over between the kernel and copy streams, and its last use
+                self._ready[d] = [RawEvent(self.drv) for _ in range(r.slots)]
+                self._free[d] = [RawEvent(self.drv) for _ in range(r.slots)]
+                self._start[d] = RawEvent(self.drv)
             else:
                 u8 = buf.numpy()
                 self.views[d] = [b._sim_views(u8[j * sb:(j + 1) * sb]) for j in range(r.slots)]
@@ -106,45 +117,57 @@ class Stager:
         key = ("stage", direction, parity)
         sp.host = b._staging(key, max(words, 1))
         sp.host[sp.refs_word:words] = sp.packed[sp.refs_word:]
-        sp.owner = torch.empty(max(words, 1), dtype=torch.int64, device=b.device.device)
+        with torch.cuda.stream(b.streams.stream(direction)):  # freed memory is reused in this stream's order
+            sp.owner = torch.empty(max(words, 1), dtype=torch.int64, device=b.device.device)
         sp.table = b._k.device_array(sp.owner)
         sp.key = key
         self._send(direction, sp, sp.refs_word, words)
 
     def _send(self, direction: Direction, sp: StagePlan, w0: int, w1: int) -> None:
-        """Copy words ``[w0, w1)`` of the pinned table to the device, on the kernel stream."""
-        import torch
-
+        """Copy words ``[w0, w1)`` of the pinned table to the device, on the kernel
+        stream (one ``cuMemcpyAsync``); the pinned buffer is written again only after
+        the event recorded behind it (:meth:`NumbaBackend._staging` waits for it)."""
         if w1 <= w0:
             return
         b = self.b
-        main = b.streams.stream(direction)
-        with torch.cuda.stream(main):
-            sp.owner[w0:w1].copy_(b._stage[sp.key][w0:w1], non_blocking=True)
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record(main)
-        b._stage_event[sp.key] = ev  # the pinned buffer is written again only after this copy
+        main = int(b.streams.stream(direction).cuda_stream)
+        self.drv.copy(int(sp.owner.data_ptr()) + 8 * w0, int(sp.host.ctypes.data) + 8 * w0, 8 * (w1 - w0), main)
+        ev = self._sent.get(sp.key)
+        if ev is None:
+            from .driver import RawEvent
+
+            ev = self._sent[sp.key] = RawEvent(self.drv)
+        self.drv.record(ev, main)
+        b._stage_event[sp.key] = ev
 
     # -- issuing --------------------------------------------------------------------------
     def begin(self, direction: Direction) -> None:
         """Order the direction's copy stream after its kernel stream (the flush's start)."""
         if self.b.mode == "gpu":
-            self.copy_streams[direction].wait_stream(self.b.streams.stream(direction))
+            ev = self._start[direction]
+            self.drv.record(ev, int(self.b.streams.stream(direction).cuda_stream))
+            self.drv.wait(int(self.copy_streams[direction].cuda_stream), ev)
 
     def _copies(self, direction: Direction, piece: StagePiece, slot_addr: int, stream: int) -> int:
         """Issue a piece's copies; returns the copies made."""
         b = self.b
         host0 = b.host.base_ptr
+        loadback = direction is Direction.LOADBACK
+        gpu = b.mode == "gpu"
         one = [c for c in piece.copies if c.width == c.pitch]
-        if one:
+        if gpu and len(one) <= 4:  # a few contiguous extents: one plain copy each
+            for c in one:
+                h, s = host0 + c.host, slot_addr + c.stage
+                self.drv.copy(s if loadback else h, h if loadback else s, c.nbytes, stream)
+        elif one:
             h = np.array([host0 + c.host for c in one], dtype=np.uint64)
             s = np.array([slot_addr + c.stage for c in one], dtype=np.uint64)
             n = np.array([c.nbytes for c in one], dtype=np.uint64)
-            dst, src = (s, h) if direction is Direction.LOADBACK else (h, s)
+            dst, src = (s, h) if loadback else (h, s)
             b.copier.copy(direction, dst, src, n, stream)
         for c in piece.copies:
             if c.width != c.pitch:
-                if direction is Direction.LOADBACK:
+                if loadback:
                     b.copier.copy2d(direction, slot_addr + c.stage, c.width, host0 + c.host, c.pitch, c.width, c.rows,
                                     stream)
                 else:
@@ -155,65 +178,87 @@ class Stager:
     def issue(self, direction: Direction, plan: FlushPlan, sp: StagePlan,
               chunk_index: int) -> tuple[int, int, int, int]:
         """Issue a chunk's pieces: (bytes, copies, ring waits, kernel launches)."""
-        import torch
-
+        if self.b.mode == "gpu":
+            return self._issue_gpu(direction, plan, sp, chunk_index)
         from .base import DoneEvent
-        from .cuda_streams import CudaEvent
 
         b = self.b
         ring = self.rings[direction]
-        gpu = b.mode == "gpu"
-        main: Any = b.streams.stream(direction) if gpu else None
-        cs: Any = self.copy_streams[direction] if gpu else None
-        handle = int(cs.cuda_stream) if gpu else 0
-        nb_stream = b._nb_streams[direction] if gpu else 0
         dev_view = b._views["device"]
         copies = waits = launches = 0
-        last: Any = None
         for piece in sp.pieces.get(chunk_index, []):
-            if not piece.built:  # this piece's runs: built and uploaded now, the earlier pieces already run
-                w0, w1 = fill_runs(direction, plan, piece, sp.host)
-                if gpu:
-                    self._send(direction, sp, w0, w1)
+            if not piece.built:
+                fill_runs(direction, plan, piece, sp.host)
             slot, busy = ring.take()
             waits += busy is not None
             slot_addr = int(self.buffers[direction].data_ptr()) + slot * ring.slot_bytes
             view = self.views[direction][slot]
             grid = b._grid(piece.items)
             if direction is Direction.LOADBACK:
-                if gpu and busy is not None:
-                    cs.wait_event(busy.event)
-                copies += self._copies(direction, piece, slot_addr, handle)
-                if gpu:
-                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    ev.record(cs)
-                    main.wait_event(ev)
+                copies += self._copies(direction, piece, slot_addr, 0)
                 if piece.items:
                     b._k.launch_runs(view[0], dev_view[0], view[1], dev_view[1], sp.table, sp.table, piece.ref_word,
-                                     piece.refs, piece.items, b.piece_bytes, grid, b.threads, nb_stream)
+                                     piece.refs, piece.items, b.piece_bytes, grid, b.threads, 0)
                     launches += 1
-                done_on = main
             else:
-                if gpu and busy is not None:
-                    main.wait_event(busy.event)
                 if piece.items:
                     b._k.launch_runs(dev_view[0], view[0], dev_view[1], view[1], sp.table, sp.table, piece.ref_word,
-                                     piece.refs, piece.items, b.piece_bytes, grid, b.threads, nb_stream)
+                                     piece.refs, piece.items, b.piece_bytes, grid, b.threads, 0)
                     launches += 1
-                if gpu:
-                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    ev.record(main)
-                    cs.wait_event(ev)
-                copies += self._copies(direction, piece, slot_addr, handle)
-                done_on = cs
-            if gpu:
-                last = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                last.record(done_on)
-                ring.release(slot, CudaEvent(last))
+                copies += self._copies(direction, piece, slot_addr, 0)
+            ring.release(slot, DoneEvent())
+        return sp.bytes.get(chunk_index, 0), copies, waits, launches
+
+    def _issue_gpu(self, direction: Direction, plan: FlushPlan, sp: StagePlan,
+                   chunk_index: int) -> tuple[int, int, int, int]:
+        """:meth:`issue` on a GPU: raw driver calls only (:mod:`.driver`): per piece its
+        table words (one copy), at most one launch, its copies and three event records
+        or waits, all on pre-made events."""
+        b = self.b
+        drv = self.drv
+        ring = self.rings[direction]
+        main = int(b.streams.stream(direction).cuda_stream)
+        cs = int(self.copy_streams[direction].cuda_stream)
+        ready, free = self._ready[direction], self._free[direction]
+        base = int(self.buffers[direction].data_ptr())
+        dev_view = b._views["device"]
+        launch = b._launcher
+        loadback = direction is Direction.LOADBACK
+        copies = waits = launches = 0
+        last = -1
+        for piece in sp.pieces.get(chunk_index, []):
+            if not piece.built:  # this piece's runs: built and uploaded now, the earlier pieces already run
+                w0, w1 = fill_runs(direction, plan, piece, sp.host)
+                self._send(direction, sp, w0, w1)
+            slot, busy = ring.take()
+            if busy is not None:
+                waits += 1
+                drv.wait(cs if loadback else main, busy)
+            slot_addr = base + slot * ring.slot_bytes
+            view = self.views[direction][slot]
+            grid = b._grid(piece.items)
+            if loadback:
+                copies += self._copies(direction, piece, slot_addr, cs)
+                drv.record(ready[slot], cs)
+                drv.wait(main, ready[slot])
+                if piece.items:
+                    launch(view[0], dev_view[0], view[1], dev_view[1], sp.table, sp.table, piece.ref_word,
+                           piece.refs, piece.items, b.piece_bytes, grid, b.threads, main)
+                    launches += 1
+                drv.record(free[slot], main)
             else:
-                ring.release(slot, DoneEvent())
-        if gpu and last is not None and direction is Direction.WRITEBACK:
-            main.wait_event(last)  # the chunk's event (recorded on the kernel stream) covers the copies
+                if piece.items:
+                    launch(dev_view[0], view[0], dev_view[1], view[1], sp.table, sp.table, piece.ref_word,
+                           piece.refs, piece.items, b.piece_bytes, grid, b.threads, main)
+                    launches += 1
+                drv.record(ready[slot], main)
+                drv.wait(cs, ready[slot])
+                copies += self._copies(direction, piece, slot_addr, cs)
+                drv.record(free[slot], cs)
+            ring.release(slot, free[slot])
+            last = slot
+        if last >= 0 and not loadback:
+            drv.wait(main, free[last])  # the chunk's event (recorded on the kernel stream) covers the copies
         return sp.bytes.get(chunk_index, 0), copies, waits, launches
 
     def synchronize(self) -> None:

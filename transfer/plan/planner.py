@@ -84,6 +84,10 @@ class Planner:
         self._unit: dict[str, bool] = {}
         self._mark: dict[tuple[int, str], npt.NDArray[np.int32]] = {}
         self._iota = np.arange(1024, dtype=np.int32)
+        # pages of the commands queued for the next flush (Planner.queue): per
+        # (direction, side, group) a mark per pool page, and what set them
+        self._qmark: dict[tuple[Direction, str, str], npt.NDArray[np.bool_]] = {}
+        self._qtouched: dict[Direction, list[tuple[str, str, I64]]] = {}
         self.counters = {"plan_hits": 0, "plan_misses": 0, "address_hits": 0, "address_misses": 0}
 
     # -- conversions --------------------------------------------------------------------
@@ -111,6 +115,42 @@ class Planner:
         self._addr.clear()
 
     # -- checks -------------------------------------------------------------------------
+    def _pages_of(self, command: Command) -> list[tuple[str, I64, I64]]:
+        """(group, device pages, host pages) of each transfer of ``command`` with pages."""
+        load = command.direction is Direction.LOADBACK
+        out = []
+        for t in command.transfers:
+            if len(t.src_pages):
+                s, d = self.arrays(t)
+                out.append((t.group, d if load else s, s if load else d))
+        return out
+
+    def _marks(self, direction: Direction, side: str, group: str) -> npt.NDArray[np.bool_]:
+        key = (direction, side, group)
+        mark = self._qmark.get(key)
+        if mark is None:
+            pool = self.device if side == "device" else self.host
+            mark = self._qmark[key] = np.zeros(pool.pages(group), dtype=np.bool_)
+        return mark
+
+    def queue(self, command: Command) -> None:
+        """Record the pages of a command queued for the next flush (what
+        :meth:`check_same_pages` compares the other direction's commands with): one
+        scatter per page array, O(pages)."""
+        touched = self._qtouched.setdefault(command.direction, [])
+        for group, dev, host in self._pages_of(command):
+            for side, pages in (("device", dev), ("host", host)):
+                self._marks(command.direction, side, group)[pages] = True
+                touched.append((side, group, pages))
+
+    def unqueue(self, direction: Direction, remaining: Sequence[Command] = ()) -> None:
+        """Forget the queued pages of ``direction`` (its queue was flushed, or a command
+        was taken out of it: then ``remaining`` are the commands still queued)."""
+        for side, group, pages in self._qtouched.pop(direction, []):
+            self._marks(direction, side, group)[pages] = False
+        for c in remaining:
+            self.queue(c)
+
     def check_same_pages(self, command: Command, others: Sequence[Command]) -> None:
         """Refuse ``command`` when it and a command of the other direction queued for the
         same flush touch one page that either writes: a device page a loadback writes
@@ -118,38 +158,33 @@ class Planner:
         Loadbacks and writebacks run on two unordered streams, so the read would see the
         page before or after the write, by chance.
 
+        ``others`` are the other direction's queued commands, each recorded with
+        :meth:`queue`: the check reads their running page marks (one gather per page
+        array, O(pages of ``command``), whatever the queue's length); ``others`` is
+        searched only to name the op of a refused command.
+
         Raises:
             UsageError: naming the page, its side and cache group, and both op ids.
         """
         if not others:
             return
         mine_load = command.direction is Direction.LOADBACK
-        groups = {t.group for t in command.transfers if len(t.src_pages)}
-        theirs: dict[str, list[tuple[int, I64, I64]]] = {}
-        for o in others:
-            for u in o.transfers:
-                if u.group in groups and len(u.src_pages):
-                    us, ud = self.arrays(u)
-                    theirs.setdefault(u.group, []).append((o.op_id, us, ud))
-        for t in command.transfers:
-            items = theirs.get(t.group)
-            if not items or not len(t.src_pages):
-                continue
-            s, d = self.arrays(t)
-            # device: the loadback's destination and the writeback's source;
-            # host: the writeback's destination and the loadback's source
-            for side, mine, k in (("device", d if mine_load else s, 1 if mine_load else 2),
-                                  ("host", s if mine_load else d, 2 if mine_load else 1)):
-                other = np.concatenate([it[k] for it in items]) if len(items) > 1 else items[0][k]
-                hit = np.intersect1d(mine, other)
-                if not hit.size:
+        other_dir = Direction.WRITEBACK if mine_load else Direction.LOADBACK
+        for group, dev, host in self._pages_of(command):
+            for side, mine in (("device", dev), ("host", host)):
+                mark = self._qmark.get((other_dir, side, group))
+                if mark is None:
                     continue
-                page = int(hit[0])
-                op = next(it[0] for it in items if np.any(it[k] == page))
+                hit = mark[mine]
+                if not hit.any():
+                    continue
+                page = int(mine[int(np.argmax(hit))])
+                op = next((o.op_id for o in others for g, od, oh in self._pages_of(o)
+                           if g == group and np.any((od if side == "device" else oh) == page)), -1)
                 writes = (side == "device") == mine_load
                 load, wb = (command.op_id, op) if mine_load else (op, command.op_id)
                 raise UsageError(
-                    f"op {command.op_id}: {side} page {page} of cache group {t.group!r} is "
+                    f"op {command.op_id}: {side} page {page} of cache group {group!r} is "
                     f"{'written' if writes else 'read'} by it and {'read' if writes else 'written'} by op {op} "
                     f"queued for the same flush (loadback {load}, writeback {wb}): the loadback and "
                     f"writeback streams are unordered; flush one before submitting the other")
