@@ -470,8 +470,8 @@ def serving_table(reps: int, blocks: int, threads: int, calibration: Calibration
             continue
         row: dict[str, Any] = {"name": name, "page_bytes": sorted({c.page_bytes for s in specs for c in s.components})}
         setups: dict[str, ServingSetup] = {}
-        for label, layout, chunk_layers in (("old", "layer", 4), ("staging", "page", 4),
-                                            ("staging_one_chunk", "page", LAYERS)):
+        for label, layout, chunk_layers, staging_bytes in (("old", "layer", 4, None), ("staging", "page", 4, None),
+                                                           ("staging_64", "page", 4, 384 * MiB)):
             try:
                 if layout not in setups:
                     setups.clear()
@@ -482,18 +482,24 @@ def serving_table(reps: int, blocks: int, threads: int, calibration: Calibration
                                         "calibration": calibration if calibration is not None else "default"}
                 if layout == "page":
                     opts["staging_one_way"] = True  # the staging path alone, each way too
+                    if staging_bytes is not None:
+                        opts["staging_bytes"] = staging_bytes
                 eng = TransferEngine(specs, setup.host, setup.dev, "hybrid", backend_options=opts,
                                      chunk_layers=chunk_layers)
                 r: dict[str, Any] = {"pages": setup.n, "bytes": setup.bytes, "chunk_layers": chunk_layers}
                 for key, dirs in (("h2d", (L,)), ("d2h", (W,)), ("both", (L, W))):
                     r[key] = measure_serving(setup, eng, dirs, reps)
                 r["correct"] = setup.check()
-                r["staging"] = eng.stats()["backend"].get("staging")
+                desc = eng.stats()["backend"]
+                r["staging"] = desc.get("staging")
+                r["bound_launch"], r["bound_error"] = desc.get("bound_launch"), desc.get("bound_error")
                 row[label] = r
                 print(f"serving {name:>16} {label:>7}: H2D {r['h2d']['gbps']:.1f} (dev {r['h2d']['device_gbps']:.1f}, "
                       f"host {r['h2d']['host_to_flush_end_ms']:.2f} ms, first issue "
                       f"{r['h2d']['host_to_first_issue_ms']:.2f} ms) D2H {r['d2h']['gbps']:.1f} (dev "
-                      f"{r['d2h']['device_gbps']:.1f}) both {r['both']['gbps']:.1f} (dev {r['both']['device_gbps']:.1f}) "
+                      f"{r['d2h']['device_gbps']:.1f}) both {r['both']['gbps']:.1f} (dev {r['both']['device_gbps']:.1f}, host "
+                      f"{r['both']['host_to_flush_end_ms']:.2f} ms, first {r['both']['host_to_first_issue_ms']:.2f} ms) "
+                      f"bound {r['bound_launch']} "
                       f"ok {r['correct']} split {r['both']['split']}", flush=True)
                 eng.synchronize()
                 del eng
@@ -788,6 +794,42 @@ def profile_warm(reps: int = 20, backend: str = "hybrid") -> None:
         torch.cuda.empty_cache()
 
 
+def profile_serving(reps: int = 10) -> None:
+    """cProfile of the serving path's both-ways flush (page-major host, staging, new page
+    lists every flush) for 4 KiB pages and the DeepSeek V4 mix: where the host's time
+    to issue goes, per flush and per staged piece (printed)."""
+    import cProfile
+    import pstats
+
+    for name, specs in (("4 KiB", _one("kv", 4096)), ("V4 mix", dsv4_specs())):
+        setup = ServingSetup(specs, "page")
+        eng = TransferEngine(specs, setup.host, setup.dev, "hybrid",
+                             backend_options={"calibration": "default", "staging_one_way": True})
+        measure_serving(setup, eng, (L, W), 1)
+        prof = cProfile.Profile()
+        host = []
+        for _ in range(reps):
+            lists = setup.page_lists((L, W))
+            torch.cuda.synchronize()
+            prof.enable()
+            t0 = time.perf_counter()
+            for c in setup.commands(lists):
+                eng.submit(c)
+            eng.flush()
+            host.append(time.perf_counter() - t0)
+            prof.disable()
+            eng.synchronize()
+            eng.poll_completions()
+        lf = eng.stats()["last_flush"]
+        pieces = sum(lf[d]["kernel_launches"] for d in lf)
+        print(f"== profile, serving both ways {name}: host to the end of flush() {1e3 * statistics.median(host):.2f} ms "
+              f"(profiled), {pieces} staged pieces; split {lf}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        eng.synchronize()
+        del setup, eng
+        torch.cuda.empty_cache()
+
+
 def junit_summary(path: str) -> dict[str, Any]:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
@@ -876,6 +918,7 @@ def main() -> int:
         sanitize_workload()
         return 0
     if args.profile:
+        profile_serving()
         profile_warm(backend=args.backend)
         return 0
     if args.study_only:

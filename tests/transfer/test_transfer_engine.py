@@ -354,3 +354,21 @@ def test_import_does_not_load_numba() -> None:
             "e = t.TransferEngine; b = t.NumbaBackend; assert 'numba' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_cancel_or_flush_of_a_queued_op_frees_its_pages_for_the_other_direction() -> None:
+    eng = _engine()
+    eng.submit(_lb(3, (5,), (6,)))
+    eng.submit(_lb(5, (7,), (8,)))
+    wb = TransferCommand(4, W, (GroupTransfer("kv", (6,), (10,)),), ())
+    with pytest.raises(UsageError, match=r"op 4: device page 6 of cache group 'kv' is read by it and written by op 3"):
+        eng.submit(wb)
+    assert eng.cancel(3) == "cancelled"
+    eng.submit(wb)  # op 3 left the queue: its device page 6 is free
+    with pytest.raises(UsageError, match=r"op 9: device page 8 .* written by op 5"):
+        eng.submit(TransferCommand(9, W, (GroupTransfer("kv", (8,), (11,)),), ()))
+    eng.flush()
+    eng.backend.complete_all()  # type: ignore[attr-defined]
+    eng.poll_completions()
+    eng.submit(TransferCommand(9, W, (GroupTransfer("kv", (8,), (11,)),), ()))  # flushed: free again
+    assert eng.queued == (9,)

@@ -153,6 +153,46 @@ def test_gpu_staged_acks_follow_the_copies_both_ways() -> None:
             assert torch.equal(host.region("kv", c, layer)[torch.as_tensor(wb[1])], d)
         last = eng.stats()["last_flush"]
         assert last["loadback"]["stage_bytes"] == n * 4 * 8192 == last["writeback"]["stage_bytes"]
+    backend = eng.stats()["backend"]
+    assert backend["bound_launch"] is True, backend["bound_error"]
+    assert backend["bound_launches"] > 0
+
+
+def test_gpu_bound_launch_copies_what_the_numba_launch_copies() -> None:
+    """The pre-bound launch (cuLaunchKernel with cached parameter words) against
+    Numba's own launch of the same kernel: random rows, odd offsets and lengths, two
+    grids; and after a new table (new parameter words) again."""
+    from kvtier.transfer.backends import kernels
+    from kvtier.transfer.backends.driver import BoundKernel
+
+    rng = np.random.default_rng(11)
+    n = 1 << 20
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    outs = [torch.zeros_like(src), torch.zeros_like(src)]
+    views = [kernels.span_arrays(int(t.data_ptr()), n, t) for t in (src, *outs)]
+    bound = None
+    for rep in range(2):
+        for t in outs:
+            t.zero_()
+        k = 300
+        lens = rng.integers(1, 3000, k)
+        dst = np.cumsum(lens) - lens + rng.integers(0, 7, k).cumsum()
+        rows = np.stack([rng.integers(0, n - 3000, k), dst, lens], axis=1).astype(np.int64)
+        runs, refs, piece = kernels.rows_as_runs(rows)
+        rt, ft = torch.from_numpy(runs).cuda(), torch.from_numpy(refs).cuda()
+        rn, fn = kernels.device_array(rt), kernels.device_array(ft)
+        sv, av, bv = views
+        if bound is None:
+            bound = BoundKernel(kernels, (sv[0], bv[0], sv[1], bv[1], rn, fn))
+            assert bound.self_test(src.device) is None
+        blocks = 3 + 5 * rep
+        kernels.launch_runs(sv[0], av[0], sv[1], av[1], rn, fn, 0, 1, k, piece, blocks, 256, 0)
+        bound.launch(sv[0], bv[0], sv[1], bv[1], rn, fn, 0, 1, k, piece, blocks, 256,
+                     int(torch.cuda.current_stream().cuda_stream))
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], outs[1])
+        r = rows[0]
+        assert torch.equal(outs[1][int(r[1]):int(r[1] + r[2])], src[int(r[0]):int(r[0] + r[2])])
 
 
 def test_gpu_one_launch_covers_separately_allocated_tensors() -> None:

@@ -273,3 +273,55 @@ def test_run_table_random_plans_match_the_row_table(data: st.DataObject) -> None
         rows = expand_run_table(rt, chunk.index)
         assert (rows[:, 2] > 0).all() and (rows[:, 2] <= piece).all()
         assert np.array_equal(_apply(rows, host, dev), _apply(p.table(plan, chunk, piece), host, dev))
+
+
+def test_check_same_pages_reads_running_marks_of_the_queued_pages() -> None:
+    from kvtier.fsm import UsageError
+
+    p = _planner()
+    queued = []
+    for op in range(40):  # forty queued writebacks: device page op % 16 read, host page op written
+        c = _cmd(op, W, ("kv", [op % 16], [op]))
+        p.check_same_pages(c, [])
+        p.queue(c)
+        queued.append(c)
+    seen: list[int] = []
+    real = p._pages_of
+    p._pages_of = lambda c: (seen.append(c.op_id), real(c))[1]  # type: ignore[method-assign]
+    # no conflict: only the new command's own pages are read, not the queue's
+    p.check_same_pages(_cmd(103, L, ("kv", [50, 51], [20, 21]), ("c", [3], [4])), queued)
+    assert seen == [103]
+    # a conflict: the queue is searched only to name the op
+    with pytest.raises(UsageError, match=r"op 100: device page 15 of cache group 'kv' is written by it and read "
+                                         r"by op 15 queued for the same flush \(loadback 100, writeback 15\)"):
+        p.check_same_pages(_cmd(100, L, ("kv", [50, 51], [20, 15]), ("c", [0], [5])), queued)
+    p._pages_of = real  # type: ignore[method-assign]
+    # host side: a loadback reading a host page a queued writeback writes
+    with pytest.raises(UsageError, match=r"op 104: host page 12 of cache group 'kv' is read by it and written by op 12"):
+        p.check_same_pages(_cmd(104, L, ("kv", [12], [20])), queued)
+    # another group's pages never conflict with these
+    p.check_same_pages(_cmd(105, L, ("c", [12], [15])), queued)
+
+
+def test_unqueue_clears_the_marks_and_keeps_the_remaining_commands() -> None:
+    from kvtier.fsm import UsageError
+
+    p = _planner()
+    a, b = _cmd(1, W, ("kv", [3], [10])), _cmd(2, W, ("kv", [4], [11]))
+    for c in (a, b):
+        p.queue(c)
+    lb = _cmd(5, L, ("kv", [20], [3]))
+    with pytest.raises(UsageError, match=r"device page 3 .* by op 1 "):
+        p.check_same_pages(lb, [a, b])
+    p.unqueue(W, [b])  # op 1 taken out of the queue (a cancel): op 2 stays
+    p.check_same_pages(lb, [b])
+    with pytest.raises(UsageError, match=r"device page 4 .* by op 2 "):
+        p.check_same_pages(_cmd(6, L, ("kv", [20], [4])), [b])
+    p.unqueue(W)  # flushed: nothing queued any more
+    for side in ("device", "host"):
+        assert not p._marks(W, side, "kv").any()
+    p.check_same_pages(_cmd(7, L, ("kv", [11], [4])), [])
+    # the same pages once more in a later flush are refused again
+    p.queue(b)
+    with pytest.raises(UsageError, match=r"host page 11 .* written by op 2"):
+        p.check_same_pages(_cmd(8, L, ("kv", [11], [9])), [b])
