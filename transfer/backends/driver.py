@@ -163,7 +163,7 @@ class BoundKernel:
         if len(self._types) != _ARRAYS + _SCALARS:
             raise BackendUnavailable(f"copy_runs has {len(self._types)} arguments, expected {_ARRAYS + _SCALARS}")
         cufunc = self._kernel._codelibrary.get_cufunc()
-        handle = int(getattr(cufunc.handle, "getPtr", lambda: int(cufunc.handle))())
+        handle = int(cufunc.handle)  # a cuda.bindings handle: int() is its value
         fn = ctypes.c_void_p()
         # a library kernel (CUkernel): its function in the current context
         if self.drv.kernel_function(ctypes.byref(fn), handle) == 0 and fn.value:
