@@ -46,7 +46,7 @@ from .arrays import ArrayCommand
 from .backends import Backend, TransferEvent, make_backend
 from .errors import TransferError
 from .layers import LayerCounter, OpLayers
-from .plan import FlushPlan, Planner, layers_for
+from .plan import ChunkPlan, FlushPlan, Planner, layers_for
 from .pools import DevicePool, HostPool, _Pool
 from .stats import DirectionStats, TransferStats
 
@@ -192,7 +192,9 @@ class TransferEngine(PageAccess):
     def flush(self) -> None:
         """Issue every queued command: loadbacks first (merged, in layer chunks, on the
         loadback stream), then writebacks (merged, one chunk, on the writeback stream),
-        each stream ordered after the current (compute) stream. Returns without waiting.
+        each stream ordered after the current (compute) stream; with a backend whose
+        ``interleave_directions`` is True (the hybrid backend with its staging path),
+        one chunk of each direction in turn. Returns without waiting.
 
         A copy that raises fails its operations (``Completion(ok=False)`` from
         :meth:`poll_completions`), never the caller.
@@ -217,25 +219,53 @@ class TransferEngine(PageAccess):
             self._queue[direction] = []
             self.planner.unqueue(direction)
         self._stats.begin_flush()
+        flights: list[tuple[_Flight, tuple[int, ...]]] = []
         for direction, cmds, plan in plans:
             if isinstance(plan, FlushPlan):
-                self._issue(direction, cmds, plan)
+                f = self._open(direction, cmds, plan)
+                if f is not None:
+                    flights.append(f)
             else:
                 for c in cmds:
                     self._fail_now(c.op_id)
+        if self.backend.interleave_directions and len(flights) > 1:
+            turns = [(f, ops, iter(f.plan.chunks)) for f, ops in flights]
+            started: set[int] = set()
+            while turns:
+                keep = []
+                for f, ops, chunks in turns:
+                    if id(f) not in started:
+                        started.add(id(f))
+                        if not self._start(f, ops):
+                            continue
+                    chunk = next(chunks, None)
+                    if chunk is not None and self._issue_chunk(f, chunk, ops):
+                        keep.append((f, ops, chunks))
+                turns = keep
+        else:
+            for f, ops in flights:
+                if self._start(f, ops):
+                    for chunk in f.plan.chunks:
+                        if not self._issue_chunk(f, chunk, ops):
+                            break
+        for f, _ in flights:
+            self._stats.issued(f.direction, f.stats)
 
     def _fail_now(self, op_id: int) -> None:
         self._ready.append(Completion(op_id, self.rank, False))
         self._op_layers.pop(op_id, None)
         self._remember(op_id)
 
-    def _issue(self, direction: Direction, cmds: list[TransferCommand | ArrayCommand], plan: FlushPlan) -> None:
+    def _open(self, direction: Direction, cmds: list[TransferCommand | ArrayCommand],
+              plan: FlushPlan) -> tuple[_Flight, tuple[int, ...]] | None:
+        """Fail the plan's rejected commands; register a flight for the rest (None when
+        none is left)."""
         for i, reason in plan.rejected.items():
             log.warning("transfer: op %d rejected: %s", cmds[i].op_id, reason)
             self._fail_now(cmds[i].op_id)
         ok_cmds = [c for i, c in enumerate(cmds) if i not in plan.rejected]
         if not ok_cmds:
-            return
+            return None
         flight = _Flight(direction, plan, LayerCounter(len(plan.chunks)), issued_at=time.perf_counter())
         chunk_layers = [c.layers for c in plan.chunks]
         for c in ok_cmds:
@@ -245,52 +275,58 @@ class TransferEngine(PageAccess):
                 ol = OpLayers(c.op_id, [])
             flight.ops.append(ol)
             self._inflight[c.op_id] = (flight, ol)
-        ds = DirectionStats(flushes=1, ops=len(ok_cmds), pages=plan.pages, spans=plan.spans)
-        flight.stats = ds
+        flight.stats = DirectionStats(flushes=1, ops=len(ok_cmds), pages=plan.pages, spans=plan.spans)
         self._flights.append(flight)
-        if plan.chunks:
-            self._issue_chunks(flight, tuple(c.op_id for c in ok_cmds))
-        self._stats.issued(direction, ds)
+        return flight, tuple(c.op_id for c in ok_cmds)
 
-    def _issue_chunks(self, flight: _Flight, op_ids: tuple[int, ...]) -> None:
+    def _start(self, flight: _Flight, op_ids: tuple[int, ...]) -> bool:
+        """The backend's host work for the flight, then its start event; False when
+        there is nothing to issue or starting failed (the ops then fail)."""
+        if not flight.plan.chunks:
+            return False
+        try:
+            self.backend.prepare(flight.direction, flight.plan)  # host work first: not inside the timed region
+            flight.start = self.backend.begin(flight.direction)
+        except Exception as e:
+            log.exception("transfer: starting %s on the %s stream failed", op_ids, flight.direction.value)
+            flight.counter.error = e
+            return False
+        return True
+
+    def _issue_chunk(self, flight: _Flight, chunk: ChunkPlan, op_ids: tuple[int, ...]) -> bool:
+        """Issue one chunk and record its event; False after a failure (the flight's
+        later chunks are not issued, its ops fail)."""
         direction, plan, counter, ds = flight.direction, flight.plan, flight.counter, flight.stats
         try:
-            self.backend.prepare(direction, plan)  # host work first: not inside the timed device region
-            flight.start = self.backend.begin(direction)
+            counts = self.backend.run_chunk(direction, plan, chunk, op_ids)
+            ev = self.backend.record(direction)
         except Exception as e:
-            log.exception("transfer: starting %s on the %s stream failed", op_ids, direction.value)
+            log.exception("transfer: %s chunk %d of ops %s failed", direction.value, chunk.index, op_ids)
             counter.error = e
-            return
-        for chunk in plan.chunks:
-            try:
-                counts = self.backend.run_chunk(direction, plan, chunk, op_ids)
-                ev = self.backend.record(direction)
-            except Exception as e:
-                log.exception("transfer: %s chunk %d of ops %s failed", direction.value, chunk.index, op_ids)
-                counter.error = e
-                try:  # the ack waits for whatever was issued before the failure
-                    counter.events.append(self.backend.record(direction))
-                except Exception:
-                    pass
-                return
-            counter.events.append(ev)
-            counter.issued_chunks += 1
-            ds.chunks += 1
-            ds.tensor_refs += chunk.tensor_refs
-            ds.rows += chunk.rows
-            ds.copy_calls += counts.copy_calls
-            ds.kernel_launches += counts.kernel_launches
-            ds.bytes += chunk.nbytes
-            ds.sm_bytes += counts.sm_bytes
-            ds.sm_copies += counts.sm_copies
-            ds.ce_bytes += counts.ce_bytes
-            ds.ce_copies += counts.ce_copies
-            ds.ce_calls += counts.ce_calls
-            ds.waits += counts.waits
-            ds.stage_bytes += counts.stage_bytes
-            ds.stage_copies += counts.stage_copies
-            ds.ring_waits += counts.ring_waits
-            ds.max_blocks = max(ds.max_blocks, counts.thread_blocks)
+            try:  # the ack waits for whatever was issued before the failure
+                counter.events.append(self.backend.record(direction))
+            except Exception:
+                pass
+            return False
+        counter.events.append(ev)
+        counter.issued_chunks += 1
+        ds.chunks += 1
+        ds.tensor_refs += chunk.tensor_refs
+        ds.rows += chunk.rows
+        ds.copy_calls += counts.copy_calls
+        ds.kernel_launches += counts.kernel_launches
+        ds.bytes += chunk.nbytes
+        ds.sm_bytes += counts.sm_bytes
+        ds.sm_copies += counts.sm_copies
+        ds.ce_bytes += counts.ce_bytes
+        ds.ce_copies += counts.ce_copies
+        ds.ce_calls += counts.ce_calls
+        ds.waits += counts.waits
+        ds.stage_bytes += counts.stage_bytes
+        ds.stage_copies += counts.stage_copies
+        ds.ring_waits += counts.ring_waits
+        ds.max_blocks = max(ds.max_blocks, counts.thread_blocks)
+        return True
 
     # -- completions ------------------------------------------------------------------------
     def poll_completions(self) -> list[Completion]:

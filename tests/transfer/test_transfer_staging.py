@@ -207,6 +207,41 @@ def test_both_directions_in_one_flush_are_staged_and_exact() -> None:
 
 
 @needs_sim
+def test_both_ways_flush_takes_the_directions_in_turn_one_chunk_each() -> None:
+    """With the staging path the writeback is prepared and issued after the loadback's
+    first chunk, not after its last; layer completions still follow the chunks."""
+    specs = kv_specs(layers=6)
+    host = HostPool(specs, 80, pin=False, layout="page")
+    dev = DevicePool.allocate(specs, 80, "cpu")
+    fill(host, dev, seed=6)
+    eng = TransferEngine(specs, host, dev, "hybrid", backend_options=staging_options(1 << 16, 3), chunk_layers=2)
+    assert eng.backend.interleave_directions
+    order: list[tuple[str, int]] = []
+    b = eng.backend
+    real_prepare, real_run = b.prepare, b.run_chunk
+
+    def prepare(direction: Direction, plan: object) -> None:
+        order.append((direction.value, -1))
+        real_prepare(direction, plan)  # type: ignore[arg-type]
+
+    def run_chunk(direction: Direction, plan: object, chunk: object, ops: tuple[int, ...]) -> object:
+        order.append((direction.value, chunk.index))  # type: ignore[attr-defined]
+        return real_run(direction, plan, chunk, ops)  # type: ignore[arg-type]
+
+    b.prepare, b.run_chunk = prepare, run_chunk  # type: ignore[method-assign]
+    dev_pages = np.random.default_rng(8).permutation(80)
+    want = {(c, layer): host.region("kv", c, layer)[torch.as_tensor(np.arange(30))].clone()
+            for c in ("c0", "c1") for layer in range(6)}
+    comps = run(eng, [ArrayCommand(1, L, (PageArrays("kv", np.arange(30), dev_pages[:30]),)),
+                      ArrayCommand(2, W, (PageArrays("kv", dev_pages[30:60], np.arange(40, 70)),))])
+    assert order == [("loadback", -1), ("loadback", 0), ("writeback", -1), ("writeback", 0), ("loadback", 1),
+                     ("loadback", 2)]
+    assert [c.layer for c in comps if c.op_id == 1] == [1, 3, 5, None]
+    for (c, layer), data in want.items():
+        assert torch.equal(dev.region("kv", c, layer)[torch.as_tensor(dev_pages[:30])], data)
+
+
+@needs_sim
 def test_scattered_host_pages_stay_on_the_kernel() -> None:
     specs = kv_specs(layers=2, comps=(1024,))
     host = HostPool(specs, 256, pin=False, layout="page")

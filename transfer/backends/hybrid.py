@@ -188,6 +188,8 @@ class HybridBackend(NumbaBackend):
         if nbytes and self._views is not None and self.copier is not None:
             self.stager = Stager(self, nbytes, slots, min_bytes)
             self.stager.bind()
+        # with staging, a both-ways flush's writeback starts after the loadback's first chunk
+        self.interleave_directions = self.stager is not None
         arg = self._cal_arg
         if isinstance(arg, Calibration):
             self.calibration = arg
