@@ -399,6 +399,11 @@ def _watch_first_issue(eng: TransferEngine) -> None:
         setattr(obj, name, wrapped)
 
     wrap(kernels, "launch_runs")
+    if hasattr(eng.backend, "_launcher"):  # the pre-bound launch (transfer/backends/driver.py)
+        wrap(eng.backend, "_launcher")
+    from kvtier.transfer.backends import driver
+
+    wrap(driver.Driver, "copy")
     copier = getattr(eng.backend, "copier", None)
     if copier is not None:
         wrap(copier, "copy")
@@ -794,6 +799,64 @@ def profile_warm(reps: int = 20, backend: str = "hybrid") -> None:
         torch.cuda.empty_cache()
 
 
+def host_parts(setup: ServingSetup, eng: TransferEngine, dirs: tuple[Direction, ...], reps: int) -> dict[str, float]:
+    """Host time per serving flush in the steps of submit and flush (wall-clock
+    wrappers around the planner's, backend's and stager's methods; ms, means)."""
+    import functools
+
+    from kvtier.transfer.backends import stager as sgr
+
+    acc: dict[str, float] = {}
+    undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(obj: Any, name: str, label: str) -> None:
+        f = getattr(obj, name)
+
+        @functools.wraps(f)
+        def w(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + time.perf_counter() - t
+        undo.append((obj, name, f))
+        setattr(obj, name, w)
+
+    b = eng.backend
+    wrap(eng.planner, "plan", "plan")
+    wrap(eng.planner, "queue", "queue")
+    wrap(b, "split", "split")
+    if getattr(b, "stager", None) is not None:
+        wrap(b.stager, "choose", "split.choose")
+        wrap(b.stager, "build", "split.plan_staging")
+        wrap(b.stager, "upload", "upload")
+        wrap(b.stager, "issue", "issue pieces")
+        wrap(sgr, "fill_runs", "issue.fill_runs")
+    wrap(b, "prepare", "prepare")
+    wrap(b, "begin", "begin")
+    wrap(b, "record", "record")
+    total = 0.0
+    for _ in range(reps):
+        lists = setup.page_lists(dirs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cmds = setup.commands(lists)
+        acc["make records"] = acc.get("make records", 0.0) + time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for c in cmds:
+            eng.submit(c)
+        acc["submit"] = acc.get("submit", 0.0) + time.perf_counter() - t1
+        eng.flush()
+        total += time.perf_counter() - t0
+        eng.synchronize()
+        eng.poll_completions()
+    for obj, name, f in reversed(undo):
+        setattr(obj, name, f)
+    out = {"total to flush end": 1e3 * total / reps}
+    out.update({k: 1e3 * v / reps for k, v in sorted(acc.items(), key=lambda kv: -kv[1])})
+    return out
+
+
 def profile_serving(reps: int = 10) -> None:
     """cProfile of the serving path's both-ways flush (page-major host, staging, new page
     lists every flush) for 4 KiB pages and the DeepSeek V4 mix: where the host's time
@@ -824,7 +887,12 @@ def profile_serving(reps: int = 10) -> None:
         pieces = sum(lf[d]["kernel_launches"] for d in lf)
         print(f"== profile, serving both ways {name}: host to the end of flush() {1e3 * statistics.median(host):.2f} ms "
               f"(profiled), {pieces} staged pieces; split {lf}")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        for dirs in ((L,), (L, W)):
+            parts = host_parts(setup, eng, dirs, reps)
+            print(f"== host parts, serving {'+'.join(d.value for d in dirs)} {name} (ms per flush, means of {reps}): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
         eng.synchronize()
         del setup, eng
         torch.cuda.empty_cache()
