@@ -194,7 +194,8 @@ class TransferEngine(PageAccess):
         loadback stream), then writebacks (merged, one chunk, on the writeback stream),
         each stream ordered after the current (compute) stream; with a backend whose
         ``interleave_directions`` is True (the hybrid backend with its staging path),
-        one chunk of each direction in turn. Returns without waiting.
+        both directions' host work first, then one chunk of each direction in turn.
+        Returns without waiting.
 
         A copy that raises fails its operations (``Completion(ok=False)`` from
         :meth:`poll_completions`), never the caller.
@@ -229,22 +230,20 @@ class TransferEngine(PageAccess):
                 for c in cmds:
                     self._fail_now(c.op_id)
         if self.backend.interleave_directions and len(flights) > 1:
-            turns = [(f, ops, iter(f.plan.chunks)) for f, ops in flights]
-            started: set[int] = set()
+            # every direction's host work first (its tables go out before any bulk copy),
+            # then one chunk of each in turn
+            ready = [(f, ops) for f, ops in flights if self._prepare(f, ops)]
+            turns = [(f, ops, iter(f.plan.chunks)) for f, ops in ready if self._begin(f, ops)]
             while turns:
                 keep = []
                 for f, ops, chunks in turns:
-                    if id(f) not in started:
-                        started.add(id(f))
-                        if not self._start(f, ops):
-                            continue
                     chunk = next(chunks, None)
                     if chunk is not None and self._issue_chunk(f, chunk, ops):
                         keep.append((f, ops, chunks))
                 turns = keep
         else:
             for f, ops in flights:
-                if self._start(f, ops):
+                if self._prepare(f, ops) and self._begin(f, ops):
                     for chunk in f.plan.chunks:
                         if not self._issue_chunk(f, chunk, ops):
                             break
@@ -279,13 +278,22 @@ class TransferEngine(PageAccess):
         self._flights.append(flight)
         return flight, tuple(c.op_id for c in ok_cmds)
 
-    def _start(self, flight: _Flight, op_ids: tuple[int, ...]) -> bool:
-        """The backend's host work for the flight, then its start event; False when
-        there is nothing to issue or starting failed (the ops then fail)."""
+    def _prepare(self, flight: _Flight, op_ids: tuple[int, ...]) -> bool:
+        """The backend's host work for the flight (before its start event); False when
+        there is nothing to issue or it failed (the ops then fail)."""
         if not flight.plan.chunks:
             return False
         try:
             self.backend.prepare(flight.direction, flight.plan)  # host work first: not inside the timed region
+        except Exception as e:
+            log.exception("transfer: preparing %s for the %s stream failed", op_ids, flight.direction.value)
+            flight.counter.error = e
+            return False
+        return True
+
+    def _begin(self, flight: _Flight, op_ids: tuple[int, ...]) -> bool:
+        """The flight's start event; False when it failed (the ops then fail)."""
+        try:
             flight.start = self.backend.begin(flight.direction)
         except Exception as e:
             log.exception("transfer: starting %s on the %s stream failed", op_ids, flight.direction.value)

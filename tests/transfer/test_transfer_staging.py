@@ -208,8 +208,9 @@ def test_both_directions_in_one_flush_are_staged_and_exact() -> None:
 
 @needs_sim
 def test_both_ways_flush_takes_the_directions_in_turn_one_chunk_each() -> None:
-    """With the staging path the writeback is prepared and issued after the loadback's
-    first chunk, not after its last; layer completions still follow the chunks."""
+    """With the staging path both directions are prepared first, then issued one chunk
+    each in turn (the writeback after the loadback's first chunk, not after its last);
+    layer completions still follow the chunks."""
     specs = kv_specs(layers=6)
     host = HostPool(specs, 80, pin=False, layout="page")
     dev = DevicePool.allocate(specs, 80, "cpu")
@@ -234,7 +235,7 @@ def test_both_ways_flush_takes_the_directions_in_turn_one_chunk_each() -> None:
             for c in ("c0", "c1") for layer in range(6)}
     comps = run(eng, [ArrayCommand(1, L, (PageArrays("kv", np.arange(30), dev_pages[:30]),)),
                       ArrayCommand(2, W, (PageArrays("kv", dev_pages[30:60], np.arange(40, 70)),))])
-    assert order == [("loadback", -1), ("loadback", 0), ("writeback", -1), ("writeback", 0), ("loadback", 1),
+    assert order == [("loadback", -1), ("writeback", -1), ("loadback", 0), ("writeback", 0), ("loadback", 1),
                      ("loadback", 2)]
     assert [c.layer for c in comps if c.op_id == 1] == [1, 3, 5, None]
     for (c, layer), data in want.items():

@@ -101,9 +101,9 @@ class Backend(ABC):
     #: Backend name as accepted by :func:`~kvtier.transfer.backends.make_backend`.
     name: str = "?"
     #: When a flush has both directions: False (default): the engine issues every
-    #: chunk of the loadback, then the writeback; True: it takes the directions in turn,
-    #: one chunk each (a direction's ``prepare`` and ``begin`` at its first turn), so the
-    #: writeback's first copy is not behind the loadback's whole issue.
+    #: chunk of the loadback, then the writeback; True: it prepares both directions,
+    #: begins both, then takes them in turn, one chunk each, so that the writeback's
+    #: first copy is not behind the loadback's whole issue.
     interleave_directions: bool = False
     host: HostPool
     device: DevicePool

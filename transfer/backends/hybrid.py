@@ -303,7 +303,7 @@ class HybridBackend(NumbaBackend):
         s = self.split(direction, plan, self._busy(direction))
         self._split_now[direction] = (plan, s)
         if s.stage is not None and self.stager is not None:
-            self.stager.upload(direction, s.stage)
+            self.stager.upload(direction, plan, s.stage)
         if s.has_sm:
             super().prepare(direction, s.sm_plan)
 

@@ -51,6 +51,7 @@ class Stager:
         self._ready: dict[Direction, list[Any]] = {}
         self._free: dict[Direction, list[Any]] = {}
         self._sent: dict[Any, Any] = {}
+        self._tables: dict[Any, tuple[Any, Any]] = {}
         self._start: dict[Direction, Any] = {}
         for d, r in self.rings.items():
             buf = self.buffers[d]
@@ -100,45 +101,56 @@ class Stager:
         return plan_staging(direction, plan, b.planner, b.host, b.device, self.rings[direction], chosen,
                             b.piece_bytes)
 
-    def upload(self, direction: Direction, sp: StagePlan) -> None:
-        """The run table's device copy with its refs (once per stage plan); each
-        piece's runs follow when it is issued. On a GPU the host side is a reused pinned
-        buffer (two per direction, alternating between flushes)."""
-        if sp.table is not None:
-            return
+    def upload(self, direction: Direction, plan: FlushPlan, sp: StagePlan) -> None:
+        """The whole run table of the stage plan (its refs and every piece's runs) on
+        the device, in one copy on the kernel stream, before the flush's first copy.
+
+        On a GPU it is written into a reused pinned buffer and copied into a reused
+        device buffer (two of each per direction, alternating between flushes, grown by
+        doubling), every flush, also for a cached plan. In one copy and up front because
+        copies from the host are served in issue order: a writeback's table copied
+        behind the loadback's bulk copies of the same flush waited for them (the H200
+        run of bench/RESULTS.md, "Staging path: issue cost and both directions")."""
         b = self.b
         words = int(sp.packed.shape[0])
+        pieces = [p for ps in sp.pieces.values() for p in ps]
         if b.mode != "gpu":
-            sp.host, sp.owner, sp.table = sp.packed, sp.packed, b._k.device_array(sp.packed)
+            if sp.table is None:
+                sp.host, sp.owner, sp.table = sp.packed, sp.packed, b._k.device_array(sp.packed)
+            for piece in pieces:
+                fill_runs(direction, plan, piece, sp.packed)
             return
         import torch
 
         self._parity[direction] = parity = 1 - self._parity.get(direction, 0)
         key = ("stage", direction, parity)
-        sp.host = b._staging(key, max(words, 1))
-        sp.host[sp.refs_word:words] = sp.packed[sp.refs_word:]
-        with torch.cuda.stream(b.streams.stream(direction)):  # freed memory is reused in this stream's order
-            sp.owner = torch.empty(max(words, 1), dtype=torch.int64, device=b.device.device)
-        sp.table = b._k.device_array(sp.owner)
-        sp.key = key
-        self._send(direction, sp, sp.refs_word, words)
+        host = b._staging(key, max(words, 1))  # waits for the last kernel that read it (two flushes ago)
+        host[sp.refs_word:words] = sp.packed[sp.refs_word:]
+        for piece in pieces:
+            fill_runs(direction, plan, piece, host)
+        main = b.streams.stream(direction)
+        dev = self._tables.get(key)
+        if dev is None or int(dev[0].numel()) < words:
+            with torch.cuda.stream(main):  # freed memory is reused in this stream's order
+                t = torch.empty(max(words, 1 << 16, 2 * int(dev[0].numel()) if dev is not None else 0),
+                                dtype=torch.int64, device=b.device.device)
+            dev = self._tables[key] = (t, b._k.device_array(t))
+        sp.host, sp.owner, sp.table, sp.key = host, dev[0], dev[1], key
+        h = int(main.cuda_stream)
+        self.drv.copy(int(dev[0].data_ptr()), int(host.ctypes.data), 8 * words, h)
+        self._last_use(direction, key)
 
-    def _send(self, direction: Direction, sp: StagePlan, w0: int, w1: int) -> None:
-        """Copy words ``[w0, w1)`` of the pinned table to the device, on the kernel
-        stream (one ``cuMemcpyAsync``); the pinned buffer is written again only after
-        the event recorded behind it (:meth:`NumbaBackend._staging` waits for it)."""
-        if w1 <= w0:
-            return
-        b = self.b
-        main = int(b.streams.stream(direction).cuda_stream)
-        self.drv.copy(int(sp.owner.data_ptr()) + 8 * w0, int(sp.host.ctypes.data) + 8 * w0, 8 * (w1 - w0), main)
-        ev = self._sent.get(sp.key)
+    def _last_use(self, direction: Direction, key: Any) -> None:
+        """Record, on the kernel stream, the point after which the tables ``key`` may be
+        written again (after this flush's last kernel of the direction when issued
+        behind it); :meth:`NumbaBackend._staging` waits for it."""
+        ev = self._sent.get(key)
         if ev is None:
             from .driver import RawEvent
 
-            ev = self._sent[sp.key] = RawEvent(self.drv)
-        self.drv.record(ev, main)
-        b._stage_event[sp.key] = ev
+            ev = self._sent[key] = RawEvent(self.drv)
+        self.drv.record(ev, int(self.b.streams.stream(direction).cuda_stream))
+        self.b._stage_event[key] = ev
 
     # -- issuing --------------------------------------------------------------------------
     def begin(self, direction: Direction) -> None:
@@ -187,8 +199,6 @@ class Stager:
         dev_view = b._views["device"]
         copies = waits = launches = 0
         for piece in sp.pieces.get(chunk_index, []):
-            if not piece.built:
-                fill_runs(direction, plan, piece, sp.host)
             slot, busy = ring.take()
             waits += busy is not None
             slot_addr = int(self.buffers[direction].data_ptr()) + slot * ring.slot_bytes
@@ -211,9 +221,9 @@ class Stager:
 
     def _issue_gpu(self, direction: Direction, plan: FlushPlan, sp: StagePlan,
                    chunk_index: int) -> tuple[int, int, int, int]:
-        """:meth:`issue` on a GPU: raw driver calls only (:mod:`.driver`): per piece its
-        table words (one copy), at most one launch, its copies and three event records
-        or waits, all on pre-made events."""
+        """:meth:`issue` on a GPU: raw driver calls only (:mod:`.driver`): per piece at
+        most one launch, its copies and three event records or waits, all on pre-made
+        events (the run table went out in :meth:`upload`)."""
         b = self.b
         drv = self.drv
         ring = self.rings[direction]
@@ -227,9 +237,6 @@ class Stager:
         copies = waits = launches = 0
         last = -1
         for piece in sp.pieces.get(chunk_index, []):
-            if not piece.built:  # this piece's runs: built and uploaded now, the earlier pieces already run
-                w0, w1 = fill_runs(direction, plan, piece, sp.host)
-                self._send(direction, sp, w0, w1)
             slot, busy = ring.take()
             if busy is not None:
                 waits += 1
@@ -259,6 +266,8 @@ class Stager:
             last = slot
         if last >= 0 and not loadback:
             drv.wait(main, free[last])  # the chunk's event (recorded on the kernel stream) covers the copies
+        if last >= 0 and sp.key is not None:
+            self._last_use(direction, sp.key)
         return sp.bytes.get(chunk_index, 0), copies, waits, launches
 
     def synchronize(self) -> None:

@@ -27,7 +27,8 @@ A slot holds the pages of a piece in host order: page ``k`` of a group segment (
 ``width`` = the bytes of the chunk's layers in one host page, so that every extent is
 one range on both sides. The kernel's run table for the pieces (runs of one page:
 staging page <-> device page; one ref per (layer, component), the staging side's page
-stride being ``width``) is built with NumPy and uploaded once per flush.
+stride being ``width``) is built with NumPy and uploaded in one copy per flush and
+direction, before the flush's first bulk copy.
 
 Under the CUDA simulator (CPU pools) copies are ``memmove`` calls, the kernel the simulator's.
 """
@@ -168,8 +169,8 @@ class StagePlan:
     Attributes:
         groups: per chunk index, the plan's group indices staged in that chunk.
         pieces: per chunk index, its pieces in issue order.
-        packed: int64 run table of every piece (runs, then refs): the refs at once, each
-            piece's runs when it is issued (so the first copy does not wait for them all).
+        packed: int64 run table of every piece (runs, then refs); the refs are made with
+            the plan, the runs filled per flush (:func:`fill_runs`, by ``Stager.upload``).
         bytes: per chunk index, the device bytes the staged pieces move.
     """
 
