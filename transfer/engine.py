@@ -223,9 +223,9 @@ class TransferEngine(PageAccess):
         flights: list[tuple[_Flight, tuple[int, ...]]] = []
         for direction, cmds, plan in plans:
             if isinstance(plan, FlushPlan):
-                f = self._open(direction, cmds, plan)
-                if f is not None:
-                    flights.append(f)
+                opened = self._open(direction, cmds, plan)
+                if opened is not None:
+                    flights.append(opened)
             else:
                 for c in cmds:
                     self._fail_now(c.op_id)

@@ -202,8 +202,9 @@ class BoundKernel:
         Raises:
             TransferError: the driver refused the launch."""
         w = self.words
-        self._vals[:] = (w(src32, 0) + w(dst32, 1) + w(src8, 2) + w(dst8, 3) + w(runs, 4) + w(refs, 5)
-                         + (ref_word, nrefs, items, piece))
+        vals = (w(src32, 0) + w(dst32, 1) + w(src8, 2) + w(dst8, 3) + w(runs, 4) + w(refs, 5)
+                + (ref_word, nrefs, items, piece))
+        self._vals[:] = vals  # type: ignore[call-overload]
         err = self.drv.launch(self.func, blocks, 1, 1, threads, 1, 1, 0, stream, self._params, None)
         if err != 0:
             raise TransferError(f"cuLaunchKernel of copy_runs ({blocks} x {threads}) returned CUresult {err}")

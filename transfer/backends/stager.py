@@ -169,8 +169,8 @@ class Stager:
         one = [c for c in piece.copies if c.width == c.pitch]
         if gpu and len(one) <= 4:  # a few contiguous extents: one plain copy each
             for c in one:
-                h, s = host0 + c.host, slot_addr + c.stage
-                self.drv.copy(s if loadback else h, h if loadback else s, c.nbytes, stream)
+                ha, sa = host0 + c.host, slot_addr + c.stage
+                self.drv.copy(sa if loadback else ha, ha if loadback else sa, c.nbytes, stream)
         elif one:
             h = np.array([host0 + c.host for c in one], dtype=np.uint64)
             s = np.array([slot_addr + c.stage for c in one], dtype=np.uint64)
