@@ -39,6 +39,7 @@ class Stager:
         self.min_bytes = int(min_bytes)
         self.nbytes = sum(r.nbytes for r in self.rings.values())
         self._parity: dict[Direction, int] = {}
+        self._geometry: dict[Any, Any] = {}  # pool geometry of a group's refs in a chunk (staging._group_info)
 
     def bind(self) -> None:
         import torch
@@ -79,13 +80,15 @@ class Stager:
         b = self.b
         out: dict[int, frozenset[int]] = {}
         slot = self.rings[direction].slot_bytes
+        if len(self._geometry) > 4096:  # bounded: layer subsets are the commands' choice
+            self._geometry.clear()
         for chunk in plan.chunks:
             by_group: dict[int, list[ChunkRef]] = {}
             for r in chunk.refs:
                 by_group.setdefault(r.group_index, []).append(r)
             chosen = []
             for gi, refs in by_group.items():
-                span = stageable(b.host, plan, refs, gi, slot)
+                span = stageable(b.host, plan, refs, gi, slot, self._geometry)
                 if span is None:
                     continue
                 uniq, starts, _, _ = extents_of(direction, plan, gi)
@@ -99,7 +102,7 @@ class Stager:
     def build(self, direction: Direction, plan: FlushPlan, chosen: dict[int, frozenset[int]]) -> StagePlan:
         b = self.b
         return plan_staging(direction, plan, b.planner, b.host, b.device, self.rings[direction], chosen,
-                            b.piece_bytes)
+                            b.piece_bytes, self._geometry)
 
     def upload(self, direction: Direction, plan: FlushPlan, sp: StagePlan) -> None:
         """The whole run table of the stage plan (its refs and every piece's runs) on

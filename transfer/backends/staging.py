@@ -242,8 +242,31 @@ def fill_runs(direction: Direction, plan: FlushPlan, piece: StagePiece, out: I64
     return (lo_w, hi_w) if lo_w >= 0 else (0, 0)
 
 
+def _group_info(host: HostPool, device: DevicePool, gp: GroupPlan, refs: list[ChunkRef], piece_bytes: int,
+                cache: dict[Any, Any] | None) -> tuple[tuple[int, int] | None, int, int, list[tuple[int, ...]], int]:
+    """(span, host block offset, host page stride, per ref (offset in the span, device
+    region offset, device page stride, page bytes, pieces per page), bytes of the refs
+    in a page) of a group's refs in a chunk: pool geometry only, so cached by the
+    group and its refs' (component, layer) pairs when ``cache`` is given."""
+    key = (gp.group, tuple((r.component, r.layer) for r in refs), piece_bytes)
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        span = _span(host, gp, refs)
+        gbase, stride = host.group_block(gp.group)
+        lo = span[0] if span is not None else 0
+        info = [(host.region_offset(r.group, r.component, r.layer) - gbase - lo,
+                 device.region_offset(r.group, r.component, r.layer),
+                 device.page_stride(r.group, r.component, r.layer), r.page_bytes,
+                 -(-r.page_bytes // piece_bytes)) for r in refs]
+        hit = (span, gbase, stride, info, sum(r.page_bytes for r in refs))
+        if cache is not None:
+            cache[key] = hit
+    return hit  # type: ignore[no-any-return]
+
+
 def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: HostPool, device: DevicePool,
-                 ring: StagingRing, chosen: dict[int, frozenset[int]], piece_bytes: int) -> StagePlan:
+                 ring: StagingRing, chosen: dict[int, frozenset[int]], piece_bytes: int,
+                 cache: dict[Any, Any] | None = None) -> StagePlan:
     """Pieces and run table layout of the groups ``chosen`` per chunk (plan group
     indices): copies and refs now, each piece's runs when it is issued (:func:`fill_runs`).
 
@@ -282,7 +305,7 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
         for gi in sorted(gis):
             gp = plan.groups[gi]
             refs = [r for r in chunk.refs if r.group_index == gi]
-            span = _span(host, gp, refs)
+            span, gbase, stride, ref_info, ref_bytes = _group_info(host, device, gp, refs, piece_bytes, cache)
             if span is None:
                 raise ConfigError(f"staging: the chunk's layers of cache group {gp.group!r} are not contiguous "
                                   f"in a host page")
@@ -290,17 +313,11 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
             if width > slot_bytes:
                 raise ConfigError(f"staging: a host page of cache group {gp.group!r} holds {width} bytes of the "
                                   f"chunk, more than a staging slot ({slot_bytes} bytes)")
-            gbase, stride = host.group_block(gp.group)
             uniq, starts, lens, rank = extents_of(direction, plan, gi)
             total = int(uniq.shape[0])
             perm = total == int(rank.shape[0])
             ranks = None if perm else _by_rank(plan, gi, rank, gp.dst if loadback else gp.src, False)[1]
             ends = starts + lens
-            ref_info = [(host.region_offset(r.group, r.component, r.layer) - gbase - lo,
-                         device.region_offset(r.group, r.component, r.layer),
-                         device.page_stride(r.group, r.component, r.layer), r.page_bytes,
-                         -(-r.page_bytes // piece_bytes)) for r in refs]
-            ref_bytes = sum(r.page_bytes for r in refs)
             a = 0
             while a < total:
                 if piece is None:
@@ -348,13 +365,20 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
 
 
 def stageable(host: HostPool, plan: FlushPlan, chunk_refs: list[ChunkRef], gi: int,
-              slot_bytes: int) -> tuple[int, int] | None:
+              slot_bytes: int, cache: dict[Any, Any] | None = None) -> tuple[int, int] | None:
     """(first byte in a host page, width) when group ``gi``'s refs of a chunk can be
     staged (page-major host, the chunk's layers one range of a host page, a page's width
-    within one slot), else None."""
+    within one slot), else None (``cache``: as :func:`plan_staging`'s)."""
     if not host.page_major:
         return None
-    span = _span(host, plan.groups[gi], chunk_refs)
+    gp = plan.groups[gi]
+    key = ("span", gp.group, tuple((r.component, r.layer) for r in chunk_refs))
+    if cache is not None and key in cache:
+        span = cache[key]
+    else:
+        span = _span(host, gp, chunk_refs)
+        if cache is not None:
+            cache[key] = span
     return span if span is not None and span[1] <= slot_bytes else None
 
 
