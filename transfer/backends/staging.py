@@ -268,7 +268,7 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
                  ring: StagingRing, chosen: dict[int, frozenset[int]], piece_bytes: int,
                  cache: dict[Any, Any] | None = None) -> StagePlan:
     """Pieces and run table layout of the groups ``chosen`` per chunk (plan group
-    indices): copies and refs now, each piece's runs when it is issued (:func:`fill_runs`).
+    indices): copies and refs now, every piece's runs per flush (:func:`fill_runs`, by ``Stager.upload``).
 
     Raises:
         ConfigError: a group that cannot be staged (a width larger than a slot, or a
@@ -354,7 +354,7 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
         close()
         pieces[chunk.index] = out
     words_runs = RUN_COLS * n_runs
-    packed = np.empty(words_runs + REF_COLS * len(ref_rows), dtype=np.int64)  # runs: filled per piece
+    packed = np.empty(words_runs + REF_COLS * len(ref_rows), dtype=np.int64)  # runs: filled per flush
     refs_arr = packed[words_runs:].reshape(-1, REF_COLS)
     if ref_rows:
         refs_arr[:] = np.asarray(ref_rows, dtype=np.int64)
