@@ -222,8 +222,12 @@ class NumbaBackend(Backend):
         buf = self._stage.get(direction)
         if buf is None or int(buf.numel()) < words:
             size = max(words, 1 << 16, 2 * int(buf.numel()) if buf is not None else 0)
-            # the old buffer goes back to torch's pinned-memory cache, which holds it
-            # until the copies recorded on it have finished
+            # the old buffer goes back to torch's pinned-memory cache, which knows only of
+            # torch's own copies: the staging path copies and reads it with driver calls,
+            # so its last use must be over first
+            ev = self._stage_event.get(direction)
+            if ev is not None:
+                ev.synchronize()
             buf = torch.empty(size, dtype=torch.int64, pin_memory=True)
             self._stage[direction] = buf
             self._stage_event.pop(direction, None)
