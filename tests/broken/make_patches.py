@@ -317,11 +317,11 @@ SEMANTIC: dict[str, Mutant] = {
         "transfer", "no barrier after a failed issue: the failure is acknowledged before the "
         "half-issued copies finish, and their pages are reused under them",
         (f"{_C}test_failed_issue_waits_for_half_issued_copies",),
-        [("transfer/engine.py", "                counter.error = e\n"
-                                "                try:  # the ack waits for whatever was issued before the failure\n"
-                                "                    counter.events.append(self.backend.record(direction))\n"
-                                "                except Exception:\n                    pass\n                return",
-          "                counter.error = e  # BROKEN: no barrier after the failure\n                return")]),
+        [("transfer/engine.py", "            counter.error = e\n"
+                                "            try:  # the ack waits for whatever was issued before the failure\n"
+                                "                counter.events.append(self.backend.record(direction))\n"
+                                "            except Exception:\n                pass\n            return False",
+          "            counter.error = e  # BROKEN: no barrier after the failure\n            return False")]),
     "s27-layer-reported-before-chunk": Mutant(
         "transfer", "poll_completions reports a chunk's layers as loaded while the chunk is still "
         "running (the next chunk after the completed ones)",
