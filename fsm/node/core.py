@@ -242,7 +242,7 @@ class CacheCore:
         self.ledger.check_need(need)
         short = self.ledger.device_short(need)
         if short and evict:
-            self.evict_device(short)
+            self._reclaimer.evict_device(short)
         for g, n in need.items():
             if n > self.device[g].free:
                 raise CapacityError("device", g, n, self.device[g].free)
@@ -351,6 +351,7 @@ class CacheCore:
         Raises:
             UsageError: unknown group or a count that is not an int >= 0.
         """
+        self.ledger.check_need(need)
         return self._reclaimer.evict_device(need)
 
     def evict_host(self, need: Mapping[str, int], *, protect: Iterable[Node] = (),

@@ -124,7 +124,10 @@ class PageLedger:
         for g, ps in lists.items():
             if g not in self._callers:
                 raise UsageError(f"free_device: unknown cache group {g!r}")
-            bad = [p for p in ps if p not in self._callers[g]]
+            held = self._callers[g]
+            if held.issuperset(ps) and len(set(ps)) == len(ps):
+                continue
+            bad = [p for p in ps if p not in held]
             if bad or len(set(ps)) != len(ps):
                 raise UsageError(f"free_device: pages {bad or ps} of group {g!r} are not held by a caller")
         for g, ps in lists.items():

@@ -75,7 +75,8 @@ class NodeStore:
         units = sum(min((pools[g].capacity // k for g, k in self.pages_per_unit.items()), default=0)
                     for pools in (ledger.device, ledger.host) if pools)
         self.eviction: EvictionPolicy = make_policy(eviction, self.tree.__iter__, self.tree.__len__, self.tree.has,
-                                                    exclusive=exclusive, capacity_units=units)
+                                                    exclusive=exclusive, capacity_units=units,
+                                                    host_tier=ledger.host is not None)
         self.writebacks = WritebackQueue(policy, write_threshold, enabled=ledger.host is not None)
         self.receipts = ReceiptBook(ids, self.eviction.touch, self.writebacks.on_hit)
         self.optable = OperationTable(world_size, layout.num_layers, op_deadline_steps)
