@@ -75,6 +75,7 @@ class CacheCore:
         if not isinstance(layout, CacheLayout):
             raise ConfigError(f"layout must be a CacheLayout (see kvtier.fsm.presets.preset), got {layout!r}")
         self.layout = layout
+        self._n_state, self._align = len(layout.state_groups), layout.alignment
         try:
             self.policy = WritePolicy(policy)
         except ValueError:
@@ -269,9 +270,16 @@ class CacheCore:
         """
         check_key_sequence(key, "match: key")
         check_hashable(key, "match")
-        m = match_mode(mode, history_replay)
-        return find_match(self.tree.walk(key, self.store.split), self.root, len(key), m, history_replay=history_replay,
-                          has_host=self.store.host is not None, layout=self.layout)
+        return self.match_trusted(key, match_mode(mode, history_replay), history_replay)
+
+    def match_trusted(self, key: Sequence[Hashable], mode: MatchMode, history_replay: bool) -> MatchResult:
+        """:meth:`match` for arguments the caller has checked (the facade checks unit keys
+        once at its edge, :func:`kvtier.fsm.checks.as_keys`): ``key`` a list or tuple of
+        hashable, comparable unit keys, ``mode`` a :class:`MatchMode` and ``history_replay``
+        only with ``prefix_reuse``. Nothing is checked again."""
+        return find_match(self.tree.walk(key, self.store.split), self.root, len(key), mode,
+                          history_replay=history_replay, has_host=self.store.host is not None, layout=self.layout,
+                          n_state=self._n_state, align=self._align)
 
     # ------------------------------------------------------------------ receipts
     def lock(self, node: Node, owner: str | None = None) -> LockReceipt:
@@ -281,7 +289,8 @@ class CacheCore:
         Raises:
             UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
-        self.tree.members("lock", [node])
+        if type(node) is not Node or not self.tree.has(node):
+            self.tree.members("lock", [node])  # raises, naming the value
         return self.receipts.lock(node, owner, self.store.tick())
 
     def unlock(self, receipt: LockReceipt) -> None:

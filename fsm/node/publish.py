@@ -94,9 +94,10 @@ class Publisher:
     def _check_arguments(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
                          checkpoint: Mapping[str, Sequence[int]] | None) -> tuple[PageMap, PageMap]:
         store = self.store
-        if isinstance(key, (str, bytes)) or not isinstance(key, Sequence) or not key:
+        if (type(key) is not list and type(key) is not tuple and (isinstance(key, (str, bytes))
+                                                                 or not isinstance(key, Sequence))) or not key:
             raise UsageError(f"insert: key must be a non-empty sequence of unit keys (not a str or bytes), got {key!r}")
-        if not isinstance(pages, Mapping):
+        if type(pages) is not dict and not isinstance(pages, Mapping):
             raise UsageError(f"insert: pages must be a mapping group -> page ids, got {pages!r}")
         units = len(key)
         ppu = store.pages_per_unit

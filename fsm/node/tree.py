@@ -69,11 +69,11 @@ class RadixTree:
             UsageError: not a list of nodes, an empty list, or a value that is not a node
                 of this tree (``what`` names the call).
         """
-        if isinstance(nodes, Node) or not isinstance(nodes, Iterable):
+        if type(nodes) is not list and (isinstance(nodes, Node) or not isinstance(nodes, Iterable)):
             raise UsageError(f"{what} takes a list of nodes, got {nodes!r}")
         out: list[Node] = []
         for n in nodes:
-            if not isinstance(n, Node) or self._nodes.get(n.node_id) is not n:
+            if type(n) is not Node and not isinstance(n, Node) or self._nodes.get(n.node_id) is not n:
                 raise UsageError(f"{what}: {n!r} is not a node of this cache's tree")
             out.append(n)
         if not out:

@@ -71,9 +71,10 @@ class Admitter:
                event: str) -> Admission | None:
         t, core = self.table, self.core
         t.check(r, event)  # its rows differ only in has_loadback: this checks the state
-        m = core.match(key, mode, history_replay=self.history_replay and mode is MatchMode.PREFIX_REUSE)
+        # (unit keys checked at the facade's edge: the core trusts them)
+        m = core.match_trusted(key, mode, self.history_replay and mode is MatchMode.PREFIX_REUSE)
         if mode is MatchMode.STATE_RECOVERY and m.host_units != len(key):
-            m = core.match((), mode)  # no exact terminal state: recompute from scratch
+            m = core.match_trusted((), mode, False)  # no exact terminal state: recompute from scratch
         hit_units = m.host_units
         start = m.hit_tokens
         hold = core.lock(m.device_node, r.request_id) if m.device_node is not core.root else None

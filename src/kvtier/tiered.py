@@ -174,7 +174,8 @@ class TieredCache:
         if prompt_tokens > most:
             raise UsageError(f"request {request_id!r}: prompt_tokens {prompt_tokens} above max_request_tokens {most}")
         chunk_tokens = as_int(chunk_tokens, "chunk_tokens", minimum=1)
-        if isinstance(units, Sequence) and not isinstance(units, (str, bytes)):
+        if type(units) is list or type(units) is tuple or (isinstance(units, Sequence)
+                                                            and not isinstance(units, (str, bytes))):
             n = len(units)
             if n > most // self.layout.alignment:
                 raise UsageError(f"request {request_id!r}: {n} unit keys, more than max_request_tokens {most} "
