@@ -189,6 +189,11 @@ class CacheCore:
         """Device pages of ``group`` handed to callers (requests) and not yet published or freed."""
         return self.ledger.caller_pages(group)
 
+    def has_commands(self) -> bool:
+        """Whether some command waits for :meth:`poll_commands` (cheaper than
+        :meth:`pending_commands`, which copies them)."""
+        return bool(self._mover.outbox)
+
     def pending_commands(self) -> tuple[TransferCommand, ...]:
         """Commands created and not yet handed out by :meth:`poll_commands` (a snapshot)."""
         return self._mover.pending()

@@ -72,6 +72,8 @@ class PageLedger:
     def check_need(self, need: Mapping[str, int]) -> None:
         """Raises UsageError for an unknown group or a count that is not an int >= 0."""
         for g, n in need.items():
+            if type(n) is int and n >= 0 and g in self.device:
+                continue  # (the common case)
             if g not in self.device:
                 raise UsageError(f"unknown cache group {g!r}; groups: {sorted(self.device)}")
             as_int(n, f"page count for group {g!r}")

@@ -72,6 +72,7 @@ DEFAULT_OP_DEADLINE_STEPS = 10_000
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 24
 
 _BINDING = Lock()  # taken only while a cache binds its driving thread
+_NOTHING = PollResult((), ())  # what poll returns when there is nothing to hand out or report
 
 
 class TieredCache:
@@ -351,10 +352,14 @@ class TieredCache:
         the end); :meth:`state` still answers for the last ``ended_history`` of them."""
         if self._owner != get_ident():
             self._bind()
-        room = self.max_writebacks_in_flight - self.core.ops_in_flight(Direction.WRITEBACK)
-        if room > 0:
-            self.core.issue_writebacks(room)
-        commands = tuple(self.core.poll_commands())
+        core = self.core
+        if core.writebacks:  # tree writebacks queued
+            room = self.max_writebacks_in_flight - core.ops_in_flight(Direction.WRITEBACK)
+            if room > 0:
+                core.issue_writebacks(room)
+        if not core.has_commands() and not self._table.has_news():
+            return _NOTHING  # (most polls of a step loop: nothing to hand out or report)
+        commands = tuple(core.poll_commands())
         return PollResult(commands, tuple(self._table.take_events()))
 
     # ------------------------------------------------------------------ the driving thread
