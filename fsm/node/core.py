@@ -408,7 +408,8 @@ class CacheCore:
         Raises:
             UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
-        self.tree.members("writeback", [node])
+        if type(node) is not Node or not self.tree.has(node):
+            self.tree.members("writeback", [node])  # raises, naming the value
         return self._mover.writeback(node, owner) if self.store.host is not None else None
 
     def issue_writebacks(self, limit: int | None = None) -> list[TransferCommand]:

@@ -50,10 +50,14 @@ KeyFn = Callable[[Node], Key]
 class EvictionPolicy(Protocol):
     """What the core needs from an eviction policy.
 
-    ``touch`` is called whenever a node's use, counts or state changed; the candidate
-    iterators yield live nodes, each at most once per iteration, best victim first. A
-    node yielded but not evicted is forgotten until it is touched again (whatever makes
-    it a victim later, an unlock, a release, a child leaving, a state change, touches it).
+    ``touch`` is called whenever a node may have become a victim or its key may have gone
+    down: a state change (the node and its parent), an unlock, a pin or borrow released,
+    a victim spared or queued; the candidate iterators yield live nodes, each at most
+    once per iteration, best victim first. A node yielded but not evicted is forgotten
+    until it is touched again (whatever makes it a victim later touches it). A use that
+    only raises a node's keys (a lock, a publish through it) is not reported: the index
+    re-files an entry whose key went up when it comes to the top, and a node without an
+    entry is no victim until something touches it.
     """
 
     name: str

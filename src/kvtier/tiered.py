@@ -359,7 +359,7 @@ class TieredCache:
                 core.issue_writebacks(room)
         if not core.has_commands() and not self._table.has_news():
             return _NOTHING  # (most polls of a step loop: nothing to hand out or report)
-        commands = tuple(core.poll_commands())
+        commands = tuple(core.poll_commands()) if core.has_commands() else ()
         return PollResult(commands, tuple(self._table.take_events()))
 
     # ------------------------------------------------------------------ the driving thread
