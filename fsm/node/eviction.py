@@ -160,8 +160,9 @@ class HeapIndex:
         self._host_at: dict[int, Key] = {}
 
     def touch(self, node: Node) -> None:
-        kd = self.dev_key(node)
         nid = node.node_id
+        # (lru_key inline: the default policy's touch without a call)
+        kd = (node.last_access, -node.depth, nid) if self.dev_key is lru_key else self.dev_key(node)
         at = self._dev_at.get(nid)
         if at is None or kd < at:
             self._dev_at[nid] = kd

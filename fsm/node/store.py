@@ -86,13 +86,18 @@ class NodeStore:
 
     def trigger(self, node: Node, event: str) -> None:
         """Fire a node event through the spec's machine and re-file the node (and its
-        parent) in the eviction index.
+        parent) in the eviction index when its state changed (an internal transition,
+        ``split`` or ``loadback_layer_done``, makes no victim and lowers no key: nothing
+        to re-file; a split files its new fragment itself).
 
         Raises:
             IllegalTransition, GuardRejected: the event is refused (nothing changes).
         """
+        before = node.state
         self.fire(node, event)
         self.stats.triggers += 1
+        if node.state == before:
+            return
         self.eviction.touch(node)
         if node.parent is not None and node.parent.parent is not None:
             self.eviction.touch(node.parent)

@@ -320,7 +320,8 @@ class TieredCache:
         op whose command :meth:`poll` has not handed out yet: nothing changes)."""
         if self._owner != get_ident():
             self._bind()
-        if isinstance(completion, Completion) and any(c.op_id == completion.op_id for c in self.core.pending_commands()):
+        if (isinstance(completion, Completion) and self.core.has_commands()
+                and any(c.op_id == completion.op_id for c in self.core.pending_commands())):
             raise UsageError(f"completion for op {completion.op_id}: its command has not been handed out by poll() yet")
         for out in self.core.complete(completion):
             self._router.on_core_event(out)
