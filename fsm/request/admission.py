@@ -34,6 +34,7 @@ class Admitter:
         self.table = table
         self.core = table.core
         self.history_replay = history_replay
+        self._own_groups = (*table.history, *table.state_pages)  # the groups a request owns pages of
 
     def admit(self, request_id: str, units: Sequence[Hashable], prompt_tokens: int,
               chunk_tokens: int) -> Admission | None:
@@ -114,8 +115,12 @@ class Admitter:
                 t.drop_checkpoint_borrow(r)
                 r.ckpt_borrow = core.borrow([m.device_node], r.request_id)
                 r.ckpt_pages = {g: list(table[g]) for g in t.state_pages if g in table}
-        r.canon = {g: list(table[g]) for g in t.history}
-        r.own = {g: list(own.get(g, ())) for g in list(t.history) + list(t.state_pages)}
+        if load is None:  # a fresh page table and fresh pages: their lists become the request's
+            r.canon = {g: table[g] for g in t.history}
+            r.own = {g: own.get(g) or [] for g in self._own_groups}
+        else:
+            r.canon = {g: list(table[g]) for g in t.history}
+            r.own = {g: list(own.get(g, ())) for g in self._own_groups}
         r.published = hit_units
         t.set_room(r)
         r.tokens = start
