@@ -8,7 +8,9 @@ performance targets (issue 3, "Performance").
   :class:`~kvtier.fsm.node.core.CacheCore` (``cache.stats.triggers`` per second) over
   insert / writeback+ack / demote / match / load+ack / drop host / remove cycles, and per
   operation the same core with the machine replaced by direct state assignment (the price
-  of verification; reported, not gated). Target: >= 100,000 triggers/s.
+  of verification; reported, not gated). Target: >= 100,000 triggers/s. The checked mode
+  (every event through the compiled table and ``transitions``, compared; on in
+  ``kvtier fuzz``, the kit and CI) has its own rows, against the compiled table.
 - Match: median and p90 microseconds of one ``match()`` of a 64-page prompt on a
   10,000-node tree. Target: median < 50 us.
 - Memory per node (tracemalloc), without the key tuple and the page-id lists.
@@ -43,7 +45,7 @@ from harness import Row, format_table, median_seconds, provenance, record_sectio
 from kvtier.fsm import GuardRejected, IllegalTransition
 from kvtier.fsm import MatchResult, CacheCore
 from kvtier.fsm.layout import CacheLayout
-from kvtier.fsm.lifecycle.machines import Lifecycle, node_lifecycle, request_lifecycle
+from kvtier.fsm.lifecycle.machines import Lifecycle, node_lifecycle, request_lifecycle, set_checked
 from kvtier.fsm.node import Node
 from kvtier.fsm.presets import preset
 from kvtier.fsm.records import Completion
@@ -117,6 +119,22 @@ def _check_fire(machine: Lifecycle, events: Sequence[str]) -> Callable[[Subjects
     return run
 
 
+def _fire_checked(machine: Lifecycle, events: Sequence[str]) -> Callable[[Subjects], None]:
+    """:func:`_fire` in the checked mode: every event through the compiled table and the
+    ``transitions`` machine, compared (the price of checking the table)."""
+    inner = _fire(machine, events)
+
+    def run(subjects: Subjects) -> None:
+        before = machine.checked
+        machine.checked = True
+        try:
+            inner(subjects)
+        finally:
+            machine.checked = before
+
+    return run
+
+
 def _raw_trigger(machine: Lifecycle, events: Sequence[str]) -> Callable[[Subjects], None]:
     triggers = [machine.machine.events[e].trigger for e in events]
 
@@ -144,6 +162,7 @@ def _cycle_rows(what: str, machine: Lifecycle, make: Callable[[int], Any],
     direct = f"{what} cycle, direct assignment"
     variants = [
         (f"{what} cycle, Lifecycle.fire", _fire(machine, events), direct),
+        (f"{what} cycle, Lifecycle.fire, checked mode", _fire_checked(machine, events), f"{what} cycle, Lifecycle.fire"),
         (f"{what} cycle, check + fire", _check_fire(machine, events), direct),
         (f"{what} cycle, raw events[e].trigger", _raw_trigger(machine, events), direct),
         (direct, _direct([s for _, s in cycle]), None),
@@ -322,11 +341,13 @@ CORE_PHASES: tuple[tuple[str, Callable[[CoreCycle], None], int, str], ...] = (
 CYCLE_TRIGGERS = 8
 
 
-def _run_cycle(requests: int, direct: bool) -> tuple[list[float], int]:
-    """One core cycle: seconds per phase (GC off, setup untimed) and triggers fired."""
+def _run_cycle(requests: int, direct: bool, checked: bool = False) -> tuple[list[float], int]:
+    """One core cycle: seconds per phase (GC off, setup untimed) and triggers fired;
+    ``checked``: the lifecycles in the checked mode (:func:`set_checked`)."""
     cyc = CoreCycle(requests, direct)
     before = cyc.cache.stats.triggers
     times = []
+    mode = set_checked(checked)
     gc.collect()
     gc.disable()
     try:
@@ -336,6 +357,7 @@ def _run_cycle(requests: int, direct: bool) -> tuple[list[float], int]:
             times.append(time.perf_counter() - t0)
     finally:
         gc.enable()
+        set_checked(mode)
     assert not cyc.cache.nodes(), "the cycle must end with an empty tree"
     return times, cyc.cache.stats.triggers - before
 
@@ -344,6 +366,7 @@ def core_cycles(args: argparse.Namespace) -> list[Row]:
     """Node lifecycle triggers per second through the machine inside the core, and per
     operation the same core with direct state assignment (runs interleaved)."""
     runs: dict[bool, list[list[float]]] = {False: [], True: []}
+    checked_runs: list[list[float]] = []
     nodes = args.requests * CHUNKS
     triggers = CYCLE_TRIGGERS * nodes
     for _ in range(args.repeat):
@@ -351,7 +374,11 @@ def core_cycles(args: argparse.Namespace) -> list[Row]:
             times, fired = _run_cycle(args.requests, direct)
             assert fired == triggers, (fired, triggers)
             runs[direct].append(times)
+        times, fired = _run_cycle(args.requests, False, checked=True)
+        assert fired == triggers, (fired, triggers)
+        checked_runs.append(times)
     total = {d: statistics.median(sum(t) for t in runs[d]) for d in runs}
+    checked_total = statistics.median(sum(t) for t in checked_runs)
     rate = triggers / total[False]
     share_us = 1e6 * (total[False] - total[True]) / triggers
     with_machine = "core cycle (node triggers), machine"
@@ -361,6 +388,8 @@ def core_cycles(args: argparse.Namespace) -> list[Row]:
             f"{nodes:,} nodes ({args.requests:,} requests x {CHUNKS} chunks), {CYCLE_TRIGGERS} triggers each; "
             f"machine's share {share_us:.2g} us/trigger",
             _verdict(rate >= TRIGGER_TARGET, f">= {TRIGGER_TARGET:,}/s")),
+        Row("core cycle (node triggers), checked mode", triggers, checked_total, with_machine,
+            "every node event through the compiled table and transitions, compared (kvtier fuzz, the kit, CI)"),
         Row(assigned, triggers, total[True], None, "UnverifiedCore: spec target lookup + assignment, no guards"),
     ]
     for i, (name, _, per_request, what) in enumerate(CORE_PHASES):

@@ -92,10 +92,14 @@ def as_text(value: object, what: str, *, error: type[KvtierError] = UsageError) 
     return value
 
 
+#: the sequence types checked without an ABC ``isinstance`` (the common case)
+_LIST_TUPLE = (list, tuple)
+
+
 def as_keys(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = UsageError) -> Sequence[Hashable]:
     """``value`` if it is a list or tuple (not a str or bytes) of hashable unit keys whose
     hash and ``==`` do not raise (:func:`check_hashable`, :func:`check_comparable`)."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+    if type(value) not in _LIST_TUPLE and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
         raise error(f"{what} must be a list or tuple of unit keys, got {value!r}")
     check_hashable(value, what, error=error)
     check_comparable(value, what, error=error)
@@ -105,7 +109,7 @@ def as_keys(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = 
 def check_key_sequence(value: object, what: str) -> None:
     """Raise UsageError unless ``value`` is a sequence of unit keys (a str or bytes is
     refused: its characters are not units)."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+    if type(value) not in _LIST_TUPLE and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
         raise UsageError(f"{what} must be a sequence of unit keys (not a str or bytes), got {value!r}")
 
 

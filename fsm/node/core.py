@@ -75,6 +75,7 @@ class CacheCore:
         if not isinstance(layout, CacheLayout):
             raise ConfigError(f"layout must be a CacheLayout (see kvtier.fsm.presets.preset), got {layout!r}")
         self.layout = layout
+        self._n_state, self._align = len(layout.state_groups), layout.alignment
         try:
             self.policy = WritePolicy(policy)
         except ValueError:
@@ -188,6 +189,11 @@ class CacheCore:
         """Device pages of ``group`` handed to callers (requests) and not yet published or freed."""
         return self.ledger.caller_pages(group)
 
+    def has_commands(self) -> bool:
+        """Whether some command waits for :meth:`poll_commands` (cheaper than
+        :meth:`pending_commands`, which copies them)."""
+        return bool(self._mover.outbox)
+
     def pending_commands(self) -> tuple[TransferCommand, ...]:
         """Commands created and not yet handed out by :meth:`poll_commands` (a snapshot)."""
         return self._mover.pending()
@@ -242,7 +248,7 @@ class CacheCore:
         self.ledger.check_need(need)
         short = self.ledger.device_short(need)
         if short and evict:
-            self.evict_device(short)
+            self._reclaimer.evict_device(short)
         for g, n in need.items():
             if n > self.device[g].free:
                 raise CapacityError("device", g, n, self.device[g].free)
@@ -269,9 +275,16 @@ class CacheCore:
         """
         check_key_sequence(key, "match: key")
         check_hashable(key, "match")
-        m = match_mode(mode, history_replay)
-        return find_match(self.tree.walk(key, self.store.split), self.root, len(key), m, history_replay=history_replay,
-                          has_host=self.store.host is not None, layout=self.layout)
+        return self.match_trusted(key, match_mode(mode, history_replay), history_replay)
+
+    def match_trusted(self, key: Sequence[Hashable], mode: MatchMode, history_replay: bool) -> MatchResult:
+        """:meth:`match` for arguments the caller has checked (the facade checks unit keys
+        once at its edge, :func:`kvtier.fsm.checks.as_keys`): ``key`` a list or tuple of
+        hashable, comparable unit keys, ``mode`` a :class:`MatchMode` and ``history_replay``
+        only with ``prefix_reuse``. Nothing is checked again."""
+        return find_match(self.tree.walk(key, self.store.split), self.root, len(key), mode,
+                          history_replay=history_replay, has_host=self.store.host is not None, layout=self.layout,
+                          n_state=self._n_state, align=self._align)
 
     # ------------------------------------------------------------------ receipts
     def lock(self, node: Node, owner: str | None = None) -> LockReceipt:
@@ -281,7 +294,8 @@ class CacheCore:
         Raises:
             UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
-        self.tree.members("lock", [node])
+        if type(node) is not Node or not self.tree.has(node):
+            self.tree.members("lock", [node])  # raises, naming the value
         return self.receipts.lock(node, owner, self.store.tick())
 
     def unlock(self, receipt: LockReceipt) -> None:
@@ -351,6 +365,7 @@ class CacheCore:
         Raises:
             UsageError: unknown group or a count that is not an int >= 0.
         """
+        self.ledger.check_need(need)
         return self._reclaimer.evict_device(need)
 
     def evict_host(self, need: Mapping[str, int], *, protect: Iterable[Node] = (),
@@ -393,7 +408,8 @@ class CacheCore:
         Raises:
             UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
-        self.tree.members("writeback", [node])
+        if type(node) is not Node or not self.tree.has(node):
+            self.tree.members("writeback", [node])  # raises, naming the value
         return self._mover.writeback(node, owner) if self.store.host is not None else None
 
     def issue_writebacks(self, limit: int | None = None) -> list[TransferCommand]:

@@ -50,10 +50,14 @@ KeyFn = Callable[[Node], Key]
 class EvictionPolicy(Protocol):
     """What the core needs from an eviction policy.
 
-    ``touch`` is called whenever a node's use, counts or state changed; the candidate
-    iterators yield live nodes, each at most once per iteration, best victim first. A
-    node yielded but not evicted is forgotten until it is touched again (whatever makes
-    it a victim later, an unlock, a release, a child leaving, a state change, touches it).
+    ``touch`` is called whenever a node may have become a victim or its key may have gone
+    down: a state change (the node and its parent), an unlock, a pin or borrow released,
+    a victim spared or queued; the candidate iterators yield live nodes, each at most
+    once per iteration, best victim first. A node yielded but not evicted is forgotten
+    until it is touched again (whatever makes it a victim later touches it). A use that
+    only raises a node's keys (a lock, a publish through it) is not reported: the index
+    re-files an entry whose key went up when it comes to the top, and a node without an
+    entry is no victim until something touches it.
     """
 
     name: str
@@ -134,11 +138,15 @@ class HeapIndex:
         is_live: whether a node is still in the tree.
         exclusive: host eviction takes duplicate copies (nodes also on the device) first.
         window: ``lru_turns``: clock ticks of bonus per doubling of a node's turns.
+        host_tier: keep the host heap (``False`` for a cache without a host tier: nothing
+            ever asks it for host candidates, so touches file device entries only).
     """
 
     def __init__(self, name: str, nodes: Callable[[], Iterator[Node]], size: Callable[[], int],
-                 is_live: Callable[[Node], bool], *, exclusive: bool = False, window: int = 0) -> None:
+                 is_live: Callable[[Node], bool], *, exclusive: bool = False, window: int = 0,
+                 host_tier: bool = True) -> None:
         self.name = name
+        self.host_tier = host_tier
         self.window = window
         self.dev_key, host_key = POLICIES[name](window)
         self.host_key = _exclusive(host_key) if exclusive else host_key
@@ -152,15 +160,18 @@ class HeapIndex:
         self._host_at: dict[int, Key] = {}
 
     def touch(self, node: Node) -> None:
-        kd = self.dev_key(node)
-        kh = kd if self._same else self.host_key(node)
         nid = node.node_id
+        # (lru_key inline: the default policy's touch without a call)
+        kd = (node.last_access, -node.depth, nid) if self.dev_key is lru_key else self.dev_key(node)
         at = self._dev_at.get(nid)
         if at is None or kd < at:
             self._dev_at[nid] = kd
             heapq.heappush(self._dev, (kd, node))
             if len(self._dev) > 4 * self._size() + 256:
                 self._dev = self._rebuilt(self.dev_key, self._dev_at)
+        if not self.host_tier:
+            return
+        kh = kd if self._same else self.host_key(node)
         at = self._host_at.get(nid)
         if at is None or kh < at:
             self._host_at[nid] = kh
@@ -209,9 +220,11 @@ class HeapIndex:
 
 
 def make_policy(name: str, nodes: Callable[[], Iterator[Node]], size: Callable[[], int],
-                is_live: Callable[[Node], bool], *, exclusive: bool = False, capacity_units: int = 0) -> HeapIndex:
+                is_live: Callable[[Node], bool], *, exclusive: bool = False, capacity_units: int = 0,
+                host_tier: bool = True) -> HeapIndex:
     """The eviction index of the policy ``name``; ``capacity_units``: device + host capacity
-    in cache units (``lru_turns`` scales its window with it, :data:`TURN_WINDOW`).
+    in cache units (``lru_turns`` scales its window with it, :data:`TURN_WINDOW`);
+    ``host_tier``: whether the cache has a host tier (without one, no host heap is kept).
 
     Raises:
         ConfigError: unknown policy name.
@@ -219,4 +232,4 @@ def make_policy(name: str, nodes: Callable[[], Iterator[Node]], size: Callable[[
     if name not in POLICIES:
         raise ConfigError(f"eviction policy must be one of {sorted(POLICIES)}, got {name!r}")
     window = capacity_units * TURN_WINDOW[0] // TURN_WINDOW[1]
-    return HeapIndex(name, nodes, size, is_live, exclusive=exclusive, window=window)
+    return HeapIndex(name, nodes, size, is_live, exclusive=exclusive, window=window, host_tier=host_tier)

@@ -93,7 +93,8 @@ def has_checkpoint(ckpt: PageMap, state_groups: int) -> bool:
 
 
 def find_match(path: Sequence[Node], root: Node, key_units: int, mode: MatchMode, *,
-               history_replay: bool, has_host: bool, layout: CacheLayout) -> MatchResult:
+               history_replay: bool, has_host: bool, layout: CacheLayout, n_state: int | None = None,
+               align: int | None = None) -> MatchResult:
     """The usable device hit and, beyond it, the host hit along ``path``.
 
     The device hit runs through nodes whose device pages every request may read; the
@@ -102,10 +103,13 @@ def find_match(path: Sequence[Node], root: Node, key_units: int, mode: MatchMode
     state groups a hit ends only at a node holding the exact continuation state for its
     own length in the matching tier (invariant ``exact_continuation_state``); in ``state_recovery`` mode only at
     the key's own end. ``history_replay`` returns the deeper history-only hit with
-    ``recompute_tokens`` (see :meth:`CacheLayout.replay_span_tokens`).
+    ``recompute_tokens`` (see :meth:`CacheLayout.replay_span_tokens`). ``n_state`` and
+    ``align``: the layout's state groups and alignment, when the caller has them at hand.
     """
-    n_state = len(layout.state_groups)
-    align = layout.alignment
+    if n_state is None:
+        n_state = len(layout.state_groups)
+    if align is None:
+        align = layout.alignment
     d = 0
     while d < len(path) and path[d].state in DEVICE_READABLE:
         d += 1
@@ -149,8 +153,8 @@ def find_match(path: Sequence[Node], root: Node, key_units: int, mode: MatchMode
     return MatchResult(
         key_units=key_units, device_node=device_node, device_units=device_node.depth,
         terminal=path[host_end - 1] if host_end else root,
-        host_nodes=tuple(n for n in beyond if n.state == NODE_STATE.host),
-        joined_nodes=tuple(n for n in beyond if n.state == NODE_STATE.loading),
+        host_nodes=tuple([n for n in beyond if n.state == NODE_STATE.host]) if beyond else (),
+        joined_nodes=tuple([n for n in beyond if n.state == NODE_STATE.loading]) if beyond else (),
         host_units=path[host_end - 1].depth if host_end else 0,
         history_units=history_units, recompute_tokens=recompute, alignment=align,
     )

@@ -19,6 +19,8 @@ __all__ = ["PageAllocator", "MAX_POOL_PAGES"]
 #: stay exact as JSON numbers and float64 statistics. A larger capacity raises ConfigError.
 MAX_POOL_PAGES = 2**53
 
+_INT = {int}
+
 
 class PageAllocator:
     """Free-list allocator of page ids for one pool and one cache group.
@@ -94,7 +96,15 @@ class PageAllocator:
             InvariantViolation (``conservation``): a page is out of range or already free
                 (a double free); nothing is released then.
         """
-        given = list(pages)
+        given = pages if type(pages) is list else list(pages)
+        if given:
+            # the common case in C: distinct plain ints, allocated, none already free
+            fresh = set(given)
+            if (len(fresh) == len(given) and set(map(type, given)) == _INT and min(given) >= 0
+                    and max(given) < self._next and fresh.isdisjoint(self._released_set)):
+                self._released.extend(given)
+                self._released_set |= fresh
+                return
         plain = [p if type(p) is int else plain_int(p) for p in given]  # numpy integers: plain ints
         bad = [g for g, p in zip(given, plain) if p is None or not self._allocated(p)]
         ids = [p for p in plain if p is not None]

@@ -30,6 +30,9 @@ class Publisher:
 
     def __init__(self, store: NodeStore) -> None:
         self.store = store
+        #: state group -> checkpoint pages (the layout's, read once)
+        self._sizes = {g.name: g.state_pages for g in store.layout.state_groups}
+        self._hist_set = frozenset(store.history_groups)
 
     def insert(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
                checkpoint: Mapping[str, Sequence[int]] | None = None, *,
@@ -94,9 +97,10 @@ class Publisher:
     def _check_arguments(self, key: Sequence[Hashable], pages: Mapping[str, Sequence[int]],
                          checkpoint: Mapping[str, Sequence[int]] | None) -> tuple[PageMap, PageMap]:
         store = self.store
-        if isinstance(key, (str, bytes)) or not isinstance(key, Sequence) or not key:
+        if (type(key) is not list and type(key) is not tuple and (isinstance(key, (str, bytes))
+                                                                 or not isinstance(key, Sequence))) or not key:
             raise UsageError(f"insert: key must be a non-empty sequence of unit keys (not a str or bytes), got {key!r}")
-        if not isinstance(pages, Mapping):
+        if type(pages) is not dict and not isinstance(pages, Mapping):
             raise UsageError(f"insert: pages must be a mapping group -> page ids, got {pages!r}")
         units = len(key)
         ppu = store.pages_per_unit
@@ -105,11 +109,10 @@ class Publisher:
             if len(own[g]) != units * ppu[g]:
                 raise UsageError(f"insert: group {g!r} needs {units * ppu[g]} pages for {units} units, "
                                  f"got {len(own[g])}")
-        extra = set(pages) - set(store.history_groups)
-        if extra:
-            raise UsageError(f"insert: pages given for non-history groups {sorted(extra)}")
-        ckpt = {g: list(p) for g, p in (checkpoint or {}).items()}
-        sizes = {g.name: g.state_pages for g in store.layout.state_groups}
+        if not self._hist_set.issuperset(pages):
+            raise UsageError(f"insert: pages given for non-history groups {sorted(set(pages) - self._hist_set)}")
+        ckpt = {g: list(p) for g, p in checkpoint.items()} if checkpoint else {}
+        sizes = self._sizes
         for g, p in ckpt.items():
             if g not in sizes:
                 raise UsageError(f"insert: checkpoint for unknown state group {g!r}")
@@ -168,8 +171,7 @@ class Publisher:
                 stopped = True
                 break
             if hi <= anchored:  # the caller's canonical pages (checked by _anchored)
-                n.last_access = stamp
-                store.eviction.touch(n)
+                n.last_access = stamp  # (a use raises a node's keys: the index re-files it lazily)
                 last = n
                 done = hi
                 continue
@@ -185,7 +187,6 @@ class Publisher:
             if n.state == NS.host:
                 store.trigger(n, EV.republish)
             n.last_access = stamp
-            store.eviction.touch(n)
             last = n
             done = hi
         units = len(key)

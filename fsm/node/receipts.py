@@ -27,7 +27,8 @@ class ReceiptBook:
 
     Args:
         ids: the id counter shared with the tree.
-        touch: called with every node whose counts changed (the eviction index re-files it).
+        touch: called with every node a release may make a victim (the eviction index
+            re-files it; a lock or a new pin or borrow only protects, and is not reported).
         on_hit: called with every node of a locked path once its hit is counted (the
             writeback queue backs up nodes used often enough).
     """
@@ -71,8 +72,7 @@ class ReceiptBook:
                     n.prev_use = n.last_access
                 n.hit_count += 1
                 n.last_owner = owner
-            n.last_access = stamp
-            self._touch(n)
+            n.last_access = stamp  # (a lock makes nothing a victim and only raises keys: no touch)
         for n in path:
             self._on_hit(n)
         self._locks[receipt.receipt_id] = receipt

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from ..lifecycle.names import NODE_EVENT as EV, NODE_STATE as NS
 from .node import Node
 from .store import NodeStore
+from .writeback import WritePolicy
 
 __all__ = ["Reclaimer"]
 
@@ -37,15 +38,15 @@ class Reclaimer:
         Returns:
             group -> pages actually freed (may be less than asked).
 
-        Raises:
-            UsageError: unknown group or a count that is not an int >= 0.
+        ``need`` is trusted (the core's public ``evict_device`` checks it; the core's own
+        callers pass what they computed).
         """
         store = self.store
-        store.ledger.check_need(need)
         freed = {g: 0 for g in store.device}
         pledged = {g: 0 for g in store.device}  # pages of leaves queued for writeback (freed later)
         queued: list[Node] = []
         candidates = store.eviction.device_candidates()
+        wb = store.writebacks  # (its chain is walked only when write_back may queue it)
         while any(freed[g] + pledged[g] < k for g, k in need.items()):
             n = next(candidates, None)
             if n is None:
@@ -57,7 +58,7 @@ class Reclaimer:
                 got = self._release_device(n)
                 store.trigger(n, EV.demote)
                 store.stats.demotions += 1
-            elif store.writebacks.write_back_first(self._device_chain(n)):
+            elif wb.enabled and wb.policy is WritePolicy.WRITE_BACK and wb.write_back_first(self._device_chain(n)):
                 queued.append(n)  # still a candidate: back in the index after this call
                 for pm in (n.dev, n.dev_ckpt):  # its demotion, once written, frees these
                     for g, pages in pm.items():

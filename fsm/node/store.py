@@ -75,7 +75,8 @@ class NodeStore:
         units = sum(min((pools[g].capacity // k for g, k in self.pages_per_unit.items()), default=0)
                     for pools in (ledger.device, ledger.host) if pools)
         self.eviction: EvictionPolicy = make_policy(eviction, self.tree.__iter__, self.tree.__len__, self.tree.has,
-                                                    exclusive=exclusive, capacity_units=units)
+                                                    exclusive=exclusive, capacity_units=units,
+                                                    host_tier=ledger.host is not None)
         self.writebacks = WritebackQueue(policy, write_threshold, enabled=ledger.host is not None)
         self.receipts = ReceiptBook(ids, self.eviction.touch, self.writebacks.on_hit)
         self.optable = OperationTable(world_size, layout.num_layers, op_deadline_steps)
@@ -85,13 +86,18 @@ class NodeStore:
 
     def trigger(self, node: Node, event: str) -> None:
         """Fire a node event through the spec's machine and re-file the node (and its
-        parent) in the eviction index.
+        parent) in the eviction index when its state changed (an internal transition,
+        ``split`` or ``loadback_layer_done``, makes no victim and lowers no key: nothing
+        to re-file; a split files its new fragment itself).
 
         Raises:
             IllegalTransition, GuardRejected: the event is refused (nothing changes).
         """
+        before = node.state
         self.fire(node, event)
         self.stats.triggers += 1
+        if node.state == before:
+            return
         self.eviction.touch(node)
         if node.parent is not None and node.parent.parent is not None:
             self.eviction.touch(node.parent)

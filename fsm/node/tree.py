@@ -69,11 +69,11 @@ class RadixTree:
             UsageError: not a list of nodes, an empty list, or a value that is not a node
                 of this tree (``what`` names the call).
         """
-        if isinstance(nodes, Node) or not isinstance(nodes, Iterable):
+        if type(nodes) is not list and (isinstance(nodes, Node) or not isinstance(nodes, Iterable)):
             raise UsageError(f"{what} takes a list of nodes, got {nodes!r}")
         out: list[Node] = []
         for n in nodes:
-            if not isinstance(n, Node) or self._nodes.get(n.node_id) is not n:
+            if type(n) is not Node and not isinstance(n, Node) or self._nodes.get(n.node_id) is not n:
                 raise UsageError(f"{what}: {n!r} is not a node of this cache's tree")
             out.append(n)
         if not out:
@@ -139,16 +139,22 @@ class RadixTree:
         assert parent is not None
         prefix = Node(next(self._ids), node.key[:k], parent)
         prefix.state = node.state
+        ppu = self._ppu
         for attr in ("dev", "host", "pending"):
             whole: PageMap = getattr(node, attr)
+            if not whole:
+                continue  # (the prefix's own map is already empty)
             head: PageMap = {}
             for g, pages in whole.items():
-                cut = k * self._ppu[g]
+                cut = k * ppu[g]
                 head[g] = pages[:cut]
                 whole[g] = pages[cut:]
             setattr(prefix, attr, head)
-        for attr in _SHARED:
-            setattr(prefix, attr, getattr(node, attr))
+        # the _SHARED attributes, one by one (a loop of getattr/setattr costs 3x)
+        prefix.lock_ref, prefix.borrow_ref, prefix.host_pin = node.lock_ref, node.borrow_ref, node.host_pin
+        prefix.hit_count, prefix.last_owner, prefix.turns = node.hit_count, node.last_owner, node.turns
+        prefix.last_access, prefix.prev_use, prefix.wb_op = node.last_access, node.prev_use, node.wb_op
+        prefix.lb_op, prefix.fetch_op, prefix.reloaded = node.lb_op, node.fetch_op, node.reloaded
         node.key = node.key[k:]
         parent.children[prefix.key[0]] = prefix
         prefix.children[node.key[0]] = node

@@ -34,6 +34,7 @@ class Admitter:
         self.table = table
         self.core = table.core
         self.history_replay = history_replay
+        self._own_groups = (*table.history, *table.state_pages)  # the groups a request owns pages of
 
     def admit(self, request_id: str, units: Sequence[Hashable], prompt_tokens: int,
               chunk_tokens: int) -> Admission | None:
@@ -71,9 +72,10 @@ class Admitter:
                event: str) -> Admission | None:
         t, core = self.table, self.core
         t.check(r, event)  # its rows differ only in has_loadback: this checks the state
-        m = core.match(key, mode, history_replay=self.history_replay and mode is MatchMode.PREFIX_REUSE)
+        # (unit keys checked at the facade's edge: the core trusts them)
+        m = core.match_trusted(key, mode, self.history_replay and mode is MatchMode.PREFIX_REUSE)
         if mode is MatchMode.STATE_RECOVERY and m.host_units != len(key):
-            m = core.match((), mode)  # no exact terminal state: recompute from scratch
+            m = core.match_trusted((), mode, False)  # no exact terminal state: recompute from scratch
         hit_units = m.host_units
         start = m.hit_tokens
         hold = core.lock(m.device_node, r.request_id) if m.device_node is not core.root else None
@@ -113,8 +115,12 @@ class Admitter:
                 t.drop_checkpoint_borrow(r)
                 r.ckpt_borrow = core.borrow([m.device_node], r.request_id)
                 r.ckpt_pages = {g: list(table[g]) for g in t.state_pages if g in table}
-        r.canon = {g: list(table[g]) for g in t.history}
-        r.own = {g: list(own.get(g, ())) for g in list(t.history) + list(t.state_pages)}
+        if load is None:  # a fresh page table and fresh pages: their lists become the request's
+            r.canon = {g: table[g] for g in t.history}
+            r.own = {g: own.get(g) or [] for g in self._own_groups}
+        else:
+            r.canon = {g: list(table[g]) for g in t.history}
+            r.own = {g: list(own.get(g, ())) for g in self._own_groups}
         r.published = hit_units
         t.set_room(r)
         r.tokens = start

@@ -201,6 +201,11 @@ class RequestTable:
                 self._ended.add(r.request_id)
         return state
 
+    def has_news(self) -> bool:
+        """Whether :meth:`take_events` has anything to do: an event to report or an ended
+        request to forget."""
+        return bool(self._events or self._ended)
+
     def take_events(self) -> list[RequestEvent]:
         """Request events since the last call, in order; ended requests (all settled) are
         forgotten once reported."""

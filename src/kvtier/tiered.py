@@ -72,6 +72,7 @@ DEFAULT_OP_DEADLINE_STEPS = 10_000
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 24
 
 _BINDING = Lock()  # taken only while a cache binds its driving thread
+_NOTHING = PollResult((), ())  # what poll returns when there is nothing to hand out or report
 
 
 class TieredCache:
@@ -174,7 +175,8 @@ class TieredCache:
         if prompt_tokens > most:
             raise UsageError(f"request {request_id!r}: prompt_tokens {prompt_tokens} above max_request_tokens {most}")
         chunk_tokens = as_int(chunk_tokens, "chunk_tokens", minimum=1)
-        if isinstance(units, Sequence) and not isinstance(units, (str, bytes)):
+        if type(units) is list or type(units) is tuple or (isinstance(units, Sequence)
+                                                            and not isinstance(units, (str, bytes))):
             n = len(units)
             if n > most // self.layout.alignment:
                 raise UsageError(f"request {request_id!r}: {n} unit keys, more than max_request_tokens {most} "
@@ -318,7 +320,8 @@ class TieredCache:
         op whose command :meth:`poll` has not handed out yet: nothing changes)."""
         if self._owner != get_ident():
             self._bind()
-        if isinstance(completion, Completion) and any(c.op_id == completion.op_id for c in self.core.pending_commands()):
+        if (isinstance(completion, Completion) and self.core.has_commands()
+                and any(c.op_id == completion.op_id for c in self.core.pending_commands())):
             raise UsageError(f"completion for op {completion.op_id}: its command has not been handed out by poll() yet")
         for out in self.core.complete(completion):
             self._router.on_core_event(out)
@@ -350,10 +353,14 @@ class TieredCache:
         the end); :meth:`state` still answers for the last ``ended_history`` of them."""
         if self._owner != get_ident():
             self._bind()
-        room = self.max_writebacks_in_flight - self.core.ops_in_flight(Direction.WRITEBACK)
-        if room > 0:
-            self.core.issue_writebacks(room)
-        commands = tuple(self.core.poll_commands())
+        core = self.core
+        if core.writebacks:  # tree writebacks queued
+            room = self.max_writebacks_in_flight - core.ops_in_flight(Direction.WRITEBACK)
+            if room > 0:
+                core.issue_writebacks(room)
+        if not core.has_commands() and not self._table.has_news():
+            return _NOTHING  # (most polls of a step loop: nothing to hand out or report)
+        commands = tuple(core.poll_commands()) if core.has_commands() else ()
         return PollResult(commands, tuple(self._table.take_events()))
 
     # ------------------------------------------------------------------ the driving thread

@@ -28,9 +28,11 @@ def test_bench_prints_every_row_and_records_its_own_section(tmp_path: Path) -> N
     core_ops = ["insert", "writeback+ack", "demote (evict_device)", "match", "load+ack",
                 "drop host (evict_host)", "remove (evict_device)"]
     assert list(lines) == [f"{lc} cycle, {how}" for lc in ("node", "request")
-                           for how in ("Lifecycle.fire", "check + fire", "raw events[e].trigger", "direct assignment")
+                           for how in ("Lifecycle.fire", "Lifecycle.fire, checked mode", "check + fire",
+                                       "raw events[e].trigger", "direct assignment")
                            ] + ["GuardRejected raise (demote while locked)", "IllegalTransition raise (create on host)",
-                                "core cycle (node triggers), machine", "core cycle (node triggers), direct assignment",
+                                "core cycle (node triggers), machine", "core cycle (node triggers), checked mode",
+                                "core cycle (node triggers), direct assignment",
                                 ] + [f"core {op}, {how}" for op in core_ops for how in ("machine", "direct assignment")
                                      ] + ["match 64-page prompt, 60-node tree: median",
                                           "match 64-page prompt, 60-node tree: p90", "memory per node (tracemalloc)"]
