@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from operator import attrgetter
 from time import perf_counter
 from typing import Any
 
@@ -22,6 +23,8 @@ DEFAULT_MAX_IDLE_STEPS = 100_000
 """Scheduler iterations in a row without progress (no forward pass, arrival or ended request)
 after which :meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (a lost transfer
 completion, for instance, would otherwise be waited for forever)."""
+
+_ADMITTED = attrgetter("admitted_order")
 
 
 class ReferenceScheduler:
@@ -254,24 +257,30 @@ class ReferenceScheduler:
         batched :meth:`TieredCache.step`; when pages run out, retract the newest decoding
         request not yet in the batch (then the batch goes on after the short request)."""
         running = self._running
-        pending = sorted((r for r in running if r.tokens >= r.kv_target), key=lambda r: r.admitted_order)
+        pending = sorted((r for r in running if r.tokens >= r.kv_target), key=_ADMITTED)
         while pending:
-            present = {id(r) for r in running}  # a retraction may have removed some
-            batch = [r for r in pending if id(r) in present][:max(0, plan.budget)]
-            if not batch:
-                return
+            if len(pending) > plan.budget:
+                del pending[max(0, plan.budget):]
+                if not pending:
+                    return
             self._timed.decode = True
-            out = self.cache.step(reserve=[(r.request_id, 1) for r in batch], stop_on_short=True)
+            out = self.cache.step(reserve=[(r.request_id, 1) for r in pending], stop_on_short=True)
             self._timed.decode = False
             out.raise_first()
-            pending = []
-            for i, (r, st) in enumerate(zip(batch, out.reserve_status)):
+            status = out.reserve_status
+            if out.ok:  # every token fitted: the whole batch runs
+                plan.batch.extend([(r, 1) for r in pending])
+                plan.budget -= len(pending)
+                return
+            batch, pending = pending, []
+            for i, (r, st) in enumerate(zip(batch, status)):
                 if st == OK:
                     plan.add(r, 1)
                 elif st == SHORT:
                     if self._decode_short(r, plan):
                         plan.add(r, 1)
-                    pending = batch[i + 1:]
+                    present = {id(x) for x in running}  # a retraction may have removed some
+                    pending = [x for x in batch[i + 1:] if id(x) in present]
                     break
 
     def _decode_short(self, r: SchedRequest, plan: StepPlan) -> bool:
@@ -442,19 +451,24 @@ class ReferenceScheduler:
         items: list[tuple[Any, ...]] = []
         counted: list[tuple[SchedRequest, int]] = []  # (request, tokens before)
         decode = 0
+        align = self.align
         for (r, n), st in zip(live, states):
-            if st not in ("running", "loading"):
-                items.append((r.request_id, 0))  # a discarded pass (retracted, requeued, aborting)
+            rid = r.request_id
+            if st != "running" and st != "loading":
+                items.append((rid, 0))  # a discarded pass (retracted, requeued, aborting)
                 continue
             before = r.tokens
-            r.tokens += n
-            units = self._units_for(r, r.tokens) if r.tokens // self.align > len(r.units) + r.decode_units \
-                else ()
-            ckpt = r.tokens % self.align == 0
-            items.append((r.request_id, n, units, True) if ckpt else (r.request_id, n, units) if units
-                         else (r.request_id, n))
+            tokens = r.tokens = before + n
+            if tokens % align == 0:
+                units = self._units_for(r, tokens) if tokens // align > len(r.units) + r.decode_units else ()
+                items.append((rid, n, units, True))
+            elif tokens // align > len(r.units) + r.decode_units:
+                items.append((rid, n, self._units_for(r, tokens)))
+            else:
+                items.append((rid, n))
             counted.append((r, before))
-            decode += before >= r.kv_target
+            if before >= r.kv_target:
+                decode += 1
         t0 = perf_counter()
         out = self._real_cache.step(results=items)
         dt = perf_counter() - t0
@@ -463,10 +477,13 @@ class ReferenceScheduler:
         out.raise_first()
         adopted = {out.result_ids[i]: pages for i, pages in out.adopted.items()}
         for r, before in counted:
-            if r.request_id in adopted:
+            if adopted and r.request_id in adopted:
                 self.executor.checkpointed(self._real_cache, r.request_id, adopted[r.request_id], r.tokens)
-            self._count_tokens(r, before)
-            if r.generated >= max(1, r.output_tokens) and self.cache.state(r.request_id) == "running":
+            if before >= r.kv_target and before >= r.prompt_tokens:
+                r.generated += 1  # a decode token (what _count_tokens counts then)
+            else:
+                self._count_tokens(r, before)
+            if r.generated >= r.output_tokens and r.generated >= 1 and self.cache.state(r.request_id) == "running":
                 self._finish(r)
 
     def _count_tokens(self, r: SchedRequest, before: int) -> None:
