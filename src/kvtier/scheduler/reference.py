@@ -75,10 +75,26 @@ class ReferenceScheduler:
         # event or a completion since (``_changes``), or a smaller first chunk
         self._changes = 0
         self._resume_failed: tuple[str, int, int] | None = None  # (request, _changes, chunk)
+        # a failed admission likewise, while nothing it depends on has changed either: no
+        # request event or completion, no node lifecycle event (a node published, evicted,
+        # demoted ...), no pool's count of pages in use (a deferred free, a duplicate given
+        # back, a decode token's page)
+        self._admit_failed: tuple[str, tuple[int, ...], int] | None = None  # (request, _capacity_mark, chunk)
 
     # -- helpers ---------------------------------------------------------------------
     def _command_bytes(self, cmd: TransferCommand) -> int:
         return sum(t.pages * self._group_bytes[t.group] for t in cmd.transfers)
+
+    def _capacity_mark(self) -> tuple[int, ...]:
+        """What an admission's outcome depends on, as counters that move whenever it may
+        change: request events and completions seen, node lifecycle triggers fired, and
+        every pool's pages in use."""
+        core = self._real_cache.core
+        mark = [self._changes, core.stats.triggers]
+        mark.extend(a.used for a in core.device.values())
+        if core.host is not None:
+            mark.extend(a.used for a in core.host.values())
+        return tuple(mark)
 
     def _chunk_end(self, r: SchedRequest, start: int, budget: int) -> int:
         end = min(r.kv_target, start + budget)
@@ -188,6 +204,7 @@ class ReferenceScheduler:
         self._waiting = deque()
         self._retracted = deque()
         self._resume_failed = None
+        self._admit_failed = None
         self._live = {}
         self._running = []
         ended_before = 0
@@ -369,11 +386,18 @@ class ReferenceScheduler:
                         and plan.budget >= failed[2]):
                     plan.blocked.append(r.request_id)  # nothing freed since it failed: it fails again
                     break
+                failed_admit = self._admit_failed
+                if (not resume and failed_admit is not None and failed_admit[0] == r.request_id
+                        and plan.budget >= failed_admit[2] and failed_admit[1] == self._capacity_mark()):
+                    plan.blocked.append(r.request_id)  # nothing changed since it failed: it fails again
+                    break
                 adm = (cache.resume(r.request_id, plan.budget) if resume else
                        cache.admit(r.request_id, r.units, r.prompt_tokens, plan.budget))
                 if adm is None:
                     if resume:
                         self._resume_failed = (r.request_id, self._changes, plan.budget)
+                    else:
+                        self._admit_failed = (r.request_id, self._capacity_mark(), plan.budget)
                     plan.blocked.append(r.request_id)
                     break
                 queue.popleft()
