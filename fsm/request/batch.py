@@ -289,26 +289,26 @@ class Batcher:
                             return ids
             except Exception:  # named below, item by item
                 pass
-        return Batcher._ids_checked(items, least, most, what)
+        return _ids_checked(items, least, most, what)
 
-    @staticmethod
-    def _ids_checked(items: object, least: int, most: int, what: str) -> tuple[str, ...]:
-        """:meth:`_ids`, item by item (raises UsageError naming what is wrong)."""
-        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-            raise UsageError(f"step: {what} must be a list of tuples, got {items!r}")
-        try:
-            ids = tuple([x[0] for x in items if isinstance(x, tuple) and least <= len(x) <= most])
-        except TypeError:
-            raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
-                             f"(ForwardResult / Reservation), got {items!r}") from None
-        if len(ids) != len(items):
-            bad = next(x for x in items if not isinstance(x, tuple) or not least <= len(x) <= most)
-            raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
-                             f"(ForwardResult / Reservation), got {bad!r}")
-        try:
-            distinct = len(set(ids))
-        except TypeError:
-            raise UsageError(f"step: request ids in {what} must be str, got {ids!r}") from None
-        if distinct != len(ids):
-            raise UsageError(f"step: a request appears twice in {what} (one pass per step): {ids!r}")
-        return ids
+
+def _ids_checked(items: object, least: int, most: int, what: str) -> tuple[str, ...]:
+    """:meth:`Batcher._ids`, item by item (raises UsageError naming what is wrong)."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise UsageError(f"step: {what} must be a list of tuples, got {items!r}")
+    try:
+        ids = tuple([x[0] for x in items if isinstance(x, tuple) and least <= len(x) <= most])
+    except TypeError:
+        raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
+                         f"(ForwardResult / Reservation), got {items!r}") from None
+    if len(ids) != len(items):
+        bad = next(x for x in items if not isinstance(x, tuple) or not least <= len(x) <= most)
+        raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
+                         f"(ForwardResult / Reservation), got {bad!r}")
+    try:
+        distinct = len(set(ids))
+    except TypeError:
+        raise UsageError(f"step: request ids in {what} must be str, got {ids!r}") from None
+    if distinct != len(ids):
+        raise UsageError(f"step: a request appears twice in {what} (one pass per step): {ids!r}")
+    return ids

@@ -15,6 +15,7 @@ from ..replay.costmodel import CostModel
 from ..tiered import Admission, Reservation, TieredCache
 from .executor import Clock, Executor, InstantExecutor
 from .requests import SchedRequest, SchedulerStalled, StepPlan, as_index, check_fresh
+from .retraction import Retractions
 from .stats import RunStats, TimedCache
 
 __all__ = ["ReferenceScheduler", "DEFAULT_MAX_IDLE_STEPS"]
@@ -27,7 +28,7 @@ completion, for instance, would otherwise be waited for forever)."""
 _ADMITTED = attrgetter("admitted_order")
 
 
-class ReferenceScheduler:
+class ReferenceScheduler(Retractions):
     """Continuous batching with chunked prefill over a :class:`TieredCache`.
 
     Args:
@@ -299,48 +300,6 @@ class ReferenceScheduler:
                     present = {id(x) for x in running}  # a retraction may have removed some
                     pending = [x for x in batch[i + 1:] if id(x) in present]
                     break
-
-    def _decode_short(self, r: SchedRequest, plan: StepPlan) -> bool:
-        """Pages are short for ``r``'s decode token: retract the newest decoding request not in
-        the batch (a loading one cannot retract; when that is ``r``, the newest running one: a
-        newer prefill spared recomputes into the same pages, a livelock) until it fits, unless
-        ``r`` never fits (:meth:`_never_fits`); whether it did."""
-        running = self._running
-        while not self._never_fits(r):  # each pass retracts one request of `running`, or stops
-            victims = [x for x in running if all(x is not b for b, _ in plan.batch)
-                       and self.cache.state(x.request_id) == "running"]
-            decoding = [x for x in victims if x.tokens >= x.kv_target]
-            if not decoding:
-                return False
-            victim = max(decoding, key=lambda x: x.admitted_order)
-            victim = max(victims, key=lambda x: x.admitted_order) if victim is r else victim
-            self._retract(victim)
-            if victim is r:
-                return False
-            if self.cache.reserve(r.request_id, 1) is not None:
-                return True
-        return False
-
-    def _never_fits(self, r: SchedRequest) -> bool:
-        """Short of pages after eviction with no other request running and nothing in flight,
-        ``r`` never fits: abort it (``"cache capacity exhausted"``, as :meth:`_idle`); whether it did."""
-        others = self.cache.states([x.request_id for x in self._running if x is not r])
-        if self.cache.in_flight() or "running" in others or "loading" in others:
-            return False
-        self.cache.abort(r.request_id, "cache capacity exhausted")
-        self._submit()  # the next step's filter drops it from the running list
-        return True
-
-    def _retract(self, victim: SchedRequest) -> None:
-        """Retract ``victim``: it resumes later by recomputing what it had."""
-        adopted = self.cache.retract(victim.request_id)
-        if adopted:  # the engine fills the checkpoint pages the tree adopted
-            self.executor.checkpointed(self._real_cache, victim.request_id, adopted, victim.tokens)
-        self.stats.retractions += 1
-        self._running.remove(victim)
-        if victim.tokens >= victim.kv_target:  # decoding: recompute what it had (a prefill resumes as it was)
-            victim.resume_to = victim.kv_target = victim.tokens
-        self._retracted.append(victim)
 
     def _continue_prefills(self, plan: StepPlan) -> None:
         """The next prefill chunk of each running prefill, oldest admission first, in one
