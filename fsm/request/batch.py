@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from .admission import Admitter
 from ..checks import as_bool, as_int, as_keys
 from ..errors import KvtierError, UsageError
-from ..lifecycle.names import REQUEST_CALL as RC
+from ..lifecycle.names import REQUEST_CALL as RC, REQUEST_STATE as RS
 from .forward import ForwardResults
 from ..node.node import PageMap
 from .request import CALLS
@@ -39,6 +40,10 @@ OK = "ok"  #: the item was applied
 SHORT = "short"  #: a reservation found device pages short after eviction (nothing changed)
 REFUSED = "refused"  #: the item raised (``ItemOutcome.error``; nothing changed for it)
 SKIPPED = "skipped"  #: not attempted: an earlier reservation was short and ``stop_on_short`` was set
+
+
+_FIRST = itemgetter(0)
+_PLAIN = frozenset({tuple})
 
 
 class ForwardResult(NamedTuple):
@@ -115,7 +120,7 @@ class StepOutcome:
     @property
     def ok(self) -> bool:
         """True when every item was applied."""
-        return not self.errors and all(s == OK for s in self.reserve_status)
+        return not self.errors and self.reserve_status.count(OK) == len(self.reserve_status)
 
     @property
     def results(self) -> tuple[ItemOutcome, ...]:
@@ -143,6 +148,9 @@ class Batcher:
         self.admitter = admitter
         self.forward = forward
         self._reserve_states = CALLS[RC.reserve]
+        self._find = table.lookup
+        self._running_result_noop = forward.running_result_noop
+        self._align = table.align
 
     # -- one request -----------------------------------------------------------------
     def reserve_one(self, request_id: str, tokens: int) -> PageMap | None:
@@ -193,38 +201,62 @@ class Batcher:
         qids = self._ids(reserve, 2, 2, "reserve")
         if stop_on_short is not True and stop_on_short is not False:
             stop_on_short = as_bool(stop_on_short, "step: stop_on_short")
-        find = self.table.find
-        quick = self.forward.quick
-        covered = self.admitter.covered
+        find = self._find
         adopted: dict[int, PageMap] = {}
         new_pages: dict[int, PageMap] = {}
         errors: dict[tuple[str, int], KvtierError] = {}
-        # the hot path first (a decode token: two fields, no unit completed), as one pass
-        # of the items; any other item goes through result_one below, in order
         rst: list[str] = [OK] * len(results)
-        slow: list[int] = []
-        for i, f in enumerate(results):
-            r = find(rids[i])
-            n = f[1]
-            if not (r is not None and len(f) == 2 and type(n) is int and n >= 0 and quick(r, n, (), False)):
-                slow.append(i)
-        for i in slow:
-            f = results[i]
-            try:
-                pages = self.result_one(f[0], f[1], f[2] if len(f) > 2 else (), f[3] if len(f) > 3 else False)
-            except KvtierError as exc:
-                errors[("results", i)] = exc
-                rst[i] = REFUSED
-                continue
-            if pages:
-                adopted[i] = pages
+        if results:
+            # the hot path first, as one pass of plain counter arithmetic per item: a result
+            # of a running request with a pass owed, two fields, that completes no unit and
+            # leaves nothing to publish or free (ForwardResults.quick, inlined); any other
+            # item goes through result_one below, in order
+            slow: list[int] = []
+            if self._running_result_noop:
+                running = RS.running
+                align = self._align
+                for i, f in enumerate(results):
+                    r = find(rids[i])
+                    if r is not None and len(f) == 2 and r.state == running and r.passes > r.results \
+                            and r.ckpt_borrow is None and not r.deferred:
+                        n = f[1]
+                        if type(n) is int and n >= 0:
+                            t = r.tokens + n
+                            if t <= r.reserved and (t if t < len(r.units) * align else len(r.units) * align) \
+                                    < (r.published + 1) * align:
+                                r.tokens = t
+                                r.retract_ckpt = False
+                                r.results += 1
+                                continue
+                    slow.append(i)
+            else:
+                slow = list(range(len(results)))
+            for i in slow:
+                f = results[i]
+                try:
+                    pages = self.result_one(f[0], f[1], f[2] if len(f) > 2 else (), f[3] if len(f) > 3 else False)
+                except KvtierError as exc:
+                    errors[("results", i)] = exc
+                    rst[i] = REFUSED
+                    continue
+                if pages:
+                    adopted[i] = pages
         qst: list[str] = [OK] * len(reserve)
         accepts = self._reserve_states
         for i, q in enumerate(reserve):
             r = find(qids[i])
             n = q[1]
-            if r is not None and r.state in accepts and type(n) is int and n >= 1 and covered(r, n):
-                continue
+            if r is not None and type(n) is int and n >= 1 and r.state in accepts:
+                # the hot path (Admitter.covered, inlined): its pages already cover the tokens;
+                # with a pass out (overlapped scheduling) the next pass starts where it ends
+                reserved = r.reserved
+                upto = (reserved if r.passes > r.results else r.tokens) + n
+                if upto < reserved:
+                    upto = reserved
+                if upto <= r.room:
+                    r.reserved = upto
+                    r.passes += 1
+                    continue
             try:
                 new = self.reserve_one(q[0], n)
             except KvtierError as exc:
@@ -244,22 +276,39 @@ class Batcher:
     @staticmethod
     def _ids(items: object, least: int, most: int, what: str) -> tuple[str, ...]:
         """The request ids of ``items`` (tuples of ``least`` .. ``most`` fields, a request
-        at most once)."""
-        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-            raise UsageError(f"step: {what} must be a list of tuples, got {items!r}")
-        try:
-            ids = tuple([x[0] for x in items if isinstance(x, tuple) and least <= len(x) <= most])
-        except TypeError:
-            raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
-                             f"(ForwardResult / Reservation), got {items!r}") from None
-        if len(ids) != len(items):
-            bad = next(x for x in items if not isinstance(x, tuple) or not least <= len(x) <= most)
-            raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
-                             f"(ForwardResult / Reservation), got {bad!r}")
-        try:
-            distinct = len(set(ids))
-        except TypeError:
-            raise UsageError(f"step: request ids in {what} must be str, got {ids!r}") from None
-        if distinct != len(ids):
-            raise UsageError(f"step: a request appears twice in {what} (one pass per step): {ids!r}")
-        return ids
+        at most once): the types, lengths and ids in C-level passes (``map``), the item by
+        item walk only to name what is wrong."""
+        if type(items) is list or type(items) is tuple:
+            try:
+                types = set(map(type, items))
+                if types <= _PLAIN or all(issubclass(t, tuple) for t in types):
+                    lens = set(map(len, items))
+                    if not lens or (min(lens) >= least and max(lens) <= most):
+                        ids = tuple(map(_FIRST, items))
+                        if len(set(ids)) == len(ids):
+                            return ids
+            except Exception:  # named below, item by item
+                pass
+        return _ids_checked(items, least, most, what)
+
+
+def _ids_checked(items: object, least: int, most: int, what: str) -> tuple[str, ...]:
+    """:meth:`Batcher._ids`, item by item (raises UsageError naming what is wrong)."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise UsageError(f"step: {what} must be a list of tuples, got {items!r}")
+    try:
+        ids = tuple([x[0] for x in items if isinstance(x, tuple) and least <= len(x) <= most])
+    except TypeError:
+        raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
+                         f"(ForwardResult / Reservation), got {items!r}") from None
+    if len(ids) != len(items):
+        bad = next(x for x in items if not isinstance(x, tuple) or not least <= len(x) <= most)
+        raise UsageError(f"step: {what} must hold tuples of {least}..{most} fields "
+                         f"(ForwardResult / Reservation), got {bad!r}")
+    try:
+        distinct = len(set(ids))
+    except TypeError:
+        raise UsageError(f"step: request ids in {what} must be str, got {ids!r}") from None
+    if distinct != len(ids):
+        raise UsageError(f"step: a request appears twice in {what} (one pass per step): {ids!r}")
+    return ids

@@ -31,7 +31,8 @@ class ForwardResults:
     def __init__(self, table: RequestTable) -> None:
         self.table = table
         self.core = table.core
-        self._running_result_noop = table.lifecycle.is_noop(RS.running, RE.forward_result)
+        #: the spec's ``forward_result`` in ``running`` is an unguarded internal transition
+        self.running_result_noop = table.lifecycle.is_noop(RS.running, RE.forward_result)
         self._align = table.align
 
     def step_done(self, r: Request, computed_tokens: int, new_units: Sequence[Hashable],
@@ -79,7 +80,7 @@ class ForwardResults:
         accepted and a result owed): when no unit completes and nothing is to publish or
         free, and the spec's ``forward_result`` in ``running`` is an unguarded internal
         transition, record the result and return True; else change nothing, return False."""
-        if (r.state == RS.running and self._running_result_noop and r.ckpt_borrow is None and not checkpoint
+        if (r.state == RS.running and self.running_result_noop and r.ckpt_borrow is None and not checkpoint
                 and not r.deferred and r.passes > r.results and r.tokens + computed_tokens <= r.reserved
                 and min(r.tokens + computed_tokens, (len(r.units) + len(new_units)) * self._align)
                 < (r.published + 1) * self._align):

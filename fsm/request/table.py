@@ -36,6 +36,8 @@ __all__ = ["CacheCore", "MatchMode", "MatchResult", "WritePolicy", "RequestTable
 #: hundred bytes each, the oldest dropped first).
 DEFAULT_ENDED_HISTORY = 1024
 
+_STR = frozenset({str})
+
 
 class RequestTable:
     """Request records by id, with the lifecycle plumbing and page accounting they share.
@@ -67,6 +69,9 @@ class RequestTable:
         self.pages_per_unit = {g.name: layout.pages_per_unit(g) for g in layout.history_groups}
         self.state_pages = {g.name: g.state_pages for g in layout.state_groups}
         self._records: dict[str, Request] = {}
+        #: ``lookup(request_id)``: the record or ``None`` (the dict's own ``get``, for the
+        #: batched steps' per-item lookups)
+        self.lookup = self._records.get
         self._waiters: dict[int, set[str]] = {}  # op id -> requests waiting on it
         self._events: list[RequestEvent] = []
         self._ended: set[str] = set()  # ended requests not yet reported by poll()
@@ -87,6 +92,21 @@ class RequestTable:
                 raise UsageError(f"request {request_id!r} has ended ({ended.state}) and poll() reported it")
             raise UsageError(f"unknown request {request_id!r}")
         return r
+
+    def states(self, request_ids: Sequence[object]) -> list[str]:
+        """The lifecycle state of each of ``request_ids``, in order (one C-level lookup per
+        id; the checked walk of :meth:`get` only to name what is wrong).
+
+        Raises:
+            UsageError: an unknown or ended-and-forgotten request.
+        """
+        get = self._records.get
+        try:
+            if set(map(type, request_ids)) <= _STR:
+                return [get(rid).state for rid in request_ids]  # type: ignore[union-attr]
+        except Exception:  # an unknown id (None has no state), or not an iterable
+            pass
+        return [self.get(rid).state for rid in request_ids]
 
     def view(self, request_id: object) -> RequestView:
         """A summary of ``request_id``: tracked, or among the last ``ended_history`` ended

@@ -253,7 +253,7 @@ class TieredCache:
 
     def states(self, request_ids: Sequence[str]) -> list[str]:
         """The lifecycle state of each request (UsageError: an unknown request)."""
-        return [self._table.get(rid).state for rid in request_ids]
+        return self._table.states(request_ids)
 
     # ------------------------------------------------------------------ ends
     def finish(self, request_id: str) -> PageMap:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from operator import attrgetter
 from time import perf_counter
 from typing import Any
 
@@ -14,6 +15,7 @@ from ..replay.costmodel import CostModel
 from ..tiered import Admission, Reservation, TieredCache
 from .executor import Clock, Executor, InstantExecutor
 from .requests import SchedRequest, SchedulerStalled, StepPlan, as_index, check_fresh
+from .retraction import Retractions
 from .stats import RunStats, TimedCache
 
 __all__ = ["ReferenceScheduler", "DEFAULT_MAX_IDLE_STEPS"]
@@ -23,8 +25,10 @@ DEFAULT_MAX_IDLE_STEPS = 100_000
 after which :meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (a lost transfer
 completion, for instance, would otherwise be waited for forever)."""
 
+_ADMITTED = attrgetter("admitted_order")
 
-class ReferenceScheduler:
+
+class ReferenceScheduler(Retractions):
     """Continuous batching with chunked prefill over a :class:`TieredCache`.
 
     Args:
@@ -72,10 +76,26 @@ class ReferenceScheduler:
         # event or a completion since (``_changes``), or a smaller first chunk
         self._changes = 0
         self._resume_failed: tuple[str, int, int] | None = None  # (request, _changes, chunk)
+        # a failed admission likewise, while nothing it depends on has changed either: no
+        # request event or completion, no node lifecycle event (a node published, evicted,
+        # demoted ...), no pool's count of pages in use (a deferred free, a duplicate given
+        # back, a decode token's page)
+        self._admit_failed: tuple[str, tuple[int, ...], int] | None = None  # (request, _capacity_mark, chunk)
 
     # -- helpers ---------------------------------------------------------------------
     def _command_bytes(self, cmd: TransferCommand) -> int:
         return sum(t.pages * self._group_bytes[t.group] for t in cmd.transfers)
+
+    def _capacity_mark(self) -> tuple[int, ...]:
+        """What an admission's outcome depends on, as counters that move whenever it may
+        change: request events and completions seen, node lifecycle triggers fired, and
+        every pool's pages in use."""
+        core = self._real_cache.core
+        mark = [self._changes, core.stats.triggers]
+        mark.extend(a.used for a in core.device.values())
+        if core.host is not None:
+            mark.extend(a.used for a in core.host.values())
+        return tuple(mark)
 
     def _chunk_end(self, r: SchedRequest, start: int, budget: int) -> int:
         end = min(r.kv_target, start + budget)
@@ -185,6 +205,7 @@ class ReferenceScheduler:
         self._waiting = deque()
         self._retracted = deque()
         self._resume_failed = None
+        self._admit_failed = None
         self._live = {}
         self._running = []
         ended_before = 0
@@ -254,67 +275,31 @@ class ReferenceScheduler:
         batched :meth:`TieredCache.step`; when pages run out, retract the newest decoding
         request not yet in the batch (then the batch goes on after the short request)."""
         running = self._running
-        pending = sorted((r for r in running if r.tokens >= r.kv_target), key=lambda r: r.admitted_order)
+        pending = sorted((r for r in running if r.tokens >= r.kv_target), key=_ADMITTED)
         while pending:
-            present = {id(r) for r in running}  # a retraction may have removed some
-            batch = [r for r in pending if id(r) in present][:max(0, plan.budget)]
-            if not batch:
-                return
+            if len(pending) > plan.budget:
+                del pending[max(0, plan.budget):]
+                if not pending:
+                    return
             self._timed.decode = True
-            out = self.cache.step(reserve=[(r.request_id, 1) for r in batch], stop_on_short=True)
+            out = self.cache.step(reserve=[(r.request_id, 1) for r in pending], stop_on_short=True)
             self._timed.decode = False
             out.raise_first()
-            pending = []
-            for i, (r, st) in enumerate(zip(batch, out.reserve_status)):
+            status = out.reserve_status
+            if out.ok:  # every token fitted: the whole batch runs
+                plan.batch.extend([(r, 1) for r in pending])
+                plan.budget -= len(pending)
+                return
+            batch, pending = pending, []
+            for i, (r, st) in enumerate(zip(batch, status)):
                 if st == OK:
                     plan.add(r, 1)
                 elif st == SHORT:
                     if self._decode_short(r, plan):
                         plan.add(r, 1)
-                    pending = batch[i + 1:]
+                    present = {id(x) for x in running}  # a retraction may have removed some
+                    pending = [x for x in batch[i + 1:] if id(x) in present]
                     break
-
-    def _decode_short(self, r: SchedRequest, plan: StepPlan) -> bool:
-        """Pages are short for ``r``'s decode token: retract the newest decoding request not in
-        the batch (a loading one cannot retract; when that is ``r``, the newest running one: a
-        newer prefill spared recomputes into the same pages, a livelock) until it fits, unless
-        ``r`` never fits (:meth:`_never_fits`); whether it did."""
-        running = self._running
-        while not self._never_fits(r):  # each pass retracts one request of `running`, or stops
-            victims = [x for x in running if all(x is not b for b, _ in plan.batch)
-                       and self.cache.state(x.request_id) == "running"]
-            decoding = [x for x in victims if x.tokens >= x.kv_target]
-            if not decoding:
-                return False
-            victim = max(decoding, key=lambda x: x.admitted_order)
-            victim = max(victims, key=lambda x: x.admitted_order) if victim is r else victim
-            self._retract(victim)
-            if victim is r:
-                return False
-            if self.cache.reserve(r.request_id, 1) is not None:
-                return True
-        return False
-
-    def _never_fits(self, r: SchedRequest) -> bool:
-        """Short of pages after eviction with no other request running and nothing in flight,
-        ``r`` never fits: abort it (``"cache capacity exhausted"``, as :meth:`_idle`); whether it did."""
-        others = self.cache.states([x.request_id for x in self._running if x is not r])
-        if self.cache.in_flight() or "running" in others or "loading" in others:
-            return False
-        self.cache.abort(r.request_id, "cache capacity exhausted")
-        self._submit()  # the next step's filter drops it from the running list
-        return True
-
-    def _retract(self, victim: SchedRequest) -> None:
-        """Retract ``victim``: it resumes later by recomputing what it had."""
-        adopted = self.cache.retract(victim.request_id)
-        if adopted:  # the engine fills the checkpoint pages the tree adopted
-            self.executor.checkpointed(self._real_cache, victim.request_id, adopted, victim.tokens)
-        self.stats.retractions += 1
-        self._running.remove(victim)
-        if victim.tokens >= victim.kv_target:  # decoding: recompute what it had (a prefill resumes as it was)
-            victim.resume_to = victim.kv_target = victim.tokens
-        self._retracted.append(victim)
 
     def _continue_prefills(self, plan: StepPlan) -> None:
         """The next prefill chunk of each running prefill, oldest admission first, in one
@@ -360,11 +345,18 @@ class ReferenceScheduler:
                         and plan.budget >= failed[2]):
                     plan.blocked.append(r.request_id)  # nothing freed since it failed: it fails again
                     break
+                failed_admit = self._admit_failed
+                if (not resume and failed_admit is not None and failed_admit[0] == r.request_id
+                        and plan.budget >= failed_admit[2] and failed_admit[1] == self._capacity_mark()):
+                    plan.blocked.append(r.request_id)  # nothing changed since it failed: it fails again
+                    break
                 adm = (cache.resume(r.request_id, plan.budget) if resume else
                        cache.admit(r.request_id, r.units, r.prompt_tokens, plan.budget))
                 if adm is None:
                     if resume:
                         self._resume_failed = (r.request_id, self._changes, plan.budget)
+                    else:
+                        self._admit_failed = (r.request_id, self._capacity_mark(), plan.budget)
                     plan.blocked.append(r.request_id)
                     break
                 queue.popleft()
@@ -442,19 +434,24 @@ class ReferenceScheduler:
         items: list[tuple[Any, ...]] = []
         counted: list[tuple[SchedRequest, int]] = []  # (request, tokens before)
         decode = 0
+        align = self.align
         for (r, n), st in zip(live, states):
-            if st not in ("running", "loading"):
-                items.append((r.request_id, 0))  # a discarded pass (retracted, requeued, aborting)
+            rid = r.request_id
+            if st != "running" and st != "loading":
+                items.append((rid, 0))  # a discarded pass (retracted, requeued, aborting)
                 continue
             before = r.tokens
-            r.tokens += n
-            units = self._units_for(r, r.tokens) if r.tokens // self.align > len(r.units) + r.decode_units \
-                else ()
-            ckpt = r.tokens % self.align == 0
-            items.append((r.request_id, n, units, True) if ckpt else (r.request_id, n, units) if units
-                         else (r.request_id, n))
+            tokens = r.tokens = before + n
+            if tokens % align == 0:
+                units = self._units_for(r, tokens) if tokens // align > len(r.units) + r.decode_units else ()
+                items.append((rid, n, units, True))
+            elif tokens // align > len(r.units) + r.decode_units:
+                items.append((rid, n, self._units_for(r, tokens)))
+            else:
+                items.append((rid, n))
             counted.append((r, before))
-            decode += before >= r.kv_target
+            if before >= r.kv_target:
+                decode += 1
         t0 = perf_counter()
         out = self._real_cache.step(results=items)
         dt = perf_counter() - t0
@@ -463,10 +460,13 @@ class ReferenceScheduler:
         out.raise_first()
         adopted = {out.result_ids[i]: pages for i, pages in out.adopted.items()}
         for r, before in counted:
-            if r.request_id in adopted:
+            if adopted and r.request_id in adopted:
                 self.executor.checkpointed(self._real_cache, r.request_id, adopted[r.request_id], r.tokens)
-            self._count_tokens(r, before)
-            if r.generated >= max(1, r.output_tokens) and self.cache.state(r.request_id) == "running":
+            if before >= r.kv_target and before >= r.prompt_tokens:
+                r.generated += 1  # a decode token (what _count_tokens counts then)
+            else:
+                self._count_tokens(r, before)
+            if r.generated >= r.output_tokens and r.generated >= 1 and self.cache.state(r.request_id) == "running":
                 self._finish(r)
 
     def _count_tokens(self, r: SchedRequest, before: int) -> None:
