@@ -12,7 +12,7 @@ from . import _views as views
 from .base import TERMINAL
 from .content import check_tree_bytes
 from .facade_steps import FacadeSteps
-from .models import ModelViolation
+from .models import ModelViolation, check_split_queue
 from .view_model import check_facade_views
 
 
@@ -53,6 +53,17 @@ class FacadeChecks(FacadeSteps):
                                      f"answers {state!r} for a forgotten request; it must answer for "
                                      f"{self.remembered} (the last {views.ended_history(self.cache)} forgotten and "
                                      f"not admitted since, oldest first)")
+
+    def check_writeback_split(self) -> None:
+        """Model: a queue entry stays with both fragments of a split (:func:`check_split_queue`)."""
+        if not hasattr(self, "cache"):
+            return
+        core = self.cache.core
+        after = views.writeback_queue(core)
+        live = views.nodes(core)
+        before, live_before = getattr(self, "_wb_queued", {}), getattr(self, "_wb_live", set())
+        check_split_queue(live_before, before, after, lambda nid: views.writeback_refused(core, nid))
+        self._wb_queued, self._wb_live = after, set(live)
 
     def check_views(self) -> None:
         """Model: the facade's read-only answers (:mod:`kvtier.testing.view_model`)."""
