@@ -65,6 +65,19 @@ class FacadeChecks(FacadeSteps):
         check_split_queue(live_before, before, after, lambda nid: views.writeback_refused(core, nid))
         self._wb_queued, self._wb_live = after, set(live)
 
+    def check_writeback_quota(self) -> None:
+        """Model: tree writebacks (no request owns them) in flight never pass the cache's
+        ``max_writebacks_in_flight`` (a poll issues them only into the room the writebacks
+        in flight leave; a request's own finish or retract writeback is not held back)."""
+        if not hasattr(self, "cache"):
+            return
+        limit = self.cache.max_writebacks_in_flight
+        tree = sorted(o.command.op_id for o in views.ops(self.cache.core).values()
+                      if o.command.direction.value == "writeback" and o.command.request_id is None)
+        if len(tree) > limit:
+            raise ModelViolation("model_writeback_queue", "the cache",
+                                 f"{len(tree)} tree writebacks in flight {tree}, max_writebacks_in_flight {limit}")
+
     def check_views(self) -> None:
         """Model: the facade's read-only answers (:mod:`kvtier.testing.view_model`)."""
         if hasattr(self, "cache"):
