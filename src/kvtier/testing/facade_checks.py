@@ -6,6 +6,8 @@ facade's read-only views.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvtier.fsm.errors import InvariantViolation, UsageError
 
 from . import _views as views
@@ -61,7 +63,8 @@ class FacadeChecks(FacadeSteps):
         core = self.cache.core
         after = views.writeback_queue(core)
         live = views.nodes(core)
-        before, live_before = getattr(self, "_wb_queued", {}), getattr(self, "_wb_live", set())
+        before: dict[int, Any] = getattr(self, "_wb_queued", {})
+        live_before: set[int] = getattr(self, "_wb_live", set())
         check_split_queue(live_before, before, after, lambda nid: views.writeback_refused(core, nid))
         self._wb_queued, self._wb_live = after, set(live)
 
