@@ -81,12 +81,12 @@ def test_campaign_runs_reproducibly_and_reports() -> None:
     assert a.ok and a.steps >= 1500 and a.checks > 0 and set(a.steps_by_machine) == {"core", "facade", "engine", "node",
                                                                                      "request", "l3", "transfer",
                                                                                      "l3tier", "misuse",
-                                                                                     "reference"}
+                                                                                     "reference", "scheduler"}
     assert a.steps_by_machine == b.steps_by_machine  # same seed, same campaign
     text = a.report()
     assert "steps run:" in text and "invariants checked:" in text and "coverage (from the spec)" in text
     assert "result: no violation" in text
-    assert "driven by the product (core, engine, facade, l3tier, reference):" in text and "raw machines only" in text
+    assert "driven by the product (core, engine, facade, l3tier, reference, scheduler):" in text and "raw machines only" in text
 
 
 def test_verify_small_bound_and_clone_independence() -> None:
@@ -148,7 +148,7 @@ def test_cli_fuzz_names_the_default_mix_and_refuses_bad_input_before_running(
         main(["fuzz", "--help"])
     assert done.value.code == 0
     fuzz_help = " ".join(capsys.readouterr().out.split())
-    assert "(core, facade, engine, node, request, l3, transfer, l3tier, misuse, reference)" in fuzz_help
+    assert "(core, facade, engine, node, request, l3, transfer, l3tier, misuse, reference, scheduler)" in fuzz_help
     # an unknown or unimportable machine: one line on stderr, status 2, and nothing printed before it
     assert main(["fuzz", "--machine", "core", "--machine", "nope", "--steps", "10"]) == 2
     out, err = capsys.readouterr()

@@ -166,7 +166,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 #: The machines of ``kvtier fuzz``'s default mix, for its help text: the keys of
 #: ``kvtier.testing.fuzz.DEFAULT_MIX`` (not imported, so ``kvtier --help`` never imports
 #: hypothesis; ``tests/kit/test_kit.py`` checks that the two agree).
-FUZZ_DEFAULT_MACHINES = ("core", "facade", "engine", "node", "request", "l3", "transfer", "l3tier", "misuse", "reference")
+FUZZ_DEFAULT_MACHINES = ("core", "facade", "engine", "node", "request", "l3", "transfer", "l3tier", "misuse", "reference",
+                         "scheduler")
 
 
 def build_parser() -> argparse.ArgumentParser:

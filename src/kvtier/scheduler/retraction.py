@@ -27,9 +27,10 @@ class Retractions:
 
     def _decode_short(self, r: SchedRequest, plan: StepPlan) -> bool:
         """Pages are short for ``r``'s decode token: retract the newest decoding request not in
-        the batch (a loading one cannot retract; when that is ``r``, the newest running one: a
-        newer prefill spared recomputes into the same pages, a livelock) until it fits, unless
-        ``r`` never fits (:meth:`_never_fits`); whether it did."""
+        the batch (a loading one cannot retract; when that is ``r``, the newest running prefill,
+        older ones included: a prefill spared while ``r`` retracts itself and recomputes into the
+        same pages is a livelock) until it fits, unless ``r`` never fits (:meth:`_never_fits`);
+        whether it did."""
         running = self._running
         while not self._never_fits(r):  # each pass retracts one request of `running`, or stops
             victims = [x for x in running if all(x is not b for b, _ in plan.batch)
@@ -38,7 +39,9 @@ class Retractions:
             if not decoding:
                 return False
             victim = max(decoding, key=lambda x: x.admitted_order)
-            victim = max(victims, key=lambda x: x.admitted_order) if victim is r else victim
+            if victim is r:  # the newest prefill, older ones too: r retracting itself would recompute into the
+                prefills = [x for x in victims if x.tokens < x.kv_target]  # same pages, every step (a livelock)
+                victim = max(prefills, key=lambda x: x.admitted_order) if prefills else r
             self._retract(victim)
             if victim is r:
                 return False

@@ -21,7 +21,8 @@ from . import _views as views
 from .base import KitMachine
 from .content import check_tree_bytes, content
 from .logged import LogCheck
-from .models import check_eviction_order, check_queue_exits, check_use, snapshot_candidates, snapshot_use
+from .models import (check_eviction_order, check_queue_exits, check_split_queue, check_use, snapshot_candidates,
+                     snapshot_use)
 
 
 class CoreSteps(KitMachine):
@@ -46,6 +47,7 @@ class CoreSteps(KitMachine):
         self.eviction = "lru"
         self.exclusive = False
         self.queued: dict[int, Node] = {}  # the writeback queue at the last check
+        self.live_ids: set[int] = set()  # the tree's node ids at the last check
         self.submitted: set[int] = set()  # nodes of writeback commands taken since the last check
         self.churned = False  # the churn burst ran (once per example)
 
@@ -254,6 +256,8 @@ class CoreSteps(KitMachine):
         after = views.writeback_queue(c)
         for cmd in views.outbox(c):  # issued, not yet polled
             self.submitted.update(cmd.node_ids)
-        check_queue_exits(self.queued, after, views.nodes(c), self.submitted,
+        live = views.nodes(c)
+        check_queue_exits(self.queued, after, live, self.submitted,
                           lambda nid: views.writeback_refused(c, nid))
-        self.queued, self.submitted = after, set()
+        check_split_queue(self.live_ids, self.queued, after, lambda nid: views.writeback_refused(c, nid))
+        self.queued, self.submitted, self.live_ids = after, set(), set(live)

@@ -46,7 +46,8 @@ from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import TransferCommand
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.errors import HazardError, NotReadyError, PoisonedReadError
-from kvtier.transfer.backends.fake_async import FakeAsyncBackend, PendingCopy
+from kvtier.transfer.backends.fake_async import PendingCopy
+from kvtier.transfer.backends.plan_exec import PlanExecBackend
 from kvtier.transfer.plan import ChunkPlan, FlushPlan
 from kvtier.transfer.pools import DevicePool, HostPool
 
@@ -67,15 +68,17 @@ __all__ = ["EngineTransfer", "EngineFacadeMachine", "FaultyBackend"]
 _LOG = logging.getLogger("kvtier.transfer")
 
 
-class FaultyBackend(FakeAsyncBackend):
-    """The fake-asynchronous backend with two test controls: :meth:`fail_at` makes the
+class FaultyBackend(PlanExecBackend):
+    """The plan-executing fake-asynchronous backend (``transfer/backends/plan_exec.py``:
+    the planner's run or row tables executed on the CPU pools, or index copies) with two
+    test controls: :meth:`fail_at` makes the
     ``k``-th chunk issued from now raise (earlier chunks stay issued), before anything
     of it is queued or, with ``after``, once its copies are queued (a launch that fails
     part-way: those copies still run), and :meth:`fail_job` makes one pending copy fail
     when it completes."""
 
-    def __init__(self) -> None:
-        super().__init__(on_wait="raise")
+    def __init__(self, mode: str = "index", piece_bytes: int = 16, seed: int = 0) -> None:
+        super().__init__(mode=mode, piece_bytes=piece_bytes, seed=seed, on_wait="raise")
         self._fail_in: int | None = None
         self._fail_after = False
 
@@ -140,17 +143,21 @@ class EngineTransfer(TransferBackend):
         issue_seed: seed of the issue-time failure draws.
         issue_rate: chance that a rank's flush of a command fails at issue.
         chunk_layers: layers per loadback chunk (small: several chunks per loadback).
+        plan_mode: the copy path of every rank's backend (``transfer/backends/plan_exec.py``: the planner's
+            run tables, its row tables, or index copies).
+        piece_bytes: the tables' largest piece (small: runs and rows split into many pieces).
     """
 
     def __init__(self, world_size: int, layout: CacheLayout, device_pages: dict[str, int],
                  host_pages: dict[str, int], *, issue_seed: int = 0, issue_rate: float = 0.0,
-                 chunk_layers: int = 1) -> None:
+                 chunk_layers: int = 1, plan_mode: str = "index", piece_bytes: int = 16) -> None:
         super().__init__(world_size, layout.num_layers)
         specs = list(layout.groups)
         self.specs = {g.name: g for g in specs}
         self.issue_seed = issue_seed
         self.issue_rate = issue_rate
-        self.backends = [FaultyBackend() for _ in range(world_size)]
+        self.plan_mode = plan_mode
+        self.backends = [FaultyBackend(plan_mode, piece_bytes, issue_seed + r) for r in range(world_size)]
         self.engines = [TransferEngine(specs, HostPool(specs, {g: max(1, n) for g, n in host_pages.items()}, pin=False),
                                        DevicePool.allocate(specs, {g: max(1, n) for g, n in device_pages.items()}, "cpu"),
                                        self.backends[r], rank=r, chunk_layers=chunk_layers)
@@ -358,8 +365,12 @@ class EngineFacadeMachine(FacadeMachine):
         dev = {g: a.capacity for g, a in core.device.items()}
         host = {g: a.capacity for g, a in (core.host or {}).items()}
         digest = hashlib.sha256(repr(self.kit_trace[0].args if self.kit_trace else ()).encode()).digest()
-        return EngineTransfer(world, self.cache.layout, dev, host, issue_seed=int.from_bytes(digest[:4], "big"),
-                              issue_rate=self.kit_rate)
+        draw = int.from_bytes(digest[:4], "big")
+        # the copy path and the tables' piece size follow from the setup too (a saved
+        # sequence replays on the same path): mostly the planner's tables, small pieces
+        mode = ("runs", "rows", "runs", "index")[digest[4] % 4]
+        return EngineTransfer(world, self.cache.layout, dev, host, issue_seed=draw, issue_rate=self.kit_rate,
+                              plan_mode=mode, piece_bytes=(16, 32, 64, 128)[digest[5] % 4])
 
     def kit_canonical(self) -> Hashable:  # pragma: no cover - verify runs the dict backend
         raise NotImplementedError("kvtier verify runs the facade machine on the simulated backend")

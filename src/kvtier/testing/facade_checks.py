@@ -6,13 +6,15 @@ facade's read-only views.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvtier.fsm.errors import InvariantViolation, UsageError
 
 from . import _views as views
 from .base import TERMINAL
 from .content import check_tree_bytes
 from .facade_steps import FacadeSteps
-from .models import ModelViolation
+from .models import ModelViolation, check_split_queue
 from .view_model import check_facade_views
 
 
@@ -53,6 +55,31 @@ class FacadeChecks(FacadeSteps):
                                      f"answers {state!r} for a forgotten request; it must answer for "
                                      f"{self.remembered} (the last {views.ended_history(self.cache)} forgotten and "
                                      f"not admitted since, oldest first)")
+
+    def check_writeback_split(self) -> None:
+        """Model: a queue entry stays with both fragments of a split (:func:`check_split_queue`)."""
+        if not hasattr(self, "cache"):
+            return
+        core = self.cache.core
+        after = views.writeback_queue(core)
+        live = views.nodes(core)
+        before: dict[int, Any] = getattr(self, "_wb_queued", {})
+        live_before: set[int] = getattr(self, "_wb_live", set())
+        check_split_queue(live_before, before, after, lambda nid: views.writeback_refused(core, nid))
+        self._wb_queued, self._wb_live = after, set(live)
+
+    def check_writeback_quota(self) -> None:
+        """Model: tree writebacks (no request owns them) in flight never pass the cache's
+        ``max_writebacks_in_flight`` (a poll issues them only into the room the writebacks
+        in flight leave; a request's own finish or retract writeback is not held back)."""
+        if not hasattr(self, "cache"):
+            return
+        limit = self.cache.max_writebacks_in_flight
+        tree = sorted(o.command.op_id for o in views.ops(self.cache.core).values()
+                      if o.command.direction.value == "writeback" and o.command.request_id is None)
+        if len(tree) > limit:
+            raise ModelViolation("model_writeback_queue", "the cache",
+                                 f"{len(tree)} tree writebacks in flight {tree}, max_writebacks_in_flight {limit}")
 
     def check_views(self) -> None:
         """Model: the facade's read-only answers (:mod:`kvtier.testing.view_model`)."""

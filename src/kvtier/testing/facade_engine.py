@@ -12,6 +12,7 @@ from hypothesis.stateful import precondition, rule
 from kvtier.fsm import Completion, Direction
 from kvtier.fsm.request.batch import OK, REFUSED, SHORT, SKIPPED, Reservation
 from kvtier.fsm.errors import DuplicateCompletion, InvariantViolation, LifecycleError, UnknownOperation, UsageError
+from kvtier.fsm.node import HOST_VISIBLE
 
 from . import _views as views
 from .base import ROLL, TERMINAL, recorded
@@ -160,6 +161,25 @@ class FacadeTransferRules(FacadeSteps):
         else:
             if in_flight:
                 raise InvariantViolation("operation_ends_once", f"op {op}", f"duplicate {ev} was accepted")
+        self._sync()
+
+    @precondition(lambda self: self.deadline is not None
+                  and any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, REQUESTS - 1), i=st.integers(0, 100))
+    @recorded
+    def expire_unhanded(self, req: int, i: int) -> None:
+        """A loadback whose deadline passes before any poll handed its command out: it ends
+        at once (``expire [!handed_out]``: no engine ever saw it, nothing is fenced) and its
+        request goes back to waiting."""
+        rid = self._rid(req)
+        r = views.requests(self.cache).get(rid)
+        if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
+            return
+        if self._admit_host_hit(rid, i) is None:
+            return
+        before = set(views.ops(self.cache.core))
+        self.sched.advance_step(self.deadline + 1)
+        self.expired |= before - set(views.ops(self.cache.core))
         self._sync()
 
     @precondition(lambda self: self.deadline is not None)

@@ -56,7 +56,8 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
 
     kit_invariants: ClassVar[tuple[str, ...]] = (
         "check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
-        "check_request_records", "check_layer_ready", "check_views", "check_ended_views", "check_passes_out")
+        "check_request_records", "check_layer_ready", "check_views", "check_ended_views", "check_passes_out",
+        "check_writeback_split", "check_writeback_quota")
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3

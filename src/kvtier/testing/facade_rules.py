@@ -111,6 +111,37 @@ class FacadeRequestRules(FacadeSteps):
                 if op in views.ops(core):
                     self._finish_op(op, False)
 
+    @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, REQUESTS - 1), i=st.integers(0, 100))
+    @recorded
+    def fence_two_passes(self, req: int, i: int) -> None:
+        """A request loading a host hit reserves a second pass (overlapped scheduling), then
+        its loadback fails on every rank: it is ``fenced`` with two passes out, and the
+        first result comes back while the other is still out (the fence holds its pages
+        until the last one returns)."""
+        rid = self._rid(req)
+        r = views.requests(self.cache).get(rid)
+        if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
+            return
+        r = self._admit_host_hit(rid, i)
+        if r is None and self._state(rid) in ("waiting", None, *TERMINAL):
+            # the others' locks keep the device from demoting: abort them, settle, try again
+            for other in sorted(views.requests(self.cache)):
+                if other != rid and self._state(other) not in ("waiting", "aborting", *TERMINAL):
+                    self._abort(other)
+            self._pump()
+            r2 = views.requests(self.cache).get(rid)
+            if r2 is None or (r2.state in ("waiting", *TERMINAL) and r2.settled):
+                r = self._admit_host_hit(rid, i)
+        if r is None or self._state(rid) != "loading":
+            return
+        self._reserve(rid, 1)
+        for op in sorted(r.ops):
+            if op in views.ops(self.cache.core):
+                self._finish_op(op, False)
+        if self._state(rid) == "fenced":
+            self._forward(rid, False, False)
+
     @precondition(lambda self: any(n.state == "loading" for n in views.nodes(self.cache.core).values()))
     @rule(req=st.integers(0, REQUESTS - 1), i=st.integers(0, 100), tail=st.booleans())
     @recorded

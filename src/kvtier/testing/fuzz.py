@@ -1,7 +1,7 @@
 """``kvtier fuzz``: a long stateful fuzzing campaign over the kit's machines.
 
-The campaign runs the machines of :data:`DEFAULT_MIX` (the core, facade, engine and
-``l3tier`` machines, which drive the product; the raw node, request and L3 lifecycle
+The campaign runs the machines of :data:`DEFAULT_MIX` (the core, facade, engine,
+``l3tier``, ``reference`` and ``scheduler`` machines, which drive the product; the raw node, request and L3 lifecycle
 machines; the ``misuse`` machine of hostile calls), or those it is given, in rounds
 (chunks of examples, each chunk with a seed derived from the campaign seed, so a campaign
 is reproducible), with fault injection, until the step budget or the time budget is
@@ -32,8 +32,8 @@ from .sequence import EventSequence, ReplayResult, SequenceError, classify, mach
 __all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
 
 #: machine name -> share of the step budget
-DEFAULT_MIX: dict[str, float] = {"core": 0.31, "facade": 0.31, "engine": 0.1, "node": 0.08, "request": 0.09, "l3": 0.05,
-                                 "transfer": 0.02, "l3tier": 0.05, "misuse": 0.05, "reference": 0.04}
+DEFAULT_MIX: dict[str, float] = {"core": 0.31, "facade": 0.31, "engine": 0.1, "node": 0.07, "request": 0.08, "l3": 0.05,
+                                 "transfer": 0.02, "l3tier": 0.05, "misuse": 0.04, "reference": 0.04, "scheduler": 0.03}
 LIFECYCLE_DRIVERS = ("core", "facade", "engine")
 #: The machines that fire events at the spec's lifecycles directly (not the product).
 RAW_MACHINES = ("node", "request", "l3", "transfer")

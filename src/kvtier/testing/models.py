@@ -43,14 +43,15 @@ from kvtier.fsm.errors import InvariantViolation
 from kvtier.fsm.node import Node
 
 __all__ = ["MODELS", "ModelViolation", "LayerModel", "eviction_key", "check_eviction_order", "liveness_bound",
-           "snapshot_use", "check_use", "check_queue_exits"]
+           "snapshot_use", "check_use", "check_queue_exits", "check_split_queue"]
 
 #: The names a :class:`ModelViolation` carries (what a failure prints).
 MODELS: tuple[str, ...] = ("model_layer_ready", "model_eviction_order", "model_liveness",
                            "model_aborted_unpublished", "model_whole_prompt", "model_transfer_hazard",
                            "model_use_stamp", "model_views", "model_pass_reads", "model_reserve",
                            "model_l3_options", "model_l3_counters", "model_l3_fetched", "model_admission",
-                           "model_passes", "model_poll", "model_drain", "model_refusal", "model_reference")
+                           "model_passes", "model_poll", "model_drain", "model_refusal", "model_reference",
+                           "model_checkpoint", "model_writeback_queue")
 
 #: The request states in which ``layer_ready`` may answer true (``[request.calls]`` of the
 #: spec, restated here so that the model does not read it from the system under test).
@@ -267,3 +268,29 @@ def check_queue_exits(before: Mapping[int, Node], after: Mapping[int, Node], liv
         raise ModelViolation("model_liveness", f"node {nid}",
                              f"left the writeback queue without a writeback, a refusal or leaving the "
                              f"device, while its parent {p.node_id} is {p.state}: it is never written back")
+
+
+def check_split_queue(live_before: set[int], before: Mapping[int, Node], after: Mapping[int, Node],
+                      refused: Callable[[int], bool]) -> None:
+    """A queue entry stays with both fragments of a split (spec: Issuing tree writebacks):
+    for every node queued at both checks (``before`` -> ``after``), each ancestor created
+    since the last check (its id not in ``live_before``: the head fragments cut from it)
+    that is still device-only is queued too, unless the host refused it. A head left
+    unqueued would make the queued tail's parent device-only, so the tail then leaves the
+    queue as "no writeback will back its parent": under ``write_back`` the demand's room is
+    never made, under the other policies the host copy is never written.
+
+    Raises:
+        ModelViolation: ``model_writeback_queue``, naming the fragments.
+    """
+    for nid, n in after.items():
+        if nid not in before:
+            continue
+        p = n.parent
+        while p is not None and p.parent is not None and p.node_id not in live_before:
+            if p.state == "device" and p.node_id not in after and not refused(p.node_id):
+                raise ModelViolation("model_writeback_queue", f"node {nid}",
+                                     f"is queued for a writeback, but its head fragment {p.node_id} cut by a "
+                                     f"split since the last check is device-only and not queued (a queue entry "
+                                     f"stays with both fragments)")
+            p = p.parent

@@ -1,7 +1,7 @@
 """The names sequence files give the kit's machines, and the machines engines register.
 
 A sequence names the machine it drives (:mod:`kvtier.testing.steps`): one of the kit's
-(:data:`KIT_MACHINES`: ``core``, ``facade``, ``engine``, ``misuse``, ``l3tier``, ``reference``, ``node``,
+(:data:`KIT_MACHINES`: ``core``, ``facade``, ``engine``, ``misuse``, ``l3tier``, ``reference``, ``scheduler``, ``node``,
 ``request``, ``l3``), a name an engine registered with :func:`register_machine`, or
 ``"module:Class"``. This module only names: it imports no machine (importing one is
 :func:`kvtier.testing.sequence.machine_class`'s job), so every machine module may use it.
@@ -22,6 +22,7 @@ KIT_MACHINES: dict[str, str] = {
     "misuse": "kvtier.testing.misuse_machine:MisuseMachine",
     "l3tier": "kvtier.testing.l3_machine:L3TierMachine",
     "reference": "kvtier.testing.reference_machine:ReferenceMachine",
+    "scheduler": "kvtier.testing.scheduler_machine:SchedulerMachine",
     "node": "kvtier.testing.raw_machines:NodeLifecycleMachine",
     "request": "kvtier.testing.raw_machines:RequestLifecycleMachine",
     "l3": "kvtier.testing.raw_machines:L3LifecycleMachine",

@@ -16,17 +16,33 @@ transfers submitted so far, except those it holds back for one to ``late`` more 
 interleaving operations and ranks in a seeded random order (each operation's layers in
 order, then its acknowledgement, on each rank), and failing an operation's acknowledgement
 on one rank with the example's fault rate.
+
+:class:`WatchedCache` records what the scheduler asks of the cache, so that the machine checks
+what a correct scheduler does, beyond what the cache refuses:
+
+- every request the cache sends back to ``waiting`` (its loadback failed) is admitted again
+  or aborted by the cache; the scheduler's own safety net, aborting every live request as
+  ``"scheduler stalled"`` when none is queued, running or in flight, never fires (a request
+  that is in no queue is lost: ``model_liveness``);
+- a forward result flags a checkpoint exactly when the request's token count after it is at
+  a unit boundary (``model_checkpoint``: a flag from the chunk's length, say, drops
+  checkpoints or claims one mid-unit);
+- the run ends within ``2 x`` (prompt + output tokens) + :data:`_MAX_IDLE` iterations, far
+  below the scheduler's own bound of 16 per token (a retraction livelock fails quickly, so
+  that its shrinking stays quick too).
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from kvtier.fsm import Completion
+from kvtier.fsm.request.batch import ForwardResult
 
 from ..scheduler import InstantExecutor, ReferenceScheduler, SchedRequest, SchedulerStalled
 from ..tiered import TieredCache
@@ -77,6 +93,46 @@ class FaultyExecutor(InstantExecutor):
         return not self._held and not self._pending
 
 
+class WatchedCache(TieredCache):
+    """The cache, recording the scheduler's calls for the machine's checks (module doc)."""
+
+    def kit_watch(self) -> None:
+        self.sent_back: set[str] = set()  # sent back to waiting, not admitted since
+        self.stalled: list[str] = []  # aborted by the scheduler's "scheduler stalled" net
+        self.bad_flags: list[str] = []
+
+    def poll(self) -> Any:
+        out = super().poll()
+        for e in out.events:
+            if e.state == "waiting":
+                self.sent_back.add(e.request_id)
+            elif e.state == "aborted":
+                self.sent_back.discard(e.request_id)
+        return out
+
+    def admit(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        self.sent_back.discard(request_id)
+        return super().admit(request_id, *args, **kwargs)
+
+    def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        if reason == "scheduler stalled":
+            self.stalled.append(request_id)
+        super().abort(request_id, reason)
+
+    def step(self, results: Any = (), reserve: Any = (), **kwargs: Any) -> Any:
+        out = super().step(results, reserve, **kwargs)
+        align = self.layout.alignment
+        for item in results:
+            r = ForwardResult(*item) if isinstance(item, tuple) and not isinstance(item, ForwardResult) else item
+            if not r.computed_tokens or self.state(r.request_id) not in ("running", "loading"):
+                continue
+            tokens = self.request(r.request_id).tokens
+            if bool(r.checkpoint) != (tokens % align == 0):
+                self.bad_flags.append(f"{r.request_id!r} at {tokens} tokens (+{r.computed_tokens}) "
+                                      f"{'flags' if r.checkpoint else 'does not flag'} a checkpoint")
+        return out
+
+
 #: iterations without progress before the run counts as stalled (small: an example stays quick)
 _MAX_IDLE = 200
 _UNITS = st.lists(st.sampled_from("abc"), min_size=1, max_size=6)
@@ -87,7 +143,7 @@ class SchedulerMachine(KitMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache: TieredCache | None = None
+        self.cache: WatchedCache | None = None
         self.executor: FaultyExecutor | None = None
         self.requests: list[SchedRequest] = []
         self.budget = 16
@@ -101,8 +157,9 @@ class SchedulerMachine(KitMachine):
     def setup(self, device: int, host: int | None, policy: str, world: int, budget: int, seed: int,
               faults: int | None = None, late: int = 0) -> None:
         self.kit_fault_level(faults)
-        self.cache = TieredCache(kit_layout(), device, host, policy=policy if host is not None else "write_through",
+        self.cache = WatchedCache(kit_layout(), device, host, policy=policy if host is not None else "write_through",
                                  world_size=world, op_deadline_steps=None)
+        self.cache.kit_watch()
         self.executor = FaultyExecutor(world, seed, self.kit_rate, late)
         self.budget = budget
 
@@ -122,10 +179,32 @@ class SchedulerMachine(KitMachine):
         if cache is None or executor is None:
             return
         sched = ReferenceScheduler(cache, executor, token_budget=self.budget, max_idle_steps=_MAX_IDLE)
+        bound = 2 * sum(r.prompt_tokens + max(1, r.output_tokens) for r in self.requests) + _MAX_IDLE
+        iterations = [0]
+
+        def count() -> None:
+            iterations[0] += 1
+            if iterations[0] > bound:
+                raise SchedulerStalled(f"the run passed the machine's bound of {bound:,} iterations (2 per token "
+                                       f"of work plus {_MAX_IDLE})", iterations[0],
+                                       [r.request_id for r in self.requests if not r.done])
+
         try:
-            stats = sched.run(self.requests)
+            stats = sched.run(self.requests, on_step=count)
         except SchedulerStalled as exc:
             raise ModelViolation("model_liveness", "the reference scheduler", str(exc)) from None
+        if cache.stalled:
+            raise ModelViolation("model_liveness", "the reference scheduler",
+                                 f"requests {cache.stalled} were in no queue, running or in flight (aborted as "
+                                 f"'scheduler stalled'): a request sent back to waiting "
+                                 f"({sorted(cache.sent_back)} never admitted again) or retracted was lost")
+        if cache.sent_back:
+            raise ModelViolation("model_liveness", "the reference scheduler",
+                                 f"requests {sorted(cache.sent_back)} were sent back to waiting and never admitted "
+                                 f"again")
+        if cache.bad_flags:
+            raise ModelViolation("model_checkpoint", "the reference scheduler",
+                                 f"a checkpoint flag does not follow the token count: {cache.bad_flags[:3]}")
         cache.check_invariants()
         ended = stats.finished + stats.aborts
         if ended != len(self.requests):

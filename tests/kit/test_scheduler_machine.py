@@ -1,0 +1,100 @@
+"""The scheduler machine (``kvtier.testing.scheduler_machine``): the reference scheduler over a
+cache with late, reordered and failing transfers, checked for what a correct scheduler does.
+Planted scheduler bugs (a request sent back to waiting never requeued, a checkpoint flag from
+the chunk's length) are caught; a retraction livelock fails within the machine's bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.scheduler import ReferenceScheduler
+from kvtier.scheduler.requests import SchedRequest
+from kvtier.testing.fuzz import DEFAULT_MIX, campaign
+from kvtier.testing.models import ModelViolation
+from kvtier.testing.scheduler_machine import SchedulerMachine, WatchedCache
+from kvtier.testing.sequence import EventSequence, replay
+
+HERE = Path(__file__).parent
+
+
+def _machine(device: int, host: int | None, faults: int, late: int, prompts: list[tuple[str, int, int]],
+             budget: int = 8, seed: int = 1, policy: str = "write_through") -> SchedulerMachine:
+    m = SchedulerMachine.configured(fault_rate=0.25)()
+    m.setup.__wrapped__(m, device=device, host=host, policy=policy, world=1, budget=budget,  # type: ignore[attr-defined]
+                        seed=seed, faults=faults, late=late)
+    for units, tail, out in prompts:
+        m.arrive.__wrapped__(m, units=list(units), tail=tail, output=out, gap=0.0)  # type: ignore[attr-defined]
+    return m
+
+
+# requests over shared prefixes, with a host tier whose loadbacks fail at twice the rate
+_PROMPTS = [("ab", 1, 3), ("abc", 0, 2), ("ab", 2, 4), ("a", 3, 1), ("abca", 0, 2), ("abc", 1, 3),
+            ("ba", 0, 2), ("ab", 0, 3), ("abc", 2, 2), ("abca", 1, 1)]
+
+
+def _failing_loadbacks() -> SchedulerMachine:
+    """A machine whose workload sends requests back to waiting (failed loadbacks)."""
+    for seed in range(40):
+        m = _machine(4, 8, 3, 2, _PROMPTS, seed=seed)
+        m.kit_drain()
+        if m.cache is not None and m.executor is not None and m.executor.failed:
+            return _machine(4, 8, 3, 2, _PROMPTS, seed=seed)
+    raise AssertionError("no seed made a loadback fail")
+
+
+def test_the_correct_scheduler_drains_every_example() -> None:
+    m = _failing_loadbacks()
+    m.kit_drain()
+    assert m.cache is not None and m.cache.quiescent()
+    assert all(r.done for r in m.requests)
+    assert m.cache.stalled == [] and m.cache.sent_back == set() and m.cache.bad_flags == []
+
+
+def test_a_request_sent_back_to_waiting_and_never_requeued_is_caught(monkeypatch: Any) -> None:
+    m = _failing_loadbacks()
+
+    def lost(self: ReferenceScheduler, r: SchedRequest) -> None:  # planted: it leaves the running list only
+        if r in self._running:
+            self._running.remove(r)
+        r.tokens = 0
+
+    monkeypatch.setattr(ReferenceScheduler, "_requeue", lost)
+    with pytest.raises(ModelViolation) as exc:
+        m.kit_drain()
+    assert exc.value.invariant == "model_liveness"
+    assert "never admitted again" in str(exc.value) or "scheduler stalled" in str(exc.value)
+
+
+def test_a_checkpoint_flag_from_the_chunk_length_is_caught(monkeypatch: Any) -> None:
+    m = _machine(8, 8, 0, 0, [("abc", 1, 2), ("ab", 3, 1)], budget=6)
+    real_step = WatchedCache.step
+
+    def flag_by_chunk(self: WatchedCache, results: Any = (), reserve: Any = (), **kw: Any) -> Any:
+        align = self.layout.alignment
+        wrong = [(it[0], it[1], it[2] if len(it) > 2 else (), it[1] % align == 0) if len(it) >= 2 and it[1] else it
+                 for it in results]
+        return real_step(self, wrong, reserve, **kw)
+
+    monkeypatch.setattr(WatchedCache, "step", flag_by_chunk)
+    with pytest.raises(ModelViolation) as exc:
+        m.kit_drain()
+    assert exc.value.invariant == "model_checkpoint"
+    assert "does not flag a checkpoint" in str(exc.value) or "flags a checkpoint" in str(exc.value)
+
+
+def test_a_retraction_livelock_fails_within_the_machines_bound() -> None:
+    """A decoding request that retracted itself while only older prefills ran beside it (now
+    fixed in the scheduler: it retracts the newest prefill); the sequence passes."""
+    seq = EventSequence.load(HERE / "sequences" / "scheduler-decode-retracts-itself.json")
+    result = replay(seq)
+    assert result.outcome == "pass", result.describe()
+
+
+def test_the_scheduler_machine_is_in_the_default_mix() -> None:
+    assert DEFAULT_MIX.get("scheduler", 0) > 0
+    res = campaign(steps=300, seed_value=2, progress=False, mix={"scheduler": 1.0})
+    assert res.ok and res.steps_by_machine["scheduler"] >= 300
+
