@@ -189,7 +189,8 @@ def run_ratio(recs: list[Any], device: int, ratio: int, evictions: list[str], ar
         if auditor is not None:
             r["audit"] = dict(auditor.counts) if m == "vLLM lru" else None
             if m in diff:
-                r["audit"] = {**counters[m].counts, "requests_lru_hits_more": diff[m][0], "chunks_lru_hits_more": diff[m][1],
+                r["audit"] = {**counters[m].counts,
+                              "requests_lru_hits_more": diff[m][0], "chunks_lru_hits_more": diff[m][1],
                               "their_lru_loads_closed": diff_kinds[m][0], "their_lru_loads_orphan": diff_kinds[m][1]}
         rows.append(r)
     return rows
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"manager time {k['manager_us'] / o['manager_us']:.2f}")
     for r in rows:
         if r.get("audit"):
-            print(f"x{r['host_ratio']}: {r['manager']} audit: " + ", ".join(f"{k} {v:,}" for k, v in r["audit"].items()))
+            print(f"x{r['host_ratio']}: {r['manager']} audit: "
+                  + ", ".join(f"{k} {v:,}" for k, v in r["audit"].items()))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
