@@ -288,15 +288,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         prev: Node | None = None
         at = -1  # the previous key's place in prev.key
         resolve, coord, visible, index = tier.resolve, order.coord, HOST_VISIBLE, tier.index
-        in_index = index.__contains__
-        # one full-attention group (the common case): ChainOrder.coord inlined
-        single, suffix, tpc = order.single_group, order.single_suffix, order.single_tokens
-        st_coord, st_seq, position = st.coord, st.seq, ctx.get_offload_key_position
         for i, key in enumerate(keys):
             if prev is not None and at + 1 < len(prev.key) and prev.key[at + 1] == key:
                 at += 1  # the previous key's node goes on: nothing new (offers follow the prefix)
                 continue
-            n = resolve(key) if in_index(key) else None
+            n = resolve(key)
             if n is not None:
                 at = len(n.key) - 1 - index[key][1]
                 if n.state in visible:
@@ -311,13 +307,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if eligible is not None and key not in eligible:
                 skipped += 1
                 continue
-            if single is None:
-                c = coord(key, ctx, st)
-            elif (c := st_coord.get(key)) is None and suffix is not None and key.endswith(suffix):
-                pos = position(key)  # type: ignore[arg-type, unused-ignore]  # (a NewType of bytes)
-                if pos is not None and pos > 0 and not pos % tpc:
-                    c = st_coord[key] = (int(pos), single)
-                    st_seq[c] = key
+            c = coord(key, ctx, st)
             if c is None:
                 flat.append(key)
             else:
@@ -332,20 +322,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         need = len(chained) + len(flat)
         self._batch_alloc.append(need)  # refused calls count too, as vLLM's
         runs: list[list[tuple[tuple[int, int], bytes, int]]] = []
-        if single is not None:  # (ChainOrder.follows inlined: one group, positions tpc apart)
-            last = -1
-            for item in sorted(chained):
-                if item[0][0] == last + tpc:
-                    runs[-1].append(item)
-                else:
-                    runs.append([item])
-                last = item[0][0]
-        else:
-            for item in sorted(chained):
-                if runs and order.follows(item[0], runs[-1][-1][0], st):
-                    runs[-1].append(item)
-                else:
-                    runs.append([item])
+        for item in sorted(chained):
+            if runs and order.follows(item[0], runs[-1][-1][0], st):
+                runs[-1].append(item)
+            else:
+                runs.append([item])
         paths: list[tuple[bytes, ...]] = []
         parents: dict[int, Node] = {}
         for run in reversed(runs):  # the deepest run inserted (stamped) first

@@ -112,12 +112,6 @@ class ChainOrder:
         #: a key's last 4 bytes (its group index, big-endian) -> (group, tokens per chunk)
         self._by_suffix = {g.to_bytes(4, "big"): (g, t) for g, t in self.groups if 0 <= g < 1 << 32}
         self._single = self.groups[0] if len(self.groups) == 1 else None
-        #: with one full-attention group: its id, its keys' last 4 bytes (None: an id no key
-        #: can carry) and its tokens per chunk
-        g0 = self._single[0] if self._single is not None else -1
-        self.single_group: int | None = g0 if self._single is not None else None
-        self.single_suffix: bytes | None = g0.to_bytes(4, "big") if 0 <= g0 < 1 << 32 else None
-        self.single_tokens = self._single[1] if self._single is not None else 0
 
     def coord(self, key: bytes, ctx: ReqContext, st: RequestRecord) -> Coord | None:
         """``key``'s place in the request's chain (recorded in ``st``), or None: another
