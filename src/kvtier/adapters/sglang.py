@@ -88,7 +88,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
 
     def __init__(self, params: Any, *, host_pages: int | None = None, write_policy: str = "write_through",
                  eviction: str | None = None, executor: Executor | None = None, device_pages: int = 1 << 20,
-                 write_threshold: int = 2, num_layers: int = 1) -> None:
+                 write_threshold: int = 2, num_layers: int = 1, exclusive: bool | None = None) -> None:
         self.disable = bool(params.disable)
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -122,6 +122,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         self.eviction = eviction
         self.write_threshold = write_threshold
         self.num_layers = num_layers
+        self.exclusive = (write_policy == "write_back") if exclusive is None else bool(exclusive)
         self.executor: Executor = executor if executor is not None else InstantCompletions()
         # the core's device pool: the tree's pages plus one insert's own pages (SGLang's
         # allocator bounds the tree; the core never evicts on its own)
@@ -170,7 +171,8 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         """Empty the tree (a new core; SGLang's ``flush_cache``). The allocator is not touched."""
         self.core = CacheCore(sglang_layout(self.page_size, self.num_layers), {GROUP: self._capacity},
                               {GROUP: self.host_pages} if self.host_pages else None,
-                              policy=self.write_policy, write_threshold=self.write_threshold, eviction=self.eviction)
+                              policy=self.write_policy, write_threshold=self.write_threshold, eviction=self.eviction,
+                              exclusive=self.exclusive)
         self.root_node = self.core.root
         self.pages = DevicePageTable(self._capacity, self.page_size)
         self._locks: dict[int, list[Any]] = {}
