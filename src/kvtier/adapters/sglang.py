@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-unty
 from sglang.srt.mem_cache.radix_cache import RadixKey  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from kvtier.fsm import CacheCore, ConfigError, Direction, UsageError
-from kvtier.fsm.lifecycle.names import DEVICE_RESIDENT
+from kvtier.fsm.lifecycle.names import DEVICE_RESIDENT, NODE_STATE as NS
 from kvtier.fsm.node import Node
 from kvtier.fsm.node.eviction import POLICIES
 from kvtier.fsm.node.ops import Settled
@@ -60,6 +60,26 @@ def register() -> None:
 
     if get_radix_cache_factory("kvtier") is None:
         register_radix_cache_backend("kvtier", KvtierRadixCache.from_build_context)
+
+
+def _shadow_host_key(index: Any) -> None:
+    """With an exclusive host tier, host eviction takes, with the loaded-back duplicate
+    copies, every host-only leaf hanging from one that its last use passed by (used before
+    the duplicate was). kvtier's host set is prefix-closed, so a duplicate's host copy can
+    go only once it has no host child; HiCache's host set is not prefix-closed and drops the
+    duplicate copy alone. In a conversation such a leaf is the previous turn's last page,
+    which the next turn diverged from: dropping it frees the duplicate above it too."""
+    base = index.host_key
+
+    def host_key(n: Node) -> tuple[int, ...]:
+        k: tuple[int, ...] = base(n)
+        p = n.parent
+        if (k[0] and not n.children and n.state == NS.host and p is not None and p.reloaded
+                and p.state in DEVICE_RESIDENT and n.last_access < p.last_access):
+            return (0,) + k[1:]
+        return k
+
+    index.host_key = host_key
 
 
 class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unused-ignore]
@@ -179,6 +199,8 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         self._loads: dict[int, Any] = {}  # loadback op id -> its LoadResult (pin + lock until it settles)
         self._freed: list[np.ndarray] = []
         self.loads_failed = 0
+        if self.core.exclusive:
+            _shadow_host_key(self.core.eviction)
         ledger = self.core.ledger
         release = ledger.release_device
 
@@ -233,6 +255,11 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
                         core.unlock(ld.lock)
                         if not s.ok:
                             self.loads_failed += 1
+                        elif self.exclusive:  # the loaded nodes' host children: re-filed for host eviction
+                            touch = core.eviction.touch
+                            for nid in s.node_ids:  # (still in the tree: locked until just now)
+                                for ch in core.node(nid).children.values():
+                                    touch(ch)
         return self._free_sglang()
 
     # ------------------------------------------------------------------ match / insert
