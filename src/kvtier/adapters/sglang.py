@@ -70,12 +70,13 @@ def _shadow_host_key(index: Any) -> None:
     duplicate copy alone. In a conversation such a leaf is the previous turn's last page,
     which the next turn diverged from: dropping it frees the duplicate above it too."""
     base = index.host_key
+    host, resident = NS.host, DEVICE_RESIDENT
 
     def host_key(n: Node) -> tuple[int, ...]:
         k: tuple[int, ...] = base(n)
         p = n.parent
-        if (k[0] and not n.children and n.state == NS.host and p is not None and p.reloaded
-                and p.state in DEVICE_RESIDENT and n.last_access < p.last_access):
+        if (k[0] and p is not None and p.reloaded and not n.children and n.state == host and p.state in resident
+                and n.last_access < p.last_access):
             return (0,) + k[1:]
         return k
 
