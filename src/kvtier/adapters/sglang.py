@@ -256,7 +256,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
                         core.unlock(ld.lock)
                         if not s.ok:
                             self.loads_failed += 1
-                        elif self.exclusive:  # the loaded nodes' host children: re-filed for host eviction
+                        elif self.exclusive and isinstance(s, Settled):  # the loaded nodes' host children: re-filed for host eviction
                             touch = core.eviction.touch
                             for nid in s.node_ids:  # (still in the tree: locked until just now)
                                 for ch in core.node(nid).children.values():
