@@ -101,6 +101,10 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         device_pages: the tree's device capacity in pages when there is no allocator.
         write_threshold: hits before ``write_through_selective`` backs a node up.
         num_layers: model layers (the loadback's layer progress).
+        exclusive: an exclusive host tier (host eviction drops loaded-back duplicate
+            copies first, and the passed-by host leaves that hold them: docs/sglang.md);
+            ``None`` (default): on under ``write_back``, as HiCache reclaims its duplicates
+            there, off otherwise.
 
     Raises:
         ConfigError: a bad capacity, write policy or eviction policy, ``is_eagle``
