@@ -101,3 +101,49 @@ def test_bad_configuration_is_refused():
         KvtierRadixCache.create_simulated(enable_kv_cache_events=True)
     with pytest.raises(UsageError, match="RadixKey"):
         KvtierRadixCache.create_simulated().match_prefix(MatchPrefixParams(key=[1, 2]))
+
+
+def _to_host(cache, alloc, tokens):
+    cache.insert(InsertParams(key=RadixKey(tokens), value=alloc.alloc(len(tokens))))
+    cache.check_hicache_events()
+    assert cache.evict(EvictParams(num_tokens=len(tokens))).num_tokens_evicted == len(tokens)
+
+
+def _load(cache, tokens):
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+    assert cache.load_back(m.best_match_node)
+    cache.ready_to_load_host_cache()
+    cache.loading_check()
+    return m
+
+
+def test_write_back_host_eviction_takes_a_passed_by_leaf_under_a_loaded_duplicate_before_older_copies():
+    cache, kv, alloc = build("write_back")
+    assert cache.exclusive  # write_back's default
+    _to_host(cache, alloc, [7, 8])  # the oldest host copy
+    _to_host(cache, alloc, [1, 2, 3, 4])  # a previous turn
+    assert cache.host_size() == 6
+    m = _load(cache, [1, 2, 3, 9])  # the next turn diverges at its last page: [4] stays on the host
+    assert m.host_hit_length == 3 and cache.total_size() == 3
+    freed = cache.core.evict_host({"kv": 4})
+    assert freed == {"kv": 4}  # [4], then the duplicate copy of [1, 2, 3] it held
+    assert cache.host_size() == 2
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([7, 8])))
+    assert (m.device_prefix_len, m.host_hit_length) == (0, 2)  # the older copy kept
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4])))
+    assert (m.device_prefix_len, m.host_hit_length) == (3, 0)
+    cache.core.check_invariants()
+
+
+def test_load_back_keeps_its_host_copies_through_the_eviction_that_makes_room():
+    cache, kv, alloc = build("write_back", device=4, host=4)
+    _to_host(cache, alloc, [1, 2, 3])
+    idx = alloc.alloc(4)  # the device full of one unpublished request
+    cache.insert(InsertParams(key=RadixKey([5, 6, 7, 8]), value=idx))
+    # loading [1, 2, 3] back evicts [5, 6, 7, 8]: under write_back it is written to the
+    # full host first, which must not take the copies being loaded
+    m = _load(cache, [1, 2, 3, 4])
+    assert m.host_hit_length == 3
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3])))
+    assert m.device_prefix_len == 3
+    cache.core.check_invariants()

@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-unty
 from sglang.srt.mem_cache.radix_cache import RadixKey  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from kvtier.fsm import CacheCore, ConfigError, Direction, UsageError
-from kvtier.fsm.lifecycle.names import DEVICE_RESIDENT
+from kvtier.fsm.lifecycle.names import DEVICE_RESIDENT, NODE_STATE as NS
 from kvtier.fsm.node import Node
 from kvtier.fsm.node.eviction import POLICIES
 from kvtier.fsm.node.ops import Settled
@@ -62,6 +62,27 @@ def register() -> None:
         register_radix_cache_backend("kvtier", KvtierRadixCache.from_build_context)
 
 
+def _shadow_host_key(index: Any) -> None:
+    """With an exclusive host tier, host eviction takes, with the loaded-back duplicate
+    copies, every host-only leaf hanging from one that its last use passed by (used before
+    the duplicate was). kvtier's host set is prefix-closed, so a duplicate's host copy can
+    go only once it has no host child; HiCache's host set is not prefix-closed and drops the
+    duplicate copy alone. In a conversation such a leaf is the previous turn's last page,
+    which the next turn diverged from: dropping it frees the duplicate above it too."""
+    base = index.host_key
+    host, resident = NS.host, DEVICE_RESIDENT
+
+    def host_key(n: Node) -> tuple[int, ...]:
+        k: tuple[int, ...] = base(n)
+        p = n.parent
+        if (k[0] and p is not None and p.reloaded and not n.children and n.state == host and p.state in resident
+                and n.last_access < p.last_access):
+            return (0,) + k[1:]
+        return k
+
+    index.host_key = host_key
+
+
 class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unused-ignore]
     """SGLang prefix cache whose radix tree, host tier, writebacks and loadbacks are kvtier's.
 
@@ -80,6 +101,10 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         device_pages: the tree's device capacity in pages when there is no allocator.
         write_threshold: hits before ``write_through_selective`` backs a node up.
         num_layers: model layers (the loadback's layer progress).
+        exclusive: an exclusive host tier (host eviction drops loaded-back duplicate
+            copies first, and the passed-by host leaves that hold them: docs/sglang.md);
+            ``None`` (default): on under ``write_back``, as HiCache reclaims its duplicates
+            there, off otherwise.
 
     Raises:
         ConfigError: a bad capacity, write policy or eviction policy, ``is_eagle``
@@ -88,7 +113,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
 
     def __init__(self, params: Any, *, host_pages: int | None = None, write_policy: str = "write_through",
                  eviction: str | None = None, executor: Executor | None = None, device_pages: int = 1 << 20,
-                 write_threshold: int = 2, num_layers: int = 1) -> None:
+                 write_threshold: int = 2, num_layers: int = 1, exclusive: bool | None = None) -> None:
         self.disable = bool(params.disable)
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -122,6 +147,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         self.eviction = eviction
         self.write_threshold = write_threshold
         self.num_layers = num_layers
+        self.exclusive = (write_policy == "write_back") if exclusive is None else bool(exclusive)
         self.executor: Executor = executor if executor is not None else InstantCompletions()
         # the core's device pool: the tree's pages plus one insert's own pages (SGLang's
         # allocator bounds the tree; the core never evicts on its own)
@@ -170,13 +196,16 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         """Empty the tree (a new core; SGLang's ``flush_cache``). The allocator is not touched."""
         self.core = CacheCore(sglang_layout(self.page_size, self.num_layers), {GROUP: self._capacity},
                               {GROUP: self.host_pages} if self.host_pages else None,
-                              policy=self.write_policy, write_threshold=self.write_threshold, eviction=self.eviction)
+                              policy=self.write_policy, write_threshold=self.write_threshold, eviction=self.eviction,
+                              exclusive=self.exclusive)
         self.root_node = self.core.root
         self.pages = DevicePageTable(self._capacity, self.page_size)
         self._locks: dict[int, list[Any]] = {}
         self._loads: dict[int, Any] = {}  # loadback op id -> its LoadResult (pin + lock until it settles)
         self._freed: list[np.ndarray] = []
         self.loads_failed = 0
+        if self.core.exclusive:
+            _shadow_host_key(self.core.eviction)
         ledger = self.core.ledger
         release = ledger.release_device
 
@@ -231,6 +260,11 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
                         core.unlock(ld.lock)
                         if not s.ok:
                             self.loads_failed += 1
+                        elif self.exclusive and isinstance(s, Settled):  # the loaded nodes' host children: re-filed for host eviction
+                            touch = core.eviction.touch
+                            for nid in s.node_ids:  # (still in the tree: locked until just now)
+                                for ch in core.node(nid).children.values():
+                                    touch(ch)
         return self._free_sglang()
 
     # ------------------------------------------------------------------ match / insert

@@ -65,12 +65,17 @@ class HiCacheHooks:
         if mem_quota is not None and tokens > mem_quota:
             return False
         alloc = self.token_to_kv_pool_allocator
+        # the eviction that makes room must keep both halves of the hit: the device part
+        # (locked) and the host copies to load (pinned: under write_back, the writebacks of
+        # the nodes it evicts would otherwise take host room from this very path)
         lock = core.lock(m.device_node) if m.device_node is not core.root else None
+        pin = core.pin(m.host_nodes)
         try:
             if alloc.available_size() < tokens:
                 self.evict(_evict_params(tokens - alloc.available_size()))
             got = alloc.alloc(tokens)
         finally:
+            core.release(pin)
             if lock is not None:
                 core.unlock(lock)
         if got is None:
