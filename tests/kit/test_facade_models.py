@@ -188,3 +188,24 @@ def test_a_refusal_must_name_the_request_and_change_nothing(monkeypatch: pytest.
     monkeypatch.setattr(TieredCache, "retract", retract_anonymously)
     with pytest.raises(ModelViolation, match="expected an error naming the request and the guards"):
         m.finish_refused(req=0, finish=False)
+
+
+def test_abort_victim_moves_the_scheduler_abort_counter_exactly_when_it_aborts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _machine()
+    m.admit(req=0, key=["a", "b"], chunk=3, tail=1)
+    m.admit(req=1, key=["a"], chunk=1, tail=2)
+    m.abort_victim(mask=0, settle=True)  # nothing blocked: no abort, the counter stays
+    assert m.cache.aborted_by_scheduler == 0
+    m.abort_victim(mask=3, settle=True)  # both blocked, nothing in flight: r0 (more tokens) aborted
+    assert m.cache.aborted_by_scheduler == 1 and m.ends.victims == {"r0"}
+    orig = TieredCache.abort_victim
+
+    def counts_every_call(self: TieredCache, blocked: object, reason: str = "x") -> object:
+        got = orig(self, blocked)  # type: ignore[arg-type]
+        self._victims += got is None  # the bug: a call that aborts nothing is counted too
+        return got
+
+    monkeypatch.setattr(TieredCache, "abort_victim", counts_every_call)
+    with pytest.raises(ModelViolation, match="scheduler-abort counter moved by 1"):
+        m.abort_victim(mask=0, settle=False)

@@ -63,7 +63,8 @@ class FacadeTransferRules(FacadeSteps):
         requests of ``mask`` that may be aborted (with ``settle``, after the forward results
         owed came back and every transfer completed). Model: it aborts the one with the
         most tokens (prompt or computed; ties to the smallest id), at once, exactly when
-        nothing is in flight and no forward result is owed, and otherwise changes nothing."""
+        nothing is in flight and no forward result is owed, and otherwise changes nothing; the
+        ``aborted_by_scheduler`` counter moves by one exactly when it aborts one."""
         if settle:
             for rid, r in sorted(views.requests(self.cache).items()):
                 while r.owed_forward > 0:
@@ -77,8 +78,13 @@ class FacadeTransferRules(FacadeSteps):
             blocked, key=lambda rid: (-max(reqs[rid].tokens, reqs[rid].prompt_tokens), rid))
         before = {rid: r.state for rid, r in reqs.items()}
         kept = views.fingerprint(self.cache)
+        counted = self.cache.aborted_by_scheduler
         got = self.cache.abort_victim(blocked)
         after = {rid: r.state for rid, r in views.requests(self.cache).items()}
+        if self.cache.aborted_by_scheduler - counted != (got is not None):
+            raise ModelViolation("model_views", f"abort_victim({blocked})",
+                                 f"aborted {got!r} but the scheduler-abort counter moved by "
+                                 f"{self.cache.aborted_by_scheduler - counted} (an operator's metric)")
         if want is not None:
             before[want] = "aborted"
         if got != want or after != before or (want is None and views.fingerprint(self.cache) != kept):
