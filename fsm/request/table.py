@@ -103,7 +103,7 @@ class RequestTable:
         get = self._records.get
         try:
             if set(map(type, request_ids)) <= _STR:
-                return [get(rid).state for rid in request_ids]  # type: ignore[union-attr]
+                return [get(rid).state for rid in request_ids]  # type: ignore[call-overload]
         except Exception:  # an unknown id (None has no state), or not an iterable
             pass
         return [self.get(rid).state for rid in request_ids]

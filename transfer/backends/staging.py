@@ -243,7 +243,7 @@ def fill_runs(direction: Direction, plan: FlushPlan, piece: StagePiece, out: I64
 
 
 def _group_info(host: HostPool, device: DevicePool, gp: GroupPlan, refs: list[ChunkRef], piece_bytes: int,
-                cache: dict[Any, Any] | None) -> tuple[tuple[int, int] | None, int, int, list[tuple[int, ...]], int]:
+                cache: dict[Any, Any] | None) -> tuple[tuple[int, int] | None, int, int, list[tuple[int, int, int, int, int]], int]:
     """(span, host block offset, host page stride, per ref (offset in the span, device
     region offset, device page stride, page bytes, pieces per page), bytes of the refs
     in a page) of a group's refs in a chunk: pool geometry only, so cached by the
@@ -261,7 +261,7 @@ def _group_info(host: HostPool, device: DevicePool, gp: GroupPlan, refs: list[Ch
         hit = (span, gbase, stride, info, sum(r.page_bytes for r in refs))
         if cache is not None:
             cache[key] = hit
-    return hit  # type: ignore[no-any-return]
+    return hit
 
 
 def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: HostPool, device: DevicePool,

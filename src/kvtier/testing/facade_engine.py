@@ -183,6 +183,7 @@ class FacadeTransferRules(FacadeSteps):
             return
         if self._admit_host_hit(rid, i) is None:
             return
+        assert self.deadline is not None  # (the rule's precondition)
         before = set(views.ops(self.cache.core))
         self.sched.advance_step(self.deadline + 1)
         self.expired |= before - set(views.ops(self.cache.core))
