@@ -72,8 +72,6 @@ class PageLedger:
     def check_need(self, need: Mapping[str, int]) -> None:
         """Raises UsageError for an unknown group or a count that is not an int >= 0."""
         for g, n in need.items():
-            if type(n) is int and n >= 0 and g in self.device:
-                continue  # (the common case)
             if g not in self.device:
                 raise UsageError(f"unknown cache group {g!r}; groups: {sorted(self.device)}")
             as_int(n, f"page count for group {g!r}")
@@ -126,10 +124,7 @@ class PageLedger:
         for g, ps in lists.items():
             if g not in self._callers:
                 raise UsageError(f"free_device: unknown cache group {g!r}")
-            held = self._callers[g]
-            if held.issuperset(ps) and len(set(ps)) == len(ps):
-                continue
-            bad = [p for p in ps if p not in held]
+            bad = [p for p in ps if p not in self._callers[g]]
             if bad or len(set(ps)) != len(ps):
                 raise UsageError(f"free_device: pages {bad or ps} of group {g!r} are not held by a caller")
         for g, ps in lists.items():
