@@ -66,7 +66,7 @@ def _fuzz(pythonpath: Path, work: Path, steps: int, seed: int, timeout: float) -
     t0 = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-m", "kvtier", "fuzz", "--steps", str(steps), "--seed", str(seed),
-                               "--no-progress", "--save", str(work / "found.json")],
+                               "--no-progress", "--no-shrink", "--save", str(work / "found.json")],
                               cwd=work, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return False, f"timed out after {timeout:.0f} s", time.perf_counter() - t0

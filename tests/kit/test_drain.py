@@ -182,7 +182,12 @@ def test_the_reference_machine_fails_on_the_first_difference_with_the_model(
         return hit if hit is None or not hit.hit_tokens else reference.Hit(hit.device_tokens + 1, hit.host_tokens)
 
     monkeypatch.setattr(reference.ReferenceCache, "admit", off_by_one)
-    res = campaign(steps=3000, seed_value=1, mix={"reference": 1.0}, progress=False, save=tmp_path / "f.json")
+    # unshrunk (a CI gate wants the verdict): the failing example itself is saved and replays
+    res = campaign(steps=3000, seed_value=1, mix={"reference": 1.0}, progress=False, save=tmp_path / "f.json",
+                   shrink=False)
     assert res.failure_result is not None and res.failure_result.invariant == "model_reference"
     assert "differs in admit" in res.failure_result.message + (res.failure_result.detail or "")
     assert res.first_failure_step is not None and res.first_failure_step <= res.steps
+    assert res.failure is not None and "not shrunk" in res.failure.description
+    again = replay(res.failure)
+    assert (again.outcome, again.invariant) == ("violation", "model_reference")

@@ -81,7 +81,8 @@ def _fuzz(args: argparse.Namespace, campaign: Any, replay_file: Any) -> int:
     res = campaign(steps=steps, minutes=args.minutes, seed_value=args.seed, faults=args.faults,
                    world_size=args.world_size, save=args.save,
                    progress=not args.no_progress and sys.stderr.isatty(),
-                   mix={m: 1.0 for m in args.machine} if args.machine else None)
+                   mix={m: 1.0 for m in args.machine} if args.machine else None,
+                   shrink=not args.no_shrink)
     print(res.report(full_coverage=args.verbose or args.require_coverage))
     if res.failure is not None:
         return ExitCode.FAILED
@@ -231,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "but the raw lifecycle and misuse ones: core, facade, engine, l3tier, an engine's own); "
                         "meant for the built-in mix: an engine's machine alone cannot reach every transition. "
                         "Lists everything never exercised")
+    p.add_argument("--no-shrink", action="store_true",
+                   help="save and print a failure as found, without shrinking it (much faster when only "
+                        "the verdict matters: a CI gate over many planted bugs)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="list every item never exercised (default: their count only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")

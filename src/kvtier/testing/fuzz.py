@@ -136,7 +136,8 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
              mix: dict[str, float] | None = None, step_count: int = 100, chunk_examples: int = 10,
              progress: bool = True, stream: TextIO | None = None,
              machines: dict[str, type[KitMachine]] | None = None,
-             on_chunk: Callable[[CampaignResult], None] | None = None) -> CampaignResult:
+             on_chunk: Callable[[CampaignResult], None] | None = None,
+             shrink: bool = True) -> CampaignResult:
     """Run a campaign until ``steps`` steps have run or ``minutes`` have passed (the first
     reached; at least one is needed) or an invariant fails.
 
@@ -152,6 +153,9 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
         step_count: steps per example (upper bound).
         chunk_examples: examples per chunk.
         machines: name -> machine class (default: the registered kit machines).
+        shrink: shrink a failure (Hypothesis, then reduction to a 1-minimal sequence) before it
+            is saved; ``False`` saves the failing example as found, which is much faster when
+            only the verdict matters (a CI gate over many planted bugs).
     """
     if steps is None and minutes is None:
         raise ValueError("campaign needs steps or minutes")
@@ -181,7 +185,8 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     base = settings(max_examples=chunk_examples, stateful_step_count=step_count, deadline=None, database=None,
                     derandomize=False, print_blob=False, report_multiple_bugs=False, verbosity=Verbosity.quiet,
                     suppress_health_check=list(HealthCheck),
-                    phases=[Phase.explicit, Phase.generate, Phase.shrink])
+                    phases=[Phase.explicit, Phase.generate, Phase.shrink] if shrink
+                    else [Phase.explicit, Phase.generate])
     STATS.reset()
     chunk = 0
     with res.coverage.recording():
@@ -213,10 +218,13 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
                     if trace is not None:
                         trace.description = (f"minimal failing sequence found by kvtier fuzz --seed {seed_value} "
                                              f"(machine {name}, chunk {chunk}; shrunk by Hypothesis, then "
-                                             f"reduced to a 1-minimal sequence)")
+                                             f"reduced to a 1-minimal sequence)" if shrink else
+                                             f"failing sequence found by kvtier fuzz --seed {seed_value} "
+                                             f"(machine {name}, chunk {chunk}; not shrunk: --no-shrink)")
                         # the replay checks the machine's own @invariant methods too, so
                         # an engine's invariant failure is named and reproduced
-                        trace = minimize(trace)
+                        if shrink:
+                            trace = minimize(trace)
                         res.failure_result = replay(trace)
                         if res.failure_result.outcome == "violation":
                             trace.expect = {"outcome": "violation", "invariant": res.failure_result.invariant}
