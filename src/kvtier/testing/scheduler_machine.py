@@ -27,6 +27,12 @@ what a correct scheduler does, beyond what the cache refuses:
 - a forward result flags a checkpoint exactly when the request's token count after it is at
   a unit boundary (``model_checkpoint``: a flag from the chunk's length, say, drops
   checkpoints or claims one mid-unit);
+- the scheduler's documented choices (``model_scheduler_policy``): admissions in arrival
+  order, a request sent back to waiting first; resumes in retraction order; each
+  retraction's victim (:meth:`WatchedCache._check_victim`); a resume starts at the request's
+  own terminal exactly (the tokens it had when retracted) or at a unit boundary before it;
+- :class:`~kvtier.scheduler.RunStats` and the cache's operator counters against independent
+  counts (``model_counters``, :mod:`kvtier.testing.counter_model`);
 - the run ends within ``2 x`` (prompt + output tokens) + :data:`_MAX_IDLE` iterations, far
   below the scheduler's own bound of 16 per token (a retraction livelock fails quickly, so
   that its shrinking stays quick too).
@@ -117,6 +123,7 @@ class WatchedCache(TieredCache):
         self.reasons: Counter[str] = Counter()
         self.hits = Counter[str]()
         self.retractions = 0
+        self.at_retract: dict[str, int] = {}  # tokens with KV when it was retracted
 
     def kit_iteration(self) -> None:
         """A new scheduler iteration begins (``on_step``)."""
@@ -167,6 +174,11 @@ class WatchedCache(TieredCache):
             self.bad_policy.append(f"resumes {request_id!r} before {self.retracted_q[0]!r}, retracted first (FIFO)")
         adm = super().resume(request_id, chunk_tokens)
         if adm is not None:
+            had = self.at_retract.get(request_id)
+            start = adm.start_token
+            if had is not None and not (start == had or (start < had and start % self.layout.alignment == 0)):
+                self.bad_policy.append(f"resumes {request_id!r} at token {start}: retracted at {had}, it resumes "
+                                       f"at its own terminal exactly or recomputes from a unit boundary before it")
             if request_id in self.retracted_q:
                 self.retracted_q.remove(request_id)
             self.tokens[request_id] = adm.start_token
@@ -182,6 +194,7 @@ class WatchedCache(TieredCache):
     def retract(self, request_id: str) -> Any:
         self._check_victim(request_id)
         out = super().retract(request_id)
+        self.at_retract[request_id] = self.request(request_id).tokens
         self.retractions += 1
         self.retracted_q.append(request_id)
         if self.tokens.get(request_id, 0) >= self.kv_target.get(request_id, 0):
