@@ -48,6 +48,31 @@ if TYPE_CHECKING:
 
 __all__ = ["CounterModel"]
 
+
+class _Wrapped:
+    """``inner`` (a bound method) called, then ``after(result, *args)``; an object holding
+    bound methods, not a closure, so that a copy of the machine (``kvtier verify`` copies and
+    pickles its states) calls its own copy of the cache and counts in its own copy of the model."""
+
+    def __init__(self, inner: Callable[..., Any], after: Callable[..., None],
+                 before: Callable[[], None] | None = None) -> None:
+        self.inner, self.after, self.before = inner, after, before
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.before is not None:
+            self.before()
+            try:
+                out = self.inner(*args, **kwargs)
+            except BaseException:
+                self.after(None, failed=True)
+                raise
+            self.after(out)
+            return out
+        out = self.inner(*args, **kwargs)
+        self.after(out, *args, **kwargs)
+        return out
+
+
 #: node event -> the core counter that counts it
 _NODE_COUNTERS = {"demote": "demotions", "evict_device": "device_evictions", "evict_host": "host_evictions",
                   "drop_host": "host_drops", "split": "splits"}
@@ -73,83 +98,62 @@ class CounterModel:
         self._watch()
 
     # -- the wrappers ------------------------------------------------------------------
-    def _wrap(self, obj: Any, name: str, after: Callable[..., None]) -> None:
-        fn = getattr(obj, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            out = fn(*args, **kwargs)
-            after(out, *args, **kwargs)
-            return out
-
-        setattr(obj, name, call)
-
     def _watch(self) -> None:
-        cache = self.cache
-        n = self.n
+        cache, core = self.cache, self.cache.core
+        for name, after in (("admit", self._admitted), ("resume", self._resumed), ("retract", self._retracted),
+                            ("abort_victim", self._victim), ("poll", self._polled), ("complete", self._completed)):
+            setattr(cache, name, _Wrapped(getattr(cache, name), after))
+        cache.check_invariants = _Wrapped(cache.check_invariants, self._checked,  # type: ignore[method-assign]
+                                          before=self._checking)
+        core.trigger = _Wrapped(core.trigger, self._triggered)  # the one it replaces, called first
 
-        def admitted(adm: Any, request_id: str, units: Any, prompt_tokens: int, *a: Any, **k: Any) -> None:
-            if adm is not None:
-                n["admissions"] += 1
-                n["prompt_tokens"] += int(prompt_tokens)
-                n["hit_tokens_device"] += adm.device_hit_tokens
-                n["hit_tokens_host"] += adm.hit_tokens - adm.device_hit_tokens
+    def _admitted(self, adm: Any, request_id: str, units: Any, prompt_tokens: int, *a: Any, **k: Any) -> None:
+        if adm is not None:
+            n = self.n
+            n["admissions"] += 1
+            n["prompt_tokens"] += int(prompt_tokens)
+            n["hit_tokens_device"] += adm.device_hit_tokens
+            n["hit_tokens_host"] += adm.hit_tokens - adm.device_hit_tokens
 
-        def resumed(adm: Any, *a: Any, **k: Any) -> None:
-            n["resumptions"] += adm is not None
+    def _resumed(self, adm: Any, *a: Any, **k: Any) -> None:
+        self.n["resumptions"] += adm is not None
 
-        def retracted(_: Any, *a: Any, **k: Any) -> None:
-            n["retractions"] += 1
+    def _retracted(self, _: Any, *a: Any, **k: Any) -> None:
+        self.n["retractions"] += 1
 
-        def victim(rid: Any, *a: Any, **k: Any) -> None:
-            self.victims += rid is not None
+    def _victim(self, rid: Any, *a: Any, **k: Any) -> None:
+        self.victims += rid is not None
 
-        def polled(out: Any) -> None:
-            for c in out.commands:
-                d = c.direction.value
-                self.issued[d] += 1
-                self.pages[d] += c.pages
-                self.op_dir[c.op_id] = d
-            for ev in out.events:
-                if ev.state == "aborted":
-                    self.aborts[ev.reason or "unknown"] += 1
-            self.check(after_poll=True)
+    def _polled(self, out: Any) -> None:
+        for c in out.commands:
+            d = c.direction.value
+            self.issued[d] += 1
+            self.pages[d] += c.pages
+            self.op_dir[c.op_id] = d
+        for ev in out.events:
+            if ev.state == "aborted":
+                self.aborts[ev.reason or "unknown"] += 1
+        self.check(after_poll=True)
 
-        def completed(_: Any, c: Any) -> None:
-            if c.layer is not None:
-                return
-            if c.ok:
-                self.acked.setdefault(c.op_id, set()).add(c.rank)
-            else:
-                self.failed_ops.add(c.op_id)
+    def _completed(self, _: Any, c: Any) -> None:
+        if c.layer is not None:
+            return
+        if c.ok:
+            self.acked.setdefault(c.op_id, set()).add(c.rank)
+        else:
+            self.failed_ops.add(c.op_id)
 
-        self._wrap(cache, "admit", admitted)
-        self._wrap(cache, "resume", resumed)
-        self._wrap(cache, "retract", retracted)
-        self._wrap(cache, "abort_victim", victim)
-        self._wrap(cache, "poll", polled)
-        self._wrap(cache, "complete", completed)
-        check = cache.check_invariants
+    def _checking(self) -> None:
+        self.n["invariant_checks"] += 1
 
-        def checked() -> None:
-            n["invariant_checks"] += 1
-            try:
-                check()
-            except BaseException:
-                n["invariant_failures"] += 1
-                raise
+    def _checked(self, _: Any, failed: bool = False) -> None:
+        self.n["invariant_failures"] += failed
 
-        cache.check_invariants = checked  # type: ignore[method-assign]
-        core = cache.core
-        trigger = core.trigger
-
-        def triggered(node: Any, event: str) -> None:
-            trigger(node, event)  # raises (and counts nothing) when refused
-            self.node["triggers"] += 1
-            name = _NODE_COUNTERS.get(event)
-            if name is not None:
-                self.node[name] += 1
-
-        core.trigger = triggered  # type: ignore[method-assign]
+    def _triggered(self, _: Any, node: Any, event: str) -> None:  # after the trigger: a refused one raised
+        self.node["triggers"] += 1
+        name = _NODE_COUNTERS.get(event)
+        if name is not None:
+            self.node[name] += 1
 
     # -- the checks --------------------------------------------------------------------
     def _fail(self, what: str) -> None:
