@@ -50,25 +50,32 @@ __all__ = ["CounterModel"]
 
 
 class _Wrapped:
-    """``inner`` (a bound method) called, then ``after(result, *args)``; an object holding
-    bound methods, not a closure, so that a copy of the machine (``kvtier verify`` copies and
-    pickles its states) calls its own copy of the cache and counts in its own copy of the model."""
+    """``owner``'s method ``name`` (looked up on its class at every call, so that a class
+    patched later takes effect), or ``inner`` (a callable it replaces), called, then
+    ``after(result, *args)``; an object, not a closure, so that a copy of the machine
+    (``kvtier verify`` copies and pickles its states) calls its own copy of the cache and
+    counts in its own copy of the model."""
 
-    def __init__(self, inner: Callable[..., Any], after: Callable[..., None],
-                 before: Callable[[], None] | None = None) -> None:
-        self.inner, self.after, self.before = inner, after, before
+    def __init__(self, owner: Any, name: str, after: Callable[..., None], *,
+                 inner: Callable[..., Any] | None = None, before: Callable[[], None] | None = None) -> None:
+        self.owner, self.name, self.after, self.inner, self.before = owner, name, after, inner, before
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return getattr(type(self.owner), self.name)(self.owner, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.before is not None:
             self.before()
             try:
-                out = self.inner(*args, **kwargs)
+                out = self._call(*args, **kwargs)
             except BaseException:
                 self.after(None, failed=True)
                 raise
             self.after(out)
             return out
-        out = self.inner(*args, **kwargs)
+        out = self._call(*args, **kwargs)
         self.after(out, *args, **kwargs)
         return out
 
@@ -102,10 +109,10 @@ class CounterModel:
         cache, core = self.cache, self.cache.core
         for name, after in (("admit", self._admitted), ("resume", self._resumed), ("retract", self._retracted),
                             ("abort_victim", self._victim), ("poll", self._polled), ("complete", self._completed)):
-            setattr(cache, name, _Wrapped(getattr(cache, name), after))
-        cache.check_invariants = _Wrapped(cache.check_invariants, self._checked,  # type: ignore[method-assign]
+            setattr(cache, name, _Wrapped(cache, name, after))
+        cache.check_invariants = _Wrapped(cache, "check_invariants", self._checked,  # type: ignore[method-assign]
                                           before=self._checking)
-        core.trigger = _Wrapped(core.trigger, self._triggered)  # the one it replaces, called first
+        core.trigger = _Wrapped(core, "trigger", self._triggered, inner=core.trigger)  # the one it replaces
 
     def _admitted(self, adm: Any, request_id: str, units: Any, prompt_tokens: int, *a: Any, **k: Any) -> None:
         if adm is not None:
