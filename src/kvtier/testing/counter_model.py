@@ -140,7 +140,8 @@ class CounterModel:
         for ev in out.events:
             if ev.state == "aborted":
                 self.aborts[ev.reason or "unknown"] += 1
-        self.check(after_poll=True)
+        if out.events or out.commands:  # (an empty poll: the step's own check covers it)
+            self.check(after_poll=True)
 
     def _completed(self, _: Any, c: Any) -> None:
         if c.layer is not None:
