@@ -64,8 +64,10 @@ def test_a_request_sent_back_to_waiting_and_never_requeued_is_caught(monkeypatch
     monkeypatch.setattr(ReferenceScheduler, "_requeue", lost)
     with pytest.raises(ModelViolation) as exc:
         m.kit_drain()
-    assert exc.value.invariant == "model_liveness"
-    assert "never admitted again" in str(exc.value) or "scheduler stalled" in str(exc.value)
+    # the policy model sees the lost request first in line when another is admitted before it
+    assert exc.value.invariant in ("model_liveness", "model_scheduler_policy")
+    assert ("never admitted again" in str(exc.value) or "scheduler stalled" in str(exc.value)
+            or "first in the waiting queue" in str(exc.value))
 
 
 def test_a_checkpoint_flag_from_the_chunk_length_is_caught(monkeypatch: Any) -> None:
@@ -98,3 +100,68 @@ def test_the_scheduler_machine_is_in_the_default_mix() -> None:
     res = campaign(steps=300, seed_value=2, progress=False, mix={"scheduler": 1.0})
     assert res.ok and res.steps_by_machine["scheduler"] >= 300
 
+
+
+def _retracting() -> SchedulerMachine:
+    """A machine whose decode tokens run short with several requests decoding (retractions)."""
+    for seed in range(40):
+        prompts = [("ab", 1, 12), ("ba", 2, 12), ("ca", 1, 12), ("ac", 0, 12)]
+        m = _machine(5, 8, 0, 0, prompts, budget=16, seed=seed)
+        m.kit_drain()
+        assert m.cache is not None and m.cache.bad_policy == []
+        if m.cache.retractions:
+            return _machine(5, 8, 0, 0, prompts, budget=16, seed=seed)
+    raise AssertionError("no workload retracted")
+
+
+def test_retracting_the_oldest_decoding_request_is_caught(monkeypatch: Any) -> None:
+    """The documented victim is the newest-admitted decoding request; the oldest is a legal
+    but costlier choice (more recompute) that only the policy model sees."""
+    import kvtier.scheduler.retraction as retraction
+
+    prompts = [("ab", 1, 12), ("ba", 2, 12), ("ca", 1, 12), ("ac", 0, 12)]
+    configs = [(dev, budget) for dev in (4, 5, 6, 7) for budget in (4, 8, 16)]
+    for dev, budget in configs:  # the correct scheduler passes every one
+        m = _machine(dev, 8, 0, 0, prompts, budget=budget)
+        m.kit_drain()
+    monkeypatch.setattr(retraction, "max", min, raising=False)  # planted: every victim the oldest
+    caught = []
+    for dev, budget in configs:
+        try:
+            _machine(dev, 8, 0, 0, prompts, budget=budget).kit_drain()
+        except ModelViolation as exc:
+            caught.append(exc)
+    assert caught, "no configuration retracted with two requests decoding"
+    assert caught[0].invariant == "model_scheduler_policy"
+    assert "the documented victim is" in str(caught[0])
+
+
+def test_admitting_out_of_arrival_order_is_caught(monkeypatch: Any) -> None:
+    m = _machine(8, 8, 0, 0, [("ab", 1, 2), ("ba", 0, 2), ("ab", 2, 1)], budget=64)
+    real = ReferenceScheduler._arrivals
+
+    def newest_first(self: ReferenceScheduler) -> int:  # planted: the waiting queue as a stack
+        n = real(self)
+        self._waiting.reverse()
+        return n
+
+    monkeypatch.setattr(ReferenceScheduler, "_arrivals", newest_first)
+    with pytest.raises(ModelViolation) as exc:
+        m.kit_drain()
+    assert exc.value.invariant == "model_scheduler_policy"
+    assert "first in the waiting queue" in str(exc.value)
+
+
+def test_a_run_stats_counter_moved_wrongly_is_caught(monkeypatch: Any) -> None:
+    m = _retracting()
+    real = ReferenceScheduler._retract
+
+    def counted_twice(self: ReferenceScheduler, victim: SchedRequest) -> None:  # planted
+        real(self, victim)
+        self.stats.retractions += 1
+
+    monkeypatch.setattr(ReferenceScheduler, "_retract", counted_twice)
+    with pytest.raises(ModelViolation) as exc:
+        m.kit_drain()
+    assert exc.value.invariant == "model_counters"
+    assert "retractions is" in str(exc.value)

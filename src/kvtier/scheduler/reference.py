@@ -127,7 +127,9 @@ class ReferenceScheduler(Retractions):
         return self.cost.transfer_s(load_bytes)
 
     def _requeue(self, r: SchedRequest) -> None:
-        """Its loadback failed: it recomputes from the start of its admission."""
+        """Its loadback failed: it recomputes from the start of its admission, first in the
+        waiting queue (ahead of requests still waiting; it takes a new place in the admission
+        order when admitted again)."""
         if r in self._running:
             self._running.remove(r)
         r.tokens = 0
@@ -332,8 +334,10 @@ class ReferenceScheduler(Retractions):
                     break
 
     def _resume_and_admit(self, plan: StepPlan) -> None:
-        """Resume retracted requests, then admit waiting ones (FIFO each; a queue stops at
-        the first request that does not fit)."""
+        """Resume retracted requests in the order they were retracted, then admit waiting
+        ones in arrival order, a request sent back to waiting first (FIFO each; a queue stops
+        at the first request that does not fit, and a failed resume does not hold back the
+        waiting queue)."""
         cache = self.cache
         for queue, resume in ((self._retracted, True), (self._waiting, False)):
             while queue and plan.budget > 0:

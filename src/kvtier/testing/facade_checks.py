@@ -68,6 +68,14 @@ class FacadeChecks(FacadeSteps):
         check_split_queue(live_before, before, after, lambda nid: views.writeback_refused(core, nid))
         self._wb_queued, self._wb_live = after, set(live)
 
+    def check_counters(self) -> None:
+        """Model: every operator counter of ``cache.stats()`` against the counts the
+        :class:`~kvtier.testing.counter_model.CounterModel` keeps of the calls and events
+        (``model_counters``)."""
+        counters = getattr(self, "counters", None)
+        if counters is not None:
+            counters.check()
+
     def check_writeback_quota(self) -> None:
         """Model: tree writebacks (no request owns them) in flight never pass the cache's
         ``max_writebacks_in_flight`` (a poll issues them only into the room the writebacks

@@ -20,6 +20,7 @@ from ..tiered import TieredCache
 from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, TERMINAL, layout_named, recorded
 from .canonical import CanonicalState
+from .counter_model import CounterModel
 from .drain import check_core_drained, evict_to_full_pools
 from .facade_checks import FacadeChecks
 from .facade_engine import FacadeTransferRules
@@ -57,7 +58,7 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
     kit_invariants: ClassVar[tuple[str, ...]] = (
         "check_cache_invariants", "check_loaded_equals_written", "check_requests_read_written",
         "check_request_records", "check_layer_ready", "check_views", "check_ended_views", "check_passes_out",
-        "check_writeback_split", "check_writeback_quota")
+        "check_writeback_split", "check_writeback_quota", "check_counters")
     #: for ``kvtier verify``: the fixed prompts of the requests and their count
     verify_prompts: ClassVar[tuple[tuple[str, ...], ...]] = (("a", "b"), ("a", "c"))
     verify_max_units: ClassVar[int] = 3
@@ -121,6 +122,7 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
         self.deadline = deadline
         self.cache = self.make_cache(world, policy, dev_units, host_units if host else None, deadline, wb_limit)
         attach_active(self.cache)  # the event log, when one is recording (kvtier.eventlog)
+        self.counters = CounterModel(self.cache)
         self.log = LogCheck.start(self.cache, logged)
         self.sched = self.make_scheduler(self.cache)
         if single:
@@ -144,6 +146,8 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
         self._poll()
         if not self.cache.quiescent():
             raise ModelViolation("model_drain", "the facade", f"after evicting: {self.cache.outstanding()}")
+        self.counters.check_drained()
+        self.counters.check_metrics()
 
     def xfer_faults_off(self) -> None:
         """Hook: a machine whose transfer backend fails on its own turns that off for the

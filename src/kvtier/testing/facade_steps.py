@@ -139,12 +139,14 @@ class FacadeSteps(KitMachine):
                                          f"(node {n.node_id} shows host pages of {g!r} it wrote)")
 
     def _fill_checkpoint(self, rid: str, adopted: dict[str, list[int]] | None) -> None:
-        """The engine fills the checkpoint pages the tree adopted with the state at the
-        request's terminal (its published units)."""
+        """The engine fills the checkpoint pages the tree adopted with the state it holds:
+        at the request's terminal, ``floor(tokens / alignment)`` of the kit's own unit keys
+        (not the units the cache says it published: a checkpoint adopted at another
+        position then holds bytes naming another prefix, which the content model sees)."""
         if not adopted:
             return
         r = views.requests(self.cache)[rid]
-        prefix = tuple(r.units[: r.published])
+        prefix = tuple(self._unit(rid, k) for k in range(r.tokens // self.cache.layout.alignment))
         ppu = self._ppu()
         for g, pages in adopted.items():
             for j, p in enumerate(pages):

@@ -27,6 +27,12 @@ what a correct scheduler does, beyond what the cache refuses:
 - a forward result flags a checkpoint exactly when the request's token count after it is at
   a unit boundary (``model_checkpoint``: a flag from the chunk's length, say, drops
   checkpoints or claims one mid-unit);
+- the scheduler's documented choices (``model_scheduler_policy``): admissions in arrival
+  order, a request sent back to waiting first; resumes in retraction order; each
+  retraction's victim (:meth:`WatchedCache._check_victim`); a resume starts at the request's
+  own terminal exactly (the tokens it had when retracted) or at a unit boundary before it;
+- :class:`~kvtier.scheduler.RunStats` and the cache's operator counters against independent
+  counts (``model_counters``, :mod:`kvtier.testing.counter_model`);
 - the run ends within ``2 x`` (prompt + output tokens) + :data:`_MAX_IDLE` iterations, far
   below the scheduler's own bound of 16 per token (a retraction livelock fails quickly, so
   that its shrinking stays quick too).
@@ -36,17 +42,19 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import Counter, deque
 from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from kvtier.fsm import Completion
-from kvtier.fsm.request.batch import ForwardResult
+from kvtier.fsm.request.batch import OK, SHORT, ForwardResult
 
 from ..scheduler import InstantExecutor, ReferenceScheduler, SchedRequest, SchedulerStalled
 from ..tiered import TieredCache
 from .base import FAULT_LEVEL, KitMachine, kit_layout, recorded
+from .counter_model import CounterModel
 from .drain import check_core_drained, evict_to_full_pools
 from .models import ModelViolation
 
@@ -96,23 +104,130 @@ class FaultyExecutor(InstantExecutor):
 class WatchedCache(TieredCache):
     """The cache, recording the scheduler's calls for the machine's checks (module doc)."""
 
-    def kit_watch(self) -> None:
+    def kit_watch(self, requests: list[SchedRequest]) -> None:
         self.sent_back: set[str] = set()  # sent back to waiting, not admitted since
         self.stalled: list[str] = []  # aborted by the scheduler's "scheduler stalled" net
         self.bad_flags: list[str] = []
+        self.bad_policy: list[str] = []  # choices the scheduler documents, made otherwise
+        # the policy model: the scheduler's queues and requests as its docstrings state them
+        self.waiting_q: deque[str] = deque(r.request_id for r in sorted(requests, key=lambda r: (r.arrival_s,
+                                                                                             r.request_id)))
+        self.retracted_q: deque[str] = deque()
+        self.prompt = {r.request_id: r.prompt_tokens for r in requests}
+        self.tokens: dict[str, int] = {}
+        self.kv_target: dict[str, int] = {}
+        self.order: dict[str, int] = {}
+        self.batched: set[str] = set()  # got a token or chunk this scheduler iteration
+        self.short: str | None = None  # the last request short of a decode token this iteration
+        self.finished: set[str] = set()
+        self.reasons: Counter[str] = Counter()
+        self.hits = Counter[str]()
+        self.retractions = 0
+        self.at_retract: dict[str, int] = {}  # tokens with KV when it was retracted
+
+    def kit_iteration(self) -> None:
+        """A new scheduler iteration begins (``on_step``)."""
+        self.batched = set()
+        self.short = None
 
     def poll(self) -> Any:
         out = super().poll()
         for e in out.events:
+            rid = e.request_id
             if e.state == "waiting":
-                self.sent_back.add(e.request_id)
+                self.sent_back.add(rid)
+                self.tokens[rid] = 0
+                if rid not in self.waiting_q:
+                    self.waiting_q.appendleft(rid)  # it recomputes from the start: first in line
             elif e.state == "aborted":
-                self.sent_back.discard(e.request_id)
+                self.sent_back.discard(rid)
+                self.reasons[e.reason or "unknown"] += 1
+                for q in (self.waiting_q, self.retracted_q):
+                    if rid in q:
+                        q.remove(rid)
         return out
 
     def admit(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
         self.sent_back.discard(request_id)
-        return super().admit(request_id, *args, **kwargs)
+        if self.waiting_q and self.waiting_q[0] != request_id:
+            self.bad_policy.append(f"admits {request_id!r} before {self.waiting_q[0]!r}, first in the waiting queue "
+                                   f"(FIFO; a request sent back first)")
+        adm = super().admit(request_id, *args, **kwargs)
+        if adm is not None:
+            if request_id in self.waiting_q:
+                self.waiting_q.remove(request_id)
+            self.order[request_id] = self._next_order()
+            self.tokens[request_id] = adm.start_token
+            self.kv_target[request_id] = self.prompt[request_id]
+            self.batched.add(request_id)
+            self.hits["hit"] += adm.hit_tokens
+            self.hits["device"] += adm.device_hit_tokens
+            self.hits["history"] += adm.history_hit_tokens
+        return adm
+
+    def _next_order(self) -> int:
+        self.hits["admitted"] += 1
+        return self.hits["admitted"]
+
+    def resume(self, request_id: str, chunk_tokens: int) -> Any:
+        if self.retracted_q and self.retracted_q[0] != request_id:
+            self.bad_policy.append(f"resumes {request_id!r} before {self.retracted_q[0]!r}, retracted first (FIFO)")
+        adm = super().resume(request_id, chunk_tokens)
+        if adm is not None:
+            had = self.at_retract.get(request_id)
+            start = adm.start_token
+            if had is not None and not (start == had or (start < had and start % self.layout.alignment == 0)):
+                self.bad_policy.append(f"resumes {request_id!r} at token {start}: retracted at {had}, it resumes "
+                                       f"at its own terminal exactly or recomputes from a unit boundary before it")
+            if request_id in self.retracted_q:
+                self.retracted_q.remove(request_id)
+            self.tokens[request_id] = adm.start_token
+            self.batched.add(request_id)
+        return adm
+
+    def reserve(self, request_id: str, tokens: int) -> Any:
+        out = super().reserve(request_id, tokens)
+        if out is not None:
+            self.batched.add(request_id)
+        return out
+
+    def retract(self, request_id: str) -> Any:
+        self._check_victim(request_id)
+        out = super().retract(request_id)
+        self.at_retract[request_id] = self.request(request_id).tokens
+        self.retractions += 1
+        self.retracted_q.append(request_id)
+        if self.tokens.get(request_id, 0) >= self.kv_target.get(request_id, 0):
+            self.kv_target[request_id] = self.tokens.get(request_id, 0)  # decoding: recompute what it had
+        return out
+
+    def _check_victim(self, victim: str) -> None:
+        """The retraction the scheduler documents (``Retractions._decode_short``): for the
+        request short of a decode token, the newest-admitted decoding request not in the
+        batch; when that is the short request itself, the newest running prefill instead
+        (older ones too), else the short request."""
+        short = self.short
+        if short is None:
+            self.bad_policy.append(f"retracts {victim!r} while no decode token is short of pages")
+            return
+        cands = [rid for rid in self.order if rid not in self.batched and rid in self.tokens
+                 and self.state(rid) == "running"]
+        decoding = [rid for rid in cands if self.tokens[rid] >= self.kv_target[rid]]
+        if not decoding:
+            self.bad_policy.append(f"retracts {victim!r} for {short!r} with no decoding request to retract")
+            return
+        want = max(decoding, key=self.order.__getitem__)
+        if want == short:
+            prefills = [rid for rid in cands if self.tokens[rid] < self.kv_target[rid]]
+            want = max(prefills, key=self.order.__getitem__) if prefills else short
+        if victim != want:
+            self.bad_policy.append(f"retracts {victim!r} for {short!r}'s decode token; the documented victim is "
+                                   f"{want!r} (newest admitted: {sorted(cands, key=self.order.__getitem__)})")
+
+    def finish(self, request_id: str) -> Any:
+        out = super().finish(request_id)
+        self.finished.add(request_id)
+        return out
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         if reason == "scheduler stalled":
@@ -126,10 +241,18 @@ class WatchedCache(TieredCache):
             r = ForwardResult(*item) if isinstance(item, tuple) and not isinstance(item, ForwardResult) else item
             if not r.computed_tokens or self.state(r.request_id) not in ("running", "loading"):
                 continue
+            self.tokens[r.request_id] = self.tokens.get(r.request_id, 0) + r.computed_tokens
             tokens = self.request(r.request_id).tokens
             if bool(r.checkpoint) != (tokens % align == 0):
                 self.bad_flags.append(f"{r.request_id!r} at {tokens} tokens (+{r.computed_tokens}) "
                                       f"{'flags' if r.checkpoint else 'does not flag'} a checkpoint")
+        for item, status in zip(reserve, out.reserve_status):
+            rid = item[0] if isinstance(item, tuple) else item.request_id
+            if status == OK:
+                self.batched.add(rid)
+            elif status == SHORT:
+                self.short = rid
+                break
         return out
 
 
@@ -159,7 +282,7 @@ class SchedulerMachine(KitMachine):
         self.kit_fault_level(faults)
         self.cache = WatchedCache(kit_layout(), device, host, policy=policy if host is not None else "write_through",
                                  world_size=world, op_deadline_steps=None)
-        self.cache.kit_watch()
+        self.counters = CounterModel(self.cache)
         self.executor = FaultyExecutor(world, seed, self.kit_rate, late)
         self.budget = budget
 
@@ -178,11 +301,15 @@ class SchedulerMachine(KitMachine):
         cache, executor = self.cache, self.executor
         if cache is None or executor is None:
             return
+        cache.kit_watch(self.requests)
         sched = ReferenceScheduler(cache, executor, token_budget=self.budget, max_idle_steps=_MAX_IDLE)
         bound = 2 * sum(r.prompt_tokens + max(1, r.output_tokens) for r in self.requests) + _MAX_IDLE
         iterations = [0]
 
         def count() -> None:
+            cache.kit_iteration()
+            if cache.bad_policy:
+                raise ModelViolation("model_scheduler_policy", "the reference scheduler", cache.bad_policy[0])
             iterations[0] += 1
             if iterations[0] > bound:
                 raise SchedulerStalled(f"the run passed the machine's bound of {bound:,} iterations (2 per token "
@@ -205,7 +332,10 @@ class SchedulerMachine(KitMachine):
         if cache.bad_flags:
             raise ModelViolation("model_checkpoint", "the reference scheduler",
                                  f"a checkpoint flag does not follow the token count: {cache.bad_flags[:3]}")
+        if cache.bad_policy:
+            raise ModelViolation("model_scheduler_policy", "the reference scheduler", cache.bad_policy[0])
         cache.check_invariants()
+        self._check_run_stats(stats)
         ended = stats.finished + stats.aborts
         if ended != len(self.requests):
             raise ModelViolation("model_drain", "the reference scheduler",
@@ -232,3 +362,23 @@ class SchedulerMachine(KitMachine):
 
         executor.fail_rate = 0.0
         evict_to_full_pools(cache.core, settle, "the reference scheduler's cache")
+        cache.poll()
+        self.counters.check_drained()
+
+    def _check_run_stats(self, stats: Any) -> None:
+        """The scheduler's :class:`~kvtier.scheduler.RunStats` counters against the model's
+        counts of the calls it made and the events the cache reported (``model_counters``)."""
+        cache = self.cache
+        assert cache is not None
+        model = self.counters
+        want = {"finished": len(cache.finished), "aborts": sum(cache.reasons.values()),
+                "abort_reasons": dict(cache.reasons), "retractions": cache.retractions,
+                "prompt_tokens": sum(r.prompt_tokens for r in self.requests),
+                "hit_tokens": cache.hits["hit"], "device_hit_tokens": cache.hits["device"],
+                "host_hit_tokens": cache.hits["hit"] - cache.hits["device"],
+                "history_hit_tokens": cache.hits["history"],
+                "loadback_pages": model.pages["loadback"], "writeback_pages": model.pages["writeback"]}
+        for k, v in want.items():
+            if getattr(stats, k) != v:
+                raise ModelViolation("model_counters", "the reference scheduler's RunStats",
+                                     f"{k} is {getattr(stats, k)}, the model counts {v}")
