@@ -460,7 +460,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
     def total_size(self) -> int:
         """Device tokens in the tree (the core's device pages in use that no caller holds)."""
         ledger = self.core.ledger
-        return (ledger.device[GROUP].used - ledger.caller_count()) * self.page_size
+        return int(ledger.device[GROUP].used - ledger.caller_count()) * self.page_size
 
     def host_size(self) -> int:
         """Tokens with a host copy (kvtier's host pool pages in use x page size)."""
