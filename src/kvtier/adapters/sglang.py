@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-unty
 from sglang.srt.mem_cache.radix_cache import RadixKey  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from kvtier.fsm import CacheCore, ConfigError, Direction, UsageError
-from kvtier.fsm.lifecycle.names import DEVICE_RESIDENT, NODE_STATE as NS
+from kvtier.fsm.lifecycle.names import DEVICE_READABLE, DEVICE_RESIDENT, NODE_STATE as NS
 from kvtier.fsm.node import Node
 from kvtier.fsm.node.eviction import POLICIES
 from kvtier.fsm.node.ops import Settled
@@ -49,6 +49,8 @@ from .sglang_pages import GROUP, DevicePageTable, Executor, InstantCompletions, 
 __all__ = ["KvtierRadixCache", "register"]
 
 _WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+#: states a publish anchor's path may be in (the core's own anchor check: readable, not loading)
+_ANCHOR_STATES = DEVICE_READABLE - {NS.loading}
 
 
 def register() -> None:
@@ -203,17 +205,21 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         self._locks: dict[int, list[Any]] = {}
         self._loads: dict[int, Any] = {}  # loadback op id -> its LoadResult (pin + lock until it settles)
         self._freed: list[np.ndarray] = []
+        self._unbound: list[list[int]] = []  # core pages freed since the last _free_sglang (unbound there)
+        self._last_locked: Node | None = None  # the node of the last inc_lock_ref (insert's anchor)
         self.loads_failed = 0
         if self.core.exclusive:
             _shadow_host_key(self.core.eviction)
         ledger = self.core.ledger
         release = ledger.release_device
 
+        unbound = self._unbound
+
         def release_device(*maps: Any) -> dict[str, int]:  # the core freeing tree pages: SGLang's are freed too
-            for pm in maps:
+            for pm in maps:  # (their KV indices are read and unbound in one go by _free_sglang)
                 ps = pm.get(GROUP)
                 if ps:
-                    self._freed.append(self.pages.unbind(ps))
+                    unbound.append(ps)
             got: dict[str, int] = release(*maps)
             return got
 
@@ -232,9 +238,13 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
 
     def _free_sglang(self) -> int:
         """Give the SGLang pages the core freed back to SGLang's allocator; returns tokens."""
+        if self._unbound:  # before any rebind of these pages (the core hands them out again only later)
+            ps = [p for pages in self._unbound for p in pages]
+            self._unbound.clear()
+            self._freed.append(self.pages.unbind(ps))
         if not self._freed:
             return 0
-        got = np.concatenate(self._freed)
+        got = self._freed[0] if len(self._freed) == 1 else np.concatenate(self._freed)
         self._freed.clear()
         if got.size and self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free(torch.from_numpy(got).to(self.device))
@@ -308,15 +318,20 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         """
         if self.disable:
             return InsertResult(prefix_len=0)
-        published, prefix_len, node, kept = self._publish(params.key, params.value)
+        anchor = self._last_locked if params.prev_prefix_len > 0 else None
+        if anchor is not None and anchor.depth * self.page_size != params.prev_prefix_len:
+            anchor = None
+        published, prefix_len, node, kept = self._publish(params.key, params.value, anchor)
         if kept.size:
             self._freed.append(kept)
             self._free_sglang()
         return InsertResult(prefix_len=prefix_len, total_len=published, last_device_node=node)
 
-    def _publish(self, key: Any, value: Any) -> tuple[int, int, Node, np.ndarray]:
+    def _publish(self, key: Any, value: Any, anchor: Node | None = None) -> tuple[int, int, Node, np.ndarray]:
         """(tokens published, tokens that were already there, the deepest node, the KV
-        indices not published)."""
+        indices not published). ``anchor``: a locked device node whose path may be the
+        key's prefix (the prefix the caller matched and locked); when it is, only the units
+        past it take pages of the caller's and the core walks from it."""
         units = self._units(key)
         root = self.core.root
         if not units:
@@ -331,8 +346,15 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
             vals = value[:n_tok].detach().to("cpu", torch.int64).numpy() if isinstance(value, torch.Tensor) \
                 else np.asarray(value[:n_tok], dtype=np.int64)
         core = self.core
-        own = core.alloc_device({GROUP: len(units)}, evict=False)[GROUP]
-        res = core.insert(units, {GROUP: own})
+        if self._unbound:  # pages the core freed: unbound before any is handed out again
+            self._free_sglang()
+        base: list[int] = []
+        if anchor is not None and not self._anchors(anchor, units):
+            anchor = None
+        if anchor is not None:
+            base = core.device_pages(anchor)[GROUP]
+        own = core.alloc_device({GROUP: len(units) - len(base)}, evict=False)[GROUP] if len(units) > len(base) else []
+        res = core.insert(units, {GROUP: base + own}, anchor=anchor)
         canon = res.pages.get(GROUP, [])
         mine = set(own)
         first = next((i for i, p in enumerate(canon) if p in mine), len(canon))
@@ -344,6 +366,18 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
             core.free_device({GROUP: back})
         self._pump(collect=False)
         return len(canon) * ps, first * ps, res.node, vals[len(canon) * ps:]
+
+    def _anchors(self, anchor: Node, units: Sequence[Any]) -> bool:
+        """Whether ``anchor`` (locked, in the tree, its path readable and not loading) ends
+        a prefix of ``units``: the core then walks from it and takes its path's own pages."""
+        if anchor.lock_ref <= 0 or anchor.depth > len(units) or not self.core.tree.has(anchor):
+            return False
+        k = anchor.depth
+        for n in anchor.path():  # deepest first
+            if n.state not in _ANCHOR_STATES or tuple(units[k - len(n.key):k]) != n.key:
+                return False
+            k -= len(n.key)
+        return True
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         """Insert ``req``'s KV up to row position ``up_to`` (SGLang's chunked prefill, finish
@@ -376,6 +410,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         if self.disable or node is self.core.root:
             return IncLockRefResult(delta=0)
         self._locks.setdefault(node.node_id, []).append(self.core.lock(node))
+        self._last_locked = node
         return IncLockRefResult(delta=0, node_id=node.node_id)
 
     def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
@@ -397,20 +432,35 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
     def _device_nodes(self) -> Iterable[Node]:
         return (n for n in self.core.nodes() if n.parent is not None and n.state in DEVICE_RESIDENT)
 
+    def _locked_tokens(self) -> int:
+        """Device tokens on the paths of the outstanding locks (each node once): a walk of
+        the locked paths only, not of the tree."""
+        seen: set[int] = set()
+        units = 0
+        for r in self.core.receipts.locks():
+            for n in r.node.path():  # deepest first: a node seen means its ancestors were
+                if n.node_id in seen:
+                    break
+                seen.add(n.node_id)
+                if n.state in DEVICE_RESIDENT:
+                    units += len(n.key)
+        return units * self.page_size
+
     def evictable_size(self) -> int:
         """Device tokens in the tree no lock holds."""
-        return sum(len(n.key) for n in self._device_nodes() if n.lock_ref == 0) * self.page_size
+        return self.total_size() - self._locked_tokens()
 
     def protected_size(self) -> int:
         """Device tokens in the tree that locks hold."""
-        return sum(len(n.key) for n in self._device_nodes() if n.lock_ref > 0) * self.page_size
+        return self._locked_tokens()
 
     full_evictable_size = evictable_size
     full_protected_size = protected_size
 
     def total_size(self) -> int:
-        """Device tokens in the tree."""
-        return sum(len(n.key) for n in self._device_nodes()) * self.page_size
+        """Device tokens in the tree (the core's device pages in use that no caller holds)."""
+        ledger = self.core.ledger
+        return int(ledger.device[GROUP].used - ledger.caller_count()) * self.page_size
 
     def host_size(self) -> int:
         """Tokens with a host copy (kvtier's host pool pages in use x page size)."""

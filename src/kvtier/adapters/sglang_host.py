@@ -30,11 +30,14 @@ class HiCacheHooks:
     page_size: int
     token_to_kv_pool_allocator: Any
     _loads: dict[int, Any]
+    _unbound: list[Any]
 
     if TYPE_CHECKING:  # the cache's own
         def evict(self, params: Any) -> Any: ...
 
         def _pump(self, collect: bool) -> int: ...
+
+        def _free_sglang(self) -> int: ...
 
     def init_load_back(self, params: Any) -> tuple[int, Any]:
         """SGLang's admission hook: load the host part of the match back and return
@@ -84,6 +87,8 @@ class HiCacheHooks:
         if not m.host_nodes or m.terminal is not node:
             alloc.free(got)
             return False
+        if self._unbound:  # pages the core freed: unbound before any is handed out again
+            self._free_sglang()
         ld = core.load(m, evict=False)
         pages = ld.device_pages[GROUP][m.device_units:]
         self.pages.bind(pages, got.to("cpu", torch.int64).numpy())
@@ -118,6 +123,7 @@ class HiCacheHooks:
         operation deadlines' step."""
         self._pump(collect=True)
         self.core.advance_step()
+        self._free_sglang()  # (operations past their deadline may have freed device pages)
 
     def has_pending_cache_operations(self) -> bool:
         return bool(self.core.operations()) or bool(self._loads)
