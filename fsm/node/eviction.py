@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from ..errors import ConfigError
-from ..lifecycle.names import DEVICE_RESIDENT
+from ..lifecycle.names import DEVICE_RESIDENT, NODE_STATE
 from .node import Node
 
 __all__ = ["EvictionPolicy", "HeapIndex", "POLICIES", "TURN_WINDOW", "make_policy", "turns_bonus"]
@@ -116,6 +116,11 @@ def _exclusive(key: KeyFn) -> KeyFn:
 
 _Entry = tuple[Key, Node]
 
+#: the states a node may be a device eviction victim in (dropped or demoted), and a host
+#: eviction victim in (evicted, or its host copy dropped)
+_DEVICE_VICTIM_STATES = frozenset((NODE_STATE.device, NODE_STATE.backed))
+_HOST_VICTIM_STATES = frozenset((NODE_STATE.host, NODE_STATE.backed))
+
 
 class HeapIndex:
     """Candidates on lazy heaps, one per tier, each ordered by its key function.
@@ -128,7 +133,10 @@ class HeapIndex:
     key instead of being yielded. Candidates therefore come out in the order of their
     current keys, as if every touch had pushed a fresh entry, at one dictionary lookup
     per touch instead of a heap push. Keys end with the node id, so entries never tie
-    and nodes are never compared. Each heap holds at most ``4 x nodes + 256`` entries:
+    and nodes are never compared. A touch files a node only on the heaps of the tiers it
+    may be a victim of in its state (``device`` and ``backed`` on the device heap,
+    ``host`` and ``backed`` on the host heap): the state change that brings it into such a
+    state touches it again. Each heap holds at most ``4 x nodes + 256`` entries:
     past that it is rebuilt from the live nodes.
 
     Args:
@@ -160,18 +168,27 @@ class HeapIndex:
         self._host_at: dict[int, Key] = {}
 
     def touch(self, node: Node) -> None:
+        # A node is filed only on the tiers it may be a victim of in its state: whatever
+        # brings it into such a state is a state change, which touches it again.
         nid = node.node_id
-        # (lru_key inline: the default policy's touch without a call)
-        kd = (node.last_access, -node.depth, nid) if self.dev_key is lru_key else self.dev_key(node)
-        at = self._dev_at.get(nid)
-        if at is None or kd < at:
-            self._dev_at[nid] = kd
-            heapq.heappush(self._dev, (kd, node))
-            if len(self._dev) > 4 * self._size() + 256:
-                self._dev = self._rebuilt(self.dev_key, self._dev_at)
-        if not self.host_tier:
+        state = node.state
+        if state in _DEVICE_VICTIM_STATES:
+            # (lru_key inline: the default policy's touch without a call)
+            kd = (node.last_access, -node.depth, nid) if self.dev_key is lru_key else self.dev_key(node)
+            at = self._dev_at.get(nid)
+            if at is None or kd < at:
+                self._dev_at[nid] = kd
+                heapq.heappush(self._dev, (kd, node))
+                if len(self._dev) > 4 * self._size() + 256:
+                    self._dev = self._rebuilt(self.dev_key, self._dev_at)
+        else:
+            kd = None
+        if not self.host_tier or state not in _HOST_VICTIM_STATES:
             return
-        kh = kd if self._same else self.host_key(node)
+        if self._same:
+            kh = kd if kd is not None else self.dev_key(node)
+        else:
+            kh = self.host_key(node)
         at = self._host_at.get(nid)
         if at is None or kh < at:
             self._host_at[nid] = kh

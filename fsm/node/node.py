@@ -153,11 +153,19 @@ class Node:
 
     @property
     def has_device_child(self) -> bool:
-        return any(c.state in DEVICE_RESIDENT for c in self.children.values())
+        if self.children:  # (a leaf answers without a loop)
+            for c in self.children.values():
+                if c.state in DEVICE_RESIDENT:
+                    return True
+        return False
 
     @property
     def has_host_child(self) -> bool:
-        return any(c.state in HOST_VISIBLE or c.state in HOST_PENDING for c in self.children.values())
+        if self.children:
+            for c in self.children.values():
+                if c.state in HOST_VISIBLE or c.state in HOST_PENDING:
+                    return True
+        return False
 
     def path(self) -> list[Node]:
         """This node and its ancestors up to (excluding) the root, deepest first."""

@@ -28,17 +28,18 @@ class ReceiptBook:
     Args:
         ids: the id counter shared with the tree.
         touch: called with every node a release may make a victim (the eviction index
-            re-files it; a lock or a new pin or borrow only protects, and is not reported).
+            re-files it; a lock or a new pin or borrow only protects, and is not reported;
+            an unlock reports the nodes it leaves unlocked).
         on_hit: called with every node of a locked path once its hit is counted (the
-            writeback queue backs up nodes used often enough).
+            writeback queue backs up nodes used often enough); ``None`` when nothing does.
     """
 
     def __init__(self, ids: Iterator[int], touch: Callable[[Node], None],
-                 on_hit: Callable[[Node], None] = lambda node: None) -> None:
+                 on_hit: Callable[[Node], None] | None = None) -> None:
         self._ids = ids
         self._hold_ids = itertools.count(-1, -1)  # holds never take an id from the shared counter
         self._touch = touch
-        self._on_hit = on_hit
+        self._on_hit = on_hit  # (None: nothing listens, and the path is not walked again)
         self._locks: dict[int, LockReceipt] = {}
         self._receipts: dict[int, NodeReceipt] = {}
 
@@ -73,8 +74,10 @@ class ReceiptBook:
                 n.hit_count += 1
                 n.last_owner = owner
             n.last_access = stamp  # (a lock makes nothing a victim and only raises keys: no touch)
-        for n in path:
-            self._on_hit(n)
+        on_hit = self._on_hit
+        if on_hit is not None:
+            for n in path:
+                on_hit(n)
         self._locks[receipt.receipt_id] = receipt
         return receipt
 
@@ -95,11 +98,13 @@ class ReceiptBook:
         self.check_lock(receipt)
         receipt.released = True
         del self._locks[receipt.receipt_id]
+        touch = self._touch
         for n in receipt.node.path():
             n.lock_ref -= 1
             if stamp is not None:
                 n.last_access = stamp
-            self._touch(n)
+            if n.lock_ref == 0:  # (a node still locked is no victim: its last unlock re-files it)
+                touch(n)
 
     def check_lock(self, receipt: object) -> None:
         """Raises UsageError unless ``receipt`` is an outstanding lock receipt of this book."""

@@ -18,6 +18,9 @@ from .writeback import WritePolicy
 
 __all__ = ["Reclaimer"]
 
+#: the states device eviction takes a node from (``device``: dropped, ``backed``: demoted)
+_VICTIM_STATES = frozenset((NS.device, NS.backed))
+
 
 class Reclaimer:
     """``evict_device`` and ``evict_host`` over one node core's ``store``."""
@@ -42,23 +45,31 @@ class Reclaimer:
         callers pass what they computed).
         """
         store = self.store
-        freed = {g: 0 for g in store.device}
-        pledged = {g: 0 for g in store.device}  # pages of leaves queued for writeback (freed later)
+        freed = dict.fromkeys(store.device, 0)
+        pledged = dict.fromkeys(store.device, 0)  # pages of leaves queued for writeback (freed later)
         queued: list[Node] = []
         candidates = store.eviction.device_candidates()
         wb = store.writebacks  # (its chain is walked only when write_back may queue it)
-        while any(freed[g] + pledged[g] < k for g, k in need.items()):
+        write_back = wb.enabled and wb.policy is WritePolicy.WRITE_BACK
+        wants = tuple(need.items())
+        while True:
+            for g, k in wants:
+                if freed[g] + pledged[g] < k:
+                    break
+            else:
+                break  # every group has what it needs
             n = next(candidates, None)
             if n is None:
                 break
-            if not self.device_victim(n):
+            # (device_victim, inline)
+            if n.state not in _VICTIM_STATES or n.lock_ref or n.borrow_ref or (n.children and n.has_device_child):
                 continue
             if n.state == NS.backed:
                 n = self._tail(n, need, freed)
                 got = self._release_device(n)
                 store.trigger(n, EV.demote)
                 store.stats.demotions += 1
-            elif wb.enabled and wb.policy is WritePolicy.WRITE_BACK and wb.write_back_first(self._device_chain(n)):
+            elif write_back and wb.write_back_first(self._device_chain(n)):
                 queued.append(n)  # still a candidate: back in the index after this call
                 for pm in (n.dev, n.dev_ckpt):  # its demotion, once written, frees these
                     for g, pages in pm.items():
@@ -127,8 +138,7 @@ class Reclaimer:
     def device_victim(n: Node) -> bool:
         """Device eviction may take ``n``: an unlocked, unborrowed device or backed leaf of
         the device set (the guards of ``evict_device`` and ``demote``)."""
-        return (n.state in (NS.device, NS.backed) and n.lock_ref == 0 and n.borrow_ref == 0
-                and not n.has_device_child)
+        return n.state in _VICTIM_STATES and n.lock_ref == 0 and n.borrow_ref == 0 and not n.has_device_child
 
     @staticmethod
     def host_victim(n: Node) -> bool:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ..layout import CacheLayout
 from ..lifecycle.machines import node_lifecycle
-from ..lifecycle.names import NODE_EVENT as EV
+from ..lifecycle.names import NODE_EVENT as EV, NODE_STATE as NS
 from .eviction import EvictionPolicy, make_policy
 from .ledger import PageLedger
 from .node import Node
@@ -29,6 +29,8 @@ from .tree import RadixTree
 from .writeback import WritebackQueue, WritePolicy
 
 __all__ = ["NodeStore"]
+
+_REMOVED = NS.removed
 
 
 class NodeStore:
@@ -78,7 +80,8 @@ class NodeStore:
                                                     exclusive=exclusive, capacity_units=units,
                                                     host_tier=ledger.host is not None)
         self.writebacks = WritebackQueue(policy, write_threshold, enabled=ledger.host is not None)
-        self.receipts = ReceiptBook(ids, self.eviction.touch, self.writebacks.on_hit)
+        self.receipts = ReceiptBook(ids, self.eviction.touch,
+                                    self.writebacks.on_hit if self.writebacks.wants_hits else None)
         self.optable = OperationTable(world_size, layout.num_layers, op_deadline_steps)
         self.fire: Callable[[Node, str], str] = node_lifecycle().fire
         self.clock = 0
@@ -96,11 +99,15 @@ class NodeStore:
         before = node.state
         self.fire(node, event)
         self.stats.triggers += 1
-        if node.state == before:
+        state = node.state
+        if state == before:
             return
-        self.eviction.touch(node)
-        if node.parent is not None and node.parent.parent is not None:
-            self.eviction.touch(node.parent)
+        touch = self.eviction.touch
+        if state != _REMOVED:  # (a removed node is never a candidate again)
+            touch(node)
+        parent = node.parent
+        if parent is not None and parent.parent is not None:
+            touch(parent)
 
     def tick(self) -> int:
         """Advance the logical clock; returns the new stamp."""

@@ -36,6 +36,8 @@ class WritebackQueue:
         self.policy = policy
         self.threshold = threshold
         self.enabled = enabled
+        #: whether :meth:`on_hit` can ever queue a node (``write_through_selective`` with a host tier)
+        self.wants_hits = enabled and policy is WritePolicy.WRITE_THROUGH_SELECTIVE
         self._queue: dict[int, Node] = {}  # node_id -> node wanting a tree writeback
         # device nodes whose tree writeback the host could not take: under write_back,
         # eviction drops them instead of queueing them again (no queue/refuse livelock)

@@ -53,9 +53,12 @@ class Admitter:
             raise UsageError(f"request {request_id!r}: {prompt_tokens} prompt tokens need {full} unit keys, "
                              f"got {len(units)}")
         # an ended request's id may be admitted again before poll() forgets it: a new record
-        r = prev if prev is not None and prev.state not in TERMINAL else Request(request_id, list(units), prompt_tokens)
-        r.units = list(units)
-        r.prompt_tokens = prompt_tokens
+        if prev is not None and prev.state not in TERMINAL:
+            r = prev
+            r.units = list(units)
+            r.prompt_tokens = prompt_tokens
+        else:
+            r = Request(request_id, list(units), prompt_tokens)
         t.add(r)
         # never reuse the whole prompt: the last token must be computed to get logits
         usable = (prompt_tokens - 1) // t.align

@@ -119,10 +119,14 @@ class ForwardResults:
         result = core.insert(r.units[:n_units], pages, ckpt, chunk_checkpoint=not final, anchor=anchor)
         dup = {g: p for g, p in result.duplicates.items() if p}
         # own pages now published or duplicated leave the request's own list
+        kept = result.kept
         for g in t.history:
             used = pages[g][len(r.canon.get(g, [])):]
-            gone = set(used) - set(result.kept.get(g, ()))
-            r.own[g] = [p for p in r.own.get(g, []) if p not in gone]
+            if kept.get(g):
+                gone = set(used) - set(kept[g])
+                r.own[g] = [p for p in r.own.get(g, []) if p not in gone]
+            else:  # (``used`` is the head of its own list, whose pages are distinct)
+                r.own[g] = r.own.get(g, [])[len(used):]
         t.free_later(r, {g: p for g, p in dup.items() if g in t.history})
         t.free_later(r, {g: p for g, p in dup.items() if g in t.state_pages})
         adopted: PageMap = {}
@@ -133,7 +137,7 @@ class ForwardResults:
                 gone = set(dup.get(g, ())) | set(kept_state.get(g, ()))
                 if not gone.intersection(p):
                     adopted[g] = p
-        r.canon = {g: list(result.pages[g]) for g in t.history}
+        r.canon = result.pages  # (fresh lists, one per history group)
         r.published = result.published_units
         if result.node is not core.root:
             new_lock = core.lock(result.node, r.request_id)

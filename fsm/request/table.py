@@ -54,8 +54,9 @@ class RequestTable:
     def __init__(self, core: CacheCore, ended_history: int = DEFAULT_ENDED_HISTORY) -> None:
         self.core = core
         self.ended_history = as_int(ended_history, "ended_history", error=ConfigError)
-        #: summaries of the most recently forgotten ended requests, oldest first
-        self._history: OrderedDict[str, RequestView] = OrderedDict()
+        #: the most recently forgotten ended requests, oldest first: their records (no call
+        #: reaches a forgotten record, so it stays as it ended), summarised when asked
+        self._history: OrderedDict[str, Request] = OrderedDict()
         layout: CacheLayout = core.layout
         self.layout = layout
         self.lifecycle: Lifecycle = request_lifecycle()
@@ -122,12 +123,12 @@ class RequestTable:
         if ended is None:
             raise UsageError(f"unknown request {request_id!r} (the last {self.ended_history} ended "
                              f"requests are remembered)")
-        return ended
+        return ended.view()
 
     def ended(self) -> tuple[RequestView, ...]:
         """Summaries of the ended requests forgotten most recently, oldest first (at most
         ``ended_history``)."""
-        return tuple(self._history.values())
+        return tuple(r.view() for r in self._history.values())
 
     def outstanding(self) -> Outstanding:
         """What the requests and the core still hold or owe (see :class:`Outstanding`)."""
@@ -237,7 +238,7 @@ class RequestTable:
                 del self._records[rid]
                 self._ended.discard(rid)
                 if self.ended_history:
-                    self._history[rid] = r.view()
+                    self._history[rid] = r
                     if len(self._history) > self.ended_history:
                         self._history.popitem(last=False)
         return out

@@ -134,6 +134,7 @@ class TieredCache:
         self.history_replay = as_bool(history_replay, "history_replay", error=ConfigError)
         self.max_request_tokens = as_int(max_request_tokens, "max_request_tokens", minimum=1, error=ConfigError)
         self.layout = layout
+        self._most_units = self.max_request_tokens // layout.alignment  # (the layout is frozen)
         self.finish_writeback = self.core.policy is WritePolicy.WRITE_THROUGH if finish_writeback is None else finish_writeback
         self._table = RequestTable(self.core, ended_history)
         self._admitter = Admitter(self._table, self.history_replay)
@@ -178,7 +179,7 @@ class TieredCache:
         if type(units) is list or type(units) is tuple or (isinstance(units, Sequence)
                                                             and not isinstance(units, (str, bytes))):
             n = len(units)
-            if n > most // self.layout.alignment:
+            if n > self._most_units:
                 raise UsageError(f"request {request_id!r}: {n} unit keys, more than max_request_tokens {most} "
                                  f"holds ({most // self.layout.alignment} units of {self.layout.alignment} tokens)")
         units = as_keys(units, f"request {request_id!r}: units")

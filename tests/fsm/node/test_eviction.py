@@ -296,7 +296,10 @@ def test_lazy_lru_heaps_grow_to_their_bound_and_no_further():
     rebuilt earlier (a rebuild costs O(nodes))."""
     c = CacheCore(h1(), 8, 8)
     y = put(c, "y").node
-    put(c, "x")
+    ack(c, c.writeback(y))  # backed (as x): a victim of both tiers, filed on both heaps
+    x = put(c, "x").node
+    ack(c, c.writeback(x))
+    assert (y.state, x.state) == ("backed", "backed")
     assert all(n is not c.root for n in lru(c).heap_nodes())  # only tree nodes
     base = lru(c).heap_sizes()
     for _ in range(50):
@@ -315,6 +318,26 @@ def test_lazy_lru_heaps_grow_to_their_bound_and_no_further():
     assert max(lengths) == limit
     after = lengths[lengths.index(limit) + 1]
     assert len(c.nodes()) <= after <= len(c.nodes()) + 2  # rebuilt from the live nodes only
+
+
+def test_a_touch_files_a_node_only_on_the_tiers_its_state_may_be_a_victim_of():
+    """A device node is filed on the device heap only, a host node on the host heap only,
+    a backed one on both; a node writing back on neither (its writeback's end touches it)."""
+    c = CacheCore(h1(), 8, 8)
+    d = put(c, "d").node
+    w = put(c, "w").node
+    cmd = c.writeback(w)
+    assert (d.state, w.state) == ("device", "writing")
+    index = lru(c)
+    dev = [n.node_id for n in index.heap_nodes()[:index.heap_sizes()[0]]]
+    host = [n.node_id for n in index.heap_nodes()[index.heap_sizes()[0]:]]
+    assert d.node_id in dev and d.node_id not in host and w.node_id not in host
+    ack(c, cmd)
+    assert w.state == "backed"
+    sizes = index.heap_sizes()
+    host = [n.node_id for n in index.heap_nodes()[sizes[0]:]]
+    assert w.node_id in host and w.node_id in [n.node_id for n in index.heap_nodes()[:sizes[0]]]
+    assert c.evict_device({"kv": 1}) == {"kv": 1} and (d.state, w.state) == ("removed", "backed")  # the older
 
 
 def test_a_key_raised_without_a_fresh_entry_still_comes_out_in_key_order():

@@ -133,6 +133,8 @@ def test_the_default_eviction_index_is_an_eviction_policy() -> None:
     policy: EvictionPolicy = c.eviction  # (structural: mypy checks HeapIndex against the protocol)
     x = put(c, "x").node
     y = put(c, "y").node
+    for n in (x, y):  # backed: victims of both tiers
+        ack(c, c.writeback(n))
     assert [n.node_id for n in policy.device_candidates()] == [x.node_id, y.node_id]  # oldest first
     assert list(policy.device_candidates()) == []  # popped: forgotten until touched again
     assert list(policy.host_candidates()) == [x, y]  # the host heap has its own entries
