@@ -6,8 +6,8 @@ new page lists every flush: device pages a new random permutation, each directio
 host pages one extent in a new random order; page-major host pool, staging ring
 3 x 32 MiB per direction, staged both ways and each way), on CPU pools under the CUDA
 simulator. The copies themselves are replaced by no-ops (the simulator's kernel on
-256 MiB would take minutes); what is timed is the host's work around them, the part
-that comes before the first copy on a GPU.
+256 MiB would take minutes); what is timed (CPU time of the thread) is the host's work
+around them, the part that comes before the first copy on a GPU.
 
 Runs with whatever ``kvtier`` the interpreter imports, so two trees can be compared
 back to back under the same load (the old tree's interpreter first, then the new one):
