@@ -166,7 +166,8 @@ class Stager:
             ptr = int(buf.data_ptr())
             hv = self._host_views.get(key)
             if hv is None or hv[0] != ptr:
-                hv = self._host_views[key] = (ptr, int(buf.numel()), b._k.span_array_i64(ptr, 8 * int(buf.numel()), buf))
+                n = int(buf.numel())
+                hv = self._host_views[key] = (ptr, n, b._k.span_array_i64(ptr, 8 * n, buf))
             sp.host, sp.owner, sp.table, sp.key = host, host, hv[2], key
             self._last_use(direction, key)
             return
