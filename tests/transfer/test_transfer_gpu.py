@@ -98,7 +98,7 @@ _STAGE = {"calibration": {"sizes": [1], "sm_gbps": {"loadback": [1], "writeback"
 
 @pytest.mark.parametrize("backend, options, registered", [
     ("hybrid", _STAGE, False), ("hybrid", _STAGE, True), ("numba", {}, True),
-    ("hybrid", {"calibration": _MIXED}, False),
+    ("hybrid", {"calibration": _MIXED}, False), ("hybrid", {**_STAGE, "staging_host_tables": True}, False),
 ])
 @pytest.mark.parametrize("seed", range(4))
 def test_gpu_random_plans_page_major_host(backend: str, options: dict[str, Any], registered: bool, seed: int) -> None:

@@ -206,6 +206,39 @@ def test_both_directions_in_one_flush_are_staged_and_exact() -> None:
     assert last["loadback"]["sm_bytes"] == 0 == last["writeback"]["sm_bytes"]
 
 
+def test_flushes_of_one_shape_reuse_the_piece_layout_at_their_own_extents() -> None:
+    """Both ways, three flushes whose host pages are one extent each, at other host
+    offsets and in other orders: the second and third reuse the first's piece layout
+    (moved to their extents) and land every page exactly."""
+    specs = kv_specs(layers=4)
+    host = HostPool(specs, 120, pin=False, layout="page")
+    dev = DevicePool.allocate(specs, 80, "cpu")
+    fill(host, dev, seed=7)
+    eng = TransferEngine(specs, host, dev, "hybrid", backend_options=staging_options(1 << 13, 2), chunk_layers=2)
+    rng = np.random.default_rng(8)
+    op = 0
+    for lb0, wb0 in ((0, 60), (31, 90), (17, 65)):
+        dev_pages = rng.permutation(80)
+        lb_dev, wb_dev = dev_pages[:25], dev_pages[25:50]
+        lb_host, wb_host = lb0 + rng.permutation(25), wb0 + rng.permutation(25)
+        want_dev = {(c, layer): host.region("kv", c, layer)[torch.as_tensor(lb_host)].clone()
+                    for c in ("c0", "c1") for layer in range(4)}
+        want_host = {(c, layer): dev.region("kv", c, layer)[torch.as_tensor(wb_dev)].clone()
+                     for c in ("c0", "c1") for layer in range(4)}
+        comps = run(eng, [ArrayCommand(op + 1, L, (PageArrays("kv", lb_host, lb_dev),)),
+                          ArrayCommand(op + 2, W, (PageArrays("kv", wb_dev, wb_host),))])
+        op += 2
+        assert all(c.ok for c in comps) and sum(c.layer is None for c in comps) == 2
+        for (c, layer), data in want_dev.items():
+            assert torch.equal(dev.region("kv", c, layer)[torch.as_tensor(lb_dev)], data)
+        for (c, layer), data in want_host.items():
+            assert torch.equal(host.region("kv", c, layer)[torch.as_tensor(wb_host)], data)
+        assert eng.stats()["last_flush"]["loadback"]["stage_bytes"] == 25 * 4 * 96
+    staging = eng.stats()["backend"]["staging"]
+    assert staging["layout_reuses"] == 4  # two directions x the second and third flush
+    assert staging["host_tables"] is False
+
+
 @needs_sim
 def test_both_ways_flush_takes_the_directions_in_turn_one_chunk_each() -> None:
     """With the staging path both directions are prepared first, then issued one chunk

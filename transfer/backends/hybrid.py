@@ -125,6 +125,9 @@ class HybridBackend(NumbaBackend):
         staging_one_way: stage a direction also while the other one is idle (default
             False: on the H200 one direction alone ran 1-16 % slower staged than on the
             kernel, both at once 13-40 % faster from 4 KiB pages up; bench/RESULTS.md).
+        staging_host_tables: the staging kernels read their run table in place from
+            pinned host memory instead of a device copy (default False; see
+            :class:`.stager.Stager`).
 
     Raises:
         ConfigError: bad settings.
@@ -138,7 +141,7 @@ class HybridBackend(NumbaBackend):
                  calibration: str | Calibration | Mapping[str, Any] = "auto", copier: BatchCopier | None = None,
                  writeback_waits: bool = True, staging_bytes: int | None = None,
                  staging_slots: int = DEFAULT_SLOTS, staging_min_bytes: int = 256 << 10,
-                 staging_one_way: bool = False) -> None:
+                 staging_one_way: bool = False, staging_host_tables: bool = False) -> None:
         super().__init__(blocks, threads, piece_bytes, address_view, timing)
         if isinstance(calibration, str):
             if calibration not in ("auto", "measure", "default"):
@@ -161,6 +164,7 @@ class HybridBackend(NumbaBackend):
             raise ConfigError(f"hybrid backend: staging_bytes must be None or an int >= 0, got {staging_bytes!r}")
         self._staging_args = (staging_bytes, staging_slots, staging_min_bytes)
         self.staging_one_way = bool(staging_one_way)
+        self.staging_host_tables = bool(staging_host_tables)
         self.stager: Stager | None = None
         self.calibration: Calibration | None = None
         self.calibration_seconds: float | None = None
@@ -186,7 +190,7 @@ class HybridBackend(NumbaBackend):
             nbytes = (DEFAULT_STAGING_BYTES if self.mode == "gpu" else 4 << 20) if host.page_major else 0
         self.stager = None
         if nbytes and self._views is not None and self.copier is not None:
-            self.stager = Stager(self, nbytes, slots, min_bytes)
+            self.stager = Stager(self, nbytes, slots, min_bytes, self.staging_host_tables)
             self.stager.bind()
         # with staging, a both-ways flush's writeback starts after the loadback's first chunk
         self.interleave_directions = self.stager is not None

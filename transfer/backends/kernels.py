@@ -284,6 +284,15 @@ def span_arrays(ptr: int, nbytes: int, owner: object) -> tuple[Any, Any]:
     return u32, u8
 
 
+def span_array_i64(ptr: int, nbytes: int, owner: object) -> Any:
+    """An int64 Numba device array of ``nbytes`` at ``ptr`` (8-byte aligned; device
+    memory or mapped pinned host memory, e.g. a run table the kernel reads in place);
+    ``owner`` is kept alive by the view; nothing is copied."""
+    if ptr % 8 or nbytes % 8:
+        raise ValueError(f"span must be 8-byte aligned, got ptr={ptr:#x} nbytes={nbytes}")
+    return cuda.as_cuda_array(_Span(ptr, nbytes, "<i8", 8, owner), sync=False)
+
+
 def device_array(obj: Any) -> Any:
     """A Numba view of a CUDA tensor (or any ``__cuda_array_interface__`` object).
 

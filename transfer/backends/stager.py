@@ -11,7 +11,8 @@ import numpy as np
 from kvtier.fsm import Direction
 
 from ..plan import ChunkRef, FlushPlan
-from .staging import ALIGN, StagePiece, StagePlan, StagingRing, extents_of, fill_runs, plan_staging, stageable
+from .staging import (ALIGN, StagePiece, StagePlan, StagingRing, extents_of, fill_runs, first_pages, layout_key,
+                      plan_staging, relocate, stageable)
 
 __all__ = ["Stager"]
 
@@ -27,16 +28,25 @@ class Stager:
             gets half, in ``slots`` slots.
         slots: slots per direction.
         min_bytes: a group's pages of a chunk are staged only from this many bytes up.
+        host_tables: on a GPU, the gather/scatter kernels read the run table from the
+            reused pinned buffer it is written into (mapped host memory) instead of a
+            device copy of it (default False): no table copy before the flush's first
+            bulk copy.
 
     Raises:
         ConfigError: a size too small for one 256-byte slot per direction.
     """
 
-    def __init__(self, backend: Any, staging_bytes: int, slots: int, min_bytes: int) -> None:
+    def __init__(self, backend: Any, staging_bytes: int, slots: int, min_bytes: int,
+                 host_tables: bool = False) -> None:
         per_slot = (staging_bytes // 2 // max(1, slots)) // ALIGN * ALIGN if isinstance(slots, int) else 0
         self.rings = {d: StagingRing(slots, per_slot) for d in (Direction.LOADBACK, Direction.WRITEBACK)}
         self.b = backend
         self.min_bytes = int(min_bytes)
+        self.host_tables = bool(host_tables)
+        self._host_views: dict[Any, tuple[int, int, Any]] = {}
+        self._templates: dict[Any, Any] = {}
+        self.layout_reuses = 0  # piece layouts of one-extent flushes (staging.plan_staging)
         self.nbytes = sum(r.nbytes for r in self.rings.values())
         self._parity: dict[Direction, int] = {}
         self._geometry: dict[Any, Any] = {}  # pool geometry of a group's refs in a chunk (staging._group_info)
@@ -100,9 +110,28 @@ class Stager:
         return out
 
     def build(self, direction: Direction, plan: FlushPlan, chosen: dict[int, frozenset[int]]) -> StagePlan:
+        """The stage plan of ``chosen`` (:func:`.staging.plan_staging`). When every chosen
+        group's host pages are one extent (:func:`.staging.layout_key`), the piece layout
+        of an earlier flush of the same shape is reused, its copies moved to this flush's
+        extents (:func:`.staging.relocate`): O(pieces) instead of the layout's Python
+        loops (``layout_reuses`` in the statistics)."""
         b = self.b
-        return plan_staging(direction, plan, b.planner, b.host, b.device, self.rings[direction], chosen,
-                            b.piece_bytes, self._geometry)
+        key = layout_key(direction, plan, chosen)
+        if key is not None:
+            hit = self._templates.get(key)
+            if hit is not None:
+                tmpl, pages0 = hit
+                now = first_pages(direction, plan, chosen)
+                moved = {gi: (now[gi] - pages0[gi]) * b.host.group_block(plan.groups[gi].group)[1] for gi in now}
+                self.layout_reuses += 1
+                return relocate(tmpl, moved, b.mode == "gpu")
+        sp = plan_staging(direction, plan, b.planner, b.host, b.device, self.rings[direction], chosen,
+                          b.piece_bytes, self._geometry)
+        if key is not None:
+            if len(self._templates) >= 64:  # bounded: flush shapes are the callers' choice
+                self._templates.clear()
+            self._templates[key] = (relocate(sp, {}, False), first_pages(direction, plan, chosen))
+        return sp
 
     def upload(self, direction: Direction, plan: FlushPlan, sp: StagePlan) -> None:
         """The whole run table of the stage plan (its refs and every piece's runs) on
@@ -132,6 +161,16 @@ class Stager:
         for piece in pieces:
             fill_runs(direction, plan, piece, host)
         main = b.streams.stream(direction)
+        if self.host_tables:  # the kernels read the table from the pinned buffer itself: no copy
+            buf = b._stage[key]  # the whole pinned tensor (the view stays valid until it grows)
+            ptr = int(buf.data_ptr())
+            hv = self._host_views.get(key)
+            if hv is None or hv[0] != ptr:
+                n = int(buf.numel())
+                hv = self._host_views[key] = (ptr, n, b._k.span_array_i64(ptr, 8 * n, buf))
+            sp.host, sp.owner, sp.table, sp.key = host, host, hv[2], key
+            self._last_use(direction, key)
+            return
         dev = self._tables.get(key)
         if dev is None or int(dev[0].numel()) < words:
             with torch.cuda.stream(main):  # freed memory is reused in this stream's order
@@ -280,5 +319,6 @@ class Stager:
     def describe(self) -> dict[str, object]:
         r = self.rings[Direction.LOADBACK]
         return {"staging_bytes": self.nbytes, "slots_per_direction": r.slots, "slot_bytes": r.slot_bytes,
-                "min_bytes": self.min_bytes, "ring_waits": {d.value: x.waits for d, x in self.rings.items()},
+                "min_bytes": self.min_bytes, "host_tables": self.host_tables,
+                "layout_reuses": self.layout_reuses, "ring_waits": {d.value: x.waits for d, x in self.rings.items()},
                 "ring_uses": {d.value: x.uses for d, x in self.rings.items()}}

@@ -45,7 +45,8 @@ from kvtier.fsm import ConfigError, Direction
 from ..plan import REF_COLS, RUN_COLS, ChunkRef, FlushPlan, GroupPlan, I64, Planner
 from ..pools import DevicePool, HostPool
 
-__all__ = ["StagingRing", "StagedCopy", "StagePiece", "StagePlan", "host_extents", "plan_staging",
+__all__ = ["StagingRing", "StagedCopy", "StagePiece", "StagePlan", "host_extents", "plan_staging", "layout_key",
+           "first_pages", "relocate",
            "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "stageable", "extents_of", "ALIGN", "fill_runs"]
 
 #: Staging memory (bytes, both directions together) when the host pool is page-major
@@ -136,6 +137,8 @@ class StagedCopy:
     rows: int
     width: int
     pitch: int
+    #: the plan group index whose pages it copies (-1: not known)
+    group: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -334,7 +337,7 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
                 for e in hit.tolist():
                     cs, ce = max(int(starts[e]), a), min(int(ends[e]), b)
                     piece.copies.append(StagedCopy(gbase + int(uniq[cs]) * stride + lo, seg_off + (cs - a) * width,
-                                                   ce - cs, width, stride))
+                                                   ce - cs, width, stride, gi))
                 # kernel: one single-page run per plan page of the segment, one ref per (layer, component)
                 seg = seg_runs.get((gi, a, b))
                 if seg is None:  # the same pages in another chunk reuse these runs
@@ -362,6 +365,40 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
         for p in out:
             p.ref_word += words_runs
     return StagePlan(dict(chosen), pieces, packed, nbytes, words_runs)
+
+
+def layout_key(direction: Direction, plan: FlushPlan, chosen: dict[int, frozenset[int]]) -> Any:
+    """What the piece layout of :func:`plan_staging` depends on when every chosen group's
+    host pages are one extent holding each page once (what kvtier's host allocator
+    hands a flush where it can): the chosen groups per chunk and each one's group,
+    layers and page count; the extent's first page only moves the copies' host offsets
+    (:func:`relocate`). None when some chosen group is not one such extent."""
+    sig = []
+    for gi in sorted({g for gis in chosen.values() for g in gis}):
+        uniq, starts, _, rank = extents_of(direction, plan, gi)
+        if int(starts.shape[0]) != 1 or int(uniq.shape[0]) != int(rank.shape[0]):
+            return None
+        g = plan.groups[gi]
+        sig.append((gi, g.group, g.layers, int(uniq.shape[0])))
+    return (direction, tuple(sorted((c, tuple(sorted(g))) for c, g in chosen.items())), tuple(sig))
+
+
+def first_pages(direction: Direction, plan: FlushPlan, chosen: dict[int, frozenset[int]]) -> dict[int, int]:
+    """Per chosen group, its first (lowest) host page."""
+    return {gi: int(extents_of(direction, plan, gi)[0][0]) for gis in chosen.values() for gi in gis}
+
+
+def relocate(template: StagePlan, moved: dict[int, int], share_packed: bool) -> StagePlan:
+    """A copy of ``template`` (a :func:`plan_staging` result) whose copies' host offsets
+    are moved by ``moved[group index]`` bytes; the pieces' kernel parts (refs, items,
+    the segments whose runs :func:`fill_runs` writes) are the same. ``share_packed``:
+    the run table's array is shared (only its refs part is read, on a GPU), else copied
+    (the simulator's kernel reads it as the table, runs filled per flush)."""
+    pieces = {ci: [StagePiece([StagedCopy(c.host + moved.get(c.group, 0), c.stage, c.rows, c.width, c.pitch, c.group)
+                               for c in p.copies], p.ref_word, p.refs, p.items, p.builds)
+                   for p in ps] for ci, ps in template.pieces.items()}
+    packed = template.packed if share_packed else template.packed.copy()
+    return StagePlan(dict(template.groups), pieces, packed, dict(template.bytes), template.refs_word)
 
 
 def stageable(host: HostPool, plan: FlushPlan, chunk_refs: list[ChunkRef], gi: int,
