@@ -43,7 +43,7 @@ from kvtier.fsm.node import Node
 from kvtier.fsm.node.eviction import POLICIES
 from kvtier.fsm.node.ops import Settled
 
-from .sglang_host import HiCacheHooks
+from .sglang_host import HiCacheHooks, shadow_host_key
 from .sglang_pages import GROUP, DevicePageTable, Executor, InstantCompletions, sglang_layout
 
 __all__ = ["KvtierRadixCache", "register"]
@@ -62,27 +62,6 @@ def register() -> None:
 
     if get_radix_cache_factory("kvtier") is None:
         register_radix_cache_backend("kvtier", KvtierRadixCache.from_build_context)
-
-
-def _shadow_host_key(index: Any) -> None:
-    """With an exclusive host tier, host eviction takes, with the loaded-back duplicate
-    copies, every host-only leaf hanging from one that its last use passed by (used before
-    the duplicate was). kvtier's host set is prefix-closed, so a duplicate's host copy can
-    go only once it has no host child; HiCache's host set is not prefix-closed and drops the
-    duplicate copy alone. In a conversation such a leaf is the previous turn's last page,
-    which the next turn diverged from: dropping it frees the duplicate above it too."""
-    base = index.host_key
-    host, resident = NS.host, DEVICE_RESIDENT
-
-    def host_key(n: Node) -> tuple[int, ...]:
-        k: tuple[int, ...] = base(n)
-        p = n.parent
-        if (k[0] and p is not None and p.reloaded and not n.children and n.state == host and p.state in resident
-                and n.last_access < p.last_access):
-            return (0,) + k[1:]
-        return k
-
-    index.host_key = host_key
 
 
 class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unused-ignore]
@@ -209,7 +188,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         self._last_locked: Node | None = None  # the node of the last inc_lock_ref (insert's anchor)
         self.loads_failed = 0
         if self.core.exclusive:
-            _shadow_host_key(self.core.eviction)
+            shadow_host_key(self.core.eviction)
         ledger = self.core.ledger
         release = ledger.release_device
 

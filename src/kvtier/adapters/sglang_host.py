@@ -1,6 +1,7 @@
 """The HiCache hooks of :class:`~kvtier.adapters.sglang.KvtierRadixCache` (SGLang 0.5.23's
 ``UnifiedRadixCache`` names): admission's ``init_load_back`` and ``load_back``, the per-step
-``ready_to_load_host_cache``, ``loading_check``, ``writing_check`` and ``check_hicache_events``.
+``ready_to_load_host_cache``, ``loading_check``, ``writing_check`` and ``check_hicache_events``;
+and the exclusive host tier's eviction key (:func:`shadow_host_key`).
 
 SGLang's contract cannot say that a layer is ready (its ``layer_done_counter`` events are
 the HiCache controller's): the loadback's layer progress stays inside kvtier's core, and a
@@ -14,11 +15,33 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.fsm.lifecycle.names import DEVICE_RESIDENT, NODE_STATE as NS
 from kvtier.fsm.node import Node
 
 from .sglang_pages import GROUP
 
-__all__ = ["HiCacheHooks"]
+__all__ = ["HiCacheHooks", "shadow_host_key"]
+
+
+def shadow_host_key(index: Any) -> None:
+    """With an exclusive host tier, host eviction takes, with the loaded-back duplicate
+    copies, every host-only leaf hanging from one that its last use passed by (used before
+    the duplicate was). kvtier's host set is prefix-closed, so a duplicate's host copy can
+    go only once it has no host child; HiCache's host set is not prefix-closed and drops the
+    duplicate copy alone. In a conversation such a leaf is the previous turn's last page,
+    which the next turn diverged from: dropping it frees the duplicate above it too."""
+    base = index.host_key
+    host, resident = NS.host, DEVICE_RESIDENT
+
+    def host_key(n: Node) -> tuple[int, ...]:
+        k: tuple[int, ...] = base(n)
+        p = n.parent
+        if (k[0] and p is not None and p.reloaded and not n.children and n.state == host and p.state in resident
+                and n.last_access < p.last_access):
+            return (0,) + k[1:]
+        return k
+
+    index.host_key = host_key
 
 
 class HiCacheHooks:

@@ -22,8 +22,8 @@ __all__ = ["ReferenceScheduler", "DEFAULT_MAX_IDLE_STEPS"]
 
 DEFAULT_MAX_IDLE_STEPS = 100_000
 """Scheduler iterations in a row without progress (no forward pass, arrival or ended request)
-after which :meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (a lost transfer
-completion, for instance, would otherwise be waited for forever)."""
+after which :meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (so that a lost
+transfer completion is not waited for forever)."""
 
 _ADMITTED = attrgetter("admitted_order")
 
@@ -127,9 +127,7 @@ class ReferenceScheduler(Retractions):
         return self.cost.transfer_s(load_bytes)
 
     def _requeue(self, r: SchedRequest) -> None:
-        """Its loadback failed: it recomputes from the start of its admission, first in the
-        waiting queue (ahead of requests still waiting; it takes a new place in the admission
-        order when admitted again)."""
+        """Its loadback failed: it recomputes from the start, first in the waiting queue."""
         if r in self._running:
             self._running.remove(r)
         r.tokens = 0
@@ -334,10 +332,8 @@ class ReferenceScheduler(Retractions):
                     break
 
     def _resume_and_admit(self, plan: StepPlan) -> None:
-        """Resume retracted requests in the order they were retracted, then admit waiting
-        ones in arrival order, a request sent back to waiting first (FIFO each; a queue stops
-        at the first request that does not fit, and a failed resume does not hold back the
-        waiting queue)."""
+        """Resume retracted requests in retraction order, then admit waiting ones in arrival order,
+        a requeued one first (a queue stops at the first that does not fit; a failed resume blocks none)."""
         cache = self.cache
         for queue, resume in ((self._retracted, True), (self._waiting, False)):
             while queue and plan.budget > 0:
