@@ -47,36 +47,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.fsm import CacheGroupSpec, ComponentSpec, Direction, GroupTransfer, TransferCommand
+from kvtier.fsm import CacheGroupSpec, Direction, GroupTransfer, TransferCommand
 from kvtier.transfer import ArrayCommand, Calibration, DevicePool, HostPool, PageArrays, TransferEngine
+from page_geometry import LAYERS, dsv4_specs
+from page_geometry import one_size as _one
 
 L, W = Direction.LOADBACK, Direction.WRITEBACK
 MiB = 1 << 20
 TARGET_BYTES = 256 * MiB  # per transfer, per direction
-LAYERS = 8
-
-
-def _one(name: str, page_bytes: int) -> list[CacheGroupSpec]:
-    return [CacheGroupSpec(name, "history", 64, 1, tuple(range(LAYERS)), (ComponentSpec("kv", page_bytes),))]
-
-
-def dsv4_specs() -> list[CacheGroupSpec]:
-    """DeepSeek V4 per-layer page sizes (source_system.md 1.2: head_dim 512, rope 64,
-    MXFP4 indexer): 8 layers, ratio-4 on even and ratio-128 on odd layers."""
-    even, odd, every = tuple(range(0, LAYERS, 2)), tuple(range(1, LAYERS, 2)), tuple(range(LAYERS))
-    return [
-        CacheGroupSpec("v4.swa_kv", "state", 64, 1, every, (ComponentSpec("kv", 37440),), window=128),
-        CacheGroupSpec("v4.c4a.compressed_kv", "history", 64, 4, even,
-                       (ComponentSpec("kv", 37440), ComponentSpec("indexer_k", 4352))),
-        CacheGroupSpec("v4.c128a.compressed_kv", "history", 2, 128, odd, (ComponentSpec("kv", 1728),)),
-        CacheGroupSpec("v4.c4a.compressor_state", "state", 4, 1, even, (ComponentSpec("state", 32768),), window=8),
-        CacheGroupSpec("v4.c128a.compressor_state", "state", 8, 1, odd, (ComponentSpec("state", 32768),),
-                       window=128),
-        CacheGroupSpec("v4.c4a.indexer_compressor_state", "state", 4, 1, even, (ComponentSpec("state", 8192),),
-                       window=8),
-    ]
-
-
 CONFIGS: list[tuple[str, list[CacheGroupSpec]]] = [
     ("1 KiB", _one("kv", 1024)),
     ("4 KiB", _one("kv", 4096)),

@@ -30,37 +30,15 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np  # noqa: E402
 
-from kvtier.fsm import CacheGroupSpec, ComponentSpec, Direction  # noqa: E402
+from kvtier.fsm import CacheGroupSpec, Direction  # noqa: E402
 from kvtier.transfer import ArrayCommand, DevicePool, HostPool, PageArrays, TransferEngine  # noqa: E402
+from page_geometry import dsv4_specs, one_size  # noqa: E402
 
 L, W = Direction.LOADBACK, Direction.WRITEBACK
 MiB = 1 << 20
 TARGET_BYTES = 256 * MiB
-LAYERS = 8
-
-
-def _one(page_bytes: int) -> list[CacheGroupSpec]:
-    return [CacheGroupSpec("kv", "history", 64, 1, tuple(range(LAYERS)), (ComponentSpec("kv", page_bytes),))]
-
-
-def dsv4_specs() -> list[CacheGroupSpec]:
-    """The DeepSeek V4 mix of bench/transfer.py."""
-    even, odd, every = tuple(range(0, LAYERS, 2)), tuple(range(1, LAYERS, 2)), tuple(range(LAYERS))
-    return [
-        CacheGroupSpec("v4.swa_kv", "state", 64, 1, every, (ComponentSpec("kv", 37440),), window=128),
-        CacheGroupSpec("v4.c4a.compressed_kv", "history", 64, 4, even,
-                       (ComponentSpec("kv", 37440), ComponentSpec("indexer_k", 4352))),
-        CacheGroupSpec("v4.c128a.compressed_kv", "history", 2, 128, odd, (ComponentSpec("kv", 1728),)),
-        CacheGroupSpec("v4.c4a.compressor_state", "state", 4, 1, even, (ComponentSpec("state", 32768),), window=8),
-        CacheGroupSpec("v4.c128a.compressor_state", "state", 8, 1, odd, (ComponentSpec("state", 32768),),
-                       window=128),
-        CacheGroupSpec("v4.c4a.indexer_compressor_state", "state", 4, 1, even, (ComponentSpec("state", 8192),),
-                       window=8),
-    ]
-
-
-CONFIGS = [("1 KiB", _one(1024)), ("4 KiB", _one(4096)), ("16 KiB", _one(16384)), ("64 KiB", _one(65536)),
-           ("DeepSeek V4 mix", dsv4_specs())]
+CONFIGS = [("1 KiB", one_size("kv", 1024)), ("4 KiB", one_size("kv", 4096)), ("16 KiB", one_size("kv", 16384)),
+           ("64 KiB", one_size("kv", 65536)), ("DeepSeek V4 mix", dsv4_specs())]
 
 _FIRST: list[float] = []
 
