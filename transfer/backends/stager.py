@@ -113,8 +113,8 @@ class Stager:
         """The stage plan of ``chosen`` (:func:`.staging.plan_staging`). When every chosen
         group's host pages are one extent (:func:`.staging.layout_key`), the piece layout
         of an earlier flush of the same shape is reused, its copies moved to this flush's
-        extents (:func:`.staging.relocate`): O(pieces) instead of the layout's Python
-        loops (``layout_reuses`` in the statistics)."""
+        extents (:func:`.staging.relocate`): O(1) instead of the layout's Python loops
+        (``layout_reuses`` in the statistics)."""
         b = self.b
         key = layout_key(direction, plan, chosen)
         if key is not None:
@@ -202,8 +202,10 @@ class Stager:
             self.drv.record(ev, int(self.b.streams.stream(direction).cuda_stream))
             self.drv.wait(int(self.copy_streams[direction].cuda_stream), ev)
 
-    def _copies(self, direction: Direction, piece: StagePiece, slot_addr: int, stream: int) -> int:
-        """Issue a piece's copies; returns the copies made."""
+    def _copies(self, direction: Direction, piece: StagePiece, slot_addr: int, stream: int,
+                moved: dict[int, int]) -> int:
+        """Issue a piece's copies (host offsets moved by ``moved[group index]`` bytes,
+        :attr:`.staging.StagePlan.moved`); returns the copies made."""
         b = self.b
         host0 = b.host.base_ptr
         loadback = direction is Direction.LOADBACK
@@ -211,22 +213,21 @@ class Stager:
         one = [c for c in piece.copies if c.width == c.pitch]
         if gpu and len(one) <= 4:  # a few contiguous extents: one plain copy each
             for c in one:
-                ha, sa = host0 + c.host, slot_addr + c.stage
+                ha, sa = host0 + c.host + moved.get(c.group, 0), slot_addr + c.stage
                 self.drv.copy(sa if loadback else ha, ha if loadback else sa, c.nbytes, stream)
         elif one:
-            h = np.array([host0 + c.host for c in one], dtype=np.uint64)
+            h = np.array([host0 + c.host + moved.get(c.group, 0) for c in one], dtype=np.uint64)
             s = np.array([slot_addr + c.stage for c in one], dtype=np.uint64)
             n = np.array([c.nbytes for c in one], dtype=np.uint64)
             dst, src = (s, h) if loadback else (h, s)
             b.copier.copy(direction, dst, src, n, stream)
         for c in piece.copies:
             if c.width != c.pitch:
+                ha = host0 + c.host + moved.get(c.group, 0)
                 if loadback:
-                    b.copier.copy2d(direction, slot_addr + c.stage, c.width, host0 + c.host, c.pitch, c.width, c.rows,
-                                    stream)
+                    b.copier.copy2d(direction, slot_addr + c.stage, c.width, ha, c.pitch, c.width, c.rows, stream)
                 else:
-                    b.copier.copy2d(direction, host0 + c.host, c.pitch, slot_addr + c.stage, c.width, c.width, c.rows,
-                                    stream)
+                    b.copier.copy2d(direction, ha, c.pitch, slot_addr + c.stage, c.width, c.width, c.rows, stream)
         return len(piece.copies)
 
     def issue(self, direction: Direction, plan: FlushPlan, sp: StagePlan,
@@ -247,7 +248,7 @@ class Stager:
             view = self.views[direction][slot]
             grid = b._grid(piece.items)
             if direction is Direction.LOADBACK:
-                copies += self._copies(direction, piece, slot_addr, 0)
+                copies += self._copies(direction, piece, slot_addr, 0, sp.moved)
                 if piece.items:
                     b._k.launch_runs(view[0], dev_view[0], view[1], dev_view[1], sp.table, sp.table, piece.ref_word,
                                      piece.refs, piece.items, b.piece_bytes, grid, b.threads, 0)
@@ -257,7 +258,7 @@ class Stager:
                     b._k.launch_runs(dev_view[0], view[0], dev_view[1], view[1], sp.table, sp.table, piece.ref_word,
                                      piece.refs, piece.items, b.piece_bytes, grid, b.threads, 0)
                     launches += 1
-                copies += self._copies(direction, piece, slot_addr, 0)
+                copies += self._copies(direction, piece, slot_addr, 0, sp.moved)
             ring.release(slot, DoneEvent())
         return sp.bytes.get(chunk_index, 0), copies, waits, launches
 
@@ -287,7 +288,7 @@ class Stager:
             view = self.views[direction][slot]
             grid = b._grid(piece.items)
             if loadback:
-                copies += self._copies(direction, piece, slot_addr, cs)
+                copies += self._copies(direction, piece, slot_addr, cs, sp.moved)
                 drv.record(ready[slot], cs)
                 drv.wait(main, ready[slot])
                 if piece.items:
@@ -302,7 +303,7 @@ class Stager:
                     launches += 1
                 drv.record(ready[slot], main)
                 drv.wait(cs, ready[slot])
-                copies += self._copies(direction, piece, slot_addr, cs)
+                copies += self._copies(direction, piece, slot_addr, cs, sp.moved)
                 drv.record(free[slot], cs)
             ring.release(slot, free[slot])
             last = slot

@@ -186,6 +186,9 @@ class StagePlan:
     owner: Any = None
     host: Any = None
     key: Any = None
+    #: per plan group index, bytes to add to its copies' host offsets (a reused layout
+    #: at another extent, :func:`relocate`)
+    moved: dict[int, int] = field(default_factory=dict)
 
 
 def _span(host: HostPool, gp: GroupPlan, refs: list[ChunkRef]) -> tuple[int, int] | None:
@@ -389,16 +392,15 @@ def first_pages(direction: Direction, plan: FlushPlan, chosen: dict[int, frozens
 
 
 def relocate(template: StagePlan, moved: dict[int, int], share_packed: bool) -> StagePlan:
-    """A copy of ``template`` (a :func:`plan_staging` result) whose copies' host offsets
-    are moved by ``moved[group index]`` bytes; the pieces' kernel parts (refs, items,
-    the segments whose runs :func:`fill_runs` writes) are the same. ``share_packed``:
-    the run table's array is shared (only its refs part is read, on a GPU), else copied
-    (the simulator's kernel reads it as the table, runs filled per flush)."""
-    pieces = {ci: [StagePiece([StagedCopy(c.host + moved.get(c.group, 0), c.stage, c.rows, c.width, c.pitch, c.group)
-                               for c in p.copies], p.ref_word, p.refs, p.items, p.builds)
-                   for p in ps] for ci, ps in template.pieces.items()}
+    """``template`` (a :func:`plan_staging` result) at other host extents: its copies'
+    host offsets move by ``moved[group index]`` bytes (:attr:`StagePlan.moved`, applied
+    when the copies are issued), O(1): the pieces and their copies are shared with the
+    template, not copied. ``share_packed``: the run table's array is shared too (only its
+    refs part is read, on a GPU), else copied (the simulator's kernel reads it as the
+    table, runs filled per flush)."""
     packed = template.packed if share_packed else template.packed.copy()
-    return StagePlan(dict(template.groups), pieces, packed, dict(template.bytes), template.refs_word)
+    both = {gi: template.moved.get(gi, 0) + moved.get(gi, 0) for gi in set(template.moved) | set(moved)}
+    return StagePlan(template.groups, template.pieces, packed, template.bytes, template.refs_word, moved=both)
 
 
 def stageable(host: HostPool, plan: FlushPlan, chunk_refs: list[ChunkRef], gi: int,

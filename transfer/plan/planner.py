@@ -84,6 +84,8 @@ class Planner:
         self._unit: dict[str, bool] = {}
         self._mark: dict[tuple[int, str], npt.NDArray[np.int32]] = {}
         self._iota = np.arange(1024, dtype=np.int32)
+        self._one = np.ones(0, dtype=np.int64)
+        self._chunk_layouts: dict[Any, Any] = {}
         # pages of the commands queued for the next flush (Planner.queue): per
         # (direction, side, group) a mark per pool page, and what set them
         self._qmark: dict[tuple[Direction, str, str], npt.NDArray[np.bool_]] = {}
@@ -234,7 +236,8 @@ class Planner:
                 src = np.concatenate([s for _, s, _ in items])
                 dst = np.concatenate([d for _, _, d in items])
             if self._distinct(dst_pool, g, dst):  # the common case: no sort, runs in the given order
-                rs, rd, rl = _runs(src, dst)
+                # a page-major host's pages are copied one by one (unit_runs): no run detection
+                rs, rd, rl = (src, dst, self._ones(src.shape[0])) if self.unit_runs(g) else _runs(src, dst)
                 groups.append(GroupPlan(g, layers, src, dst, rs, rd, rl))
                 continue
             pair = src << 32  # page ids < 2**31 (pool sizes); a fresh array, sorted in place:
@@ -256,7 +259,7 @@ class Planner:
                         found.setdefault(ci, f"destination page {int(hit[0])} of cache group {g!r} is also "
                                              f"written from another source page in the same flush")
                 continue
-            rs, rd, rl = _runs(us, ud, pair)
+            rs, rd, rl = (us, ud, self._ones(us.shape[0])) if self.unit_runs(g) else _runs(us, ud, pair)
             groups.append(GroupPlan(g, layers, us, ud, rs, rd, rl))
         if found and rejected is None:
             return FlushPlan(direction, (), (), found)
@@ -281,30 +284,63 @@ class Planner:
         mark[dst] = idx
         return bool(np.array_equal(mark[dst], idx))
 
+    def _ones(self, n: int) -> I64:
+        """A read-only int64 array of ``n`` ones (run lengths of single pages; shared)."""
+        if self._one.shape[0] < n:
+            self._one = np.ones(max(n, 2 * self._one.shape[0]), dtype=np.int64)
+            self._one.flags.writeable = False
+        return self._one[:n]
+
     def _chunks(self, direction: Direction, groups: list[GroupPlan]) -> tuple[ChunkPlan, ...]:
+        """The plan's layer chunks. Their layers and refs depend only on the direction and
+        each group's (name, layers): that layout is cached (bounded), the counts are
+        made from the groups' pages and spans."""
+        key = (direction, tuple((g.group, g.layers) for g in groups))
+        layout = self._chunk_layouts.get(key)
+        if layout is None:
+            layout = self._chunk_layout(direction, groups)
+            if len(self._chunk_layouts) >= 256:  # bounded: group and layer sets are the commands' choice
+                self._chunk_layouts.clear()
+            self._chunk_layouts[key] = layout
+        chunks: list[ChunkPlan] = []
+        for i, (layers, refs, per_group) in enumerate(layout):
+            pages = spans = rows = nbytes = 0
+            for gi, n_refs, ref_bytes in per_group:
+                g = groups[gi]
+                pages += g.pages
+                spans += g.spans
+                rows += n_refs * g.spans
+                nbytes += g.pages * ref_bytes
+            chunks.append(ChunkPlan(i, layers, refs, pages, spans, rows, nbytes))
+        return tuple(chunks)
+
+    def _chunk_layout(self, direction: Direction,
+                      groups: list[GroupPlan]) -> list[tuple[tuple[int, ...], tuple[ChunkRef, ...],
+                                                           list[tuple[int, int, int]]]]:
+        """Per chunk: (layers, refs, per group in it (group index, refs, bytes of its refs
+        in a page))."""
         all_layers = sorted({layer for g in groups for layer in g.layers})
         if not all_layers:
-            return ()
+            return []
         step = self.chunk_layers if direction is Direction.LOADBACK else len(all_layers)
-        chunks: list[ChunkPlan] = []
+        out = []
         for i in range(0, len(all_layers), step):
             layers = tuple(all_layers[i:i + step])
             lset = set(layers)
             refs: list[ChunkRef] = []
-            pages = spans = rows = nbytes = 0
+            per_group: list[tuple[int, int, int]] = []
             for gi, g in enumerate(groups):
                 glayers = [layer for layer in g.layers if layer in lset]
                 if not glayers:
                     continue
-                pages += g.pages
-                spans += g.spans
+                n0, b = len(refs), 0
                 for layer in glayers:
                     for comp in self.specs[g.group].components:
                         refs.append(ChunkRef(gi, g.group, comp.name, layer, comp.page_bytes))
-                        rows += g.spans
-                        nbytes += g.pages * comp.page_bytes
-            chunks.append(ChunkPlan(len(chunks), layers, tuple(refs), pages, spans, rows, nbytes))
-        return tuple(chunks)
+                        b += comp.page_bytes
+                per_group.append((gi, len(refs) - n0, b))
+            out.append((layers, tuple(refs), per_group))
+        return out
 
     # -- address tables -------------------------------------------------------------------
     def unit_runs(self, group: str) -> bool:
