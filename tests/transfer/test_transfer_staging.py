@@ -15,7 +15,7 @@ import torch
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, ConfigError, Direction
 from kvtier.transfer import ArrayCommand, DevicePool, HostPool, PageArrays, TransferEngine
 from kvtier.transfer.backends import simulator_enabled
-from kvtier.transfer.backends.staging import StagingRing, host_extents
+from kvtier.transfer.backends.staging import StagingRing, host_extents, ramp_cap
 from kvtier.transfer.scenarios import (check_pools, check_protocol, random_commands, random_pools, random_specs,
                                        reference)
 
@@ -322,3 +322,57 @@ def test_one_direction_alone_stays_on_the_kernel_unless_asked() -> None:
     last = eng.stats()["last_flush"]
     assert last["loadback"]["stage_bytes"] == 128 * 2048 == last["writeback"]["stage_bytes"]
     assert torch.equal(host.region("kv", "c0", 1)[300:428], dev.region("kv", "c0", 1)[128:256])
+
+
+def test_ramp_makes_a_writebacks_first_pieces_and_a_loadbacks_last_pieces_small() -> None:
+    slot = 1 << 20
+    assert [ramp_cap(i, 10 * slot, slot, False) for i in range(4)] == [slot // 16, slot // 4, slot, slot]
+    assert ramp_cap(0, 10 * slot, slot, True) == slot  # a loadback's early pieces are whole slots
+    assert ramp_cap(3, slot + slot // 4, slot, True) == slot - slot // 16  # leaves slot/4 + slot/16
+    assert ramp_cap(4, slot // 4 + slot // 16, slot, True) == slot // 4
+    assert ramp_cap(5, slot // 16, slot, True) == slot // 16
+
+
+@needs_sim
+@pytest.mark.parametrize("ramp, pieces", [(True, {"writeback": [1, 4, 16, 16, 3], "loadback": [16, 16, 3, 4, 1]}),
+                                          (False, {"writeback": [16, 16, 8], "loadback": [16, 16, 8]})])
+def test_ramped_pieces_land_pages_exactly(ramp: bool, pieces: dict[str, list[int]]) -> None:
+    """Both ways, 40 pages of 384 bytes (4 layers x 96) each way, slots of 16 pages: with
+    the ramp the writeback starts with pieces of 1 and 4 pages and the loadback ends with
+    pieces of 4 and 1, twice (the second flush reuses the layout), every page exact."""
+    specs = kv_specs(layers=4)
+    host = HostPool(specs, 120, pin=False, layout="page")
+    dev = DevicePool.allocate(specs, 100, "cpu")
+    fill(host, dev, seed=9)
+    opts = {**staging_options(4 * 16 * 384, 2), "staging_ramp": ramp}
+    eng = TransferEngine(specs, host, dev, "hybrid", backend_options=opts, chunk_layers=4)
+    stager = eng.backend.stager
+    assert stager.describe()["ramp"] is ramp
+    seen: dict[str, list[int]] = {"loadback": [], "writeback": []}
+    real = stager._copies
+
+    def copies(direction: Direction, piece: object, *a: object) -> int:
+        seen[direction.value].append(piece.nbytes // 384)  # type: ignore[attr-defined]
+        return real(direction, piece, *a)  # type: ignore[arg-type]
+
+    stager._copies = copies
+    rng = np.random.default_rng(10)
+    for op, (lb0, wb0) in enumerate(((0, 60), (13, 75))):
+        dev_pages = rng.permutation(100)
+        lb_dev, wb_dev = dev_pages[:40], dev_pages[40:80]
+        lb_host, wb_host = lb0 + rng.permutation(40), wb0 + rng.permutation(40)
+        want_dev = {(c, layer): host.region("kv", c, layer)[torch.as_tensor(lb_host)].clone()
+                    for c in ("c0", "c1") for layer in range(4)}
+        want_host = {(c, layer): dev.region("kv", c, layer)[torch.as_tensor(wb_dev)].clone()
+                     for c in ("c0", "c1") for layer in range(4)}
+        for d in seen.values():
+            d.clear()
+        comps = run(eng, [ArrayCommand(2 * op + 1, L, (PageArrays("kv", lb_host, lb_dev),)),
+                          ArrayCommand(2 * op + 2, W, (PageArrays("kv", wb_dev, wb_host),))])
+        assert all(c.ok for c in comps) and sum(c.layer is None for c in comps) == 2
+        assert seen == pieces
+        for (c, layer), data in want_dev.items():
+            assert torch.equal(dev.region("kv", c, layer)[torch.as_tensor(lb_dev)], data)
+        for (c, layer), data in want_host.items():
+            assert torch.equal(host.region("kv", c, layer)[torch.as_tensor(wb_host)], data)
+    assert stager.describe()["layout_reuses"] == 2

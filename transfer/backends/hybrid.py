@@ -128,6 +128,9 @@ class HybridBackend(NumbaBackend):
         staging_host_tables: the staging kernels read their run table in place from
             pinned host memory instead of a device copy (default False; see
             :class:`.stager.Stager`).
+        staging_ramp: smaller first pieces of a staged writeback and last pieces of a
+            staged loadback (True / False; None, default: when a slot holds at least
+            1 MiB; see :class:`.stager.Stager`).
 
     Raises:
         ConfigError: bad settings.
@@ -141,7 +144,8 @@ class HybridBackend(NumbaBackend):
                  calibration: str | Calibration | Mapping[str, Any] = "auto", copier: BatchCopier | None = None,
                  writeback_waits: bool = True, staging_bytes: int | None = None,
                  staging_slots: int = DEFAULT_SLOTS, staging_min_bytes: int = 256 << 10,
-                 staging_one_way: bool = False, staging_host_tables: bool = False) -> None:
+                 staging_one_way: bool = False, staging_host_tables: bool = False,
+                 staging_ramp: bool | None = None) -> None:
         super().__init__(blocks, threads, piece_bytes, address_view, timing)
         if isinstance(calibration, str):
             if calibration not in ("auto", "measure", "default"):
@@ -165,6 +169,7 @@ class HybridBackend(NumbaBackend):
         self._staging_args = (staging_bytes, staging_slots, staging_min_bytes)
         self.staging_one_way = bool(staging_one_way)
         self.staging_host_tables = bool(staging_host_tables)
+        self.staging_ramp = None if staging_ramp is None else bool(staging_ramp)
         self.stager: Stager | None = None
         self.calibration: Calibration | None = None
         self.calibration_seconds: float | None = None
@@ -190,7 +195,7 @@ class HybridBackend(NumbaBackend):
             nbytes = (DEFAULT_STAGING_BYTES if self.mode == "gpu" else 4 << 20) if host.page_major else 0
         self.stager = None
         if nbytes and self._views is not None and self.copier is not None:
-            self.stager = Stager(self, nbytes, slots, min_bytes, self.staging_host_tables)
+            self.stager = Stager(self, nbytes, slots, min_bytes, self.staging_host_tables, self.staging_ramp)
             self.stager.bind()
         # with staging, a both-ways flush's writeback starts after the loadback's first chunk
         self.interleave_directions = self.stager is not None

@@ -11,7 +11,7 @@ import numpy as np
 from kvtier.fsm import Direction
 
 from ..plan import ChunkRef, FlushPlan
-from .staging import (ALIGN, StagePiece, StagePlan, StagingRing, extents_of, fill_runs, first_pages, layout_key,
+from .staging import (ALIGN, RAMP_MIN_SLOT, StagePiece, StagePlan, StagingRing, extents_of, fill_runs, first_pages, layout_key,
                       plan_staging, relocate, stageable)
 
 __all__ = ["Stager"]
@@ -32,15 +32,20 @@ class Stager:
             reused pinned buffer it is written into (mapped host memory) instead of a
             device copy of it (default False): no table copy before the flush's first
             bulk copy.
+        ramp: smaller first pieces of a writeback and last pieces of a loadback
+            (:func:`.staging.ramp_cap`: the gather before the first copy to the host and
+            the scatter after the last copy from it are short); None (default): when a
+            slot holds at least :data:`.staging.RAMP_MIN_SLOT` bytes.
 
     Raises:
         ConfigError: a size too small for one 256-byte slot per direction.
     """
 
     def __init__(self, backend: Any, staging_bytes: int, slots: int, min_bytes: int,
-                 host_tables: bool = False) -> None:
+                 host_tables: bool = False, ramp: bool | None = None) -> None:
         per_slot = (staging_bytes // 2 // max(1, slots)) // ALIGN * ALIGN if isinstance(slots, int) else 0
         self.rings = {d: StagingRing(slots, per_slot) for d in (Direction.LOADBACK, Direction.WRITEBACK)}
+        self.ramp = per_slot >= RAMP_MIN_SLOT if ramp is None else bool(ramp)
         self.b = backend
         self.min_bytes = int(min_bytes)
         self.host_tables = bool(host_tables)
@@ -124,13 +129,13 @@ class Stager:
                 now = first_pages(direction, plan, chosen)
                 moved = {gi: (now[gi] - pages0[gi]) * b.host.group_block(plan.groups[gi].group)[1] for gi in now}
                 self.layout_reuses += 1
-                return relocate(tmpl, moved, b.mode == "gpu")
+                return relocate(tmpl, moved)
         sp = plan_staging(direction, plan, b.planner, b.host, b.device, self.rings[direction], chosen,
-                          b.piece_bytes, self._geometry)
+                          b.piece_bytes, self._geometry, self.ramp)
         if key is not None:
             if len(self._templates) >= 64:  # bounded: flush shapes are the callers' choice
                 self._templates.clear()
-            self._templates[key] = (relocate(sp, {}, False), first_pages(direction, plan, chosen))
+            self._templates[key] = (relocate(sp, {}), first_pages(direction, plan, chosen))
         return sp
 
     def upload(self, direction: Direction, plan: FlushPlan, sp: StagePlan) -> None:
@@ -320,6 +325,6 @@ class Stager:
     def describe(self) -> dict[str, object]:
         r = self.rings[Direction.LOADBACK]
         return {"staging_bytes": self.nbytes, "slots_per_direction": r.slots, "slot_bytes": r.slot_bytes,
-                "min_bytes": self.min_bytes, "host_tables": self.host_tables,
+                "min_bytes": self.min_bytes, "host_tables": self.host_tables, "ramp": self.ramp,
                 "layout_reuses": self.layout_reuses, "ring_waits": {d.value: x.waits for d, x in self.rings.items()},
                 "ring_uses": {d.value: x.uses for d, x in self.rings.items()}}

@@ -46,7 +46,7 @@ from ..plan import REF_COLS, RUN_COLS, ChunkRef, FlushPlan, GroupPlan, I64, Plan
 from ..pools import DevicePool, HostPool
 
 __all__ = ["StagingRing", "StagedCopy", "StagePiece", "StagePlan", "host_extents", "plan_staging", "layout_key",
-           "first_pages", "relocate",
+           "first_pages", "relocate", "ramp_cap", "RAMP", "RAMP_MIN_SLOT",
            "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "stageable", "extents_of", "ALIGN", "fill_runs"]
 
 #: Staging memory (bytes, both directions together) when the host pool is page-major
@@ -270,17 +270,45 @@ def _group_info(host: HostPool, device: DevicePool, gp: GroupPlan, refs: list[Ch
     return hit
 
 
+#: The pipeline ramp (:func:`ramp_cap`): the first pieces of a writeback and the last
+#: pieces of a loadback hold ``slot / RAMP**k`` bytes, k = 2, 1.
+RAMP = 4
+#: Slots from this size up are ramped by default (``Stager(ramp=None)``).
+RAMP_MIN_SLOT = 1 << 20
+
+
+def ramp_cap(index: int, left: int, slot_bytes: int, loadback: bool) -> int:
+    """Bytes the next piece of a ramped chunk may hold: a writeback's pieces 0 and 1
+    (``index``) hold ``slot/16`` and ``slot/4``, so that its first copy to the host
+    starts after a short gather instead of a whole slot's; a loadback's last two pieces
+    hold about ``slot/4`` and ``slot/16`` (``left``: the chunk's bytes not yet placed,
+    this piece's included), so that its last scatter after the last copy is short.
+    Otherwise a whole slot."""
+    small, mid = slot_bytes // (RAMP * RAMP), slot_bytes // RAMP
+    if not loadback:
+        return small if index == 0 else mid if index == 1 else slot_bytes
+    if left <= small:
+        return left
+    if left <= small + mid:
+        return left - small
+    return min(slot_bytes, left - small - mid)
+
+
 def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: HostPool, device: DevicePool,
                  ring: StagingRing, chosen: dict[int, frozenset[int]], piece_bytes: int,
-                 cache: dict[Any, Any] | None = None) -> StagePlan:
+                 cache: dict[Any, Any] | None = None, ramp: bool = False) -> StagePlan:
     """Pieces and run table layout of the groups ``chosen`` per chunk (plan group
     indices): copies and refs now, every piece's runs per flush (:func:`fill_runs`, by ``Stager.upload``).
+    ``ramp``: the first pieces of a writeback's first staged chunk and the last pieces of
+    a loadback's last one are smaller (:func:`ramp_cap`).
 
     Raises:
         ConfigError: a group that cannot be staged (a width larger than a slot, or a
             chunk's layers not contiguous in a host page): :func:`stageable` says which."""
     slot_bytes = ring.slot_bytes
     loadback = direction is Direction.LOADBACK
+    staged_chunks = [c.index for c in plan.chunks if chosen.get(c.index)]
+    ramp_chunk = (staged_chunks[-1] if loadback else staged_chunks[0]) if staged_chunks and ramp else -1
     n_runs = 0
     seg_runs: dict[tuple[int, int, int], tuple[int, int]] = {}
     ref_rows: list[list[int]] = []
@@ -308,10 +336,16 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
             piece_refs.clear()
             items = 0
 
+        infos = []
         for gi in sorted(gis):
-            gp = plan.groups[gi]
             refs = [r for r in chunk.refs if r.group_index == gi]
-            span, gbase, stride, ref_info, ref_bytes = _group_info(host, device, gp, refs, piece_bytes, cache)
+            infos.append((gi, _group_info(host, device, plan.groups[gi], refs, piece_bytes, cache)))
+        # bytes of the chunk's staged pages, for the ramp (a little low: no alignment gaps)
+        left = sum(int(extents_of(direction, plan, gi)[0].shape[0]) * info[0][1]
+                   for gi, info in infos if info[0] is not None) if chunk.index == ramp_chunk else 0
+        placed = 0
+        for gi, (span, gbase, stride, ref_info, ref_bytes) in infos:
+            gp = plan.groups[gi]
             if span is None:
                 raise ConfigError(f"staging: the chunk's layers of cache group {gp.group!r} are not contiguous "
                                   f"in a host page")
@@ -330,10 +364,15 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
                     piece = StagePiece([])
                     used = 0
                 seg_off = -(-used // 16) * 16
-                m = min(total - a, (slot_bytes - seg_off) // width)
+                cap = slot_bytes
+                if chunk.index == ramp_chunk:
+                    cap = ramp_cap(len(out), left - placed + used, slot_bytes, loadback)
+                    cap = min(slot_bytes, max(cap, width if used == 0 else 0))  # an empty piece takes a page
+                m = min(total - a, (cap - seg_off) // width)
                 if m <= 0:
                     close()
                     continue
+                placed += m * width
                 b = a + m
                 # copies: the extents clipped to unique pages [a, b)
                 hit = np.flatnonzero((ends > a) & (starts < b))
@@ -391,16 +430,16 @@ def first_pages(direction: Direction, plan: FlushPlan, chosen: dict[int, frozens
     return {gi: int(extents_of(direction, plan, gi)[0][0]) for gis in chosen.values() for gi in gis}
 
 
-def relocate(template: StagePlan, moved: dict[int, int], share_packed: bool) -> StagePlan:
+def relocate(template: StagePlan, moved: dict[int, int]) -> StagePlan:
     """``template`` (a :func:`plan_staging` result) at other host extents: its copies'
     host offsets move by ``moved[group index]`` bytes (:attr:`StagePlan.moved`, applied
-    when the copies are issued), O(1): the pieces and their copies are shared with the
-    template, not copied. ``share_packed``: the run table's array is shared too (only its
-    refs part is read, on a GPU), else copied (the simulator's kernel reads it as the
-    table, runs filled per flush)."""
-    packed = template.packed if share_packed else template.packed.copy()
+    when the copies are issued), O(1): the pieces, their copies and the run table's
+    array are shared with the template. Sharing the array is safe: on a GPU only its
+    refs part is read (into the flush's own pinned table); under the simulator the
+    runs are filled and read within one flush (the kernel runs when it is launched)."""
     both = {gi: template.moved.get(gi, 0) + moved.get(gi, 0) for gi in set(template.moved) | set(moved)}
-    return StagePlan(template.groups, template.pieces, packed, template.bytes, template.refs_word, moved=both)
+    return StagePlan(template.groups, template.pieces, template.packed, template.bytes, template.refs_word,
+                     moved=both)
 
 
 def stageable(host: HostPool, plan: FlushPlan, chunk_refs: list[ChunkRef], gi: int,
