@@ -445,7 +445,8 @@ def serving_table(reps: int, blocks: int, threads: int, calibration: Calibration
     """The serving-path table: per configuration, the old path (hybrid backend,
     layer-first host pool: the SM kernel and batched copies) and the staging path
     (hybrid backend, page-major host pool: staging where it wins; loadbacks in chunks
-    of 4 layers, and in one chunk of every layer), each way and both at once, new page
+    of 4 layers), and the staging path without its pipeline ramp (``staging_ramp=False``:
+    whole slots from the first piece to the last), each way and both at once, new page
     lists every flush."""
     out = []
     for name, specs in CONFIGS:
@@ -454,7 +455,7 @@ def serving_table(reps: int, blocks: int, threads: int, calibration: Calibration
         row: dict[str, Any] = {"name": name, "page_bytes": sorted({c.page_bytes for s in specs for c in s.components})}
         setups: dict[str, ServingSetup] = {}
         for label, layout, chunk_layers, staging_bytes in (("old", "layer", 4, None), ("staging", "page", 4, None),
-                                                           ("staging_ht", "page", 4, None)):
+                                                           ("staging_noramp", "page", 4, None)):
             try:
                 if layout not in setups:
                     setups.clear()
@@ -467,8 +468,8 @@ def serving_table(reps: int, blocks: int, threads: int, calibration: Calibration
                     opts["staging_one_way"] = True  # the staging path alone, each way too
                     if staging_bytes is not None:
                         opts["staging_bytes"] = staging_bytes
-                    if label == "staging_ht":  # the staging kernels read their tables from pinned memory
-                        opts["staging_host_tables"] = True
+                    if label == "staging_noramp":  # whole slots from the first piece to the last
+                        opts["staging_ramp"] = False
                 eng = TransferEngine(specs, setup.host, setup.dev, "hybrid", backend_options=opts,
                                      chunk_layers=chunk_layers)
                 r: dict[str, Any] = {"pages": setup.n, "bytes": setup.bytes, "chunk_layers": chunk_layers}
