@@ -336,23 +336,24 @@ def test_ramp_makes_a_writebacks_first_pieces_and_a_loadbacks_last_pieces_small(
 
 @needs_sim
 def test_ramped_pieces_land_pages_exactly() -> None:
-    """Both ways, 40 pages of 128 bytes (2 layers x 64) each way, slots of 16 pages: with
-    the ramp the writeback starts with pieces of 1 and 4 pages and the loadback ends with
-    pieces of 4 and 1, twice (the second flush reuses the layout at other extents),
-    every page exact."""
+    """Both ways, 40 pages of 128 bytes (2 layers x 64) each way, slots of 2 KiB: with the
+    ramp the writeback (16 pages a slot) starts with pieces of 1 and 4 pages, and each
+    loadback chunk of one layer (32 pages a slot) ends with pieces of 8 and 2, cut at the
+    same pages (the second chunk's pieces make no runs of their own); twice (the second
+    flush reuses the layout at other extents), every page exact."""
     specs = kv_specs(layers=2, comps=(64,))
     host = HostPool(specs, 120, pin=False, layout="page")
     dev = DevicePool.allocate(specs, 100, "cpu")
     fill(host, dev, seed=9)
     opts = {**staging_options(4 * 16 * 128, 2), "staging_ramp": True}
-    eng = TransferEngine(specs, host, dev, "hybrid", backend_options=opts, chunk_layers=2)
+    eng = TransferEngine(specs, host, dev, "hybrid", backend_options=opts, chunk_layers=1)
     stager = eng.backend.stager
     assert stager.describe()["ramp"] is True
     seen: dict[str, list[int]] = {"loadback": [], "writeback": []}
     real = stager._copies
 
     def copies(direction: Direction, piece: object, *a: object) -> int:
-        seen[direction.value].append(piece.nbytes // 128)  # type: ignore[attr-defined]
+        seen[direction.value].append(piece.nbytes // (128 if direction is W else 64))  # type: ignore[attr-defined]
         return real(direction, piece, *a)  # type: ignore[arg-type]
 
     stager._copies = copies
@@ -368,7 +369,9 @@ def test_ramped_pieces_land_pages_exactly() -> None:
         comps = run(eng, [ArrayCommand(2 * op + 1, L, (PageArrays("kv", lb_host, lb_dev),)),
                           ArrayCommand(2 * op + 2, W, (PageArrays("kv", wb_dev, wb_host),))])
         assert all(c.ok for c in comps) and sum(c.layer is None for c in comps) == 2
-        assert seen == {"writeback": [1, 4, 16, 16, 3], "loadback": [16, 16, 3, 4, 1]}
+        assert seen == {"writeback": [1, 4, 16, 16, 3], "loadback": [30, 8, 2, 30, 8, 2]}
+        stage = eng.backend._split_now[L][1].stage
+        assert [len(p.builds) for p in stage.pieces[0]] == [1, 1, 1] and not any(p.builds for p in stage.pieces[1])
         for layer in range(2):
             assert torch.equal(dev.region("kv", "c0", layer)[torch.as_tensor(lb_dev)], want_dev[layer])
             assert torch.equal(host.region("kv", "c0", layer)[torch.as_tensor(wb_host)], want_host[layer])

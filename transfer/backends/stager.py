@@ -32,10 +32,10 @@ class Stager:
             reused pinned buffer it is written into (mapped host memory) instead of a
             device copy of it (default False): no table copy before the flush's first
             bulk copy.
-        ramp: smaller first pieces of a writeback and last pieces of a loadback
-            (:func:`.staging.ramp_cap`: the gather before the first copy to the host and
-            the scatter after the last copy from it are short); None (default): when a
-            slot holds at least :data:`.staging.RAMP_MIN_SLOT` bytes.
+        ramp: smaller first pieces of a writeback and last pieces of each loadback
+            chunk (:func:`.staging.ramp_cap`: the gather before the first copy to the
+            host and the scatter after a chunk's last copy from it are short); None
+            (default): when a slot holds at least :data:`.staging.RAMP_MIN_SLOT` bytes.
 
     Raises:
         ConfigError: a size too small for one 256-byte slot per direction.

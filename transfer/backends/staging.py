@@ -280,10 +280,10 @@ RAMP_MIN_SLOT = 1 << 20
 def ramp_cap(index: int, left: int, slot_bytes: int, loadback: bool) -> int:
     """Bytes the next piece of a ramped chunk may hold: a writeback's pieces 0 and 1
     (``index``) hold ``slot/16`` and ``slot/4``, so that its first copy to the host
-    starts after a short gather instead of a whole slot's; a loadback's last two pieces
-    hold about ``slot/4`` and ``slot/16`` (``left``: the chunk's bytes not yet placed,
-    this piece's included), so that its last scatter after the last copy is short.
-    Otherwise a whole slot."""
+    starts after a short gather instead of a whole slot's; a loadback chunk's last two
+    pieces hold about ``slot/4`` and ``slot/16`` (``left``: the chunk's bytes not yet
+    placed, this piece's included), so that its last scatter after its last copy is
+    short. Otherwise a whole slot."""
     small, mid = slot_bytes // (RAMP * RAMP), slot_bytes // RAMP
     if not loadback:
         return small if index == 0 else mid if index == 1 else slot_bytes
@@ -300,7 +300,7 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
     """Pieces and run table layout of the groups ``chosen`` per chunk (plan group
     indices): copies and refs now, every piece's runs per flush (:func:`fill_runs`, by ``Stager.upload``).
     ``ramp``: the first pieces of a writeback's first staged chunk and the last pieces of
-    a loadback's last one are smaller (:func:`ramp_cap`).
+    each of a loadback's chunks are smaller (:func:`ramp_cap`).
 
     Raises:
         ConfigError: a group that cannot be staged (a width larger than a slot, or a
@@ -308,7 +308,9 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
     slot_bytes = ring.slot_bytes
     loadback = direction is Direction.LOADBACK
     staged_chunks = [c.index for c in plan.chunks if chosen.get(c.index)]
-    ramp_chunk = (staged_chunks[-1] if loadback else staged_chunks[0]) if staged_chunks and ramp else -1
+    # a loadback's chunks ramped alike: their pages are cut at the same ranks (the runs are
+    # shared) and each chunk's event, after its last scatter, comes sooner
+    ramped = set() if not (ramp and staged_chunks) else set(staged_chunks) if loadback else {staged_chunks[0]}
     n_runs = 0
     seg_runs: dict[tuple[int, int, int], tuple[int, int]] = {}
     ref_rows: list[list[int]] = []
@@ -342,7 +344,7 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
             infos.append((gi, _group_info(host, device, plan.groups[gi], refs, piece_bytes, cache)))
         # bytes of the chunk's staged pages, for the ramp (a little low: no alignment gaps)
         left = sum(int(extents_of(direction, plan, gi)[0].shape[0]) * info[0][1]
-                   for gi, info in infos if info[0] is not None) if chunk.index == ramp_chunk else 0
+                   for gi, info in infos if info[0] is not None) if chunk.index in ramped else 0
         placed = 0
         for gi, (span, gbase, stride, ref_info, ref_bytes) in infos:
             gp = plan.groups[gi]
@@ -365,7 +367,7 @@ def plan_staging(direction: Direction, plan: FlushPlan, planner: Planner, host: 
                     used = 0
                 seg_off = -(-used // 16) * 16
                 cap = slot_bytes
-                if chunk.index == ramp_chunk:
+                if chunk.index in ramped:
                     cap = ramp_cap(len(out), left - placed + used, slot_bytes, loadback)
                     cap = min(slot_bytes, max(cap, width if used == 0 else 0))  # an empty piece takes a page
                 m = min(total - a, (cap - seg_off) // width)
