@@ -152,7 +152,7 @@ def test_a_flush_larger_than_the_ring_reuses_slots_in_turn() -> None:
         assert torch.equal(host.region("kv", "c0", layer)[torch.as_tensor(hp)], want[layer])
     staging = eng.stats()["backend"]["staging"]
     assert staging["staging_bytes"] == 4096 and staging["slot_bytes"] == 1024
-    assert staging["ramp"] is False  # slots below RAMP_MIN_SLOT: whole slots
+    assert staging["ramp"] is False  # by default whole slots from the first piece to the last
     assert staging["ring_uses"] == {"loadback": 0, "writeback": 6}  # ceil(22 / 4) pieces over 2 slots
     last = eng.stats()["last_flush"]["writeback"]
     assert last["stage_bytes"] == 22 * 256 and last["stage_copies"] == 7  # 6 pieces, one cut inside an extent

@@ -128,9 +128,9 @@ class HybridBackend(NumbaBackend):
         staging_host_tables: the staging kernels read their run table in place from
             pinned host memory instead of a device copy (default False; see
             :class:`.stager.Stager`).
-        staging_ramp: smaller first pieces of a staged writeback and last pieces of a
-            staged loadback (True / False; None, default: when a slot holds at least
-            1 MiB; see :class:`.stager.Stager`).
+        staging_ramp: smaller first pieces of a staged writeback and last pieces of each
+            staged loadback chunk (default False: no gain measured on the H200; see
+            :class:`.stager.Stager`).
 
     Raises:
         ConfigError: bad settings.
@@ -145,7 +145,7 @@ class HybridBackend(NumbaBackend):
                  writeback_waits: bool = True, staging_bytes: int | None = None,
                  staging_slots: int = DEFAULT_SLOTS, staging_min_bytes: int = 256 << 10,
                  staging_one_way: bool = False, staging_host_tables: bool = False,
-                 staging_ramp: bool | None = None) -> None:
+                 staging_ramp: bool = False) -> None:
         super().__init__(blocks, threads, piece_bytes, address_view, timing)
         if isinstance(calibration, str):
             if calibration not in ("auto", "measure", "default"):
@@ -169,7 +169,7 @@ class HybridBackend(NumbaBackend):
         self._staging_args = (staging_bytes, staging_slots, staging_min_bytes)
         self.staging_one_way = bool(staging_one_way)
         self.staging_host_tables = bool(staging_host_tables)
-        self.staging_ramp = None if staging_ramp is None else bool(staging_ramp)
+        self.staging_ramp = bool(staging_ramp)
         self.stager: Stager | None = None
         self.calibration: Calibration | None = None
         self.calibration_seconds: float | None = None

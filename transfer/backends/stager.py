@@ -11,7 +11,7 @@ import numpy as np
 from kvtier.fsm import Direction
 
 from ..plan import ChunkRef, FlushPlan
-from .staging import (ALIGN, RAMP_MIN_SLOT, StagePiece, StagePlan, StagingRing, extents_of, fill_runs, first_pages, layout_key,
+from .staging import (ALIGN, StagePiece, StagePlan, StagingRing, extents_of, fill_runs, first_pages, layout_key,
                       plan_staging, relocate, stageable)
 
 __all__ = ["Stager"]
@@ -34,18 +34,18 @@ class Stager:
             bulk copy.
         ramp: smaller first pieces of a writeback and last pieces of each loadback
             chunk (:func:`.staging.ramp_cap`: the gather before the first copy to the
-            host and the scatter after a chunk's last copy from it are short); None
-            (default): when a slot holds at least :data:`.staging.RAMP_MIN_SLOT` bytes.
+            host and the scatter after a chunk's last copy from it are short; default
+            False: no gain measured on the H200 with 32 MiB slots, bench/RESULTS.md).
 
     Raises:
         ConfigError: a size too small for one 256-byte slot per direction.
     """
 
     def __init__(self, backend: Any, staging_bytes: int, slots: int, min_bytes: int,
-                 host_tables: bool = False, ramp: bool | None = None) -> None:
+                 host_tables: bool = False, ramp: bool = False) -> None:
         per_slot = (staging_bytes // 2 // max(1, slots)) // ALIGN * ALIGN if isinstance(slots, int) else 0
         self.rings = {d: StagingRing(slots, per_slot) for d in (Direction.LOADBACK, Direction.WRITEBACK)}
-        self.ramp = per_slot >= RAMP_MIN_SLOT if ramp is None else bool(ramp)
+        self.ramp = bool(ramp)
         self.b = backend
         self.min_bytes = int(min_bytes)
         self.host_tables = bool(host_tables)

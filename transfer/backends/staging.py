@@ -46,7 +46,7 @@ from ..plan import REF_COLS, RUN_COLS, ChunkRef, FlushPlan, GroupPlan, I64, Plan
 from ..pools import DevicePool, HostPool
 
 __all__ = ["StagingRing", "StagedCopy", "StagePiece", "StagePlan", "host_extents", "plan_staging", "layout_key",
-           "first_pages", "relocate", "ramp_cap", "RAMP", "RAMP_MIN_SLOT",
+           "first_pages", "relocate", "ramp_cap", "RAMP",
            "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "stageable", "extents_of", "ALIGN", "fill_runs"]
 
 #: Staging memory (bytes, both directions together) when the host pool is page-major
@@ -273,8 +273,6 @@ def _group_info(host: HostPool, device: DevicePool, gp: GroupPlan, refs: list[Ch
 #: The pipeline ramp (:func:`ramp_cap`): the first pieces of a writeback and the last
 #: pieces of a loadback hold ``slot / RAMP**k`` bytes, k = 2, 1.
 RAMP = 4
-#: Slots from this size up are ramped by default (``Stager(ramp=None)``).
-RAMP_MIN_SLOT = 1 << 20
 
 
 def ramp_cap(index: int, left: int, slot_bytes: int, loadback: bool) -> int:
