@@ -354,6 +354,16 @@ class CacheCore:
         """
         return self._publisher.insert(key, pages, checkpoint, chunk_checkpoint=chunk_checkpoint, anchor=anchor)
 
+    def insert_trusted(self, key: Sequence[Hashable], pages: PageMap, anchor: Node, *,
+                       chunk_checkpoint: bool = False) -> InsertResult:
+        """:meth:`insert` without a checkpoint for arguments the caller has checked (the
+        request layer, :mod:`kvtier.fsm.request.forward`): ``key`` checked unit keys,
+        ``anchor`` a node it holds a lock on whose path is ``key``'s prefix, ``pages`` per
+        history group exactly ``len(key)`` units of pages (fresh lists), the anchor path's
+        device pages first, then its own distinct caller pages
+        (:meth:`kvtier.fsm.node.publish.Publisher.insert_trusted`). Nothing is checked again."""
+        return self._publisher.insert_trusted(key, pages, anchor, chunk_checkpoint)
+
     # ------------------------------------------------------------------ eviction
     def evict_device(self, need: Mapping[str, int]) -> dict[str, int]:
         """Free device pages from unlocked, unborrowed device leaves in eviction order

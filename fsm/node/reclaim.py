@@ -52,12 +52,6 @@ class Reclaimer:
         wb = store.writebacks  # (its chain is walked only when write_back may queue it)
         write_back = wb.enabled and wb.policy is WritePolicy.WRITE_BACK
         wants = tuple(need.items())
-        # the groups' pages per unit, for the exact tail (a state group has none: its
-        # checkpoint stays with the tail)
-        ppus = tuple((g, k, store.pages_per_unit.get(g)) for g, k in wants)
-        trigger, split, stats = store.trigger, store.split, store.stats
-        release = store.ledger.release_device
-        backed = NS.backed
         while True:
             for g, k in wants:
                 if freed[g] + pledged[g] < k:
@@ -68,39 +62,25 @@ class Reclaimer:
             if n is None:
                 break
             # (device_victim, inline)
-            state = n.state
-            if state not in _VICTIM_STATES or n.lock_ref or n.borrow_ref or (n.children and n.has_device_child):
+            if n.state not in _VICTIM_STATES or n.lock_ref or n.borrow_ref or (n.children and n.has_device_child):
                 continue
-            if state != backed and write_back and wb.write_back_first(self._device_chain(n)):
+            if n.state == NS.backed:
+                n = self._tail(n, need, freed)
+                got = self._release_device(n)
+                store.trigger(n, EV.demote)
+                store.stats.demotions += 1
+            elif write_back and wb.write_back_first(self._device_chain(n)):
                 queued.append(n)  # still a candidate: back in the index after this call
                 for pm in (n.dev, n.dev_ckpt):  # its demotion, once written, frees these
                     for g, pages in pm.items():
                         pledged[g] += len(pages)
                 continue
-            # exact eviction (_tail, inline): only the deepest units still needed go
-            units = len(n.key)
-            if units > 1:
-                k = 1
-                for g, want, ppu in ppus:
-                    left = want - freed[g]
-                    if left > 0 and ppu is not None:
-                        m = -(-left // ppu)
-                        if m > k:
-                            k = m
-                if k < units:
-                    split(n, units - k)  # n keeps the last k units
-            # (_release_device, inline)
-            got = release(n.dev, n.dev_ckpt)
-            n.dev = {}
-            n.dev_ckpt = {}
-            n.chunk_checkpoint = False
-            if state == backed:
-                trigger(n, EV.demote)
-                stats.demotions += 1
             else:
-                trigger(n, EV.evict_device)
+                n = self._tail(n, need, freed)
+                got = self._release_device(n)
+                store.trigger(n, EV.evict_device)
                 self._remove(n)
-                stats.device_evictions += 1
+                store.stats.device_evictions += 1
             for g, k in got.items():
                 freed[g] += k
         for n in queued:

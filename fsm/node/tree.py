@@ -139,13 +139,17 @@ class RadixTree:
         assert parent is not None
         prefix = Node(next(self._ids), node.key[:k], parent)
         prefix.state = node.state
-        # the page maps (an empty one stays empty: the prefix's own map already is)
-        if node.dev:
-            prefix.dev = self._head(node.dev, k)
-        if node.host:
-            prefix.host = self._head(node.host, k)
-        if node.pending:
-            prefix.pending = self._head(node.pending, k)
+        ppu = self._ppu
+        for attr in ("dev", "host", "pending"):
+            whole: PageMap = getattr(node, attr)
+            if not whole:
+                continue  # (the prefix's own map is already empty)
+            head: PageMap = {}
+            for g, pages in whole.items():
+                cut = k * ppu[g]
+                head[g] = pages[:cut]
+                whole[g] = pages[cut:]
+            setattr(prefix, attr, head)
         # the _SHARED attributes, one by one (a loop of getattr/setattr costs 3x)
         prefix.lock_ref, prefix.borrow_ref, prefix.host_pin = node.lock_ref, node.borrow_ref, node.host_pin
         prefix.hit_count, prefix.last_owner, prefix.turns = node.hit_count, node.last_owner, node.turns
@@ -157,17 +161,6 @@ class RadixTree:
         node.parent = prefix
         self._nodes[prefix.node_id] = prefix
         return prefix
-
-    def _head(self, whole: PageMap, k: int) -> PageMap:
-        """Cut ``whole`` (group -> pages) after ``k`` units: returns the first ``k`` units'
-        pages, ``whole`` keeps the rest."""
-        ppu = self._ppu
-        head: PageMap = {}
-        for g, pages in whole.items():
-            cut = k * ppu[g]
-            head[g] = pages[:cut]
-            whole[g] = pages[cut:]
-        return head
 
     def new_leaf(self, parent: Node, key: tuple[Hashable, ...]) -> Node:
         """A new node under ``parent`` (state ``new``), not yet linked: :meth:`link` it

@@ -116,7 +116,13 @@ class ForwardResults:
             except CapacityError:
                 ckpt = None
         anchor = r.lock.node if r.lock is not None and not r.lock.released else None
-        result = core.insert(r.units[:n_units], pages, ckpt, chunk_checkpoint=not final, anchor=anchor)
+        if ckpt is None and anchor is not None and anchor.depth <= n_units and all(
+                len(r.canon.get(g, ())) == anchor.depth * ppu[g] for g in t.history):
+            # its canonical pages are its locked path's, whole (invariant forward_fence: a
+            # prefix of them): the core trusts the page table and walks only beyond it
+            result = core.insert_trusted(r.units[:n_units], pages, anchor, chunk_checkpoint=not final)
+        else:
+            result = core.insert(r.units[:n_units], pages, ckpt, chunk_checkpoint=not final, anchor=anchor)
         dup = {g: p for g, p in result.duplicates.items() if p}
         # own pages now published or duplicated leave the request's own list
         kept = result.kept

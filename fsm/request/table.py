@@ -24,7 +24,7 @@ from ..node.writeback import WritePolicy
 from ..errors import ConfigError, GuardRejected, UsageError
 from ..layout import CacheLayout
 from ..lifecycle.machines import Lifecycle, request_lifecycle
-from ..lifecycle.names import REQUEST_STATE as RS
+from ..lifecycle.names import REQUEST_EVENT as RE, REQUEST_STATE as RS
 from ..node.node import PageMap
 from ..checks import as_int
 from .request import CALLS, TERMINAL, Outstanding, Request, RequestEvent, RequestView
@@ -211,8 +211,10 @@ class RequestTable:
         before = r.state
         state = self.lifecycle.fire(r, event)
         if state != before:
-            self._events.append(RequestEvent(r.request_id, state, r.reason if state == RS.aborted else None))
-            self.counters.transition(event, state, r.reason)
+            aborted = state == RS.aborted
+            self._events.append(RequestEvent(r.request_id, state, r.reason if aborted else None))
+            if aborted or event == RE.retract:  # (the counters count only these)
+                self.counters.transition(event, state, r.reason)
             if state in self.owns_nothing:
                 self.release(r)
             if state == self.initial:  # sent back: it recomputes from the start of its admission
@@ -232,7 +234,10 @@ class RequestTable:
         forgotten once reported."""
         out = self._events
         self._events = []
-        for rid in sorted(self._ended):
+        ended = self._ended
+        if not ended:
+            return out
+        for rid in sorted(ended) if len(ended) > 1 else tuple(ended):
             r = self._records[rid]
             if r.settled:
                 del self._records[rid]
