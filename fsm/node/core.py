@@ -254,6 +254,22 @@ class CacheCore:
                 raise CapacityError("device", g, n, self.device[g].free)
         return self.ledger.alloc_for_callers(need)
 
+    def alloc_trusted(self, need: Mapping[str, int]) -> PageMap:
+        """:meth:`alloc_device` (evicting) for a ``need`` the caller computed (the request
+        layer: known groups, ints >= 0): nothing is checked again.
+
+        Raises:
+            CapacityError: still short after eviction; nothing allocated.
+        """
+        ledger = self.ledger
+        short = ledger.device_short(need)
+        if short:
+            self._reclaimer.evict_device(short)
+            for g, n in need.items():
+                if n > self.device[g].free:
+                    raise CapacityError("device", g, n, self.device[g].free)
+        return ledger.alloc_for_callers(need)
+
     def free_device(self, pages: Mapping[str, Iterable[int]]) -> None:
         """Return a caller's device pages.
 
@@ -282,7 +298,7 @@ class CacheCore:
         once at its edge, :func:`kvtier.fsm.checks.as_keys`): ``key`` a list or tuple of
         hashable, comparable unit keys, ``mode`` a :class:`MatchMode` and ``history_replay``
         only with ``prefix_reuse``. Nothing is checked again."""
-        return find_match(self.tree.walk(key, self.store.split), self.root, len(key), mode,
+        return find_match(self.tree.walk_from(self.root, key, self.store.split), self.root, len(key), mode,
                           history_replay=history_replay, has_host=self.store.host is not None, layout=self.layout,
                           n_state=self._n_state, align=self._align)
 
@@ -296,7 +312,9 @@ class CacheCore:
         """
         if type(node) is not Node or not self.tree.has(node):
             self.tree.members("lock", [node])  # raises, naming the value
-        return self.receipts.lock(node, owner, self.store.tick())
+        store = self.store
+        store.clock += 1  # (tick)
+        return self.receipts.lock(node, owner, store.clock)
 
     def unlock(self, receipt: LockReceipt) -> None:
         """Release a lock receipt exactly once.
@@ -304,8 +322,9 @@ class CacheCore:
         Raises:
             UsageError: the receipt was already released or is not this cache's (invariant ``counts_with_receipts``).
         """
-        self.receipts.check_lock(receipt)
-        self.receipts.unlock(receipt, self.store.tick())
+        store = self.store
+        self.receipts.unlock(receipt, store.clock + 1)  # (checks the receipt first, then stamps)
+        store.clock += 1  # (tick: only once it was released)
 
     def borrow(self, nodes: Sequence[Node], owner: str | None = None) -> NodeReceipt:
         """Borrow device pages of ``nodes`` (a request reads them; invariant ``borrowed_pages_stay``).

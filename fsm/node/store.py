@@ -124,7 +124,8 @@ class NodeStore:
             self.receipts.on_split(node, prefix)
         if node.wb_op is not None or node.lb_op is not None:
             self.optable.on_split(node, prefix)
-        self.writebacks.on_split(node, prefix)
+        if self.writebacks.enabled:  # (a cache without a host tier queues nothing)
+            self.writebacks.on_split(node, prefix)
         self.eviction.touch(prefix)
         self.stats.splits += 1
         return prefix
