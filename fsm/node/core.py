@@ -310,7 +310,7 @@ class CacheCore:
         Raises:
             UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
-        if type(node) is not Node or not self.tree.has(node):
+        if type(node) is not Node or self.tree._nodes.get(node.node_id) is not node:  # (tree.has)
             self.tree.members("lock", [node])  # raises, naming the value
         store = self.store
         store.clock += 1  # (tick)

@@ -183,7 +183,8 @@ class Publisher:
         duplicates: PageMap = {}
         kept: PageMap = {}
         created: list[Node] = []
-        stamp = store.tick()
+        store.clock += 1  # (tick)
+        stamp = store.clock
         last: Node = store.root if base is None else base[0]
         done = 0 if base is None else anchored
         stopped = False
@@ -234,12 +235,14 @@ class Publisher:
             created.append(node)
             last = node
             done = units
-            store.writebacks.on_created(node)
-        for g in hist:
-            # only the caller's own pages: canonical pages of a loading node stay the tree's
-            rest = [p for p in own[g][done * ppu[g]:] if store.ledger.held_by_caller(g, p)]
-            if rest:
-                kept[g] = rest
+            if store.writebacks.enabled:
+                store.writebacks.on_created(node)
+        if done < units:
+            for g in hist:
+                # only the caller's own pages: canonical pages of a loading node stay the tree's
+                rest = [p for p in own[g][done * ppu[g]:] if store.ledger.held_by_caller(g, p)]
+                if rest:
+                    kept[g] = rest
         if ckpt:
             if done == units and last is not store.root:
                 self._adopt_checkpoint(last, ckpt, duplicates, chunk_checkpoint)

@@ -58,7 +58,8 @@ class ForwardResults:
                              f"{r.reserved - r.tokens} reserved (state {r.state!r})")
         if self.quick(r, computed_tokens, new_units, checkpoint):
             return {}
-        t.check(r, RE.forward_result)
+        if r.state != RS.running or not self.running_result_noop:
+            t.check(r, RE.forward_result)  # (in running it is an unguarded internal transition)
         adopted: PageMap = {}
         r.results += 1
         if r.ckpt_borrow is not None:
