@@ -255,20 +255,14 @@ class CacheCore:
         return self.ledger.alloc_for_callers(need)
 
     def alloc_trusted(self, need: Mapping[str, int]) -> PageMap:
-        """:meth:`alloc_device` (evicting) for a ``need`` the caller computed (the request
-        layer: known groups, ints >= 0): nothing is checked again.
-
-        Raises:
-            CapacityError: still short after eviction; nothing allocated.
-        """
-        ledger = self.ledger
-        short = ledger.device_short(need)
-        if short:
+        """:meth:`alloc_device` (evicting) for a ``need`` the request layer computed (known
+        groups, ints >= 0), not checked again. CapacityError: short after eviction (nothing allocated)."""
+        if short := self.ledger.device_short(need):
             self._reclaimer.evict_device(short)
             for g, n in need.items():
                 if n > self.device[g].free:
                     raise CapacityError("device", g, n, self.device[g].free)
-        return ledger.alloc_for_callers(need)
+        return self.ledger.alloc_for_callers(need)
 
     def free_device(self, pages: Mapping[str, Iterable[int]]) -> None:
         """Return a caller's device pages.
@@ -310,11 +304,10 @@ class CacheCore:
         Raises:
             UsageError: ``node`` is not a node of this cache's tree (nothing changes).
         """
-        if type(node) is not Node or self.tree._nodes.get(node.node_id) is not node:  # (tree.has)
+        if type(node) is not Node or not self.tree.has(node):
             self.tree.members("lock", [node])  # raises, naming the value
-        store = self.store
-        store.clock += 1  # (tick)
-        return self.receipts.lock(node, owner, store.clock)
+        self.store.clock += 1  # (tick)
+        return self.receipts.lock(node, owner, self.store.clock)
 
     def unlock(self, receipt: LockReceipt) -> None:
         """Release a lock receipt exactly once.
@@ -375,12 +368,8 @@ class CacheCore:
 
     def insert_trusted(self, key: Sequence[Hashable], pages: PageMap, anchor: Node, *,
                        chunk_checkpoint: bool = False) -> InsertResult:
-        """:meth:`insert` without a checkpoint for arguments the caller has checked (the
-        request layer, :mod:`kvtier.fsm.request.forward`): ``key`` checked unit keys,
-        ``anchor`` a node it holds a lock on whose path is ``key``'s prefix, ``pages`` per
-        history group exactly ``len(key)`` units of pages (fresh lists), the anchor path's
-        device pages first, then its own distinct caller pages
-        (:meth:`kvtier.fsm.node.publish.Publisher.insert_trusted`). Nothing is checked again."""
+        """:meth:`insert` without a checkpoint for arguments the request layer vouches for
+        (:meth:`kvtier.fsm.node.publish.Publisher.insert_trusted` says which): nothing is checked again."""
         return self._publisher.insert_trusted(key, pages, anchor, chunk_checkpoint)
 
     # ------------------------------------------------------------------ eviction

@@ -120,7 +120,7 @@ class NodeStore:
         (invariant ``split_preserves_ownership``)."""
         self.trigger(node, EV.split)
         prefix = self.tree.cut(node, k)
-        if node._refs is not None:  # (only receipts that list it, only operations moving it)
+        if node.refs:  # (only receipts that list it, only operations moving it)
             self.receipts.on_split(node, prefix)
         if node.wb_op is not None or node.lb_op is not None:
             self.optable.on_split(node, prefix)
