@@ -254,6 +254,16 @@ class CacheCore:
                 raise CapacityError("device", g, n, self.device[g].free)
         return self.ledger.alloc_for_callers(need)
 
+    def alloc_trusted(self, need: Mapping[str, int]) -> PageMap:
+        """:meth:`alloc_device` (evicting) for a ``need`` the request layer computed (known
+        groups, ints >= 0), not checked again. CapacityError: short after eviction (nothing allocated)."""
+        if short := self.ledger.device_short(need):
+            self._reclaimer.evict_device(short)
+            for g, n in need.items():
+                if n > self.device[g].free:
+                    raise CapacityError("device", g, n, self.device[g].free)
+        return self.ledger.alloc_for_callers(need)
+
     def free_device(self, pages: Mapping[str, Iterable[int]]) -> None:
         """Return a caller's device pages.
 
@@ -282,7 +292,7 @@ class CacheCore:
         once at its edge, :func:`kvtier.fsm.checks.as_keys`): ``key`` a list or tuple of
         hashable, comparable unit keys, ``mode`` a :class:`MatchMode` and ``history_replay``
         only with ``prefix_reuse``. Nothing is checked again."""
-        return find_match(self.tree.walk(key, self.store.split), self.root, len(key), mode,
+        return find_match(self.tree.walk_from(self.root, key, self.store.split), self.root, len(key), mode,
                           history_replay=history_replay, has_host=self.store.host is not None, layout=self.layout,
                           n_state=self._n_state, align=self._align)
 
@@ -296,7 +306,8 @@ class CacheCore:
         """
         if type(node) is not Node or not self.tree.has(node):
             self.tree.members("lock", [node])  # raises, naming the value
-        return self.receipts.lock(node, owner, self.store.tick())
+        self.store.clock += 1  # (tick)
+        return self.receipts.lock(node, owner, self.store.clock)
 
     def unlock(self, receipt: LockReceipt) -> None:
         """Release a lock receipt exactly once.
@@ -304,8 +315,9 @@ class CacheCore:
         Raises:
             UsageError: the receipt was already released or is not this cache's (invariant ``counts_with_receipts``).
         """
-        self.receipts.check_lock(receipt)
-        self.receipts.unlock(receipt, self.store.tick())
+        store = self.store
+        self.receipts.unlock(receipt, store.clock + 1)  # (checks the receipt first, then stamps)
+        store.clock += 1  # (tick: only once it was released)
 
     def borrow(self, nodes: Sequence[Node], owner: str | None = None) -> NodeReceipt:
         """Borrow device pages of ``nodes`` (a request reads them; invariant ``borrowed_pages_stay``).
@@ -353,6 +365,12 @@ class CacheCore:
                 pages that are neither the caller's nor the canonical ones for their range (nothing changes).
         """
         return self._publisher.insert(key, pages, checkpoint, chunk_checkpoint=chunk_checkpoint, anchor=anchor)
+
+    def insert_trusted(self, key: Sequence[Hashable], pages: PageMap, anchor: Node, *,
+                       chunk_checkpoint: bool = False) -> InsertResult:
+        """:meth:`insert` without a checkpoint for arguments the request layer vouches for
+        (:meth:`kvtier.fsm.node.publish.Publisher.insert_trusted` says which): nothing is checked again."""
+        return self._publisher.insert_trusted(key, pages, anchor, chunk_checkpoint)
 
     # ------------------------------------------------------------------ eviction
     def evict_device(self, need: Mapping[str, int]) -> dict[str, int]:

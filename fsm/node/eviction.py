@@ -204,15 +204,18 @@ class HeapIndex:
         return heap
 
     def _pop(self, heap: list[_Entry], key: KeyFn, at: dict[int, Key]) -> Iterator[Node]:
+        is_live = self._is_live
+        lru = key is lru_key
+        pop = heapq.heappop
         while heap:
-            k, n = heapq.heappop(heap)
+            k, n = pop(heap)
             nid = n.node_id
             if at.get(nid) != k:
                 continue  # superseded by a lower key filed later
-            if not self._is_live(n):
+            if not is_live(n):
                 del at[nid]
                 continue
-            now = key(n)
+            now = (n.last_access, -n.depth, nid) if lru else key(n)  # (lru_key inline)
             if now != k:  # its key went up since it was filed: file it again
                 at[nid] = now
                 heapq.heappush(heap, (now, n))

@@ -150,11 +150,11 @@ def find_match(path: Sequence[Node], root: Node, key_units: int, mode: MatchMode
         host_end = dev_end
     device_node = path[dev_end - 1] if dev_end else root
     beyond = path[dev_end:host_end]
-    return MatchResult(
-        key_units=key_units, device_node=device_node, device_units=device_node.depth,
-        terminal=path[host_end - 1] if host_end else root,
-        host_nodes=tuple([n for n in beyond if n.state == NODE_STATE.host]) if beyond else (),
-        joined_nodes=tuple([n for n in beyond if n.state == NODE_STATE.loading]) if beyond else (),
-        host_units=path[host_end - 1].depth if host_end else 0,
-        history_units=history_units, recompute_tokens=recompute, alignment=align,
+    return MatchResult(  # (positional: a dataclass init with keywords costs twice as much)
+        key_units, device_node, device_node.depth,  # key_units, device_node, device_units
+        path[host_end - 1] if host_end else root,  # terminal
+        tuple([n for n in beyond if n.state == NODE_STATE.host]) if beyond else (),  # host_nodes
+        tuple([n for n in beyond if n.state == NODE_STATE.loading]) if beyond else (),  # joined_nodes
+        path[host_end - 1].depth if host_end else 0,  # host_units
+        history_units, recompute, align,  # history_units, recompute_tokens, alignment
     )

@@ -97,7 +97,13 @@ class PageAllocator:
                 (a double free); nothing is released then.
         """
         given = pages if type(pages) is list else list(pages)
-        if given:
+        if len(given) == 1:  # (one page: the common case of exact eviction, without sets)
+            p = given[0]
+            if type(p) is int and 0 <= p < self._next and p not in self._released_set:
+                self._released.append(p)
+                self._released_set.add(p)
+                return
+        elif given:
             # the common case in C: distinct plain ints, allocated, none already free
             fresh = set(given)
             if (len(fresh) == len(given) and set(map(type, given)) == _INT and min(given) >= 0

@@ -72,6 +72,24 @@ class Publisher:
         self._check_pages(path[len(base):], own, ckpt, depth)
         return self._commit(key, path, own, ckpt, chunk_checkpoint, depth)
 
+    def insert_trusted(self, key: Sequence[Hashable], own: PageMap, anchor: Node,
+                       chunk_checkpoint: bool) -> InsertResult:
+        """:meth:`insert` without a checkpoint, for arguments the caller vouches for (the
+        request layer: its checked unit keys and its page table). ``anchor``: a node of the
+        tree the caller holds a lock on, whose path is ``key``'s prefix; ``own``: history
+        group -> exactly ``len(key)`` units of pages (lists the call may keep), of which the
+        first ``anchor.depth`` units are the anchor path's device pages and the rest the
+        caller's own distinct pages. Only the anchor path's states are read (a path through
+        a ``loading`` or ``host`` node takes :meth:`insert`'s checked walk); nothing else is
+        checked again, and the canonical pages come from the walk, not a second one."""
+        base = anchor.path()
+        for n in base:
+            if n.state not in _ANCHOR_STATES:
+                return self.insert(key, own, None, chunk_checkpoint=chunk_checkpoint, anchor=anchor)
+        store = self.store
+        path = store.tree.walk_from(anchor, key, store.split)
+        return self._commit(key, path, own, {}, chunk_checkpoint, anchor.depth, base)
+
     def _anchored(self, anchor: Node | None, key: Sequence[Hashable], own: PageMap) -> list[Node] | None:
         """``anchor``'s path (deepest first) when it may start the walk, else ``None``."""
         store = self.store
@@ -154,17 +172,23 @@ class Publisher:
 
     # -- commit ---------------------------------------------------------------------
     def _commit(self, key: Sequence[Hashable], path: list[Node], own: PageMap, ckpt: PageMap,
-                chunk_checkpoint: bool, anchored: int) -> InsertResult:
+                chunk_checkpoint: bool, anchored: int, base: list[Node] | None = None) -> InsertResult:
+        """Publish along ``path``. ``base`` (from :meth:`insert_trusted`): the anchor's
+        path, deepest first, whose ``anchored`` units ``own`` starts with; ``path`` then
+        holds only the nodes beyond it, and the anchor path is not stamped (the caller's
+        lock moves right after, which stamps it)."""
         store = self.store
         ppu = store.pages_per_unit
         hist = store.history_groups
         duplicates: PageMap = {}
         kept: PageMap = {}
         created: list[Node] = []
-        stamp = store.tick()
-        last: Node = store.root
-        done = 0
+        store.clock += 1  # (tick)
+        stamp = store.clock
+        last: Node = store.root if base is None else base[0]
+        done = 0 if base is None else anchored
         stopped = False
+        through = 0  # nodes of path published through
         for n in path:
             lo, hi = done, n.depth
             if n.state in (NS.loading, NS.fetching):  # not readable by everyone yet
@@ -189,11 +213,16 @@ class Publisher:
             n.last_access = stamp
             last = n
             done = hi
+            through += 1
         units = len(key)
         if not stopped and done < units:
             turns = self._turns(last)
             for n in path:  # the conversation's turn on its whole path (keys only grow)
                 n.turns = max(n.turns, turns)
+            if base is not None:
+                for n in base:
+                    if n.turns < turns:
+                        n.turns = turns
             node = store.tree.new_leaf(last, tuple(key[done:]))
             node.turns = turns
             for g in hist:
@@ -206,20 +235,32 @@ class Publisher:
             created.append(node)
             last = node
             done = units
-            store.writebacks.on_created(node)
-        for g in hist:
-            # only the caller's own pages: canonical pages of a loading node stay the tree's
-            rest = [p for p in own[g][done * ppu[g]:] if store.ledger.held_by_caller(g, p)]
-            if rest:
-                kept[g] = rest
+            if store.writebacks.enabled:
+                store.writebacks.on_created(node)
+        if done < units:
+            for g in hist:
+                # only the caller's own pages: canonical pages of a loading node stay the tree's
+                rest = [p for p in own[g][done * ppu[g]:] if store.ledger.held_by_caller(g, p)]
+                if rest:
+                    kept[g] = rest
         if ckpt:
             if done == units and last is not store.root:
                 self._adopt_checkpoint(last, ckpt, duplicates, chunk_checkpoint)
             else:
                 for g, p in ckpt.items():
                     kept.setdefault(g, []).extend(p)
-        full = store.tree.page_table(last, hist)
-        return InsertResult(last, done, {g: full[g] for g in hist}, duplicates, kept, tuple(created))
+        if base is None:
+            full = store.tree.page_table(last, hist)
+            pages = {g: full[g] for g in hist}
+        else:  # the anchor path's pages (own's head), then the canonical pages walked through
+            beyond = path[:through] + created
+            pages = {}
+            for g in hist:
+                table = own[g][:anchored * ppu[g]]
+                for n in beyond:
+                    table.extend(n.dev.get(g, ()))
+                pages[g] = table
+        return InsertResult(last, done, pages, duplicates, kept, tuple(created))
 
     @staticmethod
     def _turns(last: Node) -> int:

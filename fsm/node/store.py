@@ -120,9 +120,12 @@ class NodeStore:
         (invariant ``split_preserves_ownership``)."""
         self.trigger(node, EV.split)
         prefix = self.tree.cut(node, k)
-        self.receipts.on_split(node, prefix)
-        self.optable.on_split(node, prefix)
-        self.writebacks.on_split(node, prefix)
+        if node.refs:  # (only receipts that list it, only operations moving it)
+            self.receipts.on_split(node, prefix)
+        if node.wb_op is not None or node.lb_op is not None:
+            self.optable.on_split(node, prefix)
+        if self.writebacks.enabled:  # (a cache without a host tier queues nothing)
+            self.writebacks.on_split(node, prefix)
         self.eviction.touch(prefix)
         self.stats.splits += 1
         return prefix

@@ -37,15 +37,14 @@ class Admitter:
         self._own_groups = (*table.history, *table.state_pages)  # the groups a request owns pages of
 
     def admit(self, request_id: str, units: Sequence[Hashable], prompt_tokens: int,
-              chunk_tokens: int) -> Admission | None:
-        """Admit a new request (arguments checked by the facade): see
-        :meth:`kvtier.TieredCache.admit`.
+              chunk_tokens: int, prev: Request | None) -> Admission | None:
+        """Admit a new request (arguments checked by the facade, ``prev`` its record in the
+        table or ``None``): see :meth:`kvtier.TieredCache.admit`.
 
         Raises:
             UsageError: the id is admitted and not ``waiting``, or too few unit keys.
         """
         t = self.table
-        prev = t.find(request_id)
         if prev is not None:
             t.require(prev, RC.admit, " is already admitted")
         full = prompt_tokens // t.align
@@ -80,18 +79,18 @@ class Admitter:
         if mode is MatchMode.STATE_RECOVERY and m.host_units != len(key):
             m = core.match_trusted((), mode, False)  # no exact terminal state: recompute from scratch
         hit_units = m.host_units
-        start = m.hit_tokens
+        start = hit_units * t.align - m.recompute_tokens  # (m.hit_tokens)
         hold = core.lock(m.device_node, r.request_id) if m.device_node is not core.root else None
         upto = min(max(limit, start + 1), start + chunk) if limit > start else start + chunk
         need = {g: max(0, -(-upto // t.tokens_per_page[g]) - hit_units * t.pages_per_unit[g]) for g in t.history}
         need.update(t.state_pages)
         load = None
         try:
-            if m.needs_loadback:
+            if hit_units > m.device_units:  # (m.needs_loadback)
                 load = core.load(m, r.request_id, extra=need)
                 own = load.extra
             else:
-                own = core.alloc_device(need)
+                own = core.alloc_trusted(need)
         except CapacityError:
             if hold is not None:
                 core.unlock(hold)
@@ -112,7 +111,7 @@ class Admitter:
         else:
             r.lock = hold
             table = core.device_pages(m.device_node)
-            if any(g in table for g in t.state_pages):
+            if t.state_pages and any(g in table for g in t.state_pages):
                 # its forward pass copies the hit's checkpoint (Admission.checkpoint_pages): a
                 # lock alone does not stop a deeper insert from dropping a chunk checkpoint
                 t.drop_checkpoint_borrow(r)
@@ -138,7 +137,7 @@ class Admitter:
                          t.page_table(r), load.command.op_id if load is not None and load.command is not None else None,
                          load.op_ids if load is not None else (), m.recompute_tokens,
                          m.history_units * t.align,
-                         {g: list(table[g]) for g in t.state_pages if g in table})
+                         {g: list(table[g]) for g in t.state_pages if g in table} if t.state_pages else {})
 
     @staticmethod
     def covered(r: Request, tokens: int) -> bool:

@@ -50,8 +50,8 @@ class Ender:
         self.table.check(r, RE.finish)
         adopted = self.forward.publish(r, checkpoint=r.retract_ckpt, final=True)
         cmd = None
-        if self.finish_writeback and r.lock is not None:
-            cmd = self.core.writeback(r.lock.node, r.request_id)
+        if self.finish_writeback and r.lock is not None and self.core.store.host is not None:
+            cmd = self.core.writeback(r.lock.node, r.request_id)  # (no host tier: nothing to write)
         r.has_own_writeback = cmd is not None
         self.table.fire(r, RE.finish)
         self._wait_own(r, cmd)

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 from ..errors import CapacityError, UsageError
 from ..lifecycle.names import REQUEST_CALL as RC, REQUEST_EVENT as RE, REQUEST_STATE as RS
 from ..node.node import PageMap
-from .request import Request
+from .request import CALLS, Request
 from .table import RequestTable
 
 __all__ = ["ForwardResults"]
@@ -34,6 +34,7 @@ class ForwardResults:
         #: the spec's ``forward_result`` in ``running`` is an unguarded internal transition
         self.running_result_noop = table.lifecycle.is_noop(RS.running, RE.forward_result)
         self._align = table.align
+        self._step_done_states = CALLS[RC.step_done]
 
     def step_done(self, r: Request, computed_tokens: int, new_units: Sequence[Hashable],
                   checkpoint: bool) -> PageMap:
@@ -45,7 +46,8 @@ class ForwardResults:
                 than reserved; nothing changes.
         """
         t = self.table
-        t.require(r, RC.step_done)
+        if r.state not in self._step_done_states:
+            t.require(r, RC.step_done)  # raises, naming the accepted states
         if r.passes == r.results:
             raise UsageError(f"request {r.request_id!r} (state {r.state!r}) owes no forward result")
         computing = r.state in (RS.running, RS.loading)
@@ -56,11 +58,14 @@ class ForwardResults:
                              f"{r.reserved - r.tokens} reserved (state {r.state!r})")
         if self.quick(r, computed_tokens, new_units, checkpoint):
             return {}
-        t.check(r, RE.forward_result)
+        if r.state != RS.running or not self.running_result_noop:
+            t.check(r, RE.forward_result)  # (in running it is an unguarded internal transition)
         adopted: PageMap = {}
         r.results += 1
-        t.drop_checkpoint_borrow(r)  # the pass that copied the checkpoint has returned
-        r.units.extend(new_units)
+        if r.ckpt_borrow is not None:
+            t.drop_checkpoint_borrow(r)  # the pass that copied the checkpoint has returned
+        if new_units:
+            r.units.extend(new_units)
         if computing:
             r.tokens += computed_tokens
             # the state is at floor(tokens/alignment) units: without that unit's key (decode
@@ -71,7 +76,8 @@ class ForwardResults:
             # conversation; other chunk checkpoints give way to deeper ones
             at_prompt_end = r.tokens == (r.prompt_tokens // t.align) * t.align
             adopted = self.publish(r, checkpoint=r.retract_ckpt, final=at_prompt_end)
-        t.retire_deferred(r)
+        if r.deferred:
+            t.retire_deferred(r)
         t.fire(r, RE.forward_result)
         return adopted
 
@@ -116,8 +122,18 @@ class ForwardResults:
             except CapacityError:
                 ckpt = None
         anchor = r.lock.node if r.lock is not None and not r.lock.released else None
-        result = core.insert(r.units[:n_units], pages, ckpt, chunk_checkpoint=not final, anchor=anchor)
-        dup = {g: p for g, p in result.duplicates.items() if p}
+        whole = ckpt is None and anchor is not None and anchor.depth <= n_units
+        if whole:
+            for g in t.history:
+                if len(r.canon.get(g, ())) != anchor.depth * ppu[g]:
+                    whole = False
+        if whole:
+            # its canonical pages are its locked path's, whole (invariant forward_fence: a
+            # prefix of them): the core trusts the page table and walks only beyond it
+            result = core.insert_trusted(r.units[:n_units], pages, anchor, chunk_checkpoint=not final)
+        else:
+            result = core.insert(r.units[:n_units], pages, ckpt, chunk_checkpoint=not final, anchor=anchor)
+        dup = {g: p for g, p in result.duplicates.items() if p} if result.duplicates else result.duplicates
         # own pages now published or duplicated leave the request's own list
         kept = result.kept
         for g in t.history:
@@ -127,8 +143,9 @@ class ForwardResults:
                 r.own[g] = [p for p in r.own.get(g, []) if p not in gone]
             else:  # (``used`` is the head of its own list, whose pages are distinct)
                 r.own[g] = r.own.get(g, [])[len(used):]
-        t.free_later(r, {g: p for g, p in dup.items() if g in t.history})
-        t.free_later(r, {g: p for g, p in dup.items() if g in t.state_pages})
+        if dup:
+            t.free_later(r, {g: p for g, p in dup.items() if g in t.history})
+            t.free_later(r, {g: p for g, p in dup.items() if g in t.state_pages})
         adopted: PageMap = {}
         if ckpt is not None:
             kept_state = {g: p for g, p in result.kept.items() if g in t.state_pages}

@@ -24,7 +24,7 @@ from ..node.writeback import WritePolicy
 from ..errors import ConfigError, GuardRejected, UsageError
 from ..layout import CacheLayout
 from ..lifecycle.machines import Lifecycle, request_lifecycle
-from ..lifecycle.names import REQUEST_STATE as RS
+from ..lifecycle.names import REQUEST_EVENT as RE, REQUEST_STATE as RS
 from ..node.node import PageMap
 from ..checks import as_int
 from .request import CALLS, TERMINAL, Outstanding, Request, RequestEvent, RequestView
@@ -211,8 +211,10 @@ class RequestTable:
         before = r.state
         state = self.lifecycle.fire(r, event)
         if state != before:
-            self._events.append(RequestEvent(r.request_id, state, r.reason if state == RS.aborted else None))
-            self.counters.transition(event, state, r.reason)
+            aborted = state == RS.aborted
+            self._events.append(RequestEvent(r.request_id, state, r.reason if aborted else None))
+            if aborted or event == RE.retract:  # (the counters count only these)
+                self.counters.transition(event, state, r.reason)
             if state in self.owns_nothing:
                 self.release(r)
             if state == self.initial:  # sent back: it recomputes from the start of its admission
@@ -232,7 +234,10 @@ class RequestTable:
         forgotten once reported."""
         out = self._events
         self._events = []
-        for rid in sorted(self._ended):
+        ended = self._ended
+        if not ended:
+            return out
+        for rid in sorted(ended) if len(ended) > 1 else tuple(ended):
             r = self._records[rid]
             if r.settled:
                 del self._records[rid]
@@ -270,7 +275,7 @@ class RequestTable:
     # ------------------------------------------------------------------ pages
     def page_table(self, r: Request) -> PageMap:
         """History groups: canonical pages, then its own; state groups: its working state."""
-        out = {g: list(r.canon.get(g, ())) + list(r.own.get(g, ())) for g in self.history}
+        out = {g: [*r.canon.get(g, ()), *r.own.get(g, ())] for g in self.history}
         for g in self.state_pages:
             out[g] = list(r.own.get(g, ()))
         return out
@@ -288,8 +293,12 @@ class RequestTable:
 
     def set_room(self, r: Request) -> None:
         """Recompute the tokens the history pages of ``r``'s table cover."""
-        r.room = min((len(r.canon.get(g, ())) + len(r.own.get(g, ()))) * self.tokens_per_page[g]
-                     for g in self.history)
+        room = None
+        for g in self.history:
+            covers = (len(r.canon.get(g, ())) + len(r.own.get(g, ()))) * self.tokens_per_page[g]
+            if room is None or covers < room:
+                room = covers
+        r.room = room
 
     def free_later(self, r: Request, pages: Mapping[str, Sequence[int]]) -> None:
         """Free caller pages that left ``r``'s table once every pass reserved so far has
@@ -309,10 +318,14 @@ class RequestTable:
 
     def free_own(self, r: Request) -> None:
         """Free every own page of ``r`` now."""
-        mine = {g: p for g, p in r.own.items() if p}
+        own = r.own
+        mine = {g: p for g, p in own.items() if p}
         if mine:
             self.core.free_device(mine)
-        r.own = {g: [] for g in r.own}
+        fresh: PageMap = {}
+        for g in own:
+            fresh[g] = []
+        r.own = fresh
         r.room = 0
 
     def drop_checkpoint_borrow(self, r: Request) -> None:
@@ -332,11 +345,16 @@ class RequestTable:
     def release(self, r: Request) -> None:
         """Give back everything ``r`` holds, exactly once (invariant ``release_once_after_fence``)."""
         self.unlock(r)
-        for pin in r.pins:
-            self.core.release(pin)
-        r.pins = []
-        self.drop_checkpoint_borrow(r)
+        if r.pins:
+            for pin in r.pins:
+                self.core.release(pin)
+            r.pins = []
+        if r.ckpt_borrow is not None:
+            self.drop_checkpoint_borrow(r)
         while r.deferred:
             self.core.free_device(r.deferred.popleft()[1])
         self.free_own(r)
-        self.stop_waiting(r)
+        if r.ops:
+            self.stop_waiting(r)
+        else:
+            r.layers.clear()

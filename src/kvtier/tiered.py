@@ -170,12 +170,15 @@ class TieredCache:
         """
         if self._owner != get_ident():
             self._bind()
-        as_text(request_id, "request_id")
+        if type(request_id) is not str or not request_id:
+            as_text(request_id, "request_id")  # raises, naming the value
         most = self.max_request_tokens
-        prompt_tokens = as_int(prompt_tokens, "prompt_tokens", minimum=1)
+        if type(prompt_tokens) is not int or prompt_tokens < 1:
+            prompt_tokens = as_int(prompt_tokens, "prompt_tokens", minimum=1)
         if prompt_tokens > most:
             raise UsageError(f"request {request_id!r}: prompt_tokens {prompt_tokens} above max_request_tokens {most}")
-        chunk_tokens = as_int(chunk_tokens, "chunk_tokens", minimum=1)
+        if type(chunk_tokens) is not int or chunk_tokens < 1:
+            chunk_tokens = as_int(chunk_tokens, "chunk_tokens", minimum=1)
         if type(units) is list or type(units) is tuple or (isinstance(units, Sequence)
                                                             and not isinstance(units, (str, bytes))):
             n = len(units)
@@ -186,7 +189,7 @@ class TieredCache:
         prev = self._table.find(request_id)
         kept = (prev.units, prev.prompt_tokens) if prev is not None else None
         try:
-            return self._admitter.admit(request_id, units, prompt_tokens, chunk_tokens)
+            return self._admitter.admit(request_id, units, prompt_tokens, chunk_tokens, prev)
         except KvtierError:
             raise
         except Exception as exc:  # a key that passed the probe raised in the tree's match (it changes
@@ -359,10 +362,11 @@ class TieredCache:
             room = self.max_writebacks_in_flight - core.ops_in_flight(Direction.WRITEBACK)
             if room > 0:
                 core.issue_writebacks(room)
-        if not core.has_commands() and not self._table.has_news():
+        waiting = core.has_commands()
+        table = self._table
+        if not waiting and not table.has_news():
             return _NOTHING  # (most polls of a step loop: nothing to hand out or report)
-        commands = tuple(core.poll_commands()) if core.has_commands() else ()
-        return PollResult(commands, tuple(self._table.take_events()))
+        return PollResult(tuple(core.poll_commands()) if waiting else (), tuple(table.take_events()))
 
     # ------------------------------------------------------------------ the driving thread
     def bind_thread(self) -> None:

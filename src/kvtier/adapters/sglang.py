@@ -234,12 +234,13 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         ``collect``, deliver the completions that came back. Returns the tokens whose KV
         indices went back to SGLang's allocator."""
         core = self.core
-        if core.has_host:
+        if core.has_host and core.writebacks:  # (tree writebacks queued)
             core.issue_writebacks()
-        for cmd in core.poll_commands():
-            (t,) = cmd.transfers
-            dev = t.src_pages if cmd.direction is Direction.WRITEBACK else t.dst_pages
-            self.executor.submit(cmd, self.pages.token_indices(dev))
+        if core.has_commands():
+            for cmd in core.poll_commands():
+                (t,) = cmd.transfers
+                dev = t.src_pages if cmd.direction is Direction.WRITEBACK else t.dst_pages
+                self.executor.submit(cmd, self.pages.token_indices(dev))
         if collect:
             for c in self.executor.collect():
                 for s in core.complete(c):
