@@ -199,12 +199,16 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                 raise UsageError(f"prepare_load: chunk {short_hex(key)} of request {ctx.req_id!r} has no acknowledged "
                                   f"host copy ({n.state if n is not None else 'not stored'})")
             nodes.append(n)
+        if tier.own_use and tier.isolate(keys_, dict.fromkeys(nodes)) != list(dict.fromkeys(nodes)):
+            nodes = [cast(Node, tier.resolve(k)) for k in keys_]  # (cut to the loaded chunks: their own uses)
         slots = [tier.host_slot(n, k) for n, k in zip(nodes, keys_)]
         st = self._req(ctx)
         by_key = dict(zip(keys_, nodes))
         order = list(dict.fromkeys(by_key[k] for k in self.order.tail_first(keys_, ctx, st)))
         pin = tier.core.pin(order, owner=st.req_id) if order else None
         locks = [tier.core.lock(n, owner=st.req_id) for n in order]
+        if tier.own_use:  # (a lock stamps the core's clock on the path; the own use is the nodes')
+            tier.use_by(st, order, self.order, ctx)
         if order:
             self.tier.stamp_heads(self.order, order[-1], st)
         st.loads.append(LoadRecord(frozenset(keys_), pin, locks))
@@ -220,6 +224,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         """
         keys_ = check_keys(keys, "touch", unique=False)
         ctx = check_ctx(req_context, "touch")
+        if self.tier.own_use:
+            self.tier.isolate(keys_)
         done: set[int] = set()
         for key in reversed(keys_):
             n = self.tier.resolve(key)
@@ -317,7 +323,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         if keys:
             order.coord(keys[-1], ctx, st)  # the parent of the request's next store, likely
         if not chained and not flat:
-            self._stamp_reused(reused.values(), (), st)
+            tier.stamp_offer(keys, reused.values(), (), (), st, (order, ctx))
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         need = len(chained) + len(flat)
         self._batch_alloc.append(need)  # refused calls count too, as vLLM's
@@ -343,7 +349,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         paths.extend((k,) for k in reversed(flat))  # the last offered goes first
         guarded = {**reused, **parents}
         if not tier.can_free(need, itertools.chain(guarded.values(), self._held())):
-            self._stamp_reused(reused.values(), (), st)
+            tier.stamp_offer(keys, reused.values(), (), (), st, (order, ctx))
             self.refused_stores += 1
             return None
         pages: list[dict[str, list[int]]] = []
@@ -358,8 +364,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         evicted = tier.make_room(need, guarded.values())
         self.evicted_chunks += len(evicted)
         self._event(evicted, removed=True)
-        self._stamp_reused(reused.values(), parents.values(), st)
+        if not tier.own_use:
+            tier.stamp_offer(keys, reused.values(), parents.values(), (), st)
         created, op_ids = tier.insert(paths, pages)
+        if tier.own_use:
+            tier.stamp_offer(keys, reused.values(), (), created, st, (order, ctx))
         slot = {k: s for n in created for k, s in zip(node_keys(n), n.pending[GROUP])}
         store = StoreRecord(frozenset(slot), op_ids, st.req_id)
         st.stores.append(store)
@@ -390,18 +399,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                     order.coord(k, ctx, st)
                 pc = order.pred(first[0], st)
         return pc
-
-    def _stamp_reused(self, reused: Iterable[Node], parents: Iterable[Node], st: RequestRecord) -> None:
-        """Stamp the chunks an offer holds that are already stored (a reuse, as vLLM's lru
-        records it), the offer's head the most recent: in reverse offer order, skipping
-        those the stamp of a deeper one (or the coming insert under a parent) covers."""
-        covered: set[int] = set()
-        for p in parents:
-            covered.update(a.node_id for a in p.path())
-        for n in reversed(list(reused)):
-            if n.node_id not in covered:
-                self.tier.stamp(n, st.req_id)
-                covered.update(a.node_id for a in n.path())
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Acknowledge (``success``) or fail the writebacks of the stores ``keys`` cover.
@@ -450,6 +447,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         st = self._reqs.get(check_ctx(req_context, "on_request_finished").req_id)
         if st is not None:
             st.finished = True
+            if self.tier.own_use:
+                self.tier.finish(st)
             self._maybe_drop(st)
 
     def take_events(self) -> Iterator[OffloadingEvent]:

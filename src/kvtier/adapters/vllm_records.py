@@ -49,6 +49,8 @@ class RequestRecord:
     stores: list[StoreRecord] = field(default_factory=list)
     loads: list[LoadRecord] = field(default_factory=list)
     finished: bool = False
+    rank: int = 0  # own-use order: the request's rank (0: none yet; kvtier.adapters.vllm_recency)
+    used: dict[int, Any] = field(default_factory=dict)  # own-use order: node id -> node it used
 
 
 def short_hex(key: object) -> str:
