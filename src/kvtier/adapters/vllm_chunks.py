@@ -358,27 +358,33 @@ class ChunkTier:
         """Own-use order: request ``st`` stored, loaded or reused ``nodes``: each takes the
         request's rank at the token position of its last chunk; one without a position
         keeps its use, or with ``fresh`` (a new node) takes a new rank."""
-        v = self.victims
+        use = self.victims.use
         if not st.rank:
-            st.rank = v.new_rank()
+            st.rank = self.victims.new_rank()
+        rank, used, coords = st.rank, st.used, st.coord
         for n in nodes:
-            st.used[n.node_id] = n
-            c = order.coord(n.key[-1], ctx, st)
+            used[n.node_id] = n
+            last = n.key[-1]
+            c = coords.get(last) or order.coord(last, ctx, st)
             if c is not None:
-                v.use(n, st.rank, c[0])
+                use(n, rank, c[0])
             elif fresh:
-                v.use(n)
+                use(n)
 
     def finish(self, st: Any) -> None:
         """Own-use order: request ``st`` finished: every node it used takes a new rank,
         tails first, so its head is the most recent (vLLM's lru commits a request's
         recency so)."""
-        has = self.core.tree.has
+        if not st.used:
+            return
+        has, coords = self.core.tree.has, st.coord
         nodes = [n for n in st.used.values() if has(n) and n.state in _ON_HOST]
         st.used = {}
-        nodes.sort(key=lambda n: (st.coord.get(n.key[-1], (0, 0)), n.depth), reverse=True)
+        if len(nodes) > 1:
+            nodes.sort(key=lambda n: (coords.get(n.key[-1], (0, 0)), n.depth), reverse=True)
+        use = self.victims.use
         for n in nodes:
-            self.victims.use(n)
+            use(n)
 
     def stamp_heads(self, order: Any, node: Node, st: Any) -> None:
         """Stamp, after ``node``, the chunks of request ``st`` that precede it in another

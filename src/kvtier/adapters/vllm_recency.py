@@ -168,7 +168,11 @@ class UseOrder:
                 heapq.heappush(heap, (now, n))
                 continue
             del at[nid]
-            yield from self._with_tails(n)
+            if n.children:
+                yield from self._with_tails(n)
+            else:
+                self.considered.append(n)
+                yield n
 
     def _with_tails(self, top: Node) -> Iterator[Node]:
         """``top``'s host subtree, deepest first (children oldest use first), ``top`` last."""
