@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 
 from kvtier.adapters.vllm import KvtierOffloadingManager  # noqa: E402
 from kvtier.adapters.vllm_machine import check_drained  # noqa: E402
-from kvtier.fsm import ConfigError, UsageError  # noqa: E402
+from kvtier.fsm import ConfigError, KvtierError, UsageError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -273,6 +273,18 @@ def test_a_finished_request_becomes_more_recent_than_one_still_running() -> None
     out = m.prepare_store(keys("x", 1), ctx("x"))
     assert out is not None and out.evicted_keys == b
     assert looks(m, a) == [HIT]
+
+
+def test_check_invariants_finds_a_host_chunk_the_eviction_order_lost() -> None:
+    m = manager(4)
+    a = keys("a", 2)
+    store(m, ctx("r", a), a)
+    m.check_invariants()
+    node = m.tier.resolve(a[0])
+    assert node is not None
+    del m.tier.victims._at[node.node_id]  # (a corruption: the node is no longer an eviction candidate)
+    with pytest.raises(KvtierError, match="have no heap entry"):
+        m.check_invariants()
 
 
 def test_two_full_attention_groups_evict_both_tails_first() -> None:

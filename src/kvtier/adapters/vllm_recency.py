@@ -35,6 +35,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kvtier.fsm import KvtierError
 from kvtier.fsm.node import HOST_VISIBLE, Node
 
 __all__ = ["UseOrder"]
@@ -142,6 +143,18 @@ class UseOrder:
             for n in itertools.chain(nodes, opened):
                 if n.node_id not in self._at and n.state in _HOST and self._is_live(n):
                     self._file(n)
+
+    def check(self) -> None:
+        """Own use: every node on the host has a heap entry (else eviction would never
+        consider it, or consider it late).
+
+        Raises:
+            KvtierError: a node on the host without one.
+        """
+        if self.own_use:
+            lost = [n.node_id for n in self._nodes() if n.state in _HOST and n.node_id not in self._at]
+            if lost:
+                raise KvtierError(f"host eviction order: nodes {lost[:8]} on the host have no heap entry")
 
     # ------------------------------------------------------------------ candidates
     def device_candidates(self) -> Iterator[Node]:
