@@ -7,7 +7,8 @@ manager's contract (``tests/adapters/test_vllm_manager_contract.py`` runs vLLM's
 
 - a prefix never loses its head before its tail: full-attention chunks chain by token
   position (all full-attention groups interleaved: chunk ``i`` of every group before
-  chunk ``i + 1``), and eviction takes tree leaves, deepest chunks first;
+  chunk ``i + 1``), and the host stays prefix-closed (``lru``: each chunk ranked by its own
+  uses as vLLM's lru ranks it, a head with its tails: :mod:`kvtier.adapters.vllm_recency`);
 - a call that is refused (``prepare_store`` returning ``None``) or that raises changes
   nothing stored;
 - every misuse raises :class:`~kvtier.fsm.UsageError` naming the value.
@@ -181,8 +182,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        """Pin the host copies of ``keys`` and lock their nodes (stamping recency, tails
-        first) until :meth:`complete_load` with the same keys. The spec's slots are
+        """Pin the host copies of ``keys`` and lock their nodes (stamping their use, a
+        request's use with ``lru``) until :meth:`complete_load` with the same keys. The spec's slots are
         co-indexed with ``keys``.
 
         Raises:
@@ -264,8 +265,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Start the writeback of the offered chunks that the host does not hold yet.
 
-        Host room comes first: when short, the least recently used host leaves are
-        evicted exactly (deepest chunks first, never one this offer holds or chains from);
+        Host room comes first: when short, host chunks are evicted exactly in the eviction
+        order (a head after its tails, never one this offer holds or chains from);
         their keys are ``evicted_keys``. A full-attention run chains under its stored
         parent chunk; a run whose parent is not acknowledged on the host (still being
         written, or only in vLLM's GPU cache) is stored as a tree of its own and stays
