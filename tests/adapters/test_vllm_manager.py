@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 
 from kvtier.adapters.vllm import KvtierOffloadingManager  # noqa: E402
 from kvtier.adapters.vllm_machine import check_drained  # noqa: E402
-from kvtier.fsm import ConfigError, UsageError  # noqa: E402
+from kvtier.fsm import ConfigError, KvtierError, UsageError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -202,6 +202,89 @@ def test_eviction_keeps_a_shared_prefix_while_its_tails_go() -> None:
     assert looks(m, sys_prompt) == [HIT, HIT]
     assert looks(m, tails[-1]) == [HIT, HIT]
     assert looks(m, tails[0]) == [MISS, MISS]
+
+
+def _gpu_served_head(m: KvtierOffloadingManager) -> tuple[list[bytes], list[bytes]]:
+    """r1 stores a0 a1 (one node), r2 stores b0 b1, then r3, whose GPU prefix hit is a0,
+    loads a1 and stores a2 below it: a0 is not used again (vLLM never asks for it)."""
+    a, b = keys("a", 3), keys("b", 2)
+    for rid, ks in (("r1", a[:2]), ("r2", b)):
+        c = ctx(rid, ks)
+        store(m, c, ks)
+        m.on_request_finished(c)
+    c3 = ctx("r3", a[1:], first=1)
+    assert m.lookup(a[1], c3) is HIT
+    m.prepare_load(a[1:2], c3)
+    m.complete_load(a[1:2], c3)
+    assert store(m, c3, a[1:]) == a[2:]
+    m.on_request_finished(c3)
+    return a, b
+
+
+def test_a_head_the_gpu_serves_ages_and_goes_with_its_tails_before_a_run_used_later() -> None:
+    # vLLM's lru ranks each chunk by its own uses: a0 is its oldest chunk. kvtier's host
+    # stays prefix-closed, so a0's tails go first (deepest first), then a0; b, used after
+    # a0, stays (the core's path-stamped lru kept a0 as recent as a2 and evicted b)
+    m = manager(5)
+    a, b = _gpu_served_head(m)
+    assert [n.key for n in map(m.tier.resolve, a)] == [(a[0],), (a[1],), (a[2],)]  # the load cut a0 off a1
+    out = m.prepare_store(keys("c", 1), ctx("rc"))
+    assert out is not None and out.evicted_keys == [a[2]]
+    out = m.prepare_store(keys("d", 2), ctx("rd"))
+    assert out is not None and out.evicted_keys == [a[1], a[0]]
+    assert looks(m, b) == [HIT, HIT] and looks(m, a) == [MISS] * 3
+    m.check_invariants()
+
+
+def test_a_pinned_tail_keeps_its_head_and_the_head_goes_next_once_released() -> None:
+    m = manager(5)
+    a, b = _gpu_served_head(m)
+    c = ctx("r4", a[1:], first=1)
+    m.prepare_load(a[1:], c)  # pins a1 a2 (now more recent than b): a0 cannot go
+    out = m.prepare_store(keys("c", 1), ctx("rc"))
+    assert out is not None and out.evicted_keys == [b[1]]
+    m.complete_load(a[1:], c)
+    m.on_request_finished(c)
+    out = m.prepare_store(keys("d", 1), ctx("rd"))  # a0 is still the oldest: a tail of it goes
+    assert out is not None and out.evicted_keys == [a[2]]
+    assert looks(m, [b[0], a[0], a[1]]) == [HIT, HIT, HIT]
+    m.check_invariants()
+
+
+def test_a_running_request_ranks_its_chunks_by_token_position_tails_first() -> None:
+    # vLLM's lru: the chunks a running request stored, in any order, go tail first
+    m = manager(3)
+    h, mid, t = keys("a", 3)
+    c = ctx("r", [h, mid, t])
+    for k in (h, t, mid):  # t is stored before its parent: a tree of its own
+        store(m, c, [k])
+    out = m.prepare_store(keys("x", 1), ctx("x"))
+    assert out is not None and out.evicted_keys == [t]
+
+
+def test_a_finished_request_becomes_more_recent_than_one_still_running() -> None:
+    # vLLM's lru ranks a request at its first use and commits new ranks when it finishes
+    m = manager(2)
+    a, b = keys("a", 1), keys("b", 1)
+    ca, cb = ctx("ra", a), ctx("rb", b)
+    store(m, ca, a)
+    store(m, cb, b)  # rb is ranked after ra
+    m.on_request_finished(ca)  # ra's chunks now rank above rb's, still running
+    out = m.prepare_store(keys("x", 1), ctx("x"))
+    assert out is not None and out.evicted_keys == b
+    assert looks(m, a) == [HIT]
+
+
+def test_check_invariants_finds_a_host_chunk_the_eviction_order_lost() -> None:
+    m = manager(4)
+    a = keys("a", 2)
+    store(m, ctx("r", a), a)
+    m.check_invariants()
+    node = m.tier.resolve(a[0])
+    assert node is not None
+    del m.tier.victims._at[node.node_id]  # (a corruption: the node is no longer an eviction candidate)
+    with pytest.raises(KvtierError, match="have no heap entry"):
+        m.check_invariants()
 
 
 def test_two_full_attention_groups_evict_both_tails_first() -> None:

@@ -25,6 +25,8 @@ from kvtier.fsm.errors import CapacityError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.node import HOST_PENDING, HOST_VISIBLE, Node, PageMap
 
+from .vllm_recency import UseOrder
+
 __all__ = ["GROUP", "ChunkTier", "chunk_layout", "node_keys"]
 
 #: the core's one cache group: one page = one offload chunk of one vLLM KV cache group
@@ -51,38 +53,15 @@ def node_keys(n: Node) -> tuple[bytes, ...]:
     return cast("tuple[bytes, ...]", n.key)
 
 
-class _Victims:
-    """The core's eviction policy, decorated (an :class:`~kvtier.fsm.node.eviction.EvictionPolicy`).
-
-    Records every node the core considered for host eviction (so the tier learns which
-    chunks it evicted), and can restrict the device candidates to an explicit list (so
-    the tier clears exactly the staging copies of chunks that lost their host copy).
-    Order and legality stay the core's.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.considered: list[Node] = []
-        self.only: list[Node] | None = None
-        self.touch = inner.touch  # (the core's, unwrapped: called on every node event)
-
-    def device_candidates(self) -> Iterator[Node]:
-        return iter(self.only) if self.only is not None else self.inner.device_candidates()
-
-    def host_candidates(self) -> Iterator[Node]:
-        for n in self.inner.host_candidates():
-            self.considered.append(n)
-            yield n
-
-
 class ChunkTier:
     """kvtier's core holding vLLM offload chunks (see the module docstring).
 
     Args:
         num_chunks: host capacity in chunks (keys of one group each), >= 0.
         staging_chunks: pages of the core's nominal staging pool.
-        eviction: the core's eviction policy (:data:`kvtier.fsm.node.eviction.POLICIES`).
+        eviction: the core's eviction policy (:data:`kvtier.fsm.node.eviction.POLICIES`);
+            ``lru`` orders the host by each chunk's own use, a head with its tails
+            (:mod:`kvtier.adapters.vllm_recency`), the others by the core's clock.
 
     Raises:
         ConfigError: bad capacities or an unknown eviction policy.
@@ -93,8 +72,10 @@ class ChunkTier:
         self.staging_chunks = staging_chunks
         self.core = CacheCore(chunk_layout(), {GROUP: staging_chunks}, {GROUP: num_chunks},
                               policy="write_through", eviction=eviction)
-        self.victims = _Victims(self.core.eviction)
+        #: the host eviction order (the core's index, decorated); ``own_use``: stamps are own uses
+        self.victims = UseOrder(self.core.eviction, self.core.nodes, self.core.tree.has, own_use=eviction == "lru")
         self.core.eviction = self.victims
+        self.own_use = self.victims.own_use
         #: key -> (the node that held it, its offset from that node's end): a split keeps
         #: a node's suffix and moves its prefix into a new parent, so the offset finds the
         #: key again, in the node or walking up
@@ -202,6 +183,7 @@ class ChunkTier:
         if short <= 0:
             return []
         self.victims.considered = []
+        self.victims.opened = []
         self.core.evict_host({GROUP: short}, protect=protect)
         evicted = self.take_evicted()
         if self.free() < need:
@@ -215,13 +197,16 @@ class ChunkTier:
         considered, self.victims.considered = self.victims.considered, []
         evicted: list[bytes] = []
         dropped: list[Node] = []
+        spared: list[Node] = []
         for n in dict.fromkeys(considered):  # (a node may be considered twice)
             alive = self.core.tree.has(n)
             if alive and n.state in _ON_HOST:
-                continue  # spared (pinned, protected, written, or not needed)
+                spared.append(n)  # spared (pinned, protected, locked, a tail being written, or not needed)
+                continue
             evicted.extend(node_keys(n))
             if alive:
                 dropped.append(n)
+        self.victims.refile(spared)
         self.clear_staging(dropped)
         for k in evicted:
             self.index.pop(k, None)
@@ -234,6 +219,7 @@ class ChunkTier:
         gone = [n for n in nodes if self.core.tree.has(n) and n.state == "device"]
         if not gone:
             return
+        gone.sort(key=lambda n: -n.depth)  # (a tail before its head: a node goes only without a child there)
         self.victims.only = gone
         try:
             self.core.evict_device({GROUP: sum(len(n.dev.get(GROUP, ())) for n in gone)})
@@ -303,15 +289,110 @@ class ChunkTier:
                 self.resolve(k)
 
     def stamp(self, node: Node, owner: str | None) -> None:
-        """Stamp the recency of ``node``'s path (a lock and an unlock on the core's
-        logical clock)."""
-        self.core.unlock(self.core.lock(node, owner=owner))
+        """Stamp the recency of ``node``: its own use (``lru``), or its path's (a lock and
+        an unlock on the core's logical clock)."""
+        if self.own_use:
+            self.victims.use(node)
+        else:
+            self.core.unlock(self.core.lock(node, owner=owner))
+
+    def isolate(self, keys: Sequence[bytes], nodes: Collection[Node] = ()) -> list[Node]:
+        """Cut the acknowledged nodes holding ``keys`` so that each begins at its first key
+        of ``keys`` and ends at its last (the chunks of a node then share their own uses);
+        returns those nodes, in the order of ``keys``. ``nodes``: the nodes holding
+        ``keys``, when the caller knows them (no cut is needed when each holds its ends).
+        Keys not stored, or still being written, are ignored."""
+        if nodes:
+            want = set(keys)
+            has = self.core.tree.has
+            if all(has(n) and n.key[0] in want and n.key[-1] in want for n in nodes):
+                return list(nodes)
+        spans: dict[int, list[Any]] = {}
+        index = self.index
+        for k in keys:
+            n = self.resolve(k)
+            if n is None or n.state not in HOST_VISIBLE:
+                continue
+            i = len(n.key) - 1 - index[k][1]
+            sp = spans.get(n.node_id)
+            if sp is None:
+                spans[n.node_id] = [n, i, i]
+            elif i < sp[1]:
+                sp[1] = i
+            elif i > sp[2]:
+                sp[2] = i
+        out = []
+        for n, lo, hi in spans.values():
+            if hi + 1 < len(n.key):
+                n = self.core.split(n, hi + 1)  # (the new prefix fragment holds the span)
+            if lo > 0:
+                self.core.split(n, lo)  # (n keeps the span)
+            out.append(n)
+        return out
+
+    def stamp_offer(self, keys: Sequence[bytes], reused: Collection[Node], parents: Iterable[Node],
+                    created: Collection[Node], st: Any, use: tuple[Any, Any] | None = None) -> None:
+        """Stamp the chunks of a ``prepare_store`` offer. Own use (``lru``; after the
+        insert; ``use``: the request's ``(ChainOrder, ReqContext)``): the new nodes and the
+        offered chunks stored already (a reuse, as vLLM's lru records it, refused offers
+        too) are used by the request (:meth:`use_by`); the parents its runs chain under
+        are not. The core's clock (before the insert, which stamps the new nodes' paths):
+        the reused nodes in reverse offer order, skipping those the stamp of a deeper one
+        (or the coming insert under a parent) covers."""
+        if self.own_use:
+            assert use is not None
+            if created:
+                self.use_by(st, created, *use, fresh=True)
+            if reused:
+                self.use_by(st, self.isolate(keys, reused), *use)
+            return
+        covered: set[int] = set()
+        for p in parents:
+            covered.update(a.node_id for a in p.path())
+        for n in reversed(list(reused)):
+            if n.node_id not in covered:
+                self.stamp(n, st.req_id)
+                covered.update(a.node_id for a in n.path())
+
+    def use_by(self, st: Any, nodes: Iterable[Node], order: Any, ctx: Any, fresh: bool = False) -> None:
+        """Own-use order: request ``st`` stored, loaded or reused ``nodes``: each takes the
+        request's rank at the token position of its last chunk; one without a position
+        keeps its use, or with ``fresh`` (a new node) takes a new rank."""
+        use = self.victims.use
+        if not st.rank:
+            st.rank = self.victims.new_rank()
+        rank, used, coords = st.rank, st.used, st.coord
+        for n in nodes:
+            used[n.node_id] = n
+            last = n.key[-1]
+            c = coords.get(last) or order.coord(last, ctx, st)
+            if c is not None:
+                use(n, rank, c[0])
+            elif fresh:
+                use(n)
+
+    def finish(self, st: Any) -> None:
+        """Own-use order: request ``st`` finished: every node it used takes a new rank,
+        tails first, so its head is the most recent (vLLM's lru commits a request's
+        recency so)."""
+        if not st.used:
+            return
+        has, coords = self.core.tree.has, st.coord
+        nodes = [n for n in st.used.values() if has(n) and n.state in _ON_HOST]
+        st.used = {}
+        if len(nodes) > 1:
+            nodes.sort(key=lambda n: (coords.get(n.key[-1], (0, 0)), n.depth), reverse=True)
+        use = self.victims.use
+        for n in nodes:
+            use(n)
 
     def stamp_heads(self, order: Any, node: Node, st: Any) -> None:
         """Stamp, after ``node``, the chunks of request ``st`` that precede it in another
         tree (a run stored under the root because its parent was not acknowledged on the
         host), following the request's chain ``order``: a head then stays more recent
-        than its tail."""
+        than its tail. (Own-use order ranks a request's chunks by token position: a no-op.)"""
+        if self.own_use:
+            return
         seen: set[int] = set()
         n = node
         while True:

@@ -7,7 +7,8 @@ manager's contract (``tests/adapters/test_vllm_manager_contract.py`` runs vLLM's
 
 - a prefix never loses its head before its tail: full-attention chunks chain by token
   position (all full-attention groups interleaved: chunk ``i`` of every group before
-  chunk ``i + 1``), and eviction takes tree leaves, deepest chunks first;
+  chunk ``i + 1``), and the host stays prefix-closed (``lru``: each chunk ranked by its own
+  uses as vLLM's lru ranks it, a head with its tails: :mod:`kvtier.adapters.vllm_recency`);
 - a call that is refused (``prepare_store`` returning ``None``) or that raises changes
   nothing stored;
 - every misuse raises :class:`~kvtier.fsm.UsageError` naming the value.
@@ -181,8 +182,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        """Pin the host copies of ``keys`` and lock their nodes (stamping recency, tails
-        first) until :meth:`complete_load` with the same keys. The spec's slots are
+        """Pin the host copies of ``keys`` and lock their nodes (stamping their use, a
+        request's use with ``lru``) until :meth:`complete_load` with the same keys. The spec's slots are
         co-indexed with ``keys``.
 
         Raises:
@@ -199,12 +200,16 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                 raise UsageError(f"prepare_load: chunk {short_hex(key)} of request {ctx.req_id!r} has no acknowledged "
                                   f"host copy ({n.state if n is not None else 'not stored'})")
             nodes.append(n)
+        if tier.own_use and tier.isolate(keys_, dict.fromkeys(nodes)) != list(dict.fromkeys(nodes)):
+            nodes = [cast(Node, tier.resolve(k)) for k in keys_]  # (cut to the loaded chunks: their own uses)
         slots = [tier.host_slot(n, k) for n, k in zip(nodes, keys_)]
         st = self._req(ctx)
         by_key = dict(zip(keys_, nodes))
         order = list(dict.fromkeys(by_key[k] for k in self.order.tail_first(keys_, ctx, st)))
         pin = tier.core.pin(order, owner=st.req_id) if order else None
         locks = [tier.core.lock(n, owner=st.req_id) for n in order]
+        if tier.own_use:  # (a lock stamps the core's clock on the path; the own use is the nodes')
+            tier.use_by(st, order, self.order, ctx)
         if order:
             self.tier.stamp_heads(self.order, order[-1], st)
         st.loads.append(LoadRecord(frozenset(keys_), pin, locks))
@@ -220,6 +225,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         """
         keys_ = check_keys(keys, "touch", unique=False)
         ctx = check_ctx(req_context, "touch")
+        if self.tier.own_use:
+            self.tier.isolate(keys_)
         done: set[int] = set()
         for key in reversed(keys_):
             n = self.tier.resolve(key)
@@ -258,8 +265,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Start the writeback of the offered chunks that the host does not hold yet.
 
-        Host room comes first: when short, the least recently used host leaves are
-        evicted exactly (deepest chunks first, never one this offer holds or chains from);
+        Host room comes first: when short, host chunks are evicted exactly in the eviction
+        order (a head after its tails, never one this offer holds or chains from);
         their keys are ``evicted_keys``. A full-attention run chains under its stored
         parent chunk; a run whose parent is not acknowledged on the host (still being
         written, or only in vLLM's GPU cache) is stored as a tree of its own and stays
@@ -317,7 +324,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         if keys:
             order.coord(keys[-1], ctx, st)  # the parent of the request's next store, likely
         if not chained and not flat:
-            self._stamp_reused(reused.values(), (), st)
+            tier.stamp_offer(keys, reused.values(), (), (), st, (order, ctx))
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
         need = len(chained) + len(flat)
         self._batch_alloc.append(need)  # refused calls count too, as vLLM's
@@ -343,7 +350,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         paths.extend((k,) for k in reversed(flat))  # the last offered goes first
         guarded = {**reused, **parents}
         if not tier.can_free(need, itertools.chain(guarded.values(), self._held())):
-            self._stamp_reused(reused.values(), (), st)
+            tier.stamp_offer(keys, reused.values(), (), (), st, (order, ctx))
             self.refused_stores += 1
             return None
         pages: list[dict[str, list[int]]] = []
@@ -358,8 +365,11 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         evicted = tier.make_room(need, guarded.values())
         self.evicted_chunks += len(evicted)
         self._event(evicted, removed=True)
-        self._stamp_reused(reused.values(), parents.values(), st)
+        if not tier.own_use:
+            tier.stamp_offer(keys, reused.values(), parents.values(), (), st)
         created, op_ids = tier.insert(paths, pages)
+        if tier.own_use:
+            tier.stamp_offer(keys, reused.values(), (), created, st, (order, ctx))
         slot = {k: s for n in created for k, s in zip(node_keys(n), n.pending[GROUP])}
         store = StoreRecord(frozenset(slot), op_ids, st.req_id)
         st.stores.append(store)
@@ -390,18 +400,6 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                     order.coord(k, ctx, st)
                 pc = order.pred(first[0], st)
         return pc
-
-    def _stamp_reused(self, reused: Iterable[Node], parents: Iterable[Node], st: RequestRecord) -> None:
-        """Stamp the chunks an offer holds that are already stored (a reuse, as vLLM's lru
-        records it), the offer's head the most recent: in reverse offer order, skipping
-        those the stamp of a deeper one (or the coming insert under a parent) covers."""
-        covered: set[int] = set()
-        for p in parents:
-            covered.update(a.node_id for a in p.path())
-        for n in reversed(list(reused)):
-            if n.node_id not in covered:
-                self.tier.stamp(n, st.req_id)
-                covered.update(a.node_id for a in n.path())
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Acknowledge (``success``) or fail the writebacks of the stores ``keys`` cover.
@@ -450,6 +448,8 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         st = self._reqs.get(check_ctx(req_context, "on_request_finished").req_id)
         if st is not None:
             st.finished = True
+            if self.tier.own_use:
+                self.tier.finish(st)
             self._maybe_drop(st)
 
     def take_events(self) -> Iterator[OffloadingEvent]:

@@ -49,6 +49,8 @@ class RequestRecord:
     stores: list[StoreRecord] = field(default_factory=list)
     loads: list[LoadRecord] = field(default_factory=list)
     finished: bool = False
+    rank: int = 0  # own-use order: the request's rank (0: none yet; kvtier.adapters.vllm_recency)
+    used: dict[int, Any] = field(default_factory=dict)  # own-use order: node id -> node it used
 
 
 def short_hex(key: object) -> str:
@@ -196,7 +198,8 @@ class OfferCounter:
 def check_records(core: Any, reqs: Iterable[RequestRecord], pending: Mapping[bytes, StoreRecord]) -> None:
     """The core's invariants, then the manager's records against it: every store in
     flight names live ``writing`` operations and is indexed by its keys, every load holds
-    a live pin, and every staged node holds a host copy or is being written.
+    a live pin, every staged node holds a host copy or is being written, and (own-use
+    order) every chunk on the host is filed in the eviction order's heap.
 
     Raises:
         InvariantViolation: from the core.
@@ -221,3 +224,6 @@ def check_records(core: Any, reqs: Iterable[RequestRecord], pending: Mapping[byt
     orphans = [n.node_id for n in core.nodes() if n.state == "device"]
     if orphans:
         raise KvtierError(f"nodes {orphans[:8]} hold only a staging copy (no host copy, no writeback)")
+    check = getattr(core.eviction, "check", None)
+    if check is not None:
+        check()
