@@ -21,9 +21,8 @@ from .stats import RunStats, TimedCache
 __all__ = ["ReferenceScheduler", "DEFAULT_MAX_IDLE_STEPS"]
 
 DEFAULT_MAX_IDLE_STEPS = 100_000
-"""Scheduler iterations in a row without progress (no forward pass, arrival or ended request)
-after which :meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (so that a lost
-transfer completion is not waited for forever)."""
+"""Iterations in a row without progress (no forward pass, arrival or ended request) after which
+:meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (a lost completion is not awaited forever)."""
 
 _ADMITTED = attrgetter("admitted_order")
 
@@ -76,10 +75,9 @@ class ReferenceScheduler(Retractions):
         # event or a completion since (``_changes``), or a smaller first chunk
         self._changes = 0
         self._resume_failed: tuple[str, int, int] | None = None  # (request, _changes, chunk)
-        # a failed admission likewise, while nothing it depends on has changed either: no
-        # request event or completion, no node lifecycle event (a node published, evicted,
-        # demoted ...), no pool's count of pages in use (a deferred free, a duplicate given
-        # back, a decode token's page)
+        # a failed admission likewise, while nothing it depends on has changed either: no request event
+        # or completion, no node lifecycle event (a node published, evicted, demoted ...), no pool's
+        # count of pages in use (a deferred free, a duplicate given back, a decode token's page)
         self._admit_failed: tuple[str, tuple[int, ...], int] | None = None  # (request, _capacity_mark, chunk)
 
     # -- helpers ---------------------------------------------------------------------
@@ -87,9 +85,8 @@ class ReferenceScheduler(Retractions):
         return sum(t.pages * self._group_bytes[t.group] for t in cmd.transfers)
 
     def _capacity_mark(self) -> tuple[int, ...]:
-        """What an admission's outcome depends on, as counters that move whenever it may
-        change: request events and completions seen, node lifecycle triggers fired, and
-        every pool's pages in use."""
+        """What an admission's outcome depends on, as counters that move whenever it may change:
+        request events and completions seen, node lifecycle triggers fired, every pool's pages in use."""
         core = self._real_cache.core
         mark = [self._changes, core.stats.triggers]
         mark.extend(a.used for a in core.device.values())
@@ -127,9 +124,11 @@ class ReferenceScheduler(Retractions):
         return self.cost.transfer_s(load_bytes)
 
     def _requeue(self, r: SchedRequest) -> None:
-        """Its loadback failed: it recomputes from the start, first in the waiting queue."""
+        """Its loadback failed: it recomputes from the start (what it decoded since a resume too), first in line."""
         if r in self._running:
             self._running.remove(r)
+        if r.resume_to and r.tokens > r.kv_target:
+            r.resume_to = r.kv_target = r.tokens
         r.tokens = 0
         if r not in self._waiting:
             self._waiting.appendleft(r)
@@ -271,11 +270,14 @@ class ReferenceScheduler(Retractions):
         return arrived
 
     def _decode(self, plan: StepPlan) -> None:
-        """One decode token for each decoding request, oldest admission first, in one
-        batched :meth:`TieredCache.step`; when pages run out, retract the newest decoding
-        request not yet in the batch (then the batch goes on after the short request)."""
+        """One decode token for each decoding request, oldest admission first, in one batched
+        :meth:`TieredCache.step` (one whose last token came while it was loading finishes first); when pages
+        run out, retract the newest decoding request not yet in the batch (the batch goes on after it)."""
         running = self._running
-        pending = sorted((r for r in running if r.tokens >= r.kv_target), key=_ADMITTED)
+        done = [r for r in running if r.tokens >= r.kv_target and r.generated >= max(1, r.output_tokens)]
+        for r in (r for r in done if not r.done and self.cache.state(r.request_id) == "running"):
+            self._finish(r)
+        pending = sorted((r for r in running if r.tokens >= r.kv_target and r not in done), key=_ADMITTED)
         while pending:
             if len(pending) > plan.budget:
                 del pending[max(0, plan.budget):]
@@ -381,9 +383,8 @@ class ReferenceScheduler(Retractions):
         self._order += 1
 
     def _idle(self, blocked: list[str]) -> None:
-        """Nothing could run this step: abort one victim when every blocked request is
-        short of cache and nothing is in flight; abort everything live when the scheduler
-        has stalled; otherwise wait for transfers or the next arrival."""
+        """Nothing could run this step: abort one victim when every blocked request is short of cache
+        and nothing is in flight; abort everything live when the scheduler has stalled; else wait for transfers."""
         cache = self.cache
         if blocked and not cache.in_flight():
             if cache.abort_victim(blocked) is not None:
@@ -408,8 +409,7 @@ class ReferenceScheduler(Retractions):
             self.now = t
 
     def _forward(self, batch: list[tuple[SchedRequest, int]], load_s: float) -> None:
-        """The forward pass (loadbacks complete layer by layer during it) and its modeled
-        time: the compute time, or the loadback time when that is longer."""
+        """The forward pass (loadbacks complete layer by layer during it), timed: compute or loadback, the longer."""
         self._deliver()
         self.executor.forward(self._real_cache, [(r.request_id, r.tokens, n) for r, n in batch])
         prefill = sum(n for r, n in batch if r.tokens < r.kv_target)
