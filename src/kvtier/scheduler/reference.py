@@ -71,6 +71,7 @@ class ReferenceScheduler(Retractions):
         self._retracted: deque[SchedRequest] = deque()
         self._live: dict[str, SchedRequest] = {}
         self._running: list[SchedRequest] = []
+        self._due: list[SchedRequest] = []  # generated every token while loading: they end once running
         # a failed resume is tried again only once capacity may have come back: a request
         # event or a completion since (``_changes``), or a smaller first chunk
         self._changes = 0
@@ -174,27 +175,23 @@ class ReferenceScheduler(Retractions):
             max_steps: int | None = None, on_step: Callable[[], None] | None = None) -> RunStats:
         """Run every request to its end; returns the statistics.
 
-        Each step: arrivals, completions and deadlines, decode tokens (:meth:`_decode`),
-        prefill chunks (:meth:`_continue_prefills`), resumptions and admissions
-        (:meth:`_resume_and_admit`), then either the forward pass and its results
-        (:meth:`_forward`, :meth:`_step_results`) or, with nothing to run, :meth:`_idle`.
+        Each step: arrivals, completions and deadlines, decode tokens (:meth:`_decode`), prefill chunks
+        (:meth:`_continue_prefills`), resumptions and admissions (:meth:`_resume_and_admit`), then either the
+        forward pass and its results (:meth:`_forward`, :meth:`_step_results`) or, with nothing to run, :meth:`_idle`.
 
-        Every loop is bounded: the requests are checked before anything runs, and a run that
-        makes no progress for ``max_idle_steps`` iterations, or runs more than
-        ``16 * (prompt + output tokens of all requests) + max_idle_steps`` iterations (a
-        retraction livelock), raises :class:`SchedulerStalled`.
+        Every loop is bounded: the requests are checked before anything runs, and a run that makes no progress
+        for ``max_idle_steps`` iterations, or runs more than ``16 * (prompt + output tokens of all requests) +
+        max_idle_steps`` iterations (a retraction livelock), raises :class:`SchedulerStalled`.
 
         Args:
             requests: the requests, by arrival time (fresh: never run before).
             progress: called with the number of requests that ended since the last call.
             max_steps: stop after this many steps (``None``: until every request ended).
-            on_step: called before every iteration, between steps, where the cache is
-                consistent (e.g. :meth:`kvtier.metrics.KvtierCollector.step`).
+            on_step: called before every iteration, where the cache is consistent (e.g. a metrics collector's step).
 
         Raises:
-            ConfigError: a request that is not a :class:`SchedRequest`, has a bad field
-                (see :meth:`SchedRequest.check`), was run before, or repeats a request id;
-                a bad ``max_steps``. Nothing has run then.
+            ConfigError: a request that is not a :class:`SchedRequest`, has a bad field (see :meth:`SchedRequest.check`),
+                was run before, or repeats a request id; a bad ``max_steps``. Nothing has run then.
             SchedulerStalled: the run stopped making progress or passed its bound.
         """
         if max_steps is not None:
@@ -206,7 +203,7 @@ class ReferenceScheduler(Retractions):
         self._resume_failed = None
         self._admit_failed = None
         self._live = {}
-        self._running = []
+        self._running, self._due = [], []
         ended_before = 0
         iterations = idle = ended_seen = 0
         while self._pending or self._live:
@@ -241,6 +238,8 @@ class ReferenceScheduler(Retractions):
             idle = 0
             self._forward(plan.batch, load_s)
             self._step_results(plan.batch)
+            self._due += [r for r, _ in plan.batch if not r.done and r.generated >= max(1, r.output_tokens)
+                          and r.tokens >= r.kv_target and self.cache.state(r.request_id) == "loading"]
             self._submit()
             if self.stats.steps % 64 == 0:
                 self._sample()
@@ -273,11 +272,12 @@ class ReferenceScheduler(Retractions):
         """One decode token for each decoding request, oldest admission first, in one batched
         :meth:`TieredCache.step` (one whose last token came while it was loading finishes first); when pages
         run out, retract the newest decoding request not yet in the batch (the batch goes on after it)."""
-        running = self._running
-        done = [r for r in running if r.tokens >= r.kv_target and r.generated >= max(1, r.output_tokens)]
-        for r in (r for r in done if not r.done and self.cache.state(r.request_id) == "running"):
+        running, due = self._running, self._due
+        for r in (r for r in due if not r.done and self.cache.state(r.request_id) == "running"):
             self._finish(r)
-        pending = sorted((r for r in running if r.tokens >= r.kv_target and r not in done), key=_ADMITTED)
+        due[:] = [r for r in due if not r.done and self.cache.state(r.request_id) == "loading"]
+        held = {id(r) for r in due}
+        pending = sorted((r for r in running if r.tokens >= r.kv_target and id(r) not in held), key=_ADMITTED)
         while pending:
             if len(pending) > plan.budget:
                 del pending[max(0, plan.budget):]
