@@ -276,8 +276,7 @@ class ReferenceScheduler(Retractions):
         for r in (r for r in due if not r.done and self.cache.state(r.request_id) == "running"):
             self._finish(r)
         due[:] = [r for r in due if not r.done and self.cache.state(r.request_id) == "loading"]
-        held = {id(r) for r in due}
-        pending = sorted((r for r in running if r.tokens >= r.kv_target and id(r) not in held), key=_ADMITTED)
+        pending = sorted((r for r in running if r.tokens >= r.kv_target and not r.done and r not in due), key=_ADMITTED)
         while pending:
             if len(pending) > plan.budget:
                 del pending[max(0, plan.budget):]
