@@ -251,8 +251,8 @@ class L3Steps(KitMachine):
             raise ModelViolation("model_drain", f"cancel of {owner}'s prefetch on instance {i}",
                                  f"driver told {told} (op {op_id}), reserved host pages {reserved} -> {left} "
                                  f"(the get held {mine})")
-        if tell:
-            self.drivers[i].cancel(op_id)
+        for op in told:  # (the tier tells the driver only of a command it handed out)
+            self.drivers[i].cancel(op)
         for p in self.pending:
             if tell and p.inst == i and p.cmd.op_id == op_id:
                 p.cancelled = True
@@ -359,21 +359,19 @@ class L3Steps(KitMachine):
         """The store's answer to ``p``: a whole failure, else the instance's store driver
         runs the command against the fake store misbehaving as ``fault`` says."""
         cmd = p.cmd
-        if fault == "error":
-            return StoreResult(cmd.op_id, error=f"{kind}: the fake store failed the operation")
-        if cmd.kind is StoreOp.PUT and not p.cancelled:
+        if cmd.kind is StoreOp.PUT and not p.cancelled and fault != "error":
             for k, pages in zip(cmd.keys, cmd.pages):
                 got = {g: [self.host[p.inst].get((g, pg)) for pg in ps] for g, ps in pages.items()}
                 if got != self._expected(k):
                     raise InvariantViolation("l3_put_source_pinned", f"put {cmd.op_id} of object {k[:12]}",
                                              f"the host pages it reads hold {got!r}")
         lease = self.tiers[p.inst].options.lease_s
-        self.fake.now, self.fake.lease_s, self.fake.fault = self.now, lease, fault
+        self.fake.now, self.fake.lease_s, self.fake.fault, self.fake.error_kind = self.now, lease, fault, kind
         try:
             res = run_command(self.drivers[p.inst], cmd)
         finally:
             self.fake.fault = None
-        if cmd.kind is StoreOp.GET:
+        if cmd.kind is StoreOp.GET and fault != "error":
             self.host[p.inst].read_back(cmd.pages)
             if not p.cancelled and lease > 0:  # the tier hears of these leases: it must respect them
                 for k in cmd.keys:
@@ -412,8 +410,8 @@ class L3Steps(KitMachine):
         """The store answers everything without a fault, transfers succeed, time passes
         until every lease has ended and every deferred remove went out and was answered;
         then neither tier nor core may hold anything (store operations, commands,
-        prefetches, reserved pages, put pins, leases, receipts) and both trees must evict
-        to full pools (:mod:`kvtier.testing.drain`)."""
+        prefetches, reserved pages, put pins, leases, receipts), neither store driver may
+        keep a command, a result or a cancelled id, and both trees must evict to full pools (:mod:`kvtier.testing.drain`)."""
         if not self.tiers:
             return
         self.kit_rate = 0.0
@@ -430,6 +428,11 @@ class L3Steps(KitMachine):
         for i, (core, tier) in enumerate(zip(self.cores, self.tiers)):
             for owner in sorted(p[0] for p in views.l3_internals(tier)[3]):
                 self._forget(i, owner)
+            drv = self.drivers[i]
+            if drv._queued or drv._done or drv._cancelled:  # every command ran, every result was taken
+                raise ModelViolation("model_drain", f"instance {i}'s store driver",
+                                     f"{drv._queued} commands queued, {len(drv._done)} results not taken, "
+                                     f"cancelled ids kept {sorted(drv._cancelled)}")
             check_l3_drained(tier, f"instance {i}'s L3 tier")
             check_core_drained(core, f"instance {i}'s core")
             evict_to_full_pools(core, partial(self._settle_core, i), f"instance {i}'s core")

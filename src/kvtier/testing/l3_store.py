@@ -15,7 +15,8 @@ exactly as an engine runs them.
   driver wrote, where, is what the content model sees.
 - :class:`FakeStore`: whole objects by key, a read lease on every object a get asks for
   (``lease_s`` of the instance that asked; a remove of a leased object is refused, as a
-  store with leases does), and the faults a command is answered with: drop the first object
+  store with leases does), and the faults a command is answered with: fail it as a whole
+  (the backend raises an error of the kind asked), drop the first object
   (a miss), tear it (a corrupt object), a gap (a middle object missing), or a prefix only
   (the last object missing).
 """
@@ -117,9 +118,15 @@ class FakeStore:
         self.now = 0.0
         self.lease_s = 0.0  # of the instance whose command runs
         self.fault: str | None = None
+        self.error_kind = "StoreError"  # with fault "error": the kind of error the backend raises
+
+    def _fail(self) -> None:
+        if self.fault == "error":  # the driver reports "<kind>: <message>"
+            raise type(self.error_kind, (Exception,), {})("the fake store failed the operation")
 
     # -- the backend interface (the driver's thread: here the machine's) -------------------
     def exists_prefix(self, keys: Sequence[str]) -> int:
+        self._fail()
         n = 0
         for k in keys:
             if k not in self.objects:
@@ -128,6 +135,7 @@ class FakeStore:
         return n - 1 if self.fault == "partial" and n else n
 
     def put(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        self._fail()
         oks = []
         for j, (k, b) in enumerate(items):
             if self.fault == "partial" and j == len(items) - 1:
@@ -138,6 +146,7 @@ class FakeStore:
         return oks
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        self._fail()
         if keys and self.fault == "drop":
             self.objects.pop(keys[0], None)
         if keys and self.fault == "torn" and keys[0] in self.objects:
@@ -152,6 +161,7 @@ class FakeStore:
         return out
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
+        self._fail()
         oks = []
         for j, k in enumerate(keys):
             if (self.fault == "partial" and j == len(keys) - 1) or self.leases.get(k, 0.0) > self.now:
@@ -166,8 +176,9 @@ class FakeStore:
 
 
 def torn(blob: bytes) -> bytes:
-    """``blob`` with its last byte flipped (a torn or overwritten object)."""
-    return blob[:-1] + bytes([blob[-1] ^ 0xFF]) if blob else b"\x00"
+    """``blob`` with its payload digest overwritten (a torn or overwritten object; tearing
+    it again leaves it torn)."""
+    return blob[:32] + b"TORNTORN" + blob[40:]
 
 
 def sync_driver(store: FakeStore, io: HostPageIO) -> StoreDriver:
