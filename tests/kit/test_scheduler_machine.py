@@ -5,6 +5,7 @@ the chunk's length) are caught; a retraction livelock fails within the machine's
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,32 @@ def test_a_retraction_livelock_fails_within_the_machines_bound() -> None:
     seq = EventSequence.load(HERE / "sequences" / "scheduler-decode-retracts-itself.json")
     result = replay(seq)
     assert result.outcome == "pass", result.describe()
+
+
+@pytest.mark.parametrize("name", ["scheduler-done-while-loading", "scheduler-requeued-after-decoding-past-resume"])
+def test_a_request_finishes_after_exactly_its_output_tokens(name: str) -> None:
+    """Two orderings where the scheduler decoded one token too many (a request done while
+    loading) or too few (requeued after decoding past its resume), caught by the finish
+    model and fixed; the sequences pass."""
+    result = replay(EventSequence.load(HERE / "sequences" / f"{name}.json"))
+    assert result.outcome == "pass", result.describe()
+
+
+def test_a_finish_one_decode_token_late_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_finish = ReferenceScheduler._finish
+    held: set[str] = set()
+
+    def late_finish(self: ReferenceScheduler, r: SchedRequest) -> None:
+        if r.request_id in held or r.output_tokens == 0:
+            real_finish(self, r)
+        else:
+            held.add(r.request_id)  # one decode token more first
+            r.generated -= 1
+
+    monkeypatch.setattr(ReferenceScheduler, "_finish", late_finish)
+    res = campaign(steps=300, seed_value=1, progress=False, mix={"scheduler": 1.0}, shrink=False, stream=io.StringIO())
+    assert not res.ok and res.failure_result is not None
+    assert res.failure_result.invariant == "model_scheduler_policy" and "output tokens asked" in res.failure_result.message
 
 
 def test_the_scheduler_machine_is_in_the_default_mix() -> None:

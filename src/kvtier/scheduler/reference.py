@@ -21,9 +21,8 @@ from .stats import RunStats, TimedCache
 __all__ = ["ReferenceScheduler", "DEFAULT_MAX_IDLE_STEPS"]
 
 DEFAULT_MAX_IDLE_STEPS = 100_000
-"""Scheduler iterations in a row without progress (no forward pass, arrival or ended request)
-after which :meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (so that a lost
-transfer completion is not waited for forever)."""
+"""Iterations in a row without progress (no forward pass, arrival or ended request) after which
+:meth:`ReferenceScheduler.run` raises :class:`SchedulerStalled` (a lost completion is not awaited forever)."""
 
 _ADMITTED = attrgetter("admitted_order")
 
@@ -72,14 +71,14 @@ class ReferenceScheduler(Retractions):
         self._retracted: deque[SchedRequest] = deque()
         self._live: dict[str, SchedRequest] = {}
         self._running: list[SchedRequest] = []
+        self._due: list[SchedRequest] = []  # generated every token while loading: they end once running
         # a failed resume is tried again only once capacity may have come back: a request
         # event or a completion since (``_changes``), or a smaller first chunk
         self._changes = 0
         self._resume_failed: tuple[str, int, int] | None = None  # (request, _changes, chunk)
-        # a failed admission likewise, while nothing it depends on has changed either: no
-        # request event or completion, no node lifecycle event (a node published, evicted,
-        # demoted ...), no pool's count of pages in use (a deferred free, a duplicate given
-        # back, a decode token's page)
+        # a failed admission likewise, while nothing it depends on has changed either: no request event
+        # or completion, no node lifecycle event (a node published, evicted, demoted ...), no pool's
+        # count of pages in use (a deferred free, a duplicate given back, a decode token's page)
         self._admit_failed: tuple[str, tuple[int, ...], int] | None = None  # (request, _capacity_mark, chunk)
 
     # -- helpers ---------------------------------------------------------------------
@@ -87,9 +86,8 @@ class ReferenceScheduler(Retractions):
         return sum(t.pages * self._group_bytes[t.group] for t in cmd.transfers)
 
     def _capacity_mark(self) -> tuple[int, ...]:
-        """What an admission's outcome depends on, as counters that move whenever it may
-        change: request events and completions seen, node lifecycle triggers fired, and
-        every pool's pages in use."""
+        """What an admission's outcome depends on, as counters that move whenever it may change:
+        request events and completions seen, node lifecycle triggers fired, every pool's pages in use."""
         core = self._real_cache.core
         mark = [self._changes, core.stats.triggers]
         mark.extend(a.used for a in core.device.values())
@@ -127,9 +125,11 @@ class ReferenceScheduler(Retractions):
         return self.cost.transfer_s(load_bytes)
 
     def _requeue(self, r: SchedRequest) -> None:
-        """Its loadback failed: it recomputes from the start, first in the waiting queue."""
+        """Its loadback failed: it recomputes from the start (what it decoded since a resume too), first in line."""
         if r in self._running:
             self._running.remove(r)
+        if r.resume_to and r.tokens > r.kv_target:
+            r.resume_to = r.kv_target = r.tokens
         r.tokens = 0
         if r not in self._waiting:
             self._waiting.appendleft(r)
@@ -175,27 +175,23 @@ class ReferenceScheduler(Retractions):
             max_steps: int | None = None, on_step: Callable[[], None] | None = None) -> RunStats:
         """Run every request to its end; returns the statistics.
 
-        Each step: arrivals, completions and deadlines, decode tokens (:meth:`_decode`),
-        prefill chunks (:meth:`_continue_prefills`), resumptions and admissions
-        (:meth:`_resume_and_admit`), then either the forward pass and its results
-        (:meth:`_forward`, :meth:`_step_results`) or, with nothing to run, :meth:`_idle`.
+        Each step: arrivals, completions and deadlines, decode tokens (:meth:`_decode`), prefill chunks
+        (:meth:`_continue_prefills`), resumptions and admissions (:meth:`_resume_and_admit`), then either the
+        forward pass and its results (:meth:`_forward`, :meth:`_step_results`) or, with nothing to run, :meth:`_idle`.
 
-        Every loop is bounded: the requests are checked before anything runs, and a run that
-        makes no progress for ``max_idle_steps`` iterations, or runs more than
-        ``16 * (prompt + output tokens of all requests) + max_idle_steps`` iterations (a
-        retraction livelock), raises :class:`SchedulerStalled`.
+        Every loop is bounded: the requests are checked before anything runs, and a run that makes no progress
+        for ``max_idle_steps`` iterations, or runs more than ``16 * (prompt + output tokens of all requests) +
+        max_idle_steps`` iterations (a retraction livelock), raises :class:`SchedulerStalled`.
 
         Args:
             requests: the requests, by arrival time (fresh: never run before).
             progress: called with the number of requests that ended since the last call.
             max_steps: stop after this many steps (``None``: until every request ended).
-            on_step: called before every iteration, between steps, where the cache is
-                consistent (e.g. :meth:`kvtier.metrics.KvtierCollector.step`).
+            on_step: called before every iteration, where the cache is consistent (e.g. a metrics collector's step).
 
         Raises:
-            ConfigError: a request that is not a :class:`SchedRequest`, has a bad field
-                (see :meth:`SchedRequest.check`), was run before, or repeats a request id;
-                a bad ``max_steps``. Nothing has run then.
+            ConfigError: a request that is not a :class:`SchedRequest`, has a bad field (see :meth:`SchedRequest.check`),
+                was run before, or repeats a request id; a bad ``max_steps``. Nothing has run then.
             SchedulerStalled: the run stopped making progress or passed its bound.
         """
         if max_steps is not None:
@@ -207,7 +203,7 @@ class ReferenceScheduler(Retractions):
         self._resume_failed = None
         self._admit_failed = None
         self._live = {}
-        self._running = []
+        self._running, self._due = [], []
         ended_before = 0
         iterations = idle = ended_seen = 0
         while self._pending or self._live:
@@ -242,6 +238,8 @@ class ReferenceScheduler(Retractions):
             idle = 0
             self._forward(plan.batch, load_s)
             self._step_results(plan.batch)
+            self._due += [r for r, _ in plan.batch if not r.done and r.generated >= max(1, r.output_tokens)
+                          and r.tokens >= r.kv_target and self.cache.state(r.request_id) == "loading"]
             self._submit()
             if self.stats.steps % 64 == 0:
                 self._sample()
@@ -271,11 +269,14 @@ class ReferenceScheduler(Retractions):
         return arrived
 
     def _decode(self, plan: StepPlan) -> None:
-        """One decode token for each decoding request, oldest admission first, in one
-        batched :meth:`TieredCache.step`; when pages run out, retract the newest decoding
-        request not yet in the batch (then the batch goes on after the short request)."""
-        running = self._running
-        pending = sorted((r for r in running if r.tokens >= r.kv_target), key=_ADMITTED)
+        """One decode token for each decoding request, oldest admission first, in one batched
+        :meth:`TieredCache.step` (one whose last token came while it was loading finishes first); when pages
+        run out, retract the newest decoding request not yet in the batch (the batch goes on after it)."""
+        running, due = self._running, self._due
+        for r in (r for r in due if not r.done and self.cache.state(r.request_id) == "running"):
+            self._finish(r)
+        due[:] = [r for r in due if not r.done and self.cache.state(r.request_id) == "loading"]
+        pending = sorted((r for r in running if r.tokens >= r.kv_target and not r.done and r not in due), key=_ADMITTED)
         while pending:
             if len(pending) > plan.budget:
                 del pending[max(0, plan.budget):]
@@ -381,9 +382,8 @@ class ReferenceScheduler(Retractions):
         self._order += 1
 
     def _idle(self, blocked: list[str]) -> None:
-        """Nothing could run this step: abort one victim when every blocked request is
-        short of cache and nothing is in flight; abort everything live when the scheduler
-        has stalled; otherwise wait for transfers or the next arrival."""
+        """Nothing could run this step: abort one victim when every blocked request is short of cache
+        and nothing is in flight; abort everything live when the scheduler has stalled; else wait for transfers."""
         cache = self.cache
         if blocked and not cache.in_flight():
             if cache.abort_victim(blocked) is not None:
@@ -408,8 +408,7 @@ class ReferenceScheduler(Retractions):
             self.now = t
 
     def _forward(self, batch: list[tuple[SchedRequest, int]], load_s: float) -> None:
-        """The forward pass (loadbacks complete layer by layer during it) and its modeled
-        time: the compute time, or the loadback time when that is longer."""
+        """The forward pass (loadbacks complete layer by layer during it), timed: compute or loadback, the longer."""
         self._deliver()
         self.executor.forward(self._real_cache, [(r.request_id, r.tokens, n) for r, n in batch])
         prefill = sum(n for r, n in batch if r.tokens < r.kv_target)

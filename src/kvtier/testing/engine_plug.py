@@ -38,14 +38,13 @@ from collections import deque
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
-from kvtier.fsm import Completion, Direction
+from kvtier.fsm import Completion, Direction, UsageError
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import TransferCommand
 from kvtier.transfer.engine import TransferEngine
-from kvtier.transfer.errors import HazardError, NotReadyError, PoisonedReadError
+from kvtier.transfer.errors import HazardError, PoisonedReadError
 from kvtier.transfer.backends.fake_async import PendingCopy
 from kvtier.transfer.backends.plan_exec import PlanExecBackend
 from kvtier.transfer.plan import ChunkPlan, FlushPlan
@@ -59,6 +58,7 @@ from kvtier.fsm.node import HOST_VISIBLE
 from ..tiered import TieredCache
 from . import _views as views
 from .base import recorded
+from .engine_contract import EngineContract, pattern as _pattern
 from .facade_machine import FacadeMachine
 from .models import ModelViolation
 from .plugs import TransferBackend
@@ -111,13 +111,6 @@ class FaultyBackend(PlanExecBackend):
                     return
 
 
-def _pattern(value: Any, nbytes: int) -> torch.Tensor:
-    """The bytes a page holding content ``value`` carries (uint8 ``[nbytes]``)."""
-    digest = hashlib.sha256(repr(value).encode()).digest()
-    reps = -(-nbytes // len(digest))
-    return torch.from_numpy(np.frombuffer(digest * reps, dtype=np.uint8)[:nbytes].copy())
-
-
 class _Store(dict[tuple[str, int], Any]):
     """A tier's content model; a write also writes the pattern into the real pools."""
 
@@ -131,7 +124,7 @@ class _Store(dict[tuple[str, int], Any]):
         super().__setitem__(key, value)
 
 
-class EngineTransfer(TransferBackend):
+class EngineTransfer(EngineContract, TransferBackend):
     """A :class:`TransferBackend` backed by real transfer engines (one per rank) on the
     fake-asynchronous backend; see the module docstring.
 
@@ -150,7 +143,8 @@ class EngineTransfer(TransferBackend):
 
     def __init__(self, world_size: int, layout: CacheLayout, device_pages: dict[str, int],
                  host_pages: dict[str, int], *, issue_seed: int = 0, issue_rate: float = 0.0,
-                 chunk_layers: int = 1, plan_mode: str = "index", piece_bytes: int = 16) -> None:
+                 chunk_layers: int = 1, plan_mode: str = "index", piece_bytes: int = 16,
+                 hold_rate: float = 0.0) -> None:
         super().__init__(world_size, layout.num_layers)
         specs = list(layout.groups)
         self.specs = {g.name: g for g in specs}
@@ -168,6 +162,12 @@ class EngineTransfer(TransferBackend):
         self.issue_failures = 0
         self.injected: set[tuple[int, int]] = set()  # (op, rank) a failure was injected into
         self.late: set[int] = set()  # ops the core expired whose copies may still be pending: delivered late
+        self.hold_rate = hold_rate
+        self.device_pages = {g: max(1, n) for g, n in device_pages.items()}
+        self.host_pages = {g: max(1, n) for g, n in host_pages.items()}
+        self.held: list[int] = []  # ops submitted to every engine and not flushed yet (queued)
+        self.hold_next = False  # hold every command submitted while set
+        self.probes = 0
 
     # -- real bytes ------------------------------------------------------------------
     def write(self, side: str, group: str, page: int, value: Any) -> None:
@@ -204,29 +204,54 @@ class EngineTransfer(TransferBackend):
         digest = hashlib.sha256(f"{self.issue_seed}:{op}:{rank}".encode()).digest()
         return int.from_bytes(digest[:4], "big")
 
+    def _submit_all(self, cmd: TransferCommand) -> None:
+        for rank, eng in enumerate(self.engines):
+            try:
+                eng.submit(cmd)
+            except UsageError as exc:  # the core never has clashing commands in flight at once
+                raise ModelViolation("model_transfer_hazard", f"op {cmd.op_id} on rank {rank}",
+                                     f"refused while ops {eng.queued} are queued: {exc}") from None
+
     def submit(self, cmd: TransferCommand) -> None:
+        """Submit ``cmd`` to every rank's engine, then flush, unless a draw (``hold_rate``)
+        holds it queued until the next flush (a later submit, or a completion asked for)."""
         if cmd.op_id in self.commands:
             return
         self.commands[cmd.op_id] = cmd
+        self._submit_all(cmd)
+        if self.hold_next or (self._draw(cmd.op_id, -1) >> 8) % 1000 < int(round(self.hold_rate * 1000)):
+            self.held.append(cmd.op_id)
+            return
+        flushed, self.held = [*self.held, cmd.op_id], []
         for rank, eng in enumerate(self.engines):
-            eng.submit(cmd)
             draw = self._draw(cmd.op_id, rank)
             if draw % 1000 < int(round(self.issue_rate * 1000)):
                 # at its 1st, 2nd or 3rd chunk, before or after that chunk's copies are queued
                 self.backends[rank].fail_at((draw >> 10) % 3, after=bool((draw >> 12) & 1))
                 self.issue_failures += 1
-                self.injected.add((cmd.op_id, rank))
-            quiet = _LOG.level
-            _LOG.setLevel(logging.CRITICAL)  # injected issue failures are logged as exceptions
-            try:
-                eng.flush()
-            except HazardError as exc:
-                raise ModelViolation("model_transfer_hazard", f"op {cmd.op_id} on rank {rank}",
-                                     f"issued while a pending copy uses its pages: {exc}") from None
-            finally:
-                _LOG.setLevel(quiet)
-                self.backends[rank].clear_fault()
-            self._collect(rank)
+                self.injected.update((op, rank) for op in flushed)  # (held ops share the flight)
+            self._flush(rank, eng)
+
+    def flush_held(self) -> None:
+        """Flush what is held queued, on every rank, with no failure injected."""
+        if self.held:
+            self.held = []
+            for rank, eng in enumerate(self.engines):
+                self._flush(rank, eng)
+
+    def _flush(self, rank: int, eng: TransferEngine) -> None:
+        quiet = _LOG.level
+        _LOG.setLevel(logging.CRITICAL)  # injected issue failures are logged as exceptions
+        queued = eng.queued
+        try:
+            eng.flush()
+        except HazardError as exc:
+            raise ModelViolation("model_transfer_hazard", f"ops {list(queued)} on rank {rank}",
+                                 f"issued while a pending copy uses its pages: {exc}") from None
+        finally:
+            _LOG.setLevel(quiet)
+            self.backends[rank].clear_fault()
+        self._collect(rank)
 
     def _collect(self, rank: int) -> None:
         for c in self.engines[rank].poll_completions():
@@ -237,6 +262,7 @@ class EngineTransfer(TransferBackend):
 
     def ready(self) -> list[tuple[int, int]]:
         pairs = {k for k, q in self.buffered.items() if q}
+        pairs.update((op, rank) for op in self.held for rank in range(self.world_size))
         for rank in range(self.world_size):
             for p in self._pending(rank):
                 pairs.update((op, rank) for op in p.op_ids if op in self.commands or op in self.late)
@@ -245,6 +271,8 @@ class EngineTransfer(TransferBackend):
     def take(self, op: int, rank: int, ok: bool) -> Completion:
         """The next completion of ``op`` on ``rank``: a buffered one, else its next pending
         copy (and those before it on its stream) completes, failing when not ``ok``."""
+        if op in self.held:  # the engine waits for what it holds: flush first
+            self.flush_held()
         backend = self.backends[rank]
         first = True
         while not self.buffered.get((op, rank)):
@@ -270,58 +298,13 @@ class EngineTransfer(TransferBackend):
             self.check_layers(op, rank, range(c.layer + 1), "reported loaded")
         return c
 
-    def check_layers(self, op: int, rank: int, layers: Any, what: str) -> None:
-        """Every layer of ``layers`` of loadback ``op``'s destination pages on ``rank`` is
-        readable and holds its source's bytes."""
-        cmd = self.commands.get(op)
-        if cmd is None or cmd.direction is not Direction.LOADBACK:
-            return
-        eng = self.engines[rank]
-        wanted = set(layers)
-        for t in cmd.transfers:
-            spec = self.specs[t.group]
-            for layer in spec.layers:
-                if layer not in wanted:
-                    continue
-                for s, d in zip(t.src_pages, t.dst_pages):
-                    value = self.host.get((t.group, s))
-                    if value is None:
-                        continue
-                    for comp in spec.components:
-                        try:
-                            got = eng.read_pages("device", t.group, comp.name, layer, [d])[0]
-                        except PoisonedReadError as exc:
-                            raise ModelViolation("model_transfer_hazard", f"op {op} on rank {rank}",
-                                                 f"layer {layer} {what}, but a copy still writes device page "
-                                                 f"{d} of {t.group!r}: {exc}") from None
-                        if not torch.equal(got, _pattern(value, comp.page_bytes)):
-                            raise ModelViolation("loaded_equals_written", f"op {op} on rank {rank}",
-                                                 f"layer {layer} {what}, but device page {d} of {t.group!r} "
-                                                 f"({comp.name}) does not hold its source's bytes")
-
-    def check_waits(self) -> None:
-        """For every loadback in flight and rank without an injected failure, and every
-        layer: once ``wait_layer`` returns without :class:`NotReadyError`, that layer of
-        the destination pages holds its bytes (a forward pass overlapping the loadback)."""
-        for op, cmd in sorted(self.commands.items()):
-            if cmd.direction is not Direction.LOADBACK:
-                continue
-            for rank, eng in enumerate(self.engines):
-                if (op, rank) in self.injected:
-                    continue
-                for layer in cmd.layers:
-                    try:
-                        eng.wait_layer(op, layer)
-                    except NotReadyError:
-                        continue
-                    self.check_layers(op, rank, (layer,), "passed wait_layer")
-
     def apply(self, op: int, ok: bool) -> None:
         cmd = self.commands.pop(op, None)
         if cmd is None:
             return
         if not ok:  # expired with copies still pending: they complete late (their ack releases its fence)
             self.late.add(op)
+            self.cancel(cmd)
         src, dst = (self.dev, self.host) if cmd.direction is Direction.WRITEBACK else (self.host, self.dev)
         dst_side = "host" if cmd.direction is Direction.WRITEBACK else "device"
         for t in cmd.transfers:
@@ -355,6 +338,38 @@ class EngineFacadeMachine(FacadeMachine):
         (the transfers this machine exists for; the facade rules alone make few)."""
         FacadeMachine.admit_cached.__wrapped__(self, req=req, i=i, chunk=chunk, tail=True, demote=True)  # type: ignore[attr-defined]
 
+    @precondition(lambda self: self.deadline is not None)
+    @rule(req=st.integers(0, 2), i=st.integers(0, 100))
+    @recorded
+    def expire_queued(self, req: int, i: int) -> None:
+        """A loadback (else a new prompt's writebacks) handed out and held queued by the
+        engines (not flushed) when its deadline passes: the engines cancel it
+        (``"cancelled"``; its pages are free for the other direction at once), and its late
+        failed acknowledgement releases its fence."""
+        rid = self._rid(req)
+        r = views.requests(self.cache).get(rid)
+        if r is not None and (r.state not in ("waiting", "finished", "aborted") or not r.settled):
+            return
+        assert isinstance(self.xfer, EngineTransfer) and self.deadline is not None
+        if self._admit_host_hit(rid, i) is None:  # no loadback: the writebacks of a new prompt's pass
+            if self._state(rid) not in (None, "waiting", "finished", "aborted"):
+                return
+            self.fresh = getattr(self, "fresh", 0) + 1
+            self.units[rid] = [f"{rid}.q{self.fresh}"]
+            align = self.cache.layout.alignment
+            self._admit(rid, align + 1, 2 * align)
+            if self._state(rid) == "running":
+                self._forward(rid, False, False)
+        self.xfer.hold_next = True
+        try:
+            self._poll()
+        finally:
+            self.xfer.hold_next = False
+        before = set(views.ops(self.cache.core))
+        self.sched.advance_step(self.deadline + 1)
+        self.expired |= before - set(views.ops(self.cache.core))
+        self._sync()
+
     def xfer_faults_off(self) -> None:
         """The drain issues every copy without an injected failure."""
         if isinstance(self.xfer, EngineTransfer):
@@ -369,8 +384,11 @@ class EngineFacadeMachine(FacadeMachine):
         # the copy path and the tables' piece size follow from the setup too (a saved
         # sequence replays on the same path): mostly the planner's tables, small pieces
         mode = ("runs", "rows", "runs", "index")[digest[4] % 4]
+        # loadback chunks of one to three layers (a chunk's first and last layer differ: what
+        # wait_layer must tell apart), and a share of commands held queued (cancelled there)
         return EngineTransfer(world, self.cache.layout, dev, host, issue_seed=draw, issue_rate=self.kit_rate,
-                              plan_mode=mode, piece_bytes=(16, 32, 64, 128)[digest[5] % 4])
+                              plan_mode=mode, piece_bytes=(16, 32, 64, 128)[digest[5] % 4],
+                              chunk_layers=(1, 2, 3)[digest[6] % 3], hold_rate=(0.0, 0.25, 0.5)[digest[7] % 3])
 
     def kit_canonical(self) -> Hashable:  # pragma: no cover - verify runs the dict backend
         raise NotImplementedError("kvtier verify runs the facade machine on the simulated backend")

@@ -11,8 +11,10 @@
   (``atomic_admission``).
 - :class:`EndModel` and :func:`check_poll`: a poll hands out loadbacks before writebacks,
   every command the core issued and at most ``max_writebacks_in_flight`` tree writebacks in
-  flight; it reports each request's end exactly once per admission, with a reason exactly
-  when the request was aborted (``cache capacity exhausted`` for a victim).
+  flight; it issues exactly the room the quota leaves (``max_writebacks_in_flight`` minus the
+  writebacks in flight; loadbacks never count) unless no queued tree writeback is ready; it
+  reports each request's end exactly once per admission, with a reason exactly when the
+  request was aborted (``cache capacity exhausted`` for a victim).
 - :func:`check_drained`: once every request was aborted, every forward result returned
   and every completion delivered, nothing is held, in flight or tracked.
 
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.fsm import Direction
 from kvtier.fsm.errors import InvariantViolation
+from kvtier.fsm.node import HOST_VISIBLE
 
 from . import _views as views
 from .base import TERMINAL
@@ -37,8 +40,8 @@ from .models import ModelViolation
 if TYPE_CHECKING:
     from ..tiered import Admission, PollResult, TieredCache
 
-__all__ = ["check_admission", "held", "check_blocked", "EndModel", "check_poll", "check_drained",
-           "VICTIM_REASON"]
+__all__ = ["check_admission", "held", "check_blocked", "EndModel", "check_poll", "check_quota", "writebacks_in_flight",
+           "check_drained", "VICTIM_REASON"]
 
 #: the reason the facade gives a request :meth:`~kvtier.tiered.TieredCache.abort_victim` aborts
 VICTIM_REASON = "cache capacity exhausted"
@@ -122,9 +125,40 @@ class EndModel:
         self.ended[rid] = False
 
 
-def check_poll(cache: TieredCache, out: PollResult, ends: EndModel) -> None:
-    """What one poll answered (``out``), against the commands it must hand out and the
-    ends it may report (``ends``, updated)."""
+def writebacks_in_flight(cache: TieredCache) -> set[int]:
+    """Op ids of the writebacks in flight (a request's own and tree writebacks)."""
+    return {op for op, o in views.ops(cache.core).items() if o.command.direction is Direction.WRITEBACK}
+
+
+def check_quota(cache: TieredCache, before: set[int]) -> None:
+    """The writeback quota as a poll used it, ``before`` being the writebacks in flight when
+    it began: it issues at most ``max_writebacks_in_flight`` minus those (loadbacks never
+    count), and fewer only when no queued tree writeback is ready then (its parent the root
+    or on the host): work waiting uses the room (``model_writeback_queue``)."""
+    core = cache.core
+    new = sorted(op for op, o in views.ops(core).items() if o.command.direction is Direction.WRITEBACK
+                 and o.command.request_id is None and op not in before)
+    room = max(0, cache.max_writebacks_in_flight - len(before))
+    if len(new) > room:
+        raise ModelViolation("model_writeback_queue", "the facade",
+                             f"a poll issued tree writebacks {new} with {len(before)} writebacks in flight, "
+                             f"max_writebacks_in_flight={cache.max_writebacks_in_flight} (room {room})")
+    if len(new) < room:
+        waiting = sorted(n.node_id for n in core.writebacks.queued().values()
+                         if n.parent is not None and (n.parent.parent is None or n.parent.state in HOST_VISIBLE))
+        if waiting:
+            raise ModelViolation("model_writeback_queue", "the facade",
+                                 f"a poll left room for {room - len(new)} more writebacks (in flight before: "
+                                 f"{len(before)}, issued {new}, max_writebacks_in_flight="
+                                 f"{cache.max_writebacks_in_flight}) while queued nodes {waiting} were ready")
+
+
+def check_poll(cache: TieredCache, out: PollResult, ends: EndModel, before: set[int] | None = None) -> None:
+    """What one poll answered (``out``), against the commands it must hand out, the
+    writeback quota (``before``: the writebacks in flight when it began, :func:`check_quota`)
+    and the ends it may report (``ends``, updated)."""
+    if before is not None:
+        check_quota(cache, before)
     dirs = [c.direction for c in out.commands]
     if dirs != sorted(dirs, key=lambda d: d is not Direction.LOADBACK):
         raise ModelViolation("model_poll", "the facade", f"hands out {[d.value for d in dirs]}: loadbacks first")

@@ -112,6 +112,44 @@ class FacadeRequestRules(FacadeSteps):
                     self._finish_op(op, False)
 
     @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
+    @rule(req=st.integers(0, REQUESTS - 1), i=st.integers(0, 100), key=st.sampled_from(["a", "ab", "ba"]).map(list),
+          ahead=st.booleans())
+    @recorded
+    def publish_beside_loadback(self, req: int, i: int, key: list[str], ahead: bool = False) -> None:
+        """``req`` is admitted on a host-only prefix (its loadback handed out, in flight),
+        then ``req + 1`` on ``key`` plus a unit no one computed, its prompt computed in one
+        pass, and the engine polls, then once more after a pass of one unit more: the tree
+        writebacks the new nodes queue take the room the writebacks in flight leave (the
+        loadback takes none of it; the poll's quota model checks)."""
+        first, rid = self._rid(req), self._rid(req + 1)
+        for x in (first, rid):
+            r = views.requests(self.cache).get(x)
+            if r is not None and (r.state not in ("waiting", *TERMINAL) or not r.settled):
+                return
+        self.fresh = getattr(self, "fresh", 0) + 1
+        align = self.cache.layout.alignment
+        if self._admit_host_hit(first, i) is None:  # none on the host only: make one
+            if self._state(first) not in (None, "waiting", *TERMINAL):
+                return
+            self.units[first] = [f"{first}.host{self.fresh}"]
+            self._admit(first, align + 1, 2 * align)
+            if self._state(first) == "running":
+                self._forward(first, False, False)
+                self._lifecycle_call(first, True, lambda: self._fill_checkpoint(first, self.sched.finish(first)))
+            if self._admit_host_hit(first, 0) is None:
+                return
+        self._poll()
+        self.units[rid] = [*key, f"{rid}.new{self.fresh}"]
+        self._admit(rid, len(self.units[rid]) * align + 1, (len(self.units[rid]) + 1) * align)
+        for _ in range(2):  # a second pass: its writeback waits behind the first one's too
+            if self._state(rid) != "running":
+                break
+            self._forward(rid, False, False, ahead)
+            self._poll()
+            if self._state(rid) == "running":
+                self._reserve(rid, align)
+
+    @precondition(lambda self: any(n.state in HOST_VISIBLE for n in views.nodes(self.cache.core).values()))
     @rule(req=st.integers(0, REQUESTS - 1), i=st.integers(0, 100))
     @recorded
     def fence_two_passes(self, req: int, i: int) -> None:

@@ -25,7 +25,7 @@ from ..tiered import TieredCache
 from . import _views as views
 from .base import TERMINAL, KitMachine, layout_named
 from .content import content, node_prefix
-from .facade_models import EndModel, check_admission, check_blocked, check_poll, held
+from .facade_models import EndModel, check_admission, check_blocked, check_poll, held, writebacks_in_flight
 from .logged import LogCheck
 from .models import LayerModel, ModelViolation
 from .pass_model import PassModel, check_chunk_rows, check_reserve
@@ -357,6 +357,7 @@ class FacadeSteps(KitMachine):
         before = set(views.requests(self.cache))
         keep = views.ended_history(self.cache)
         self.remembered = [rid for rid in self.remembered if rid not in before]  # admitted again: live
+        writing = writebacks_in_flight(self.cache)
         out = self.sched.poll()
         for rid in sorted(before - set(views.requests(self.cache))):  # forgotten by this poll, in id order
             self.forgotten.add(rid)
@@ -365,7 +366,7 @@ class FacadeSteps(KitMachine):
                 del self.remembered[0]
         for cmd in out.commands:
             self.xfer.submit(cmd)
-        check_poll(self.cache, out, self.ends)
+        check_poll(self.cache, out, self.ends, writing)
         lc = request_lifecycle()
         for ev in out.events:
             if ev.state not in lc.spec.state_names:

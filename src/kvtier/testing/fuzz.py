@@ -1,8 +1,9 @@
 """``kvtier fuzz``: a long stateful fuzzing campaign over the kit's machines.
 
-The campaign runs the machines of :data:`DEFAULT_MIX` (the core, facade, engine,
+The campaign runs the machines of :func:`default_mix` (the core, facade, engine,
 ``l3tier``, ``reference`` and ``scheduler`` machines, which drive the product; the raw node, request and L3 lifecycle
-machines; the ``misuse`` machine of hostile calls), or those it is given, in rounds
+machines; the ``misuse`` machine of hostile calls; and the ``vllm`` and ``sglang`` adapter
+machines where vLLM or SGLang is installed), or those it is given, in rounds
 (chunks of examples, each chunk with a seed derived from the campaign seed, so a campaign
 is reproducible), with fault injection, until the step budget or the time budget is
 spent or an invariant fails. Coverage of the lifecycles
@@ -14,6 +15,7 @@ event sequence (:mod:`kvtier.testing.sequence`) that ``kvtier fuzz --replay`` re
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import sys
 import time
 import traceback
@@ -29,11 +31,14 @@ from .coverage import UNREACHABLE_BY_PRODUCT, LifecycleCoverage
 from .machines import INVARIANTS, STATS, KitMachine
 from .sequence import EventSequence, ReplayResult, SequenceError, classify, machine_class, minimize, replay
 
-__all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "replay_file"]
+__all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "ADAPTER_MACHINES", "default_mix", "replay_file"]
 
 #: machine name -> share of the step budget
 DEFAULT_MIX: dict[str, float] = {"core": 0.31, "facade": 0.31, "engine": 0.1, "node": 0.07, "request": 0.08, "l3": 0.05,
                                  "transfer": 0.02, "l3tier": 0.05, "misuse": 0.04, "reference": 0.04, "scheduler": 0.03}
+#: The adapters' machines (name -> the engine package that must be importable, share): they
+#: join the default mix where that engine is installed (:func:`default_mix`).
+ADAPTER_MACHINES: dict[str, tuple[str, float]] = {"vllm": ("vllm", 0.04), "sglang": ("sglang", 0.04)}
 LIFECYCLE_DRIVERS = ("core", "facade", "engine")
 #: The machines that fire events at the spec's lifecycles directly (not the product).
 RAW_MACHINES = ("node", "request", "l3", "transfer")
@@ -126,6 +131,17 @@ class CampaignResult:
         return "\n".join(lines)
 
 
+def default_mix() -> dict[str, float]:
+    """:data:`DEFAULT_MIX`, plus the machine of each adapter of :data:`ADAPTER_MACHINES` whose
+    engine is importable here (vLLM's, SGLang's: each drives the adapter inside its engine's
+    own scheduler code, with the same core invariants and a drain at the end of every example)."""
+    mix = dict(DEFAULT_MIX)
+    for name, (package, share) in ADAPTER_MACHINES.items():
+        if importlib.util.find_spec(package) is not None:
+            mix[name] = share
+    return mix
+
+
 def _derive(campaign_seed: int, name: str, chunk: int) -> int:
     digest = hashlib.sha256(f"{campaign_seed}:{name}:{chunk}".encode()).digest()
     return int.from_bytes(digest[:8], "big")
@@ -149,7 +165,8 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
             (:data:`~kvtier.testing.base.FAULT_MIX`: none, a fifth, the rate, twice the rate).
         world_size: fix the tensor-parallel ranks (default: drawn from 1 and 2).
         save: where to save a failing sequence (default ``kvtier-fuzz-failure.json``).
-        mix: machine name -> share of the step budget (default :data:`DEFAULT_MIX`).
+        mix: machine name -> share of the step budget (default :func:`default_mix`: the
+            adapters' machines join where their engine is installed).
         step_count: steps per example (upper bound).
         chunk_examples: examples per chunk.
         machines: name -> machine class (default: the registered kit machines).
@@ -161,7 +178,7 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
         raise ValueError("campaign needs steps or minutes")
     if not 0.0 <= faults <= 1.0:
         raise ValueError(f"faults must be between 0 and 1, got {faults}")
-    mix = dict(mix or DEFAULT_MIX)
+    mix = dict(mix or default_mix())
     classes: dict[str, Any] = {name: (machines or {}).get(name) or machine_class(name) for name in mix}
     for name, cls in classes.items():
         if not (isinstance(cls, type) and issubclass(cls, KitMachine)):

@@ -51,6 +51,7 @@ from . import _views as views
 from .base import FAULT_LEVEL, LAYOUTS, ROLL, layout_named, recorded
 from .l3_cases import CORRUPTIONS, HOSTILE, INERT, Skip, copy_instance, fingerprint
 from .l3_steps import FAULTS, InstanceModel, L3Steps, words
+from .l3_store import HostBytes, sync_driver, torn as l3_torn
 
 __all__ = ["L3TierMachine"]
 
@@ -86,7 +87,9 @@ class L3TierMachine(L3Steps):
             self.cores.append(core)
             self.tiers.append(L3Tier(core, second if n else opts))
             self.dev.append({})
-            self.host.append({})
+            self.host.append(HostBytes(core, self.table))
+            self.drivers.append(sync_driver(self.fake, self.host[n].io))
+            self.leases.append({})
             self.model.append(InstanceModel())
 
     # -- rules: requests ---------------------------------------------------------------
@@ -176,7 +179,7 @@ class L3TierMachine(L3Steps):
             return
         first = self.pending[mine[0]].cmd.keys[0]
         if torn and first in self.store:
-            self.store[first] = {"torn": [self.pending[mine[0]].cmd.op_id]}
+            self.store[first] = l3_torn(self.store[first])
         else:
             torn = False
             self.store.pop(first, None)

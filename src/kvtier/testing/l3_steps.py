@@ -22,14 +22,16 @@ from . import _views as views
 from .drain import check_core_drained, check_l3_drained, evict_to_full_pools
 from .base import KitMachine
 from .content import check_tree_bytes, content, node_prefix
+from .l3_store import FakeStore, HostBytes, run_command, sync_driver
 from .models import ModelViolation
 
 __all__ = ["L3Steps", "InstanceModel", "FAULTS", "ERROR_KINDS", "words"]
 
 #: How a faulty store answers (``answer``'s ``how``): fail the whole operation, drop the
 #: first key first (a get then misses; the store dropped it after its exists), tear the
-#: first key (a get finds a corrupt object), or answer only a prefix of the keys.
-FAULTS = ("error", "drop", "torn", "partial")
+#: first key (a get finds a corrupt object), answer only a prefix of the keys, or answer a
+#: get with a gap (a middle object missing: the delivered prefix ends before it).
+FAULTS = ("error", "drop", "torn", "partial", "gap")
 #: The kinds of error the fake store reports (the text before the first colon): a backend
 #: failure, a saturated driver queue, and a backend's own timeout named ``deadline`` (the
 #: tier's expiries use that kind too, and must not count the backend's).
@@ -74,8 +76,13 @@ class L3Steps(KitMachine):
         self.cores: list[CacheCore] = []
         self.tiers: list[L3Tier] = []
         self.dev: list[dict[tuple[str, int], Any]] = []
-        self.host: list[dict[tuple[str, int], Any]] = []
-        self.store: dict[str, dict[str, list[Any]]] = {}
+        self.host: list[HostBytes] = []
+        self.fake = FakeStore()
+        self.store: dict[str, bytes] = self.fake.objects  # key -> object bytes
+        self.drivers: list[Any] = []  # per instance: a StoreDriver run on this thread
+        self.table: dict[bytes, tuple[Any, str, int]] = {}  # host byte patterns -> content values
+        # per instance: key -> the end of the read lease a get it was answered left on it
+        self.leases: list[dict[str, float]] = []
         self.pending: list[_Pending] = []
         self.prefix_of: dict[str, tuple[Hashable, ...]] = {}
         self.now = 0.0
@@ -117,6 +124,11 @@ class L3Steps(KitMachine):
                                          f"{opts.min_prefetch_units}..{opts.prefetch_units}")
             if cmd.kind is StoreOp.REMOVE:
                 self.model[i].deferred.difference_update(cmd.keys)
+                leased = [k[:12] for k in cmd.keys if self.leases[i].get(k, 0.0) > self.now]
+                if leased:
+                    raise InvariantViolation("l3_lease_blocks_remove", f"remove {cmd.op_id} on instance {i}",
+                                             f"removes objects {leased} under the read lease a get of this "
+                                             f"instance left (a get leases every object it asks for)")
             op = self.tiers[i].operations.get(cmd.op_id)
             self.pending.append(_Pending(i, cmd, owner=op.owner if op is not None else None))
             if cmd.kind is StoreOp.GET:  # reserved pages hold garbage until the get writes them
@@ -239,6 +251,8 @@ class L3Steps(KitMachine):
             raise ModelViolation("model_drain", f"cancel of {owner}'s prefetch on instance {i}",
                                  f"driver told {told} (op {op_id}), reserved host pages {reserved} -> {left} "
                                  f"(the get held {mine})")
+        for op in told:  # (the tier tells the driver only of a command it handed out)
+            self.drivers[i].cancel(op)
         for p in self.pending:
             if tell and p.inst == i and p.cmd.op_id == op_id:
                 p.cancelled = True
@@ -298,7 +312,7 @@ class L3Steps(KitMachine):
         key = tuple("ab"[(pick >> j) & 1] for j in range(n))
         self._remember_keys(0, key)
         for k in self.tiers[0].keys_for(key):
-            self.store[k] = self._expected(k)
+            self.store[k] = self.host[0].blob(k, self._expected(k))
         return key
 
     def _answer_exists(self, i: int, owner: str) -> None:
@@ -342,57 +356,28 @@ class L3Steps(KitMachine):
                                      f"{self.model[i].errors} (expiries are not the store's errors)")
 
     def _answer(self, p: _Pending, fault: str | None, kind: str = ERROR_KINDS[0]) -> StoreResult:
-        cmd, store = p.cmd, self.store
-        if fault == "error":
-            return StoreResult(cmd.op_id, error=f"{kind}: the fake store failed the operation")
-        if cmd.kind is StoreOp.EXISTS:
-            n = 0
-            for k in cmd.keys:
-                if k not in store:
-                    break
-                n += 1
-            return StoreResult(cmd.op_id, present=n - 1 if fault == "partial" and n else n)
-        if cmd.kind is StoreOp.PUT:
-            oks = []
-            for j, (k, pages) in enumerate(zip(cmd.keys, cmd.pages)):
-                if p.cancelled or (fault == "partial" and j == len(cmd.keys) - 1):
-                    oks.append(False)
-                    continue
+        """The store's answer to ``p``: a whole failure, else the instance's store driver
+        runs the command against the fake store misbehaving as ``fault`` says."""
+        cmd = p.cmd
+        if cmd.kind is StoreOp.PUT and not p.cancelled and fault != "error":
+            for k, pages in zip(cmd.keys, cmd.pages):
                 got = {g: [self.host[p.inst].get((g, pg)) for pg in ps] for g, ps in pages.items()}
                 if got != self._expected(k):
                     raise InvariantViolation("l3_put_source_pinned", f"put {cmd.op_id} of object {k[:12]}",
                                              f"the host pages it reads hold {got!r}")
-                store[k] = got
-                oks.append(True)
-            return StoreResult(cmd.op_id, ok=tuple(oks))
-        if cmd.kind is StoreOp.GET:
-            if fault == "drop" and cmd.keys:
-                store.pop(cmd.keys[0], None)
-            if fault == "torn" and cmd.keys and cmd.keys[0] in store:
-                store[cmd.keys[0]] = {"torn": [cmd.op_id]}
-            oks, corrupt = [], []
-            for j, (k, pages) in enumerate(zip(cmd.keys, cmd.pages)):
-                obj = store.get(k)
-                if obj is None or (fault == "partial" and j == len(cmd.keys) - 1):
-                    break
-                if set(obj) != set(pages):  # the object's check fails: nothing is written
-                    corrupt.append(k)
-                    break
-                if not p.cancelled:
-                    for g, ps in pages.items():
-                        for pg, v in zip(ps, obj[g]):
-                            self.host[p.inst][(g, pg)] = v
-                oks.append(True)
-            oks += [False] * (len(cmd.keys) - len(oks))
-            return StoreResult(cmd.op_id, ok=tuple(oks), corrupt=tuple(corrupt))
-        oks = []
-        for j, k in enumerate(cmd.keys):
-            if fault == "partial" and j == len(cmd.keys) - 1:
-                oks.append(False)
-                continue
-            store.pop(k, None)
-            oks.append(True)
-        return StoreResult(cmd.op_id, ok=tuple(oks))
+        lease = self.tiers[p.inst].options.lease_s
+        self.fake.now, self.fake.lease_s, self.fake.fault, self.fake.error_kind = self.now, lease, fault, kind
+        try:
+            res = run_command(self.drivers[p.inst], cmd)
+        finally:
+            self.fake.fault = None
+        if cmd.kind is StoreOp.GET and fault != "error":
+            self.host[p.inst].read_back(cmd.pages)
+            if not p.cancelled and lease > 0:  # the tier hears of these leases: it must respect them
+                for k in cmd.keys:
+                    if self.fake.leases.get(k) == self.now + lease:
+                        self.leases[p.inst][k] = self.now + lease
+        return res
 
     def _advance(self, dt: float, tell: bool = True) -> None:
         self.now += dt
@@ -403,6 +388,8 @@ class L3Steps(KitMachine):
             if tell and told != expired:
                 raise InvariantViolation("l3_ends_by_deadline", f"instance {i}",
                                          f"expire cancelled {told} but reports {expired}")
+            for op_id in expired:  # (told through the callback or from the ids returned)
+                self.drivers[i].cancel(op_id)
             for p in self.pending:
                 if p.inst == i and p.cmd.op_id in expired:
                     p.cancelled = True
@@ -423,8 +410,8 @@ class L3Steps(KitMachine):
         """The store answers everything without a fault, transfers succeed, time passes
         until every lease has ended and every deferred remove went out and was answered;
         then neither tier nor core may hold anything (store operations, commands,
-        prefetches, reserved pages, put pins, leases, receipts) and both trees must evict
-        to full pools (:mod:`kvtier.testing.drain`)."""
+        prefetches, reserved pages, put pins, leases, receipts), neither store driver may
+        keep a command, a result or a cancelled id, and both trees must evict to full pools (:mod:`kvtier.testing.drain`)."""
         if not self.tiers:
             return
         self.kit_rate = 0.0
@@ -441,6 +428,11 @@ class L3Steps(KitMachine):
         for i, (core, tier) in enumerate(zip(self.cores, self.tiers)):
             for owner in sorted(p[0] for p in views.l3_internals(tier)[3]):
                 self._forget(i, owner)
+            drv = self.drivers[i]
+            if drv._queued or drv._done or drv._cancelled:  # every command ran, every result was taken
+                raise ModelViolation("model_drain", f"instance {i}'s store driver",
+                                     f"{drv._queued} commands queued, {len(drv._done)} results not taken, "
+                                     f"cancelled ids kept {sorted(drv._cancelled)}")
             check_l3_drained(tier, f"instance {i}'s L3 tier")
             check_core_drained(core, f"instance {i}'s core")
             evict_to_full_pools(core, partial(self._settle_core, i), f"instance {i}'s core")

@@ -2,7 +2,7 @@
 
 A sequence names the machine it drives (:mod:`kvtier.testing.steps`): one of the kit's
 (:data:`KIT_MACHINES`: ``core``, ``facade``, ``engine``, ``misuse``, ``l3tier``, ``reference``, ``scheduler``, ``node``,
-``request``, ``l3``), a name an engine registered with :func:`register_machine`, or
+``request``, ``l3``, and ``vllm`` and ``sglang`` where those engines are installed), a name an engine registered with :func:`register_machine`, or
 ``"module:Class"``. This module only names: it imports no machine (importing one is
 :func:`kvtier.testing.sequence.machine_class`'s job), so every machine module may use it.
 """
@@ -27,6 +27,9 @@ KIT_MACHINES: dict[str, str] = {
     "request": "kvtier.testing.raw_machines:RequestLifecycleMachine",
     "l3": "kvtier.testing.raw_machines:L3LifecycleMachine",
     "transfer": "kvtier.testing.raw_transfer:TransferLifecycleMachine",
+    # the adapters' machines (they need vLLM or SGLang installed: kvtier.testing.fuzz.default_mix)
+    "vllm": "kvtier.adapters.vllm_machine:VllmAdapterMachine",
+    "sglang": "kvtier.adapters.sglang_machine:SglangAdapterMachine",
 }
 
 _REGISTRY: dict[str, Callable[[], Any]] = {}

@@ -31,6 +31,12 @@ what a correct scheduler does, beyond what the cache refuses:
   order, a request sent back to waiting first; resumes in retraction order; each
   retraction's victim (:meth:`WatchedCache._check_victim`); a resume starts at the request's
   own terminal exactly (the tokens it had when retracted) or at a unit boundary before it;
+  a request finishes when it produced exactly ``max(1, output_tokens)`` tokens: the most KV
+  it ever had then covers its prompt and every output token but the last (one decode token
+  too many or too few fails);
+- every poll issues tree writebacks into exactly the room ``max_writebacks_in_flight`` leaves
+  beside the writebacks in flight (loadbacks never count), unless none is ready
+  (``model_writeback_queue``, :func:`~kvtier.testing.facade_models.check_quota`);
 - :class:`~kvtier.scheduler.RunStats` and the cache's operator counters against independent
   counts (``model_counters``, :mod:`kvtier.testing.counter_model`);
 - the run ends within ``2 x`` (prompt + output tokens) + :data:`_MAX_IDLE` iterations, far
@@ -56,6 +62,7 @@ from ..tiered import TieredCache
 from .base import FAULT_LEVEL, KitMachine, kit_layout, recorded
 from .counter_model import CounterModel
 from .drain import check_core_drained, evict_to_full_pools
+from .facade_models import check_quota, writebacks_in_flight
 from .models import ModelViolation
 
 __all__ = ["FaultyExecutor", "SchedulerMachine"]
@@ -114,6 +121,9 @@ class WatchedCache(TieredCache):
                                                                                              r.request_id)))
         self.retracted_q: deque[str] = deque()
         self.prompt = {r.request_id: r.prompt_tokens for r in requests}
+        self.output = {r.request_id: max(1, r.output_tokens) for r in requests}
+        self.bad_finish: list[str] = []  # finishes at a decoded count other than asked
+        self.high: dict[str, int] = {}  # the most tokens of KV it ever had
         self.tokens: dict[str, int] = {}
         self.kv_target: dict[str, int] = {}
         self.order: dict[str, int] = {}
@@ -131,11 +141,15 @@ class WatchedCache(TieredCache):
         self.short = None
 
     def poll(self) -> Any:
+        writing = writebacks_in_flight(self)
         out = super().poll()
+        check_quota(self, writing)
         for e in out.events:
             rid = e.request_id
             if e.state == "waiting":
                 self.sent_back.add(rid)
+                if rid in self.at_retract and self.tokens.get(rid, 0) > self.kv_target.get(rid, 0):
+                    self.kv_target[rid] = self.tokens[rid]  # decoded since its resume: it recomputes that too
                 self.tokens[rid] = 0
                 if rid not in self.waiting_q:
                     self.waiting_q.appendleft(rid)  # it recomputes from the start: first in line
@@ -158,7 +172,7 @@ class WatchedCache(TieredCache):
                 self.waiting_q.remove(request_id)
             self.order[request_id] = self._next_order()
             self.tokens[request_id] = adm.start_token
-            self.kv_target[request_id] = self.prompt[request_id]
+            self.kv_target[request_id] = max(self.prompt[request_id], self.kv_target.get(request_id, 0))
             self.batched.add(request_id)
             self.hits["hit"] += adm.hit_tokens
             self.hits["device"] += adm.device_hit_tokens
@@ -225,6 +239,15 @@ class WatchedCache(TieredCache):
                                    f"{want!r} (newest admitted: {sorted(cands, key=self.order.__getitem__)})")
 
     def finish(self, request_id: str) -> Any:
+        # the prefill yields the first output token and every decode token one more, so a
+        # request that produced its ``max(1, output_tokens)`` tokens holds the KV of its
+        # prompt and of every output token but the last one
+        want = self.prompt[request_id] + self.output[request_id] - 1
+        have = max(self.high.get(request_id, 0), self.request(request_id).tokens)  # (KV lost and recomputed too)
+        if have != want and len(self.bad_finish) < 4:
+            self.bad_finish.append(f"finishes {request_id!r} with KV for {have} tokens: prompt "
+                                   f"{self.prompt[request_id]} + {self.output[request_id]} output tokens asked "
+                                   f"({want} tokens of KV at the last token)")
         out = super().finish(request_id)
         self.finished.add(request_id)
         return out
@@ -243,6 +266,7 @@ class WatchedCache(TieredCache):
                 continue
             self.tokens[r.request_id] = self.tokens.get(r.request_id, 0) + r.computed_tokens
             tokens = self.request(r.request_id).tokens
+            self.high[r.request_id] = max(self.high.get(r.request_id, 0), tokens)
             if bool(r.checkpoint) != (tokens % align == 0):
                 self.bad_flags.append(f"{r.request_id!r} at {tokens} tokens (+{r.computed_tokens}) "
                                       f"{'flags' if r.checkpoint else 'does not flag'} a checkpoint")
@@ -275,13 +299,13 @@ class SchedulerMachine(KitMachine):
     @initialize(device=st.integers(3, 12), host=st.one_of(st.none(), st.integers(3, 16)),
                 policy=st.sampled_from(["write_through", "write_back", "write_through_selective"]),
                 world=st.sampled_from([1, 2]), budget=st.sampled_from([4, 8, 16, 64]), seed=st.integers(0, 1 << 16),
-                faults=FAULT_LEVEL, late=st.integers(0, 3))
+                faults=FAULT_LEVEL, late=st.integers(0, 3), wb_limit=st.sampled_from([1, 2]))
     @recorded
     def setup(self, device: int, host: int | None, policy: str, world: int, budget: int, seed: int,
-              faults: int | None = None, late: int = 0) -> None:
+              faults: int | None = None, late: int = 0, wb_limit: int = 2) -> None:
         self.kit_fault_level(faults)
         self.cache = WatchedCache(kit_layout(), device, host, policy=policy if host is not None else "write_through",
-                                 world_size=world, op_deadline_steps=None)
+                                 world_size=world, op_deadline_steps=None, max_writebacks_in_flight=wb_limit)
         self.counters = CounterModel(self.cache)
         self.executor = FaultyExecutor(world, seed, self.kit_rate, late)
         self.budget = budget
@@ -308,8 +332,9 @@ class SchedulerMachine(KitMachine):
 
         def count() -> None:
             cache.kit_iteration()
-            if cache.bad_policy:
-                raise ModelViolation("model_scheduler_policy", "the reference scheduler", cache.bad_policy[0])
+            if cache.bad_policy or cache.bad_finish:
+                raise ModelViolation("model_scheduler_policy", "the reference scheduler",
+                                     (cache.bad_policy or cache.bad_finish)[0])
             iterations[0] += 1
             if iterations[0] > bound:
                 raise SchedulerStalled(f"the run passed the machine's bound of {bound:,} iterations (2 per token "
@@ -334,6 +359,8 @@ class SchedulerMachine(KitMachine):
                                  f"a checkpoint flag does not follow the token count: {cache.bad_flags[:3]}")
         if cache.bad_policy:
             raise ModelViolation("model_scheduler_policy", "the reference scheduler", cache.bad_policy[0])
+        if cache.bad_finish:
+            raise ModelViolation("model_scheduler_policy", "the reference scheduler", cache.bad_finish[0])
         cache.check_invariants()
         self._check_run_stats(stats)
         ended = stats.finished + stats.aborts
