@@ -171,3 +171,17 @@ def test_cli_fuzz_names_the_default_mix_and_refuses_bad_input_before_running(
     other.write_text("[1, 2]")
     assert main(["fuzz", "--replay", str(other)]) == 2
     assert "expected an object with \"format\": 'kvtier-sequence'" in capsys.readouterr().err
+
+
+def test_default_mix_adds_an_adapter_machine_only_where_its_module_imports(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # an engine installed without a dependency it imports (SGLang without triton on a CPU box)
+    # must leave its machine out, not make every campaign fail before its first step
+    from kvtier.testing import fuzz
+
+    monkeypatch.setattr(fuzz, "ADAPTER_MACHINES", {"broken": ("kvtier_no_such_machine_module", 0.04),
+                                                   "json": ("json", 0.02)})
+    mix = fuzz.default_mix()
+    assert "broken" not in mix and mix["json"] == 0.02
+    assert {k: v for k, v in mix.items() if k != "json"} == fuzz.DEFAULT_MIX
+    assert "sglang" not in fuzz.ADAPTER_MACHINES  # its modules import only under its marked tests
