@@ -147,3 +147,17 @@ def test_load_back_keeps_its_host_copies_through_the_eviction_that_makes_room():
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3])))
     assert m.device_prefix_len == 3
     cache.core.check_invariants()
+
+
+def test_evict_rounds_a_token_demand_up_to_whole_pages():
+    # SGLang asks for the tokens its allocator is short of; with pages of 2 tokens a demand of 3
+    # must free two pages (4 tokens), or the allocation that asked still fails
+    cache, kv, alloc = build("write_through", page_size=2)
+    idx = alloc.alloc(6)
+    assert cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5, 6]), value=idx)).prefix_len == 0
+    cache.check_hicache_events()
+    assert cache.evict(EvictParams(num_tokens=3)).num_tokens_evicted == 4
+    assert cache.total_size() == 2 and alloc.available_size() == 14
+    assert cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 2
+    assert cache.total_size() == 0 and cache.host_size() == 6
+    cache.core.check_invariants()
