@@ -246,19 +246,14 @@ class CacheCore:
             UsageError: unknown group or a count that is not an int >= 0.
         """
         self.ledger.check_need(need)
-        short = self.ledger.device_short(need)
-        if short and evict:
-            self._reclaimer.evict_device(short)
-        for g, n in need.items():
-            if n > self.device[g].free:
-                raise CapacityError("device", g, n, self.device[g].free)
-        return self.ledger.alloc_for_callers(need)
+        return self.alloc_trusted(need, evict=evict)
 
-    def alloc_trusted(self, need: Mapping[str, int]) -> PageMap:
-        """:meth:`alloc_device` (evicting) for a ``need`` the request layer computed (known
-        groups, ints >= 0), not checked again. CapacityError: short after eviction (nothing allocated)."""
+    def alloc_trusted(self, need: Mapping[str, int], *, evict: bool = True) -> PageMap:
+        """:meth:`alloc_device` for a ``need`` the request layer computed (known groups, ints
+        >= 0), not checked again. CapacityError: short after eviction (nothing allocated)."""
         if short := self.ledger.device_short(need):
-            self._reclaimer.evict_device(short)
+            if evict:
+                self._reclaimer.evict_device(short)
             for g, n in need.items():
                 if n > self.device[g].free:
                     raise CapacityError("device", g, n, self.device[g].free)

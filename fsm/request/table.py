@@ -322,10 +322,7 @@ class RequestTable:
         mine = {g: p for g, p in own.items() if p}
         if mine:
             self.core.free_device(mine)
-        fresh: PageMap = {}
-        for g in own:
-            fresh[g] = []
-        r.own = fresh
+        r.own = {g: [] for g in own}
         r.room = 0
 
     def drop_checkpoint_borrow(self, r: Request) -> None:

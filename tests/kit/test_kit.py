@@ -179,9 +179,9 @@ def test_default_mix_adds_an_adapter_machine_only_where_its_module_imports(
     # must leave its machine out, not make every campaign fail before its first step
     from kvtier.testing import fuzz
 
+    assert "sglang" not in fuzz.ADAPTER_MACHINES  # its modules import only under its marked tests
     monkeypatch.setattr(fuzz, "ADAPTER_MACHINES", {"broken": ("kvtier_no_such_machine_module", 0.04),
                                                    "json": ("json", 0.02)})
     mix = fuzz.default_mix()
     assert "broken" not in mix and mix["json"] == 0.02
     assert {k: v for k, v in mix.items() if k != "json"} == fuzz.DEFAULT_MIX
-    assert "sglang" not in fuzz.ADAPTER_MACHINES  # its modules import only under its marked tests
