@@ -122,12 +122,8 @@ class ForwardResults:
             except CapacityError:
                 ckpt = None
         anchor = r.lock.node if r.lock is not None and not r.lock.released else None
-        whole = ckpt is None and anchor is not None and anchor.depth <= n_units
-        if whole:
-            for g in t.history:
-                if len(r.canon.get(g, ())) != anchor.depth * ppu[g]:
-                    whole = False
-        if whole:
+        if ckpt is None and anchor is not None and anchor.depth <= n_units and all(
+                len(r.canon.get(g, ())) == anchor.depth * ppu[g] for g in t.history):
             # its canonical pages are its locked path's, whole (invariant forward_fence: a
             # prefix of them): the core trusts the page table and walks only beyond it
             result = core.insert_trusted(r.units[:n_units], pages, anchor, chunk_checkpoint=not final)

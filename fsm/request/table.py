@@ -293,12 +293,12 @@ class RequestTable:
 
     def set_room(self, r: Request) -> None:
         """Recompute the tokens the history pages of ``r``'s table cover."""
-        room = None
+        room: int | None = None
         for g in self.history:
             covers = (len(r.canon.get(g, ())) + len(r.own.get(g, ()))) * self.tokens_per_page[g]
             if room is None or covers < room:
                 room = covers
-        r.room = room
+        r.room = 0 if room is None else room
 
     def free_later(self, r: Request, pages: Mapping[str, Sequence[int]]) -> None:
         """Free caller pages that left ``r``'s table once every pass reserved so far has

@@ -184,7 +184,7 @@ def torn(blob: bytes) -> bytes:
 def sync_driver(store: FakeStore, io: HostPageIO) -> StoreDriver:
     """A store driver whose thread has stopped: :func:`run_command` runs its loop on the
     caller's thread, one command at a time."""
-    drv = StoreDriver(store, io)  # type: ignore[arg-type]
+    drv = StoreDriver(store, io)
     drv._todo.put(None)
     drv._thread.join()
     return drv
