@@ -21,7 +21,7 @@ from typing import ClassVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
-from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.base import ReqContext  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from kvtier.fsm.errors import InvariantViolation
 
