@@ -86,3 +86,28 @@ def test_a_blind_l3_check_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     m = _machine_with_a_get_in_flight()
     with pytest.raises(AssertionError, match="went unnoticed by the l3 checks"):
         m.corrupt(i=0, v=0)
+
+
+def _count_ok_flags(self: L3Tier, op: object, res: object, now: float) -> None:
+    """A tier that loads every object flagged ok, not the leading run (holes included)."""
+    oks = list(res.ok) if res.error is None else []  # type: ignore[attr-defined]
+    object.__setattr__(res, "ok", tuple(sorted(oks, reverse=True)))  # the ok flags moved to the front
+    _ON_GET(self, op, res, now)
+
+
+_ON_GET = L3Tier._on_get
+
+
+@pytest.mark.parametrize("how", ["holes", "short"])
+def test_a_get_answered_with_holes_loads_only_its_leading_run(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = L3TierMachine()
+    m.setup(layout="kit", dev_units=6, host_units=8, lease=0.0, deadline=3.0, prefetch_units=4,
+            write_policy="host_write", hint=16, faults=0)
+    m.gappy_get(i=0, pick=3, how=how)  # a correct tier: leading run loaded, the rest released
+    m.kit_check()
+    assert m.tiers[0].outstanding().reserved_pages == 0 and m.tiers[0].stats.get_ok >= 1
+    if how == "holes":
+        monkeypatch.setattr(L3Tier, "_on_get", _count_ok_flags)
+        with pytest.raises(Exception, match="model_l3_fetched|loaded_equals_written"):
+            m.gappy_get(i=1, pick=3, how=how)
+            m.kit_check()

@@ -21,10 +21,12 @@ from typing import ClassVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
+from vllm.v1.kv_offload.base import ReqContext  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from kvtier.fsm.errors import InvariantViolation
 
 from ..testing.machines import KitMachine, recorded
+from ..testing.offload_contract import OffloadContract
 from .vllm import GROUP, KvtierOffloadingManager
 from .vllm_config import kvtier_extra_config
 from .vllm_engine import Engine, SimWorker
@@ -89,6 +91,7 @@ class VllmAdapterMachine(KitMachine):
                              self.groups, chunk_tokens=2 * T, worker=self.worker, max_model_len=T * 64)
         assert isinstance(self.engine.manager, KvtierOffloadingManager)
         self.manager = self.engine.manager
+        self.contract = OffloadContract(self.manager)  # vLLM's manager contract, checked on every call
         self.next_id = 0
 
     def _pick(self, i: int, phases: tuple[str, ...]) -> str | None:
@@ -132,6 +135,7 @@ class VllmAdapterMachine(KitMachine):
     # ------------------------------------------------------------------ checks
     def check_adapter(self) -> None:
         check_engine(self.engine)
+        self.contract.probe(ReqContext(req_id="probe"))
 
     def teardown(self) -> None:
         self.delay = 0
@@ -139,4 +143,5 @@ class VllmAdapterMachine(KitMachine):
         self.worker.fail = lambda job: False
         self.engine.drain()
         check_drained(self.manager)
+        self.contract.check_drained()
         super().teardown()

@@ -6,11 +6,11 @@ prefixes (written through to the host), offer them to L3 under the write policy,
 (exists, then get into reserved host pages), load fetched chunks back to the device, evict
 under pressure, remove objects; the store answers the operations in any order, and with
 the example's fault rate it fails an operation as a whole, drops an object between the
-exists and the get, hands back a torn object, refuses a put or a remove, or answers after
-the deadline (the late answer must be absorbed, and a cancelled get writes nothing). The
-store may also drop any object at any time. Scenario rules that need a stored prefix find
-one, or have a third engine sharing the store put one first (with the content every
-instance computes for it), so that every example reaches the get path.
+exists and the get, hands back a torn object, answers a get with holes in its ok flags
+or a short ok list (another driver may: only the leading run loads), refuses a put or a
+remove, answers twice, or after the deadline (absorbed; a cancelled get writes nothing).
+The store may drop any object at any time. Scenario rules needing a stored prefix find one,
+or have a third engine sharing the store put one first (the content every instance computes).
 
 Between the ordinary steps it makes hostile calls (:mod:`kvtier.testing.l3_cases`: bad
 arguments, op ids never issued, bad options, refused fetch reservations), each of which
@@ -202,8 +202,7 @@ class L3TierMachine(L3Steps):
     @rule(i=st.integers(0, 1), tier=st.sampled_from(["device", "host"]), n=st.integers(1, 6))
     @recorded
     def pressure(self, i: int, tier: str, n: int) -> None:
-        """Evict ``n`` pages of the first history group (pinned put sources and fetching
-        nodes must survive)."""
+        """Evict ``n`` pages of the first history group (pinned put sources, fetching nodes stay)."""
         core = self.cores[i]
         g = views.history_groups(core)[0]
         if tier == "device":
@@ -214,8 +213,7 @@ class L3TierMachine(L3Steps):
     @rule(i=st.integers(0, 1))
     @recorded
     def evict_all(self, i: int) -> None:
-        """Evict everything instance ``i`` may evict from both tiers (its next requests
-        must go to the store again: a leased object is then fetched again)."""
+        """Evict all instance ``i`` may evict from both tiers (its next requests go to the store)."""
         self._evict_all(i)
 
     @rule(i=st.integers(0, 1), key=_KEYS, last=st.booleans())
@@ -296,6 +294,11 @@ class L3TierMachine(L3Steps):
         if changed and (tier.stats.get_ops != gets or tier.prefetching(owner)):
             raise InvariantViolation("l3_get_invisible", f"prefetch {owner} on instance {i}",
                                      "a get started from a local prefix that changed after its exists")
+
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 100), how=st.sampled_from(["holes", "short"]))
+    @recorded
+    def gappy_get(self, i: int, pick: int, how: str) -> None:
+        self._gappy_get(i, pick, how)  # a get answered with holes or a short ok list (l3_steps)
 
     @rule(i=st.integers(0, 1), pick=st.integers(0, 100))
     @recorded
@@ -443,8 +446,7 @@ class L3TierMachine(L3Steps):
     @rule(pick=st.integers(0, 100), roll=ROLL, how=st.sampled_from(FAULTS))
     @recorded
     def answer(self, pick: int, roll: int, how: str) -> None:
-        """The store answers one operation in flight (any order); with the example's fault
-        rate it misbehaves as ``how`` says."""
+        """The store answers one operation in flight (any order), misbehaving as ``how`` at the fault rate."""
         self._answer_one(pick, roll, how)
 
     @precondition(lambda self: bool(self.pending))

@@ -9,7 +9,7 @@ invariant checks; the rules and the hostile calls are in :mod:`kvtier.testing.l3
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -31,7 +31,12 @@ __all__ = ["L3Steps", "InstanceModel", "FAULTS", "ERROR_KINDS", "words"]
 #: first key first (a get then misses; the store dropped it after its exists), tear the
 #: first key (a get finds a corrupt object), answer only a prefix of the keys, or answer a
 #: get with a gap (a middle object missing: the delivered prefix ends before it).
-FAULTS = ("error", "drop", "torn", "partial", "gap")
+FAULTS = ("error", "drop", "torn", "partial", "gap", "holes", "short")
+#: ``holes`` and ``short`` answer a get as another store driver may: ok flags with holes after
+#: the first miss (later objects reported delivered), or an ok list cut after the leading run
+#: (shorter than the keys). Only the leading run of ok objects may be loaded, the rest released.
+#: The fake store's own fault under each of them:
+_STORE_FAULT = {"holes": "gap", "short": "partial"}
 #: The kinds of error the fake store reports (the text before the first colon): a backend
 #: failure, a saturated driver queue, and a backend's own timeout named ``deadline`` (the
 #: tier's expiries use that kind too, and must not count the backend's).
@@ -322,14 +327,28 @@ class L3Steps(KitMachine):
         if mine:
             self._answer_one(mine[0], 999, "error")  # roll 999: never a fault
 
-    def _answer_one(self, pick: int, roll: int, how: str, error: str | None = None) -> None:
-        """Answer ``pending[pick]`` (misbehaving as ``how`` when ``roll`` draws a fault),
-        or fail it as a whole with an ``error`` of that kind."""
+    def _gappy_get(self, i: int, pick: int, how: str) -> None:
+        """A get of a stored prefix of at least 2 units on instance ``i``, answered as
+        ``how`` ("holes" or "short") whatever the fault rate; then the hit is loaded and the
+        prefetch forgotten (its fetched count checked against the leading run)."""
+        key = self._stored_prefix(pick, 2)
+        self._evict_all(i)
+        owner = self._prefetch(i, key)
+        self._answer_exists(i, owner)
+        mine = [j for j, p in enumerate(self.pending) if p.inst == i and p.owner == owner and p.cmd.kind is StoreOp.GET]
+        if mine:
+            self._answer_one(mine[0], pick, how, forced=True)
+        self._load(i, key)
+        self._forget(i, owner)
+
+    def _answer_one(self, pick: int, roll: int, how: str, error: str | None = None, forced: bool = False) -> None:
+        """Answer ``pending[pick]`` (misbehaving as ``how`` when ``roll`` draws a fault or
+        ``forced``), or fail it as a whole with an ``error`` of that kind."""
         p = self.pending.pop(pick % len(self.pending))
         if error is not None:
             res = self._answer(p, "error", error)
         else:
-            fault = self.kit_fail(roll)
+            fault = forced or self.kit_fail(roll)
             res = self._answer(p, how if fault else None, ERROR_KINDS[roll % len(ERROR_KINDS)])
         tier, model = self.tiers[p.inst], self.model[p.inst]
         late = tier.stats.absorbed_late_results
@@ -337,6 +356,12 @@ class L3Steps(KitMachine):
         if p.cancelled and tier.stats.absorbed_late_results != late + 1:
             raise InvariantViolation("l3_ends_by_deadline", f"op {p.cmd.op_id}",
                                      "a late answer after the deadline was not absorbed")
+        if roll % 7 == 3:  # the store answers the same operation twice: the second is absorbed
+            before, late = tier.outstanding(), tier.stats.absorbed_late_results
+            tier.complete(res, self.now)
+            if tier.stats.absorbed_late_results != late + 1 or tier.outstanding() != before:
+                raise InvariantViolation("l3_ends_by_deadline", f"op {p.cmd.op_id}",
+                                         "a duplicate answer was not absorbed without a change")
         if not p.cancelled:
             if res.error is not None:
                 kind = res.error.split(":", 1)[0]
@@ -366,11 +391,18 @@ class L3Steps(KitMachine):
                     raise InvariantViolation("l3_put_source_pinned", f"put {cmd.op_id} of object {k[:12]}",
                                              f"the host pages it reads hold {got!r}")
         lease = self.tiers[p.inst].options.lease_s
-        self.fake.now, self.fake.lease_s, self.fake.fault, self.fake.error_kind = self.now, lease, fault, kind
+        store_fault = _STORE_FAULT.get(fault or "", fault)
+        self.fake.now, self.fake.lease_s, self.fake.fault, self.fake.error_kind = self.now, lease, store_fault, kind
         try:
             res = run_command(self.drivers[p.inst], cmd)
         finally:
             self.fake.fault = None
+        if cmd.kind is StoreOp.GET and fault in _STORE_FAULT and res.error is None:
+            run = 0
+            while run < len(res.ok) and res.ok[run]:
+                run += 1
+            ok = list(res.ok[:run]) if fault == "short" else [*res.ok[:run + 1], *[True] * (len(res.ok) - run - 1)]
+            res = replace(res, ok=tuple(ok))
         if cmd.kind is StoreOp.GET and fault != "error":
             self.host[p.inst].read_back(cmd.pages)
             if not p.cancelled and lease > 0:  # the tier hears of these leases: it must respect them
