@@ -64,14 +64,6 @@ def register() -> None:
         register_radix_cache_backend("kvtier", KvtierRadixCache.from_build_context)
 
 
-def _int64_host(t: Any) -> np.ndarray:
-    """``t`` (KV pool indices) as an int64 numpy array; a CPU int64 tensor is read in place."""
-    if t.dtype is not torch.int64 or t.device.type != "cpu":
-        t = t.detach().to("cpu", torch.int64)
-    out: np.ndarray = t.numpy()
-    return out
-
-
 class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unused-ignore]
     """SGLang prefix cache whose radix tree, host tier, writebacks and loadbacks are kvtier's.
 
@@ -331,7 +323,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         else:
             if len(value) < n_tok:
                 raise UsageError(f"insert: value has {len(value)} KV indices for a key of {n_tok} tokens")
-            vals = _int64_host(value[:n_tok]) if isinstance(value, torch.Tensor) \
+            vals = value[:n_tok].detach().to("cpu", torch.int64).numpy() if isinstance(value, torch.Tensor) \
                 else np.asarray(value[:n_tok], dtype=np.int64)
         core = self.core
         if self._unbound:  # pages the core freed: unbound before any is handed out again

@@ -169,7 +169,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         """
         ctx = req_context if type(req_context) is ReqContext else check_ctx(req_context, "lookup")
         k: bytes = key if type(key) is bytes and len(key) >= 4 else check_key(key, "lookup")
-        n = self.tier.resolve(k) if k in self.tier.index else None  # (a miss: not indexed)
+        n = self.tier.resolve(k)
         state = n.state if n is not None else None
         out = _HIT if state in HOST_VISIBLE else _HIT_PENDING if state == "writing" else _MISS
         if out is not _MISS and (st := self._reqs.get(ctx.req_id)) is not None:  # (vLLM announced it)
@@ -294,12 +294,12 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
         skipped = 0
         prev: Node | None = None
         at = -1  # the previous key's place in prev.key
-        resolve, coord, visible, index, known = tier.resolve, order.coord, HOST_VISIBLE, tier.index, st.coord
+        resolve, coord, visible, index = tier.resolve, order.coord, HOST_VISIBLE, tier.index
         for i, key in enumerate(keys):
             if prev is not None and at + 1 < len(prev.key) and prev.key[at + 1] == key:
                 at += 1  # the previous key's node goes on: nothing new (offers follow the prefix)
                 continue
-            n = resolve(key) if key in index else None  # (most offered keys are new)
+            n = resolve(key)
             if n is not None:
                 at = len(n.key) - 1 - index[key][1]
                 if n.state in visible:
@@ -314,7 +314,7 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
             if eligible is not None and key not in eligible:
                 skipped += 1
                 continue
-            c = known.get(key) or coord(key, ctx, st)
+            c = coord(key, ctx, st)
             if c is None:
                 flat.append(key)
             else:
