@@ -96,14 +96,17 @@ def test_a_completion_may_cover_chunks_already_stored() -> None:
 
 def test_a_completion_covering_part_of_a_store_raises_and_changes_nothing() -> None:
     m = manager(4)
-    ks = keys("a", 2)
-    c = ctx("r", ks)
-    assert m.prepare_store(ks, c) is not None
+    ks, whole = keys("a", 2), keys("w", 1)
+    c, cw = ctx("r", ks), ctx("rw", whole)
+    assert m.prepare_store(whole, cw) is not None and m.prepare_store(ks, c) is not None
+    # one store covered whole, the other in part: neither is settled
     with pytest.raises(UsageError, match="cover 1 of the 2 chunks"):
-        m.complete_store(ks[:1], c)
-    assert looks(m, ks) == [PENDING] * 2
+        m.complete_store(whole + ks[:1], c)
+    assert looks(m, whole + ks) == [PENDING] * 3
     m.complete_store(ks, c)
-    assert looks(m, ks) == [HIT] * 2
+    assert looks(m, whole + ks) == [PENDING, HIT, HIT]
+    m.complete_store(whole, cw)
+    assert looks(m, whole) == [HIT]
 
 
 def test_a_chain_continues_from_its_parent_chunk_and_an_orphan_hangs_from_the_root() -> None:

@@ -133,6 +133,17 @@ def test_exclusive_host_drops_a_reloaded_duplicate_before_a_host_only_node() -> 
     c.check_invariants()
 
 
+def test_exclusive_host_drops_both_fragments_of_a_split_reloaded_duplicate() -> None:
+    c, old, hot = _loaded_back(exclusive=True)
+    c.match(keys("h", 1))  # splits the reloaded node
+    head = hot.parent
+    assert c.stats.splits == 1 and head.reloaded and hot.reloaded
+    assert c.evict_host({"kv": 2}) == {"kv": 2}
+    assert (head.state, hot.state, old.state) == ("device", "device", "host")
+    assert c.stats.host_drops == 2 and c.stats.host_evictions == 0
+    c.check_invariants()
+
+
 def test_inclusive_host_evicts_in_lru_order() -> None:
     c, old, hot = _loaded_back(exclusive=False)
     assert c.evict_host({"kv": 2}) == {"kv": 2}

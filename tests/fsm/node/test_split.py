@@ -8,7 +8,15 @@ from __future__ import annotations
 from core_helpers import ack, free, h1, h2, put, src, state
 
 from kvtier.fsm import CacheCore
+from kvtier.fsm.node import Node
+from kvtier.fsm.node.tree import RadixTree
 from kvtier.fsm.records import Completion
+
+#: The node fields a split sets on the new prefix fragment itself: its identity, its key and
+#: place in the tree, its share of the pages, and the checkpoint that stays at the suffix end.
+#: Every other field is state the prefix fragment shares with the original node.
+SPLIT_SETS = frozenset({"node_id", "key", "parent", "children", "depth", "dev", "host", "pending",
+                        "dev_ckpt", "host_ckpt", "pending_ckpt", "_refs", "chunk_checkpoint"})
 
 
 def test_split_keeps_pages_identity_and_lock():
@@ -151,3 +159,21 @@ def test_split_at_zero_or_full_length_is_a_no_op():
     c.unlock(lk)
     ack(c, cmd)
     c.check_invariants()
+
+
+def test_split_gives_the_prefix_fragment_every_shared_field_of_the_node():
+    # every slot of Node outside SPLIT_SETS, so that a field added later is covered too
+    shared = [f for f in Node.__slots__ if f not in SPLIT_SETS]
+    assert {"state", "lock_ref", "host_pin", "wb_op", "lb_op", "fetch_op", "reloaded"} <= set(shared)
+    tree = RadixTree({"kv": 2}, iter(range(1, 100)))
+    node = tree.new_leaf(tree.root, ("a", "b", "c"))
+    tree.link(node)
+    node.dev = {"kv": [0, 1, 2, 3, 4, 5]}
+    values = {f: object() for f in shared}
+    for f, v in values.items():
+        setattr(node, f, v)
+    prefix = tree.cut(node, 1)
+    assert {f: getattr(prefix, f) for f in shared} == values
+    assert {f: getattr(node, f) for f in shared} == values
+    assert (prefix.key, prefix.dev, node.key, node.dev) == (("a",), {"kv": [0, 1]}, ("b", "c"), {"kv": [2, 3, 4, 5]})
+    assert (prefix.parent, node.parent, prefix.chunk_checkpoint) == (tree.root, prefix, False)
