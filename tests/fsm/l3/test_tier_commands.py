@@ -289,6 +289,24 @@ def test_a_put_pins_its_host_copies_under_the_owner_l3_put() -> None:
     assert receipt.released and t.core.walk(KEY)[0].host_pin == 0
 
 
+def test_a_put_counts_one_operation_and_one_key_per_unit_of_a_node_holding_several() -> None:
+    """``put_keys`` counts the store keys a put writes (one per unit), not the tree nodes it
+    reads: one node of three units offered whole is one put of three keys, and the second
+    put of a node split from it counts its own units only."""
+    t = h1_tier()
+    backed(t.core, KEY)
+    assert len(t.core.walk(KEY)) == 1  # one node, three units
+    assert t.offer(KEY, 0.0) == 3
+    cmd = one_command(t)
+    assert len(cmd.keys) == 3
+    assert (t.stats.put_ops, t.stats.put_keys) == (1, 3)
+    t.complete(answer_at_once({}, cmd), 0.0)
+    assert (t.stats.put_ops, t.stats.put_keys, t.stats.put_ok) == (1, 3, 3)
+    backed(t.core, KEY + ("d", "e"))
+    assert t.offer(KEY + ("d", "e"), 0.0) == 2  # only the two new units
+    assert (t.stats.put_ops, t.stats.put_keys) == (2, 5)
+
+
 def test_host_eviction_puts_each_unit_of_a_victim_under_its_own_key_unless_recently_put() -> None:
     """l3.py:368: under ``host_eviction`` each unit of a victim is checked against the
     hint under its own key: with a hint of one key, the last unit put is skipped when the
