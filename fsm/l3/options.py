@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..checks import finite
 from ..errors import ConfigError
 from ..lifecycle.names import L3_STATE as LS
 
@@ -79,7 +79,7 @@ class L3Options:
             raise ConfigError(f"L3 tp_rank {self.tp_rank} is not below world_size {self.world_size}")
         for name in ("deadline_s", "lease_s"):
             v = getattr(self, name)
-            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not finite(v) or v < 0
                     or (name == "deadline_s" and v == 0)):  # NaN and inf: an operation that never expires
                 raise ConfigError(f"L3 {name} must be a finite number of seconds (> 0 for deadline_s), got {v!r}")
 

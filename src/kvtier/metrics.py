@@ -74,7 +74,6 @@ engine calls into the cache from that thread only.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -89,6 +88,7 @@ from prometheus_client.core import (  # type: ignore[import-not-found,unused-ign
 from prometheus_client.registry import Collector  # type: ignore[import-not-found,unused-ignore]
 
 from kvtier.fsm import ConfigError, Direction
+from kvtier.fsm.checks import finite
 from kvtier.fsm.request.counters import KNOWN_ABORT_REASONS, OUTCOMES
 from kvtier.fsm.lifecycle.spec import load_spec
 
@@ -225,7 +225,7 @@ class KvtierCollector(Collector):  # type: ignore[misc,unused-ignore]
     def __init__(self, cache: TieredCache | None = None, engine: Any = None, *,
                  snapshot_wait_s: float = 2.0) -> None:
         if isinstance(snapshot_wait_s, bool) or not isinstance(snapshot_wait_s, (int, float)) \
-                or not math.isfinite(snapshot_wait_s) or snapshot_wait_s <= 0:
+                or not finite(snapshot_wait_s) or snapshot_wait_s <= 0:
             raise ConfigError(f"KvtierCollector: snapshot_wait_s must be a finite number of seconds > 0, "
                               f"got {snapshot_wait_s!r}")
         self.snapshot_wait_s = float(snapshot_wait_s)
