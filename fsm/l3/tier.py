@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from ..checks import as_time, check_key_sequence, plain_int
+from ..checks import as_keys, as_time, check_key_sequence, plain_int
 from ..errors import ConfigError, UsageError
 from .walks import local_end, offer_items, victim_items
 from .options import (WRITE_POLICIES, L3Object, L3Op, L3Options, L3Outstanding, L3Stats, Prefetch, chain_keys,
@@ -106,7 +106,10 @@ class L3Tier:
     def forget(self, owner: str, now: float | None = None, cancel: Callable[[int], None] | None = None) -> None:
         """Drop ``owner``'s prefetch record (after it was admitted, or its request ended).
         One still in flight is cancelled first (:meth:`cancel`; with ``now`` left out it
-        is only detached: its store operation stays in flight until answered or expired)."""
+        is only detached: its store operation stays in flight until answered or expired).
+        UsageError: ``owner`` not a string (nothing changes)."""
+        if not isinstance(owner, str):
+            raise UsageError(f"l3 forget: owner must be a request id string, got {owner!r}")
         if self.prefetching(owner):
             self.cancel(owner, now, cancel)
         self._prefetch.pop(owner, None)
@@ -211,12 +214,14 @@ class L3Tier:
             already has a prefetch in flight.
 
         Raises:
-            UsageError: ``owner`` not a string, ``units`` not a sequence or ``now`` not a finite number.
+            UsageError: ``owner`` not a string, ``units`` not a sequence of hashable unit keys
+                (named) or ``now`` not a finite number; nothing changes.
         """
         now = as_time(now, "l3 prefetch: now")
         if not isinstance(owner, str):
             raise UsageError(f"l3 prefetch: owner must be a request id string, got {owner!r}")
         check_key_sequence(units, "l3 prefetch: units")
+        as_keys(units, "l3 prefetch: units")  # keys the tree can hash and compare, before anything changes
         if self.prefetching(owner):
             return False
         self._prefetch.pop(owner, None)
@@ -344,9 +349,14 @@ class L3Tier:
 
         Returns:
             Objects submitted.
+
+        Raises:
+            UsageError: ``units`` not a sequence of hashable unit keys (named) or ``now`` not a
+                finite number; nothing changes.
         """
         now = as_time(now, "l3 offer: now")
         check_key_sequence(units, "l3 offer: units")
+        as_keys(units, "l3 offer: units")  # keys the tree can hash and compare
         wants = self._wants
         if self.options.write_policy == "host_eviction":
             return self._put_units(victim_items(self.core, self.seed, self.options, wants), now)

@@ -458,3 +458,52 @@ def test_a_store_result_takes_numpy_values_and_lists_as_plain_values() -> None:
     assert (r.ok, r.present, r.corrupt, r.nbytes, r.seconds) == ((True, False), 2, ("k",), 8, 1.0)
     assert [type(x) for x in (*r.ok, r.present, r.nbytes, r.seconds)] == [bool, bool, int, int, float]
     assert type(r.ok) is tuple and type(r.corrupt) is tuple
+
+
+class _RaisingKey:
+    """A unit key whose hash and ``==`` raise (an engine's key type with a bug)."""
+
+    def __hash__(self) -> int:
+        raise RuntimeError("broken key hash")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("broken key eq")
+
+
+@pytest.mark.parametrize(("units", "fragment"), [
+    ((["a"], ["b"]), "unit keys must be hashable, got ['a']"),
+    (("a", {"b": 1}), "unit keys must be hashable, got {'b': 1}"),
+    ((_RaisingKey(),), "a unit key's hash raised RuntimeError: broken key hash"),
+], ids=["lists", "dict", "raising-hash"])
+@pytest.mark.parametrize("call", ["prefetch", "offer"])
+def test_prefetch_and_offer_refuse_unit_keys_that_cannot_be_hashed_naming_the_key(
+        call: str, units: tuple[object, ...], fragment: str) -> None:
+    """Unit keys are hashed in the core's radix tree: a key that cannot be (a list) or whose
+    hash raises is refused with a UsageError naming it, as the facade's admit does (it was a
+    TypeError or the key's own exception from deep in the tree), before anything changes:
+    an owner's ended prefetch keeps its record (prefetch dropped it first)."""
+    store = stored(KEY)
+    t = h1_tier()
+    assert t.prefetch("r1", KEY, 0.0)
+    for _ in range(2):  # exists, then get
+        t.complete(answer_at_once(store, one_command(t)), 0.0)
+    assert t.fetched_units("r1") == 3
+    before = (dataclasses.asdict(t.stats), snapshot(t.core), t.outstanding())
+    with pytest.raises(UsageError) as e:
+        if call == "prefetch":
+            t.prefetch("r1", units, 0.0)  # type: ignore[arg-type]
+        else:
+            t.offer(units, 0.0)  # type: ignore[arg-type]
+    assert type(e.value) is UsageError and str(e.value) == f"l3 {call}: units: {fragment}"
+    assert (dataclasses.asdict(t.stats), snapshot(t.core), t.outstanding()) == before
+    assert t.fetched_units("r1") == 3 and t.poll_commands() == []
+
+
+@pytest.mark.parametrize("owner", [["r1"], None, 5, b"r1"], ids=repr)
+def test_forget_refuses_an_owner_that_is_not_a_request_id_string(owner: object) -> None:
+    """``forget`` drops a prefetch record: an owner that is no string is refused naming it
+    (a list raised TypeError: unhashable; None and 5 were taken silently), as cancel does."""
+    t = h1_tier()
+    with pytest.raises(UsageError) as e:
+        t.forget(owner)  # type: ignore[arg-type]
+    assert str(e.value) == f"l3 forget: owner must be a request id string, got {owner!r}"
