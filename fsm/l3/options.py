@@ -16,12 +16,16 @@ if TYPE_CHECKING:
     from ..node.node import NodeReceipt
     from ..records import StoreOp
 
-__all__ = ["L3Outstanding", "L3Op", "L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
+__all__ = ["MAX_ERROR_KINDS", "L3Outstanding", "L3Op", "L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
 
 #: L3 write policies: put a request's host-visible prefix when it is offered (``host_write``),
 #: only chunks reused at least ``write_threshold`` times (``selective``), or the host tier's
 #: next eviction victims before they go (``host_eviction``).
 WRITE_POLICIES = ("host_write", "selective", "host_eviction")
+
+#: Backend error kinds :attr:`L3Stats.errors` counts under their own name (the first ones to
+#: occur); every later kind counts under ``other``, so the table stays bounded.
+MAX_ERROR_KINDS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +118,7 @@ class L3Stats:
     bytes_out: int = 0  # host -> store
     seconds: float = 0.0  # backend seconds, all operations
     get_seconds: float = 0.0  # backend seconds of exists and gets (the prefetch path)
-    errors: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # by kind: at most MAX_ERROR_KINDS, then "other"
 
 
 def namespace(layout: CacheLayout, model: str, dtype: str, tp_rank: int, world_size: int) -> bytes:

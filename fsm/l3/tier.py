@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from ..checks import as_keys, as_time, check_key_sequence, plain_int
 from ..errors import ConfigError, UsageError
 from .walks import local_end, offer_items, victim_items
-from .options import (WRITE_POLICIES, L3Object, L3Op, L3Options, L3Outstanding, L3Stats, Prefetch, chain_keys,
+from .options import (MAX_ERROR_KINDS, WRITE_POLICIES, L3Object, L3Op, L3Options, L3Outstanding, L3Stats, Prefetch, chain_keys,
                       namespace)
 from ..lifecycle.machines import l3_lifecycle
 from ..records import StoreCommand, StoreOp, StoreResult, store_result_fields
@@ -442,7 +442,7 @@ class L3Tier:
         self.stats.seconds += result.seconds
         if result.error is not None:
             self.stats.op_errors += 1
-            kind = result.error.split(":", 1)[0][:60]
+            kind = self._error_kind(result.error)
             self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
         if op.kind is StoreOp.EXISTS:
             self.stats.get_seconds += result.seconds
@@ -486,11 +486,18 @@ class L3Tier:
                 self._remove(ready, now)
         return [op.op_id for op in expired]
 
+    def _error_kind(self, error: str) -> str:
+        """The :attr:`L3Stats.errors` entry of ``error``: the text before its first ':' (at
+        most 60 characters), or ``other`` once :data:`MAX_ERROR_KINDS` kinds are counted."""
+        kind = error.split(":", 1)[0][:60]
+        errors = self.stats.errors
+        return kind if kind in errors or len(errors) < MAX_ERROR_KINDS else "other"
+
     def _fail_now(self, op_id: int, now: float, error: str) -> None:
         """Fail operation ``op_id`` on the caller's side (deadline or cancel), counted as
         such, not as a backend error."""
         self._complete(StoreResult(op_id, error=error), now)
-        why = error.split(":", 1)[0]
+        why = self._error_kind(error)  # where _complete counted it
         self.stats.op_errors -= 1
         self.stats.errors[why] -= 1
         if not self.stats.errors[why]:

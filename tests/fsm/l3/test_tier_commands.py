@@ -507,3 +507,26 @@ def test_forget_refuses_an_owner_that_is_not_a_request_id_string(owner: object) 
     with pytest.raises(UsageError) as e:
         t.forget(owner)  # type: ignore[arg-type]
     assert str(e.value) == f"l3 forget: owner must be a request id string, got {owner!r}"
+
+
+def test_error_kinds_are_bounded_later_ones_count_as_other_and_expiries_still_uncount() -> None:
+    """``stats.errors`` counts backend errors by kind (the text before the first ':'): a backend
+    whose messages carry a changing detail before any ':' (``timeout after 1234 ms``) added a
+    kind per message, without bound. The first ``MAX_ERROR_KINDS`` kinds get their own entry;
+    every later one counts under ``other``; the total is every error; an expiry after the
+    table is full is still no backend error (it is uncounted where it was counted)."""
+    from kvtier.fsm.l3.options import MAX_ERROR_KINDS
+
+    t = h1_tier()
+    n = MAX_ERROR_KINDS + 50
+    for i in range(n):
+        assert t.remove([f"k{i}"], 0.0) == 1
+        t.complete(StoreResult(one_command(t).op_id, error=f"timeout after {i} ms"), 0.0)
+    errors = dict(t.stats.errors)
+    assert len(errors) == MAX_ERROR_KINDS + 1 and errors["other"] == 50 and sum(errors.values()) == n
+    assert [k for k in errors if k != "other"] == [f"timeout after {i} ms" for i in range(MAX_ERROR_KINDS)]
+    assert t.stats.op_errors == n
+    assert t.remove(["late"], 0.0) == 1
+    t.poll_commands()
+    assert t.expire(5.0) == [1 + n]  # its deadline (1 s) passed: not the store's error
+    assert t.stats.errors == errors and t.stats.op_errors == n and t.stats.expired_ops == 1
