@@ -74,6 +74,7 @@ engine calls into the cache from that thread only.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -145,9 +146,11 @@ class _Snapshot:
 
 
 def _number(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"KvtierCollector: {what} must be a number, got {value!r}")
-    return value
+    """A counter value of the engine's: a finite number >= 0 (numpy scalars too), as a plain
+    int or float."""
+    if not isinstance(value, bool) and isinstance(value, numbers.Real) and finite(value) and value >= 0:
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    raise ConfigError(f"KvtierCollector: {what} must be a finite number >= 0, got {value!r}")
 
 
 def _engine_rows(engine: Any) -> tuple[tuple[str, float, float], ...]:
@@ -219,7 +222,8 @@ class KvtierCollector(Collector):  # type: ignore[misc,unused-ignore]
     Raises:
         ConfigError: ``cache`` not a TieredCache or ``None``, ``engine`` without a
             ``stats()`` method, a bad ``snapshot_wait_s`` (also when assigned later); at
-            scrape time, an ``engine.stats()`` that is not such a dict.
+            scrape time, an ``engine.stats()`` that is not such a dict, or whose bytes or
+            seconds are not finite numbers >= 0.
     """
 
     def __init__(self, cache: TieredCache | None = None, engine: Any = None, *,

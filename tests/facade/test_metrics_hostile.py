@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("prometheus_client")  # the metrics extra; CI installs it with [test]
@@ -363,6 +364,32 @@ def test_an_engine_whose_stats_are_not_the_engine_s_is_a_clear_scrape_error(stat
 
 def test_a_good_engine_s_values_are_exported() -> None:
     eng = _Engine({"cumulative": {"writeback": {"bytes": 4096, "seconds": 0.5}, "loadback": {"bytes": 7}}})
+    got = _samples(generate_latest(_registry(KvtierCollector(_cache(), eng))).decode())
+    assert got[("kvtier:transfer_bytes_total", (("direction", "writeback"),))] == 4096
+    assert got[("kvtier:transfer_seconds_total", (("direction", "writeback"),))] == 0.5
+    assert got[("kvtier:transfer_bytes_total", (("direction", "loadback"),))] == 7
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1, -0.5, 10**400, True], ids=repr)
+@pytest.mark.parametrize("field", ["bytes", "seconds"])
+def test_an_engine_counter_that_is_not_a_finite_number_at_least_0_is_a_clear_scrape_error(field: str,
+                                                                                         value: Any) -> None:
+    """The engine's bytes and seconds are exported as counters: NaN, an infinity or a
+    negative count is no counter value (they were exported as NaN, +Inf, -5.0) and an int
+    past a float's range raised OverflowError from prometheus_client's exposition: each is
+    a ConfigError naming the field and the value."""
+    eng = _Engine({"cumulative": {"writeback": {field: value}}})
+    with pytest.raises(ConfigError) as info:
+        generate_latest(_registry(KvtierCollector(_cache(), eng)))
+    assert str(info.value) == (f"KvtierCollector: engine writeback {field} must be a finite number >= 0, "
+                               f"got {value!r}")
+
+
+def test_an_engine_s_numpy_counters_are_exported_as_plain_numbers() -> None:
+    """A transfer engine that sums with numpy (np.int64 bytes, np.float64 seconds) is read as
+    plain numbers (np.int64 was refused: not an int), as everywhere an int is taken."""
+    eng = _Engine({"cumulative": {"writeback": {"bytes": np.int64(4096), "seconds": np.float32(0.5)},
+                                  "loadback": {"bytes": np.uint32(7)}}})
     got = _samples(generate_latest(_registry(KvtierCollector(_cache(), eng))).decode())
     assert got[("kvtier:transfer_bytes_total", (("direction", "writeback"),))] == 4096
     assert got[("kvtier:transfer_seconds_total", (("direction", "writeback"),))] == 0.5
