@@ -148,7 +148,7 @@ class _Snapshot:
 def _number(value: object, what: str) -> float:
     """A counter value of the engine's: a finite number >= 0 (numpy scalars too), as a plain
     int or float."""
-    if not isinstance(value, bool) and isinstance(value, numbers.Real) and finite(value) and value >= 0:
+    if not isinstance(value, bool) and isinstance(value, numbers.Real) and finite(value) and float(value) >= 0:
         return int(value) if isinstance(value, numbers.Integral) else float(value)
     raise ConfigError(f"KvtierCollector: {what} must be a finite number >= 0, got {value!r}")
 
