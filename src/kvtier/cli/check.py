@@ -50,7 +50,11 @@ from kvtier.fsm.lifecycle.spec import INTERNAL, LifecycleSpec, TransitionSpec, l
 from .logreader import LogFormatError, read_log, record_problem
 from ..replay.trace_lines import MAX_DECOMPRESSED_BYTES
 
-__all__ = ["CheckResult", "Violation", "check_log", "check_records", "read_log"]  # read_log: kvtier.cli.logreader
+__all__ = ["MAX_CONTEXT", "CheckResult", "Violation", "check_log", "check_records", "read_log"]  # read_log: kvtier.cli.logreader
+
+#: The most records a violation shows before it (``context``): the checker keeps that many in
+#: memory, so the bound keeps its memory bounded whatever the log's length.
+MAX_CONTEXT = 10_000
 
 # The guards' meanings, as spec/lifecycle.toml's [node.guards] docs state them, over the
 # node state sets the spec's [node.resources] declare (kvtier.fsm.lifecycle.names derives them):
@@ -449,12 +453,15 @@ def check_records(records: Iterable[tuple[int, dict[str, Any]]], context: int = 
     a ``format`` violation at its line.
 
     Args:
-        context: how many earlier records a violation shows (an int >= 0).
+        context: how many earlier records a violation shows (an int in 0 .. :data:`MAX_CONTEXT`).
 
     Raises:
-        kvtier.fsm.ConfigError: ``context`` not an int >= 0.
+        kvtier.fsm.ConfigError: ``context`` not an int >= 0, or above :data:`MAX_CONTEXT`.
     """
-    c = _Checker(as_int(context, "context", minimum=0, error=ConfigError))
+    context = as_int(context, "context", minimum=0, error=ConfigError)
+    if context > MAX_CONTEXT:
+        raise ConfigError(f"context must be at most {MAX_CONTEXT} records, got {context}")
+    c = _Checker(context)
     held: tuple[int, dict[str, Any]] | None = None  # a completion, until we know it was not refused
     unreadable: LogFormatError | None = None
     try:
