@@ -58,7 +58,7 @@ def check_budget_split(specs: Sequence[Any], budget: int, weights: Mapping[str, 
     starved = [n for n in share if share[n] * (1 + _EPS) < pb[n]]
     edge = [n for n in share if abs(share[n] - pb[n]) <= share[n] * _EPS]
     try:
-        got = pages_for_budget(specs, budget, weights)
+        got: dict[str, int] = {str(k): int(v) for k, v in pages_for_budget(specs, budget, weights).items()}
     except ConfigError as e:
         if starved or edge:
             return None
