@@ -15,10 +15,12 @@ reports the first record that breaks a rule, with the records leading to it:
 * **invariants** read off the records: a node's resources agree with its state
   (``state_matches_resources``, ``host_means_acked``), a node with a host copy has a
   parent with one (``root_closed_host``), a loading node is pinned
-  (``loadback_source_pinned``), an operation is issued once and settles once and no
-  completion is taken twice while it is in flight (``operation_ends_once``; a settled
+  (``loadback_source_pinned``), an operation is issued once and settles once, no
+  completion is taken for an operation never handed out (no ``command`` record) nor twice
+  while it is in flight (``operation_ends_once``; a settled
   operation's late or duplicate completions are absorbed), a failed operation never
-  acknowledges a node (``failure_not_success``), an aborting request keeps its pages until
+  acknowledges a node and no operation settles ok before every rank acknowledged it
+  (``failure_not_success``), an aborting request keeps its pages until
   the fence (``release_once_after_fence``), and a facade call leaves a request in the
   state its transitions say (``return`` records).
 * **recorded checks**: an ``invariants`` record with ``"ok": false`` (the producer's own
@@ -281,6 +283,9 @@ class _Checker:
             if rec.get("ok") and (op.failed or op.poisoned or op.expired):
                 raise _Bad("failure_not_success", f"op {rec['op']} settled ok although "
                                                   f"{'it was poisoned' if op.poisoned else 'a rank reported failure'}")
+            if rec.get("ok") and len(op.acked) < self.world:
+                raise _Bad("failure_not_success", f"op {rec['op']} settled ok with {len(op.acked)} of "
+                                                  f"{self.world} ranks' acknowledgements")
         elif k == "invariants":
             self.result.invariant_checks += 1
             if rec.get("ok") is False:
@@ -302,6 +307,9 @@ class _Checker:
             # it may not settle again nor move a node (both checked when recorded)
             op.absorbed += 1
             return
+        if not op.issued:  # the engine completes only what it was handed (a command record)
+            raise _Bad("operation_ends_once", f"op {rec['op']}: a completion taken for an operation never "
+                                              f"handed out (no command record in this segment)")
         key = (rec["rank"], rec.get("layer"))
         if key[0] >= self.world:
             raise _Bad("format", f"op {rec['op']}: a completion from rank {key[0]} taken, but the cache has "
