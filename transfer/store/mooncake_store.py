@@ -39,7 +39,6 @@ TCP (pack, staging, transport; as Redis), 2 over RDMA; ``copies`` records 3.
 from __future__ import annotations
 
 import math
-
 import socket
 import time
 from collections.abc import Sequence
@@ -66,13 +65,14 @@ HAS_LEASE = -706
 RPC_FAIL = -900  # -900 and below: the master (or the HA layer) is unreachable
 
 
-
 def _finite(value: float) -> bool:
-    """``math.isfinite(value)``, and False for an int past a float's range (10**400)."""
+    """``math.isfinite(value)``, and False for an int past a float's range (10**400); kept
+    here because ``transfer/`` imports only the core's records and errors."""
     try:
         return math.isfinite(value)
     except OverflowError:
         return False
+
 
 class _Client(Protocol):
     """The part of ``mooncake.store.MooncakeDistributedStore`` used here (it ships no stubs;
