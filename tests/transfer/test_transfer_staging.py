@@ -298,6 +298,36 @@ def test_scattered_host_pages_stay_on_the_kernel() -> None:
     assert eng.stats()["last_flush"]["loadback"]["stage_bytes"] == 0
 
 
+@needs_sim
+def test_flushes_of_growing_size_land_pages_exactly() -> None:
+    """Both ways, flushes of 5, 40 and 12 pages (the ranks of a permutation in host order
+    come from one shared array that grows between them): every page lands exactly."""
+    specs = kv_specs(layers=2)
+    host = HostPool(specs, 100, pin=False, layout="page")
+    dev = DevicePool.allocate(specs, 100, "cpu")
+    fill(host, dev, seed=3)
+    eng = TransferEngine(specs, host, dev, "hybrid", backend_options=staging_options(1 << 13, 2), chunk_layers=1)
+    rng = np.random.default_rng(4)
+    op = 0
+    for n in (5, 40, 12):
+        dev_pages = rng.permutation(100)
+        lb_dev, wb_dev = dev_pages[:n], dev_pages[n:2 * n]
+        lb_host, wb_host = rng.permutation(n), 50 + rng.permutation(n)
+        want_dev = {(c, layer): host.region("kv", c, layer)[torch.as_tensor(lb_host)].clone()
+                    for c in ("c0", "c1") for layer in range(2)}
+        want_host = {(c, layer): dev.region("kv", c, layer)[torch.as_tensor(wb_dev)].clone()
+                     for c in ("c0", "c1") for layer in range(2)}
+        comps = run(eng, [ArrayCommand(op + 1, L, (PageArrays("kv", lb_host, lb_dev),)),
+                          ArrayCommand(op + 2, W, (PageArrays("kv", wb_dev, wb_host),))])
+        op += 2
+        assert all(c.ok for c in comps) and sum(c.layer is None for c in comps) == 2
+        assert eng.stats()["last_flush"]["loadback"]["stage_bytes"] == n * 2 * 96
+        for (c, layer), data in want_dev.items():
+            assert torch.equal(dev.region("kv", c, layer)[torch.as_tensor(lb_dev)], data)
+        for (c, layer), data in want_host.items():
+            assert torch.equal(host.region("kv", c, layer)[torch.as_tensor(wb_host)], data)
+
+
 def test_host_extents_rank_pages_in_host_order() -> None:
     uniq, starts, lens, rank = host_extents(np.array([9, 3, 4, 10, 5, 3], dtype=np.int64))
     assert uniq.tolist() == [3, 4, 5, 9, 10] and starts.tolist() == [0, 3] and lens.tolist() == [3, 2]

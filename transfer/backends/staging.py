@@ -208,6 +208,20 @@ def _span(host: HostPool, gp: GroupPlan, refs: list[ChunkRef]) -> tuple[int, int
     return lo, width
 
 
+_IOTA: list[I64] = [np.arange(0, dtype=np.int64)]
+
+
+def _iota(n: int) -> I64:
+    """A read-only view of ``0..n-1`` (int64), sliced from one array kept and grown to the
+    largest ``n`` asked for: a permutation's ranks in host order, without a new array per
+    group and flush."""
+    if _IOTA[0].shape[0] < n:
+        a = np.arange(max(n, 2 * _IOTA[0].shape[0]), dtype=np.int64)
+        a.flags.writeable = False
+        _IOTA[0] = a
+    return _IOTA[0][:n]
+
+
 def _by_rank(plan: FlushPlan, gi: int, rank: I64, dp: I64, perm: bool) -> tuple[I64, I64]:
     """Group ``gi``'s device pages in host order and their ranks: with ``perm`` (each
     rank once) one scatter, ``dev[rank] = dp`` and ranks ``0..n-1``; else a stable sort.
@@ -218,7 +232,7 @@ def _by_rank(plan: FlushPlan, gi: int, rank: I64, dp: I64, perm: bool) -> tuple[
         if perm:
             dev = np.empty_like(dp)
             dev[rank] = dp
-            hit = (dev, np.arange(dp.shape[0], dtype=np.int64))
+            hit = (dev, _iota(int(dp.shape[0])))
         else:
             order = np.argsort(rank, kind="stable")
             hit = (dp[order], rank[order])
@@ -239,7 +253,7 @@ def fill_runs(direction: Direction, plan: FlushPlan, piece: StagePiece, out: I64
         dev, ranks = _by_rank(plan, gi, rank, dp, perm)
         i0, i1 = (a, b) if perm else (int(np.searchsorted(ranks, a)), int(np.searchsorted(ranks, b)))
         block = out[word:word + RUN_COLS * k].reshape(k, RUN_COLS)
-        block[:, 0 if loadback else 1] = ranks[i0:i1] - a
+        block[:, 0 if loadback else 1] = _iota(k) if perm else ranks[i0:i1] - a
         block[:, 1 if loadback else 0] = dev[i0:i1]
         block[:, 2] = 1
         lo_w = word if lo_w < 0 else min(lo_w, word)
