@@ -111,6 +111,8 @@ def test_lock_calls_on_something_not_a_node_name_it_and_change_nothing(method: s
     with pytest.raises(UsageError, match=rf"{method}: node must be a node of this cache \(match_prefix's\), got "):
         getattr(cache, method)(node)
     assert _sizes(cache) == (4, 0, 4)
+    with pytest.raises(UsageError, match="path_device_indices: node must be a node of this cache, got "):
+        cache.path_device_indices(node)
 
 
 def test_dec_lock_ref_on_a_node_never_locked_or_twice_raises_and_changes_nothing() -> None:

@@ -453,6 +453,8 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         """KV pool indices from the root to ``node`` (int64, on the allocator's device)."""
         if node is self.core.root:
             return self._empty
+        if not isinstance(node, Node):
+            raise UsageError(f"path_device_indices: node must be a node of this cache, got {node!r}")
         idx = self.pages.token_indices(self.core.device_pages(node).get(GROUP, []))
         if idx.size and idx.min() < 0:
             raise UsageError(f"path_device_indices: node {node.node_id} is not on the device")
