@@ -161,3 +161,21 @@ def test_evict_rounds_a_token_demand_up_to_whole_pages():
     assert cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 2
     assert cache.total_size() == 0 and cache.host_size() == 6
     cache.core.check_invariants()
+
+
+@pytest.mark.parametrize("node, quota, fragment", [
+    (None, None, "load_back: node must be a node of this cache (match_prefix's), got None"),
+    (5, None, "load_back: node must be a node of this cache (match_prefix's), got 5"),
+    ("leaf", "x", "load_back: mem_quota must be None or an int (tokens), got 'x'"),
+    ("leaf", 2.5, "load_back: mem_quota must be None or an int (tokens), got 2.5"),
+])
+def test_load_back_of_something_not_a_node_or_a_bad_quota_names_it_and_changes_nothing(node, quota, fragment):
+    cache = KvtierRadixCache.create_simulated(host_pages=16)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=torch.tensor([10, 11, 12, 13])))
+    leaf = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).last_device_node
+    pending = cache.has_pending_cache_operations()  # the insert's write-through
+    with pytest.raises(UsageError) as info:
+        cache.load_back(leaf if node == "leaf" else node, quota)
+    assert fragment in str(info.value)
+    assert (cache.evictable_size(), cache.protected_size(), cache.total_size()) == (4, 0, 4)
+    assert cache.has_pending_cache_operations() == pending

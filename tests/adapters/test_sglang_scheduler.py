@@ -126,3 +126,18 @@ def cache_evict_params(n):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     return EvictParams(num_tokens=n)
+
+
+def test_a_second_finish_or_a_checkpoint_after_finish_is_refused_and_changes_nothing(setup):
+    # SGLang's release_kv_cache / checkpoint_kv_cache refuse both before calling the cache
+    cache, rtp, alloc = setup
+    req = new_req("a", list(range(1, 21)))
+    admit(req, cache, rtp, alloc)
+    finish(req, cache)
+    sizes = (alloc.available_size(), cache.evictable_size(), cache.protected_size())
+    assert sizes == (POOL - 20, 20, 0)
+    with pytest.raises(AssertionError, match="freeing before alloc"):
+        finish(req, cache)
+    with pytest.raises(AssertionError, match="checkpointing finished request a"):
+        checkpoint_kv_cache(req, cache)
+    assert (alloc.available_size(), cache.evictable_size(), cache.protected_size()) == sizes

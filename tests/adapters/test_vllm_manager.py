@@ -434,6 +434,25 @@ def test_a_bad_call_raises_a_usage_error_and_changes_nothing(call: str) -> None:
     assert m.prepare_store(keys("c", 2), ctx("rc")) is not None
 
 
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"tokens_per_chunk": 16}, "tokens_per_chunk must be a mapping of group id to tokens, got 16"),
+    ({"tokens_per_chunk": {0: "16"}}, "tokens_per_chunk[0] must be an int >= 1, got '16'"),
+    ({"sliding_window_groups": 1}, "sliding_window_groups must be a collection of int group ids, got 1"),
+    ({"sliding_window_groups": "01"}, "sliding_window_groups must be a collection of int group ids, got '01'"),
+    ({"sliding_window_groups": [None]}, "sliding_window_groups must be a collection of int group ids, got [None]"),
+    ({"enable_events": "yes"}, "enable_events must be a bool, got 'yes'"),
+    ({"chain": 1}, "chain must be a bool, got 1"),
+    ({"staging_chunks": -1}, "staging_chunks must be None or an int >= 0, got -1"),
+    ({"staging_chunks": 2.0}, "staging_chunks must be None or an int >= 0, got 2.0"),
+    ({"max_tracker_size": True}, "max_tracker_size must be an int >= 1, got True"),
+    ({"eviction": 3}, "eviction policy must be one of"),
+])
+def test_bad_constructor_arguments_raise_config_errors_naming_them(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        KvtierOffloadingManager(8, **kwargs)
+    assert fragment in str(info.value)
+
+
 def test_zero_host_chunks_refuse_every_store() -> None:
     m = KvtierOffloadingManager(0)
     assert m.prepare_store(keys("a", 1), ctx("r")) is None

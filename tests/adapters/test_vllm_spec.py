@@ -50,13 +50,47 @@ def test_capacity_counts_keys_of_one_group_vllm_56871() -> None:
     assert spec.num_chunks == (1 << 20) // 1024 == 1024
 
 
+@pytest.mark.parametrize("key", ["cpu_bytes_to_use", "num_host_chunks", "store_threshold", "max_tracker_size"])
+@pytest.mark.parametrize("value", ["abc", "", "1.5", float("nan"), float("inf"), -4096, True, 2.5, [1], None,
+                                   (1 << 53) + 1, "9" * 5000])
+def test_a_bad_extra_config_number_names_the_key_the_value_and_the_range(key: str, value: object) -> None:
+    extra = {"num_host_chunks": 8} if key != "num_host_chunks" else {}
+    extra[key] = value
+    if key == "cpu_bytes_to_use":
+        del extra["num_host_chunks"]
+        if value is None:
+            with pytest.raises(ConfigError, match="needs cpu_bytes_to_use"):
+                KvtierOffloadingSpec(offloading_config(kvtier_extra_config(**extra)))
+            return
+    if key == "num_host_chunks" and value is None:
+        extra["cpu_bytes_to_use"] = 64 * 4096  # None: the key is absent, the budget counts
+        assert KvtierOffloadingSpec(offloading_config(kvtier_extra_config(**extra))).num_chunks == 64
+        return
+    with pytest.raises(ConfigError) as info:
+        KvtierOffloadingSpec(offloading_config(kvtier_extra_config(**extra)))
+    text = str(info.value)
+    assert f"kv_connector_extra_config[{key!r}]" in text and "must be an integer in" in text
+    assert "9" * 100 in text if isinstance(value, str) and len(value) > 40 else repr(value) in text
+
+
+@pytest.mark.parametrize("value", [64 * 4096, str(64 * 4096), f" {64 * 4096} ", float(64 * 4096), "+262144"])
+def test_cpu_bytes_to_use_takes_what_vllms_cpu_spec_takes(value: object) -> None:
+    # vLLM's CPU spec reads int(cpu_bytes_to_use): digits from JSON or the command line, integral floats
+    assert KvtierOffloadingSpec(offloading_config(kvtier_extra_config(cpu_bytes_to_use=value))).num_chunks == 64
+    spec = KvtierOffloadingSpec(offloading_config(kvtier_extra_config(num_host_chunks="8", store_threshold="3",
+                                                                      max_tracker_size=1e3)))
+    assert (spec.num_chunks, spec.store_threshold, spec.max_tracker_size) == (8, 3, 1000)
+    assert KvtierOffloadingSpec.build_metric_definitions({"store_threshold": "3"}) == \
+        KvtierOffloadingSpec.build_metric_definitions({"store_threshold": 3})
+
+
 @pytest.mark.parametrize("extra, match", [
     ({}, "cpu_bytes_to_use"),
     ({"cpu_bytes_to_use": 100}, "holds no chunk"),
     ({"num_host_chunks": -1}, "num_host_chunks"),
     ({"num_host_chunks": 8, "eviction_policy": "arc"}, "vLLM's policies"),
     ({"num_host_chunks": 8, "kvtier_eviction": "fifo"}, "kvtier_eviction"),
-    ({"num_host_chunks": 8, "store_threshold": "2"}, "store_threshold"),
+    ({"num_host_chunks": 8, "store_threshold": "2x"}, "store_threshold"),
     ({"num_host_chunks": 8, "kvtier_chain": "yes"}, "kvtier_chain"),
 ])
 def test_a_bad_extra_config_names_the_key(extra: dict, match: str) -> None:

@@ -51,6 +51,42 @@ def test_sequence_round_trips_and_renders(tmp_path: Path) -> None:
         EventSequence.load(tmp_path / "bad.json")
 
 
+_HEAD = '{"format": "kvtier-sequence", "version": 1, "machine": "facade", '
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("[" * 100_000 + "]" * 100_000, "nested deeper than MAX_SEQUENCE_DEPTH = 32"),
+    (_HEAD + '"steps": [{"rule": "setup", "args": {"a": ' + "[" * 40 + "]" * 40 + "}}]}",
+     "nested deeper than MAX_SEQUENCE_DEPTH = 32"),
+    (_HEAD + '"steps": [{"rule": "setup", "args": {"a": ' + "9" * 5000 + "}}]}", "not JSON"),
+    (_HEAD + '"steps": 5}', '"steps" is int, expected a list'),
+    (_HEAD + '"steps": [3]}', "step 1 is '3', expected an object with a string \"rule\""),
+    (_HEAD + '"steps": [{"rule": "setup", "args": [[1, 2]]}]}', 'an object "args"'),
+    (_HEAD + '"steps": [], "expect": 5}', '"expect" is \'5\', expected an object'),
+])
+def test_hostile_sequence_files_exit_2_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       text: str, fragment: str) -> None:
+    path = tmp_path / "hostile.json"
+    path.write_text(text)
+    with pytest.raises(SequenceError, match="hostile.json") as info:
+        EventSequence.load(path)
+    assert fragment in str(info.value)
+    assert main(["fuzz", "--replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvtier fuzz: {path}: ") and fragment in err and "Traceback" not in err
+
+
+def test_sequence_files_larger_than_the_bound_are_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.testing import steps
+
+    path = _facade_finish().save(tmp_path / "s.json")
+    monkeypatch.setattr(steps, "MAX_SEQUENCE_BYTES", path.stat().st_size - 1)
+    with pytest.raises(SequenceError, match=f"larger than MAX_SEQUENCE_BYTES = {path.stat().st_size - 1:,} bytes"):
+        EventSequence.load(path)
+    monkeypatch.setattr(steps, "MAX_SEQUENCE_BYTES", path.stat().st_size)
+    assert EventSequence.load(path).steps == _facade_finish().steps
+
+
 def test_replay_checks_every_step_and_names_the_invariant() -> None:
     res = replay(_facade_finish())
     assert res.outcome == "pass" and res.steps_run == 6

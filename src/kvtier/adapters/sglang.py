@@ -44,7 +44,8 @@ from kvtier.fsm.node.eviction import POLICIES
 from kvtier.fsm.node.ops import Settled
 
 from .sglang_host import HiCacheHooks, shadow_host_key
-from .sglang_pages import GROUP, DevicePageTable, Executor, InstantCompletions, sglang_layout
+from .sglang_pages import (GROUP, DevicePageTable, Executor, InstantCompletions, check_token_count, kv_indices,
+                           sglang_layout)
 
 __all__ = ["KvtierRadixCache", "register"]
 
@@ -318,13 +319,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
             return 0, 0, root, np.empty(0, dtype=np.int64)
         ps = self.page_size
         n_tok = len(units) * ps
-        if value is None:
-            vals = np.asarray(key.token_ids[:n_tok], dtype=np.int64)
-        else:
-            if len(value) < n_tok:
-                raise UsageError(f"insert: value has {len(value)} KV indices for a key of {n_tok} tokens")
-            vals = value[:n_tok].detach().to("cpu", torch.int64).numpy() if isinstance(value, torch.Tensor) \
-                else np.asarray(value[:n_tok], dtype=np.int64)
+        vals = np.asarray(key.token_ids[:n_tok], dtype=np.int64) if value is None else kv_indices(value, n_tok)
         core = self.core
         if self._unbound:  # pages the core freed: unbound before any is handed out again
             self._free_sglang()
@@ -389,6 +384,8 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         """Lock ``node`` and its ancestors on the device (the root: a no-op)."""
         if self.disable or node is self.core.root:
             return IncLockRefResult(delta=0)
+        if not isinstance(node, Node):
+            raise UsageError(f"inc_lock_ref: node must be a node of this cache (match_prefix's), got {node!r}")
         self._locks.setdefault(node.node_id, []).append(self.core.lock(node))
         self._last_locked = node
         return IncLockRefResult(delta=0, node_id=node.node_id)
@@ -401,6 +398,8 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         """
         if self.disable or node is self.core.root:
             return DecLockRefResult(delta=0)
+        if not isinstance(node, Node):
+            raise UsageError(f"dec_lock_ref: node must be a node of this cache (match_prefix's), got {node!r}")
         held = self._locks.get(node.node_id)
         if not held:
             raise UsageError(f"dec_lock_ref: node {node.node_id} holds no lock of this cache")
@@ -454,6 +453,8 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         """KV pool indices from the root to ``node`` (int64, on the allocator's device)."""
         if node is self.core.root:
             return self._empty
+        if not isinstance(node, Node):
+            raise UsageError(f"path_device_indices: node must be a node of this cache, got {node!r}")
         idx = self.pages.token_indices(self.core.device_pages(node).get(GROUP, []))
         if idx.size and idx.min() < 0:
             raise UsageError(f"path_device_indices: node {node.node_id} is not on the device")
@@ -477,9 +478,10 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         eviction order (a node with a host copy is demoted; under ``write_back`` a node is
         written back first, then demoted when its writeback completes, here through the
         executor). The freed indices go back to SGLang's allocator."""
-        if self.disable or params.num_tokens <= 0:
+        num = check_token_count(params.num_tokens)
+        if self.disable or num <= 0:
             return EvictResult()
-        want = -(-int(params.num_tokens) // self.page_size) * self.page_size
+        want = -(-num // self.page_size) * self.page_size
         freed = self._pump(collect=True)  # writebacks that completed make their nodes demotable
         idle = 0
         while freed < want and idle < 2:  # a parent is a leaf once its children went; under

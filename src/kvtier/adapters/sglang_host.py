@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.fsm import UsageError
 from kvtier.fsm.lifecycle.names import DEVICE_RESIDENT, NODE_STATE as NS
 from kvtier.fsm.node import Node
 
@@ -80,7 +81,14 @@ class HiCacheHooks:
         Returns:
             ``False`` (nothing changed) without a host tier, when the path needs no loadback,
             when it exceeds ``mem_quota`` tokens, or when the allocator has no room.
+
+        Raises:
+            UsageError: ``node`` is not a node (e.g. ``None``), ``mem_quota`` not None or an int.
         """
+        if not isinstance(node, Node):
+            raise UsageError(f"load_back: node must be a node of this cache (match_prefix's), got {node!r}")
+        if mem_quota is not None and (isinstance(mem_quota, bool) or not isinstance(mem_quota, int)):
+            raise UsageError(f"load_back: mem_quota must be None or an int (tokens), got {mem_quota!r}")
         core = self.core
         if not core.has_host or node is core.root or not core.tree.has(node):
             return False

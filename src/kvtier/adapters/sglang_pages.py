@@ -14,14 +14,16 @@ executor's host buffers); SGLang's ``HostKVCache`` is not used.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import numbers
 from typing import Any, Protocol
 
 import numpy as np
 
-from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, ConfigError, Direction, Family, TransferCommand
+from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, ConfigError, Direction, Family, TransferCommand, UsageError
 from kvtier.fsm.layout import CacheLayout
 
-__all__ = ["GROUP", "DevicePageTable", "Executor", "InstantCompletions", "KVPoolCopier", "sglang_layout"]
+__all__ = ["GROUP", "DevicePageTable", "Executor", "InstantCompletions", "KVPoolCopier", "check_token_count", "kv_indices",
+           "sglang_layout"]
 
 #: the core's one cache group: one page = one SGLang KV page (``page_size`` tokens)
 GROUP = "kv"
@@ -146,3 +148,39 @@ class KVPoolCopier(InstantCompletions):
             for d, h in pairs:
                 d[dev.to(d.device)] = h[host].to(d.device)
         super().submit(command, device_indices)
+
+
+def kv_indices(value: Any, n_tok: int) -> np.ndarray:
+    """The first ``n_tok`` of ``value`` (an insert's KV pool indices: a 1-D integer tensor on any
+    device, or a sequence of ints) as an int64 array.
+
+    Raises:
+        UsageError: ``value`` is not 1-D integers (a float, bool or 2-D tensor), is shorter than
+            ``n_tok``, or holds a negative index. Nothing is changed.
+    """
+    dtype: Any = getattr(value, "dtype", None)
+    if hasattr(value, "detach") and (dtype.is_floating_point or dtype.is_complex):
+        raise UsageError(f"insert: value must hold integer KV indices, got a tensor of {dtype}")
+    try:
+        arr = value.detach().to("cpu").numpy() if hasattr(value, "detach") else np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"insert: value must be 1-D integer KV indices, got {str(value)[:60]!r} ({exc})") from None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise UsageError(f"insert: value must be 1-D integer KV indices, got shape {arr.shape} of {arr.dtype}")
+    if len(arr) < n_tok:
+        raise UsageError(f"insert: value has {len(arr)} KV indices for a key of {n_tok} tokens")
+    out = arr[:n_tok].astype(np.int64)
+    if out.size and int(out.min()) < 0:
+        raise UsageError(f"insert: KV indices must be >= 0, got {int(out.min())}")
+    return out
+
+
+def check_token_count(num_tokens: Any) -> int:
+    """``evict``'s ``num_tokens`` as an int (numpy ints accepted).
+
+    Raises:
+        UsageError: not an integer (a bool, a float, NaN, a string).
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral):
+        raise UsageError(f"evict: num_tokens must be an int (device tokens to free), got {num_tokens!r}")
+    return int(num_tokens)

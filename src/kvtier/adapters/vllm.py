@@ -20,6 +20,9 @@ group. Host capacity is counted in keys of one group each (vLLM #56871).
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec, OffloadingWorker  # type: ignore[import-untyped, import-not-found, unused-ignore]
@@ -37,15 +40,34 @@ __all__ = [
     "KvtierOffloadingManager",
     "KvtierOffloadingSpec",
     "KvtierOffloadingWorker",
+    "MAX_EXTRA_INT",
     "chunk_layout",
 ]
 
 
-def _int(extra: dict[str, Any], key: str, default: int, minimum: int) -> int:
+MAX_EXTRA_INT = 1 << 53
+"""Largest number a ``kv_connector_extra_config`` key takes (2**53, the largest integer a JSON
+number holds exactly; 8 PiB as ``cpu_bytes_to_use``)."""
+
+_DIGITS = re.compile(r"\s*\+?[0-9]+\s*")
+
+
+def _int(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+    """``extra[key]`` (or ``default``) as an int in ``minimum .. MAX_EXTRA_INT``. As vLLM's CPU
+    spec reads its keys with ``int()``, a string of digits and an integral float (``1e10``, as JSON
+    from the command line gives) are accepted; a bool, NaN, inf, a fraction or other text is not."""
     value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"kvtier: kv_connector_extra_config[{key!r}] must be an int >= {minimum}, got {value!r}")
-    return value
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and len(value) <= 40 and _DIGITS.fullmatch(value):
+        number = int(value)
+    if number is None or not minimum <= number <= MAX_EXTRA_INT:
+        raise ConfigError(f"kvtier: kv_connector_extra_config[{key!r}] must be an integer in {minimum} .. "
+                          f"{MAX_EXTRA_INT} (an int, a string of digits or an integral float), got {value!r}")
+    return number
 
 
 class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
@@ -72,7 +94,7 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         """The Prometheus metrics the manager's ``get_stats`` emits (vLLM's
         ``OffloadPromMetrics`` refuses undeclared ones)."""
-        return metric_definitions(int(extra_config.get("store_threshold", 0) or 0))
+        return metric_definitions(_int(extra_config, "store_threshold", 0, 0))
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -87,15 +109,17 @@ class KvtierOffloadingSpec(OffloadingSpec):  # type: ignore[misc, unused-ignore]
         world = max(1, int(config.parallel.world_size))
         chunks = extra.get("num_host_chunks")
         if chunks is None:
-            budget = extra.get("cpu_bytes_to_use")
-            if not budget:
+            if extra.get("cpu_bytes_to_use") is None:
                 raise ConfigError("kvtier: kv_connector_extra_config needs cpu_bytes_to_use (bytes) "
                                   "or num_host_chunks")
+            budget = _int(extra, "cpu_bytes_to_use", 0, 1)
             per_key = max(1, int(config.worker_kv_bytes_per_block) // n_groups) * world * self.blocks_per_chunk
-            chunks = int(budget) // per_key
+            chunks = budget // per_key
             if chunks < 1:
                 raise ConfigError(f"kvtier: cpu_bytes_to_use={budget!r} holds no chunk of {per_key} bytes")
-        self.num_chunks = _int({"num_host_chunks": chunks}, "num_host_chunks", 0, 0)
+            self.num_chunks = chunks
+        else:
+            self.num_chunks = _int(extra, "num_host_chunks", 0, 0)
         self.tokens_per_chunk = {g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in groups
                                  if g.sliding_window_size_in_chunks is None}
         self.sparse_groups = {g.group_id for g in groups if g.sliding_window_size_in_chunks is not None}

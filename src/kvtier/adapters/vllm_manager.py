@@ -39,7 +39,7 @@ from kvtier.fsm.node import HOST_VISIBLE, Node
 
 from .vllm_chunks import GROUP, ChunkTier, node_keys
 from .vllm_records import (ChainOrder, LoadRecord, OfferCounter, RequestRecord, StoreRecord, check_ctx, check_key,
-                           check_keys, check_records, short_hex)
+                           check_keys, check_manager_args, check_records, short_hex)
 from .vllm_stats import CONFIG_INFO_KEYS, manager_stats
 
 __all__ = ["KvtierOffloadingManager"]
@@ -77,15 +77,9 @@ class KvtierOffloadingManager(OffloadingManager):  # type: ignore[misc, unused-i
                  sliding_window_groups: Collection[int] = (), enable_events: bool = False,
                  staging_chunks: int | None = None, store_threshold: int = 1,
                  max_tracker_size: int = 64_000, eviction: str = "lru", chain: bool = True) -> None:
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
-            raise ConfigError(f"num_chunks must be an int >= 0 (host offload chunks), got {num_chunks!r}")
+        check_manager_args(num_chunks, tokens_per_chunk, sliding_window_groups, enable_events, staging_chunks,
+                           store_threshold, max_tracker_size, chain)
         tpc = dict(tokens_per_chunk or {})
-        for g, t in tpc.items():
-            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-                raise ConfigError(f"tokens_per_chunk[{g!r}] must be an int >= 1, got {t!r}")
-        for name, v in (("store_threshold", store_threshold), ("max_tracker_size", max_tracker_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
         self.num_chunks = num_chunks
         sparse = frozenset(sliding_window_groups)
         self.order = ChainOrder({g: t for g, t in tpc.items() if g not in sparse})

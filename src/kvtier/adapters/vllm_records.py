@@ -5,16 +5,17 @@ arguments, the chain order of full-attention chunks and vLLM's store threshold (
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.kv_offload.base import ReqContext  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-from kvtier.fsm import KvtierError, UsageError
+from kvtier.fsm import ConfigError, KvtierError, UsageError
 from kvtier.fsm.node import LockReceipt, NodeReceipt
 
 __all__ = ["ChainOrder", "Coord", "LoadRecord", "OfferCounter", "RequestRecord", "StoreRecord", "check_ctx",
+           "check_manager_args",
            "check_key", "check_keys", "check_records", "short_hex"]
 
 #: a full-attention chunk's place in its request: (end token position, KV cache group)
@@ -227,3 +228,31 @@ def check_records(core: Any, reqs: Iterable[RequestRecord], pending: Mapping[byt
     check = getattr(core.eviction, "check", None)
     if check is not None:
         check()
+
+
+def check_manager_args(num_chunks: Any, tokens_per_chunk: Any, sliding_window_groups: Any, enable_events: Any,
+                       staging_chunks: Any, store_threshold: Any, max_tracker_size: Any, chain: Any) -> None:
+    """Check :class:`~kvtier.adapters.vllm_manager.KvtierOffloadingManager`'s arguments.
+
+    Raises:
+        ConfigError: one of wrong type or value (the message names it, its value and what is expected).
+    """
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
+        raise ConfigError(f"num_chunks must be an int >= 0 (host offload chunks), got {num_chunks!r}")
+    if tokens_per_chunk is not None and not isinstance(tokens_per_chunk, Mapping):
+        raise ConfigError(f"tokens_per_chunk must be a mapping of group id to tokens, got {tokens_per_chunk!r}")
+    if isinstance(sliding_window_groups, (str, bytes)) or not isinstance(sliding_window_groups, Collection) \
+            or not all(isinstance(g, int) and not isinstance(g, bool) for g in sliding_window_groups):
+        raise ConfigError(f"sliding_window_groups must be a collection of int group ids, got {sliding_window_groups!r}")
+    for name, flag in (("enable_events", enable_events), ("chain", chain)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be a bool, got {flag!r}")
+    if staging_chunks is not None and (isinstance(staging_chunks, bool) or not isinstance(staging_chunks, int)
+                                       or staging_chunks < 0):
+        raise ConfigError(f"staging_chunks must be None or an int >= 0, got {staging_chunks!r}")
+    for g, t in dict(tokens_per_chunk or {}).items():
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ConfigError(f"tokens_per_chunk[{g!r}] must be an int >= 1, got {t!r}")
+    for name, v in (("store_threshold", store_threshold), ("max_tracker_size", max_tracker_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be an int >= 1, got {v!r}")

@@ -33,10 +33,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORMAT", "VERSION", "Step", "EventSequence", "SequenceError"]
+from ..replay.trace_lines import MAX_JSON_DEPTH, too_deep
+
+__all__ = ["FORMAT", "VERSION", "MAX_SEQUENCE_BYTES", "MAX_SEQUENCE_DEPTH", "Step", "EventSequence", "SequenceError"]
 
 FORMAT = "kvtier-sequence"
 VERSION = 1
+
+MAX_SEQUENCE_BYTES = 64 << 20
+"""Largest sequence file :meth:`EventSequence.load` reads, in bytes (64 MiB; the kit's
+committed sequences are under 11 KB, a minimized counterexample a few KB)."""
+
+MAX_SEQUENCE_DEPTH = MAX_JSON_DEPTH
+"""Deepest nesting of JSON arrays and objects in a sequence file (32, as in traces and event
+logs; a sequence needs 6: the file, its steps, a step, its args, a key, a nested value)."""
 
 
 class SequenceError(ValueError):
@@ -128,8 +138,18 @@ class EventSequence:
             raise SequenceError(f"not a kvtier event sequence: format {raw.get('format')!r}, expected {FORMAT!r}")
         if raw.get("version") != VERSION:
             raise SequenceError(f"sequence version {raw.get('version')!r} is not supported (this is {VERSION})")
+        steps_raw = raw.get("steps")
+        if not isinstance(steps_raw, list):
+            raise SequenceError(f"malformed sequence: \"steps\" is {type(steps_raw).__name__}, expected a list")
+        for i, s in enumerate(steps_raw, 1):
+            if not isinstance(s, dict) or not isinstance(s.get("rule"), str) or not isinstance(s.get("args", {}), dict):
+                raise SequenceError(f"malformed sequence: step {i} is {str(s)[:60]!r}, expected an object with a "
+                                    f"string \"rule\" and an object \"args\"")
+        if not isinstance(raw.get("expect", {}), dict):
+            raise SequenceError(f"malformed sequence: \"expect\" is {str(raw.get('expect'))[:60]!r}, expected an "
+                                f"object such as {{\"outcome\": \"pass\"}}")
         try:
-            steps = [Step(str(s["rule"]), dict(s.get("args", {}))) for s in raw["steps"]]
+            steps = [Step(str(s["rule"]), dict(s.get("args", {}))) for s in steps_raw]
             known = {"format", "version", "name", "machine", "description", "expect", "steps"}
             return EventSequence(str(raw["machine"]), steps, str(raw.get("name", "sequence")),
                                  str(raw.get("description", "")), dict(raw.get("expect", {"outcome": "pass"})),
@@ -142,15 +162,25 @@ class EventSequence:
         """Read a sequence file.
 
         Raises:
-            SequenceError: the file cannot be read, is not JSON, or is not a kvtier event
-                sequence of this version (the message names the file).
+            SequenceError: the file cannot be read, is larger than :data:`MAX_SEQUENCE_BYTES`,
+                nests JSON deeper than :data:`MAX_SEQUENCE_DEPTH`, is not JSON (UTF-8), or is
+                not a kvtier event sequence of this version (the message names the file).
         """
         try:
-            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+            with open(path, "rb") as stream:
+                data = stream.read(MAX_SEQUENCE_BYTES + 1)
         except OSError as exc:
             raise SequenceError(f"cannot read sequence file {path}: {exc.strerror or exc}") from exc
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SequenceError(f"{path}: not JSON: {exc}") from exc
+        if len(data) > MAX_SEQUENCE_BYTES:
+            raise SequenceError(f"{path}: larger than MAX_SEQUENCE_BYTES = {MAX_SEQUENCE_BYTES:,} bytes, expected "
+                                f"a kvtier event sequence (a JSON object)")
+        if too_deep(data):
+            raise SequenceError(f"{path}: JSON nested deeper than MAX_SEQUENCE_DEPTH = {MAX_SEQUENCE_DEPTH} levels, "
+                                f"expected a kvtier event sequence (a sequence nests 6 levels)")
+        try:
+            raw = json.loads(data.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, a huge int literal
+            raise SequenceError(f"{path}: not JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise SequenceError(f"{path}: not a kvtier event sequence: a JSON {type(raw).__name__}, expected an "
                                 f"object with \"format\": {FORMAT!r}")
