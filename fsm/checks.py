@@ -110,17 +110,26 @@ def as_keys(value: Sequence[Hashable], what: str, *, error: type[KvtierError] = 
     hash and ``==`` do not raise (:func:`check_hashable`, :func:`check_comparable`)."""
     if type(value) not in _LIST_TUPLE and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
         raise error(f"{what} must be a list or tuple of unit keys, got {value!r}")
-    # the common case in C-level passes (check_hashable's and check_comparable's own first
-    # tests); anything else takes them, which name the key that is wrong
+    # the common case, a list or tuple of keys of the plain types (or flat tuples of them),
+    # whose hash and ``==`` never raise, in one C-level pass and no probe; anything else
+    # takes check_hashable's and check_comparable's own first tests, then the walks that
+    # name the key that is wrong
+    if type(value) in _LIST_TUPLE and _plain(value):
+        return value
     try:
         hash(value if type(value) is tuple else tuple(value))
     except Exception:
         check_hashable(value, what, error=error)
-    kinds = set(map(type, value))
-    if not (kinds <= _PLAIN_KEYS
-            or (kinds == _TUPLE and _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(value))))):  # type: ignore[arg-type]
+    if not _plain(value):
         check_comparable(value, what, error=error)
     return value
+
+
+def _plain(value: Sequence[Hashable]) -> bool:
+    """Whether every key of ``value`` is of a plain type, or every key a tuple of them
+    (their hash and ``==`` never raise)."""
+    kinds = set(map(type, value))
+    return kinds <= _PLAIN_KEYS or (kinds == _TUPLE and _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(value))))  # type: ignore[arg-type]
 
 
 def check_key_sequence(value: object, what: str) -> None:

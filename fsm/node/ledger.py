@@ -124,7 +124,8 @@ class PageLedger:
         for g, ps in lists.items():
             if g not in self._callers:
                 raise UsageError(f"free_device: unknown cache group {g!r}")
-            bad = [p for p in ps if p not in self._callers[g]]
+            held = self._callers[g]  # (every page a caller's, the common case, in one C-level pass)
+            bad = [] if held.issuperset(ps) else [p for p in ps if p not in held]
             if bad or len(set(ps)) != len(ps):
                 raise UsageError(f"free_device: pages {bad or ps} of group {g!r} are not held by a caller")
         for g, ps in lists.items():
