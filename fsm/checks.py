@@ -16,7 +16,7 @@ from typing import cast
 
 from .errors import ConfigError, KvtierError, UsageError
 
-__all__ = ["as_int", "as_time", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "check_key_sequence", "check_hashable", "check_comparable", "ConfigError", "UsageError"]
+__all__ = ["as_int", "as_time", "finite", "plain_int", "plain_bool", "as_bool", "as_text", "as_keys", "check_key_sequence", "check_hashable", "check_comparable", "ConfigError", "UsageError"]
 
 
 def as_int(value: object, what: str, *, minimum: int | None = 0, maximum: int | None = None,
@@ -50,9 +50,18 @@ def as_time(value: object, what: str, *, infinite: bool = False, error: type[Kvt
     scalars; a bool, NaN or an infinity raises ``error``; ``+inf`` too unless ``infinite``):
     a clock reading or a duration in seconds. An operation stamped at NaN never expires."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not (math.isfinite(value) or (infinite and value == math.inf))):
+            or not (finite(value) or (infinite and value == math.inf))):
         raise error(f"{what} must be a finite number of seconds{' or inf' if infinite else ''}, got {value!r}")
     return float(value)
+
+
+def finite(value: object) -> bool:
+    """Whether ``math.isfinite(value)``, for a number; ``False`` where it would raise (an int
+    past a float's range, 10**400, or anything that is not a number). Never raises."""
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except (OverflowError, TypeError, ValueError):
+        return False
 
 
 def plain_int(value: object) -> int | None:

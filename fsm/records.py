@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .checks import plain_bool, plain_int
+from .checks import finite, plain_bool, plain_int
 from .errors import ConfigError, KvtierError
 
 __all__ = ["StoreOp", "StoreCommand", "StoreResult", 
@@ -413,7 +413,7 @@ def store_result_fields(res: StoreResult, owner: str, error: type[KvtierError]
         if v is None or v < 0:
             raise error(f"{owner}: {name} must be an int >= 0, got {given!r}")
     seconds = res.seconds
-    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not finite(seconds)
             or seconds < 0):
         raise error(f"{owner}: seconds must be a finite number >= 0, got {seconds!r}")
     if res.error is not None and not isinstance(res.error, str):

@@ -1,4 +1,4 @@
-"""The blind bug sets of ``tests/broken/blind/``, ``blind3/``, ``blind4/`` and ``blind5/`` still apply to the
+"""The blind bug sets of ``tests/broken/blind/`` and ``blind3/`` to ``blind6/`` still apply to the
 sources, so the fuzz can be measured on them again (each set's ``README.md`` lists each bug with
 its catching campaign)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 BROKEN = Path(__file__).resolve().parent / "broken"
-SETS = (BROKEN / "blind", BROKEN / "blind3", BROKEN / "blind4", BROKEN / "blind5")
+SETS = (BROKEN / "blind", BROKEN / "blind3", BROKEN / "blind4", BROKEN / "blind5", BROKEN / "blind6")
 PATCHES = [p for folder in SETS for p in sorted(folder.glob("bug*.patch"))]
 
 

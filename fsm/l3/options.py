@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..checks import finite
 from ..errors import ConfigError
 from ..lifecycle.names import L3_STATE as LS
 
@@ -16,12 +16,16 @@ if TYPE_CHECKING:
     from ..node.node import NodeReceipt
     from ..records import StoreOp
 
-__all__ = ["L3Outstanding", "L3Op", "L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
+__all__ = ["MAX_ERROR_KINDS", "L3Outstanding", "L3Op", "L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
 
 #: L3 write policies: put a request's host-visible prefix when it is offered (``host_write``),
 #: only chunks reused at least ``write_threshold`` times (``selective``), or the host tier's
 #: next eviction victims before they go (``host_eviction``).
 WRITE_POLICIES = ("host_write", "selective", "host_eviction")
+
+#: Backend error kinds :attr:`L3Stats.errors` counts under their own name (the first ones to
+#: occur); every later kind counts under ``other``, so the table stays bounded.
+MAX_ERROR_KINDS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +83,7 @@ class L3Options:
             raise ConfigError(f"L3 tp_rank {self.tp_rank} is not below world_size {self.world_size}")
         for name in ("deadline_s", "lease_s"):
             v = getattr(self, name)
-            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not finite(v) or v < 0
                     or (name == "deadline_s" and v == 0)):  # NaN and inf: an operation that never expires
                 raise ConfigError(f"L3 {name} must be a finite number of seconds (> 0 for deadline_s), got {v!r}")
 
@@ -114,7 +118,7 @@ class L3Stats:
     bytes_out: int = 0  # host -> store
     seconds: float = 0.0  # backend seconds, all operations
     get_seconds: float = 0.0  # backend seconds of exists and gets (the prefetch path)
-    errors: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # by kind: at most MAX_ERROR_KINDS, then "other"
 
 
 def namespace(layout: CacheLayout, model: str, dtype: str, tp_rank: int, world_size: int) -> bytes:

@@ -31,10 +31,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from ..checks import as_time, check_key_sequence, plain_int
+from ..checks import as_keys, as_time, check_key_sequence, plain_int
 from ..errors import ConfigError, UsageError
 from .walks import local_end, offer_items, victim_items
-from .options import (WRITE_POLICIES, L3Object, L3Op, L3Options, L3Outstanding, L3Stats, Prefetch, chain_keys,
+from .options import (MAX_ERROR_KINDS, WRITE_POLICIES, L3Object, L3Op, L3Options, L3Outstanding, L3Stats, Prefetch, chain_keys,
                       namespace)
 from ..lifecycle.machines import l3_lifecycle
 from ..records import StoreCommand, StoreOp, StoreResult, store_result_fields
@@ -106,7 +106,10 @@ class L3Tier:
     def forget(self, owner: str, now: float | None = None, cancel: Callable[[int], None] | None = None) -> None:
         """Drop ``owner``'s prefetch record (after it was admitted, or its request ended).
         One still in flight is cancelled first (:meth:`cancel`; with ``now`` left out it
-        is only detached: its store operation stays in flight until answered or expired)."""
+        is only detached: its store operation stays in flight until answered or expired).
+        UsageError: ``owner`` not a string (nothing changes)."""
+        if not isinstance(owner, str):
+            raise UsageError(f"l3 forget: owner must be a request id string, got {owner!r}")
         if self.prefetching(owner):
             self.cancel(owner, now, cancel)
         self._prefetch.pop(owner, None)
@@ -211,12 +214,14 @@ class L3Tier:
             already has a prefetch in flight.
 
         Raises:
-            UsageError: ``owner`` not a string, ``units`` not a sequence or ``now`` not a finite number.
+            UsageError: ``owner`` not a string, ``units`` not a sequence of hashable unit keys
+                (named) or ``now`` not a finite number; nothing changes.
         """
         now = as_time(now, "l3 prefetch: now")
         if not isinstance(owner, str):
             raise UsageError(f"l3 prefetch: owner must be a request id string, got {owner!r}")
         check_key_sequence(units, "l3 prefetch: units")
+        as_keys(units, "l3 prefetch: units")  # keys the tree can hash and compare, before anything changes
         if self.prefetching(owner):
             return False
         self._prefetch.pop(owner, None)
@@ -344,9 +349,14 @@ class L3Tier:
 
         Returns:
             Objects submitted.
+
+        Raises:
+            UsageError: ``units`` not a sequence of hashable unit keys (named) or ``now`` not a
+                finite number; nothing changes.
         """
         now = as_time(now, "l3 offer: now")
         check_key_sequence(units, "l3 offer: units")
+        as_keys(units, "l3 offer: units")  # keys the tree can hash and compare
         wants = self._wants
         if self.options.write_policy == "host_eviction":
             return self._put_units(victim_items(self.core, self.seed, self.options, wants), now)
@@ -432,7 +442,7 @@ class L3Tier:
         self.stats.seconds += result.seconds
         if result.error is not None:
             self.stats.op_errors += 1
-            kind = result.error.split(":", 1)[0][:60]
+            kind = self._error_kind(result.error)
             self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
         if op.kind is StoreOp.EXISTS:
             self.stats.get_seconds += result.seconds
@@ -476,11 +486,18 @@ class L3Tier:
                 self._remove(ready, now)
         return [op.op_id for op in expired]
 
+    def _error_kind(self, error: str) -> str:
+        """The :attr:`L3Stats.errors` entry of ``error``: the text before its first ':' (at
+        most 60 characters), or ``other`` once :data:`MAX_ERROR_KINDS` kinds are counted."""
+        kind = error.split(":", 1)[0][:60]
+        errors = self.stats.errors
+        return kind if kind in errors or len(errors) < MAX_ERROR_KINDS else "other"
+
     def _fail_now(self, op_id: int, now: float, error: str) -> None:
         """Fail operation ``op_id`` on the caller's side (deadline or cancel), counted as
         such, not as a backend error."""
         self._complete(StoreResult(op_id, error=error), now)
-        why = error.split(":", 1)[0]
+        why = self._error_kind(error)  # where _complete counted it
         self.stats.op_errors -= 1
         self.stats.errors[why] -= 1
         if not self.stats.errors[why]:

@@ -13,7 +13,6 @@ operations); the request operations use only its public methods.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -282,7 +281,7 @@ class RequestTable:
 
     def need(self, r: Request, upto: int) -> dict[str, int]:
         """Own history pages to add so its table covers ``upto`` tokens."""
-        return {g: max(0, math.ceil(upto / self.tokens_per_page[g])
+        return {g: max(0, -(-upto // self.tokens_per_page[g])  # (ints: exact, any size)
                        - len(r.canon.get(g, ())) - len(r.own.get(g, ()))) for g in self.history}
 
     def add_own(self, r: Request, pages: Mapping[str, list[int]]) -> None:

@@ -74,7 +74,7 @@ engine calls into the cache from that thread only.
 
 from __future__ import annotations
 
-import math
+import numbers
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -89,6 +89,7 @@ from prometheus_client.core import (  # type: ignore[import-not-found,unused-ign
 from prometheus_client.registry import Collector  # type: ignore[import-not-found,unused-ignore]
 
 from kvtier.fsm import ConfigError, Direction
+from kvtier.fsm.checks import finite
 from kvtier.fsm.request.counters import KNOWN_ABORT_REASONS, OUTCOMES
 from kvtier.fsm.lifecycle.spec import load_spec
 
@@ -145,9 +146,11 @@ class _Snapshot:
 
 
 def _number(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"KvtierCollector: {what} must be a number, got {value!r}")
-    return value
+    """A counter value of the engine's: a finite number >= 0 (numpy scalars too), as a plain
+    int or float."""
+    if not isinstance(value, bool) and isinstance(value, numbers.Real) and finite(value) and float(value) >= 0:
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    raise ConfigError(f"KvtierCollector: {what} must be a finite number >= 0, got {value!r}")
 
 
 def _engine_rows(engine: Any) -> tuple[tuple[str, float, float], ...]:
@@ -219,13 +222,14 @@ class KvtierCollector(Collector):  # type: ignore[misc,unused-ignore]
     Raises:
         ConfigError: ``cache`` not a TieredCache or ``None``, ``engine`` without a
             ``stats()`` method, a bad ``snapshot_wait_s`` (also when assigned later); at
-            scrape time, an ``engine.stats()`` that is not such a dict.
+            scrape time, an ``engine.stats()`` that is not such a dict, or whose bytes or
+            seconds are not finite numbers >= 0.
     """
 
     def __init__(self, cache: TieredCache | None = None, engine: Any = None, *,
                  snapshot_wait_s: float = 2.0) -> None:
         if isinstance(snapshot_wait_s, bool) or not isinstance(snapshot_wait_s, (int, float)) \
-                or not math.isfinite(snapshot_wait_s) or snapshot_wait_s <= 0:
+                or not finite(snapshot_wait_s) or snapshot_wait_s <= 0:
             raise ConfigError(f"KvtierCollector: snapshot_wait_s must be a finite number of seconds > 0, "
                               f"got {snapshot_wait_s!r}")
         self.snapshot_wait_s = float(snapshot_wait_s)

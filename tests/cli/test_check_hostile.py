@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from kvtier import Completion
-from kvtier.cli.check import check_log, check_records
+from kvtier.cli.check import MAX_CONTEXT, check_log, check_records
 from kvtier.cli import FUZZ_DEFAULT_MACHINES, main
 from kvtier.eventlog import EventRecorder, active_recorder
 from kvtier.fsm import ConfigError, KvtierError
@@ -293,6 +293,27 @@ def test_a_record_nested_past_the_interpreter_s_recursion_limit_is_rejected() ->
 def test_a_bad_context_is_refused(context: Any) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"context must be an int >= 0, got {context!r}")):
         check_records(enumerate(LOG1, 1), context=context)
+
+
+@pytest.mark.parametrize("context", [MAX_CONTEXT + 1, 2**63, 10**30])
+def test_a_context_past_its_bound_is_refused_by_the_api_and_the_command_line(
+        context: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The context is a window of records kept in memory: one past ``MAX_CONTEXT`` is refused
+    naming it (``kvtier check --context 10**30`` exited 4, an OverflowError from the window's
+    deque; 2**62 kept every record of the log), and ``MAX_CONTEXT`` itself is taken."""
+    with pytest.raises(ConfigError) as info:
+        check_records(enumerate(LOG1, 1), context=context)
+    assert str(info.value) == f"context must be at most {MAX_CONTEXT} records, got {context}"
+    assert check_records(enumerate(LOG1, 1), context=MAX_CONTEXT).ok
+    log = tmp_path / "run.kvlog"
+    log.write_bytes(_text(LOG1))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error
+        main(["check", "--context", str(context), str(log)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--context: '{context}' must be between 1 and {MAX_CONTEXT}" in err and "Traceback" not in err
+    assert main(["check", "--context", str(MAX_CONTEXT), str(log)]) == 0
 
 
 # ---------------------------------------------------------------------------- hostile files

@@ -141,6 +141,27 @@ def test_int_arguments_refuse_non_ints_and_out_of_range(call: str, bad: object) 
     refused(c, lambda: fn(c, bad), UsageError, fragment, repr(bad))
 
 
+@pytest.mark.parametrize("tokens", [2**60 + 1, 10**400], ids=["2**60+1", "10**400"])
+def test_a_reservation_of_more_tokens_than_a_float_holds_is_short_and_changes_nothing(tokens: int) -> None:
+    """The pages a reservation needs are counted in ints: 10**400 tokens is short of pages
+    (``None``; in a step, ``"short"``), not an OverflowError from a float division, and
+    nothing changes; the request still reserves and finishes."""
+    from kvtier.tiered import Reservation
+
+    c = in_state("running")
+    c.step_done("r", 4)
+    before = view(c)
+    assert c.reserve("r", tokens) is None
+    assert c.step(reserve=[Reservation("r", tokens)]).reserve_status == ("short",)
+    assert view(c) == before
+    c.check_invariants()
+    assert c.reserve("r", 5) is not None
+    c.step_done("r", 5)
+    c.finish("r")
+    drain(c)
+    assert c.quiescent(), c.outstanding()
+
+
 @pytest.mark.parametrize("bad", [-1, 2, 10**20, 1.0, "0", None, True], ids=repr)
 def test_layer_ready_refuses_a_layer_outside_the_model(bad: object) -> None:
     c = in_state("loading")

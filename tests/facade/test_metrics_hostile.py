@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("prometheus_client")  # the metrics extra; CI installs it with [test]
@@ -300,7 +301,7 @@ class _NoStats:
 
 BAD_CACHES = [object(), "cache", 1, TieredCache, _cache().core, [1]]
 BAD_ENGINES = [object(), "engine", 1, _NoStats()]
-BAD_WAITS = [0, -1, math.nan, math.inf, -math.inf, "1", True, None]
+BAD_WAITS = [0, -1, math.nan, math.inf, -math.inf, "1", True, None, 10**400]
 
 
 @pytest.mark.parametrize("cache", BAD_CACHES, ids=lambda v: type(v).__name__)
@@ -369,7 +370,33 @@ def test_a_good_engine_s_values_are_exported() -> None:
     assert got[("kvtier:transfer_bytes_total", (("direction", "loadback"),))] == 7
 
 
-@pytest.mark.parametrize("wait", BAD_WAITS, ids=repr)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1, -0.5, 10**400, True], ids=repr)
+@pytest.mark.parametrize("field", ["bytes", "seconds"])
+def test_an_engine_counter_that_is_not_a_finite_number_at_least_0_is_a_clear_scrape_error(field: str,
+                                                                                         value: Any) -> None:
+    """The engine's bytes and seconds are exported as counters: NaN, an infinity or a
+    negative count is no counter value (they were exported as NaN, +Inf, -5.0) and an int
+    past a float's range raised OverflowError from prometheus_client's exposition: each is
+    a ConfigError naming the field and the value."""
+    eng = _Engine({"cumulative": {"writeback": {field: value}}})
+    with pytest.raises(ConfigError) as info:
+        generate_latest(_registry(KvtierCollector(_cache(), eng)))
+    assert str(info.value) == (f"KvtierCollector: engine writeback {field} must be a finite number >= 0, "
+                               f"got {value!r}")
+
+
+def test_an_engine_s_numpy_counters_are_exported_as_plain_numbers() -> None:
+    """A transfer engine that sums with numpy (np.int64 bytes, np.float64 seconds) is read as
+    plain numbers (np.int64 was refused: not an int), as everywhere an int is taken."""
+    eng = _Engine({"cumulative": {"writeback": {"bytes": np.int64(4096), "seconds": np.float32(0.5)},
+                                  "loadback": {"bytes": np.uint32(7)}}})
+    got = _samples(generate_latest(_registry(KvtierCollector(_cache(), eng))).decode())
+    assert got[("kvtier:transfer_bytes_total", (("direction", "writeback"),))] == 4096
+    assert got[("kvtier:transfer_seconds_total", (("direction", "writeback"),))] == 0.5
+    assert got[("kvtier:transfer_bytes_total", (("direction", "loadback"),))] == 7
+
+
+@pytest.mark.parametrize("wait", BAD_WAITS, ids=lambda v: repr(v)[:24])
 def test_a_bad_snapshot_wait_is_refused(wait: Any) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"snapshot_wait_s must be a finite number of seconds > 0, "
                                                     f"got {wait!r}")):

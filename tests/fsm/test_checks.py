@@ -95,3 +95,15 @@ def test_as_keys_takes_lists_and_tuples_of_hashables_and_names_the_first_bad_uni
     says(lambda: check_hashable((1, {"a": 1}), "c", error=ConfigError), "c: unit keys must be hashable, got {'a': 1}",
           ConfigError)
     check_hashable([1, ("a", 2)], "c")
+
+
+def test_as_time_refuses_an_int_past_a_float_s_range_naming_it() -> None:
+    """An int too large for a float (10**400) is no finite number of seconds: refused with
+    the caller's error naming it, as NaN is (it raised OverflowError from ``math.isfinite``)."""
+    from kvtier.fsm.checks import as_time
+
+    for big in (10**400, -10**400):
+        says(lambda: as_time(big, "now"), f"now must be a finite number of seconds, got {big!r}")
+        says(lambda: as_time(big, "now", infinite=True, error=ConfigError),
+             f"now must be a finite number of seconds or inf, got {big!r}", ConfigError)
+    assert as_time(2**1023, "now") == float(2**1023) and as_time(-5, "now") == -5.0

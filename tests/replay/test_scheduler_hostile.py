@@ -29,7 +29,7 @@ _OUTPUT = "output_tokens must be an int in 0..131072"
 SCHED_CASES: list[tuple[str, object, str]] = [
     *[("request_id", v, "request_id must be a non-empty str") for v in ("", None, 5, b"r1")],
     *[("arrival_s", v, _ARRIVAL) for v in (float("nan"), float("inf"), float("-inf"), -1.0, -1e-9, 1e308, 2e10,
-                                            "0", None, True, 1j, [0.0])],
+                                            "0", None, True, 1j, [0.0], 10**400)],
     *[("prompt_tokens", v, _PROMPT) for v in (0, -1, 1.5, 40.0, True, "40", None, MAX_INPUT_LENGTH + 1, 2**100,
                                                float("nan"))],
     *[("output_tokens", v, _OUTPUT) for v in (-1, 1.5, False, "3", None, MAX_OUTPUT_LENGTH + 1, 3_000_000)],

@@ -24,9 +24,11 @@ import queue
 import threading
 import time
 
+from kvtier.fsm.checks import as_int
+from kvtier.fsm.errors import ConfigError, UsageError
 from kvtier.fsm.records import StoreCommand, StoreOp, StoreResult
 
-from .base import StoreBackend
+from .base import StoreBackend, StoreError
 from .hostio import HostPageIO, ObjectError
 
 __all__ = ["StoreDriver"]
@@ -38,14 +40,18 @@ class StoreDriver:
     Args:
         backend: the store backend (used from the driver's thread only).
         io: packs and unpacks objects from the host pool's pages.
-        max_queued: commands accepted and not yet done (a bound; :meth:`submit` fails an
-            operation beyond it at once).
+        max_queued: commands accepted and not yet done (a bound, an int >= 1; :meth:`submit`
+            fails an operation beyond it at once).
+
+    Raises:
+        ConfigError: ``max_queued`` not an int >= 1.
     """
 
     def __init__(self, backend: StoreBackend, io: HostPageIO, *, max_queued: int = 4096) -> None:
         self.backend = backend
         self.io = io
-        self.max_queued = max_queued
+        self.max_queued = as_int(max_queued, "store driver: max_queued", minimum=1, error=ConfigError)
+        self._closed = False
         self._todo: queue.Queue[StoreCommand | None] = queue.Queue()
         self._done: collections.deque[StoreResult] = collections.deque()
         self._ready = threading.Condition()
@@ -57,7 +63,20 @@ class StoreDriver:
 
     # -- the scheduler's thread ------------------------------------------------------
     def submit(self, commands: list[StoreCommand]) -> None:
-        """Queue commands (non-blocking)."""
+        """Queue commands (non-blocking).
+
+        Raises:
+            UsageError: ``commands`` not a list or tuple of :class:`StoreCommand` (none is queued).
+            StoreError: the driver is closed.
+        """
+        if self._closed:
+            raise StoreError("store driver is closed: no command runs after close()")
+        # (a None would stop the driver's thread, any other object kill it: checked before any is queued)
+        bad = [commands] if type(commands) not in (list, tuple) else [c for c in commands
+                                                                      if not isinstance(c, StoreCommand)]
+        if bad:
+            raise UsageError(f"store driver submit: commands must be a list of StoreCommand "
+                             f"(L3Tier.poll_commands()), got {bad[0]!r}")
         for cmd in commands:
             if self._queued >= self.max_queued:
                 self._push(StoreResult(cmd.op_id, error="queue: the store driver is saturated"))
@@ -86,7 +105,11 @@ class StoreDriver:
             self._cancelled.add(op_id)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread after the queued commands and close the backend."""
+        """Stop the thread after the queued commands and close the backend (once; a second
+        call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._todo.put(None)
         self._thread.join(timeout_s)
         self.backend.close()

@@ -46,6 +46,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
+from kvtier.fsm.checks import finite
 from kvtier.fsm.errors import ConfigError
 
 from .base import StoreError
@@ -118,11 +119,11 @@ class MooncakeStore:
     def __init__(self, host: str = "127.0.0.1", port: int = 50051, *, lease_s: float = 10.0,
                  segment_mb: int = 64, buffer_mb: int = 64, protocol: str = "tcp", rdma_devices: str = "",
                  local_hostname: str = "127.0.0.1", timeout_s: float = 2.0) -> None:
-        if not isinstance(lease_s, (int, float)) or not lease_s >= 0:
-            raise ConfigError(f"mooncake lease_s must be a number of seconds >= 0, got {lease_s!r}")
-        if not isinstance(segment_mb, int) or segment_mb < 16:
+        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not finite(lease_s) or lease_s < 0:
+            raise ConfigError(f"mooncake lease_s must be a finite number of seconds >= 0, got {lease_s!r}")
+        if isinstance(segment_mb, bool) or not isinstance(segment_mb, int) or segment_mb < 16:
             raise ConfigError(f"mooncake segment_mb must be an integer >= 16 (Mooncake's minimum), got {segment_mb!r}")
-        if not isinstance(buffer_mb, int) or buffer_mb < 1:
+        if isinstance(buffer_mb, bool) or not isinstance(buffer_mb, int) or buffer_mb < 1:
             raise ConfigError(f"mooncake buffer_mb must be a positive integer, got {buffer_mb!r}")
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")

@@ -15,10 +15,12 @@ reports the first record that breaks a rule, with the records leading to it:
 * **invariants** read off the records: a node's resources agree with its state
   (``state_matches_resources``, ``host_means_acked``), a node with a host copy has a
   parent with one (``root_closed_host``), a loading node is pinned
-  (``loadback_source_pinned``), an operation is issued once and settles once and no
-  completion is taken twice while it is in flight (``operation_ends_once``; a settled
+  (``loadback_source_pinned``), an operation is issued once and settles once, no
+  completion is taken for an operation never handed out (no ``command`` record) nor twice
+  while it is in flight (``operation_ends_once``; a settled
   operation's late or duplicate completions are absorbed), a failed operation never
-  acknowledges a node (``failure_not_success``), an aborting request keeps its pages until
+  acknowledges a node and no operation settles ok before every rank acknowledged it
+  (``failure_not_success``), an aborting request keeps its pages until
   the fence (``release_once_after_fence``), and a facade call leaves a request in the
   state its transitions say (``return`` records).
 * **recorded checks**: an ``invariants`` record with ``"ok": false`` (the producer's own
@@ -50,7 +52,11 @@ from kvtier.fsm.lifecycle.spec import INTERNAL, LifecycleSpec, TransitionSpec, l
 from .logreader import LogFormatError, read_log, record_problem
 from ..replay.trace_lines import MAX_DECOMPRESSED_BYTES
 
-__all__ = ["CheckResult", "Violation", "check_log", "check_records", "read_log"]  # read_log: kvtier.cli.logreader
+__all__ = ["MAX_CONTEXT", "CheckResult", "Violation", "check_log", "check_records", "read_log"]  # read_log: kvtier.cli.logreader
+
+#: The most records a violation shows before it (``context``): the checker keeps that many in
+#: memory, so the bound keeps its memory bounded whatever the log's length.
+MAX_CONTEXT = 10_000
 
 # The guards' meanings, as spec/lifecycle.toml's [node.guards] docs state them, over the
 # node state sets the spec's [node.resources] declare (kvtier.fsm.lifecycle.names derives them):
@@ -277,6 +283,9 @@ class _Checker:
             if rec.get("ok") and (op.failed or op.poisoned or op.expired):
                 raise _Bad("failure_not_success", f"op {rec['op']} settled ok although "
                                                   f"{'it was poisoned' if op.poisoned else 'a rank reported failure'}")
+            if rec.get("ok") and len(op.acked) < self.world:
+                raise _Bad("failure_not_success", f"op {rec['op']} settled ok with {len(op.acked)} of "
+                                                  f"{self.world} ranks' acknowledgements")
         elif k == "invariants":
             self.result.invariant_checks += 1
             if rec.get("ok") is False:
@@ -298,6 +307,9 @@ class _Checker:
             # it may not settle again nor move a node (both checked when recorded)
             op.absorbed += 1
             return
+        if not op.issued:  # the engine completes only what it was handed (a command record)
+            raise _Bad("operation_ends_once", f"op {rec['op']}: a completion taken for an operation never "
+                                              f"handed out (no command record in this segment)")
         key = (rec["rank"], rec.get("layer"))
         if key[0] >= self.world:
             raise _Bad("format", f"op {rec['op']}: a completion from rank {key[0]} taken, but the cache has "
@@ -449,12 +461,15 @@ def check_records(records: Iterable[tuple[int, dict[str, Any]]], context: int = 
     a ``format`` violation at its line.
 
     Args:
-        context: how many earlier records a violation shows (an int >= 0).
+        context: how many earlier records a violation shows (an int in 0 .. :data:`MAX_CONTEXT`).
 
     Raises:
-        kvtier.fsm.ConfigError: ``context`` not an int >= 0.
+        kvtier.fsm.ConfigError: ``context`` not an int >= 0, or above :data:`MAX_CONTEXT`.
     """
-    c = _Checker(as_int(context, "context", minimum=0, error=ConfigError))
+    context = as_int(context, "context", minimum=0, error=ConfigError)
+    if context > MAX_CONTEXT:
+        raise ConfigError(f"context must be at most {MAX_CONTEXT} records, got {context}")
+    c = _Checker(context)
     held: tuple[int, dict[str, Any]] | None = None  # a completion, until we know it was not refused
     unreadable: LogFormatError | None = None
     try:

@@ -14,12 +14,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .argtypes import fraction, positive_float, positive_int
+from .argtypes import fraction, int_in_range, positive_float, positive_int
 from .exitcodes import ExitCode, LineFormatter, epilog
 
 __all__ = ["main", "build_parser", "shadowed_by"]
 
 _DEFAULT_DIAGRAM_DIR = Path("diagrams")
+#: kvtier.cli.check.MAX_CONTEXT (the parser imports no checker; tests/cli/test_check_hostile.py ties the two)
+_MAX_CONTEXT = 10_000
 
 
 def _cmd_diagram(args: argparse.Namespace) -> int:
@@ -257,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the trace reader's limits, invalid or truncated gzip data); 2 the file "
                                    "cannot be opened.")
     p.add_argument("log", metavar="LOG", help="the event log (.jsonl, or .gz)")
-    p.add_argument("--context", type=positive_int, default=12, metavar="N",
-                   help="events shown before a violation (default %(default)s)")
+    p.add_argument("--context", type=int_in_range(1, _MAX_CONTEXT), default=12, metavar="N",
+                   help=f"events shown before a violation, 1 to {_MAX_CONTEXT:,} (default %(default)s)")
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("verify", help="exhaustive bounded exploration of a small configuration (needs kvtier[testing])",

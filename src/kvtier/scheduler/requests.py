@@ -4,13 +4,13 @@ step runs (:class:`StepPlan`), and the error a run that stops making progress ra
 
 from __future__ import annotations
 
-import math
 import numbers
 import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.fsm import ConfigError, KvtierError
+from kvtier.fsm.checks import finite
 
 from ..replay.trace import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH, MAX_TIMESTAMP_MS
 
@@ -101,7 +101,7 @@ class SchedRequest:
             raise ConfigError(f"SchedRequest: request_id must be a non-empty str, got {rid!r}")
         where = f"SchedRequest {rid!r}"
         t = self.arrival_s
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) \
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not finite(t) \
                 or not 0 <= t <= MAX_ARRIVAL_S:
             raise ConfigError(f"{where}: arrival_s must be a finite number of seconds in 0 .. {MAX_ARRIVAL_S:.0e}, "
                               f"got {t!r}")

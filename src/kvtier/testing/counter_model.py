@@ -29,7 +29,8 @@ counts a refused call, counts twice, takes the wrong size or the wrong reason fa
 :class:`~kvtier.testing.models.ModelViolation` ``model_counters`` at the next check.
 :meth:`check_metrics` compares what the Prometheus collector (:mod:`kvtier.metrics`, when
 ``prometheus_client`` is installed) exports with the same counts and with gauges computed
-from the pools and the tree.
+from the pools and the tree; the abort rows by reason with the label bound applied to the
+counts (:mod:`kvtier.testing.label_bounds`, ``model_label_bounds``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.fsm import Direction
 
 from . import _views as views
+from .label_bounds import check_abort_series
 from .models import ModelViolation
 
 if TYPE_CHECKING:
@@ -251,8 +253,8 @@ class CounterModel:
             ("kvtier:transfer_pages_total", (("direction", "writeback"),)): stats["pages_written"],
             ("kvtier:transfer_pages_total", (("direction", "loadback"),)): stats["pages_loaded"],
         }
-        for reason, k in self.aborts.items():
-            want[("kvtier:aborts_total", (("reason", reason),))] = k
+        check_abort_series({dict(labels)["reason"]: v for (name, labels), v in got.items()
+                            if name == "kvtier:aborts_total"}, self.aborts)  # (model_label_bounds)
         for key, v in fac["settled"].items():
             d, o = key.split("/")
             want[("kvtier:operations_total", (("direction", d), ("outcome", o)))] = v

@@ -56,6 +56,7 @@ from hypothesis.stateful import precondition, rule
 from kvtier.fsm.node import HOST_VISIBLE
 
 from ..tiered import TieredCache
+from .budget_model import check_split_of_pool
 from . import _views as views
 from .base import recorded
 from .engine_contract import EngineContract, pattern as _pattern
@@ -148,6 +149,7 @@ class EngineTransfer(EngineContract, TransferBackend):
         super().__init__(world_size, layout.num_layers)
         specs = list(layout.groups)
         self.specs = {g.name: g for g in specs}
+        check_split_of_pool(specs, host_pages, issue_seed)  # the host pool's size as a budget (budget_model)
         self.issue_seed = issue_seed
         self.issue_rate = issue_rate
         self.plan_mode = plan_mode

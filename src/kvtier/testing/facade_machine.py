@@ -25,6 +25,7 @@ from .drain import check_core_drained, evict_to_full_pools
 from .facade_checks import FacadeChecks
 from .facade_engine import FacadeTransferRules
 from .facade_rules import FacadeRequestRules
+from .label_bounds import REASONS, drive_abort_reasons
 from .logged import LogCheck
 from .models import ModelViolation, liveness_bound
 from .plugs import SchedulerAdapter, TransferBackend
@@ -134,7 +135,9 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
         forward result returned, every transfer completed, every command and event polled);
         then ``quiescent()`` must hold, nothing be left on the core
         (:func:`~kvtier.testing.drain.check_core_drained`) and the whole tree evict to full
-        pools, every transfer succeeding (:mod:`kvtier.testing.drain`)."""
+        pools, every transfer succeeding (:mod:`kvtier.testing.drain`); last, requests
+        aborted with more distinct reasons than the metrics' label bound, and the counters
+        and metrics checked (:mod:`kvtier.testing.label_bounds`)."""
         if not hasattr(self, "cache"):
             return
         self.xfer_faults_off()
@@ -147,6 +150,7 @@ class FacadeMachine(FacadeRequestRules, FacadeTransferRules, FacadeChecks):
         if not self.cache.quiescent():
             raise ModelViolation("model_drain", "the facade", f"after evicting: {self.cache.outstanding()}")
         self.counters.check_drained()
+        self.aborts_made += drive_abort_reasons(self.cache, self.aborts_made, len(REASONS), self._poll)
         self.counters.check_metrics()
 
     def xfer_faults_off(self) -> None:

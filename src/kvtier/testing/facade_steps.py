@@ -26,6 +26,7 @@ from . import _views as views
 from .base import TERMINAL, KitMachine, layout_named
 from .content import content, node_prefix
 from .facade_models import EndModel, check_admission, check_blocked, check_poll, held, writebacks_in_flight
+from .label_bounds import abort_reason, call_abort
 from .logged import LogCheck
 from .models import LayerModel, ModelViolation
 from .pass_model import PassModel, check_chunk_rows, check_reserve
@@ -48,6 +49,7 @@ class FacadeSteps(KitMachine):
     def __init__(self) -> None:
         super().__init__()
         self.log: LogCheck | None = None  # the example's recorded event log (setup's logged)
+        self.aborts_made = 0  # abort calls made (each takes the next reason of label_bounds.REASONS)
         self.cache: TieredCache
         self.sched: SchedulerAdapter
         self.xfer: TransferBackend
@@ -341,7 +343,10 @@ class FacadeSteps(KitMachine):
             own = {g: list(p) for g, p in r.own.items() if p}
             ops = views.ops(self.cache.core)
             mine = {op: ops[op] for op in r.ops if op in ops and ops[op].command.direction is Direction.WRITEBACK}
-            self._lifecycle_call(rid, state not in ("aborting", *TERMINAL), lambda: self.sched.abort(rid))
+            reason = abort_reason(self.aborts_made)  # past the metrics' label bound (label_bounds)
+            self.aborts_made += 1
+            self._lifecycle_call(rid, state not in ("aborting", *TERMINAL),
+                                 lambda: call_abort(self.sched, rid, reason))
             if self._state(rid) in ("aborting", "aborted"):
                 for op_id, op in mine.items():
                     dst: dict[str, set[int]] = {}

@@ -126,8 +126,8 @@ class SchedulerAdapter:
     def resume(self, request_id: str, chunk_tokens: int) -> Admission | None:
         return self.cache.resume(request_id, chunk_tokens)
 
-    def abort(self, request_id: str) -> None:
-        self.cache.abort(request_id)
+    def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        self.cache.abort(request_id, reason)
 
     def complete(self, completion: Completion) -> None:
         self.cache.complete(completion)

@@ -53,6 +53,8 @@ def test_l3_options_have_their_documented_defaults_and_refuse_each_bad_value_by_
         ({"deadline_s": True}, "L3 deadline_s must be a finite number of seconds (> 0 for deadline_s), got True"),
         ({"lease_s": -0.5}, "L3 lease_s must be a finite number of seconds (> 0 for deadline_s), got -0.5"),
         ({"lease_s": "1"}, "L3 lease_s must be a finite number of seconds (> 0 for deadline_s), got '1'"),
+        ({"deadline_s": 10**400}, f"L3 deadline_s must be a finite number of seconds (> 0 for deadline_s), got {10**400}"),
+        ({"lease_s": 10**400}, f"L3 lease_s must be a finite number of seconds (> 0 for deadline_s), got {10**400}"),
     ]
     for kw, msg in cases:
         with pytest.raises(ConfigError) as e:

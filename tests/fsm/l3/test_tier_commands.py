@@ -289,6 +289,24 @@ def test_a_put_pins_its_host_copies_under_the_owner_l3_put() -> None:
     assert receipt.released and t.core.walk(KEY)[0].host_pin == 0
 
 
+def test_a_put_counts_one_operation_and_one_key_per_unit_of_a_node_holding_several() -> None:
+    """``put_keys`` counts the store keys a put writes (one per unit), not the tree nodes it
+    reads: one node of three units offered whole is one put of three keys, and the second
+    put of a node split from it counts its own units only."""
+    t = h1_tier()
+    backed(t.core, KEY)
+    assert len(t.core.walk(KEY)) == 1  # one node, three units
+    assert t.offer(KEY, 0.0) == 3
+    cmd = one_command(t)
+    assert len(cmd.keys) == 3
+    assert (t.stats.put_ops, t.stats.put_keys) == (1, 3)
+    t.complete(answer_at_once({}, cmd), 0.0)
+    assert (t.stats.put_ops, t.stats.put_keys, t.stats.put_ok) == (1, 3, 3)
+    backed(t.core, KEY + ("d", "e"))
+    assert t.offer(KEY + ("d", "e"), 0.0) == 2  # only the two new units
+    assert (t.stats.put_ops, t.stats.put_keys) == (2, 5)
+
+
 def test_host_eviction_puts_each_unit_of_a_victim_under_its_own_key_unless_recently_put() -> None:
     """l3.py:368: under ``host_eviction`` each unit of a victim is checked against the
     hint under its own key: with a hint of one key, the last unit put is skipped when the
@@ -364,7 +382,7 @@ def test_removes_wait_for_leases_and_every_end_of_an_operation_is_counted_exactl
 
 
 # ------------------------------------------------------------------ hostile clock values and records
-BAD_NOW = [math.nan, math.inf, -math.inf, None, "0", True, 1j]
+BAD_NOW = [math.nan, math.inf, -math.inf, None, "0", True, 1j, 10**400, -10**400]  # (an int past a float's range too)
 CALLS: dict[str, Callable[[L3Tier, int, object], object]] = {
     "prefetch": lambda t, op, now: t.prefetch("r2", KEY + ("d", "e"), now),  # type: ignore[arg-type]
     "offer": lambda t, op, now: t.offer(KEY, now),  # type: ignore[arg-type]
@@ -374,7 +392,7 @@ CALLS: dict[str, Callable[[L3Tier, int, object], object]] = {
 }
 
 
-@pytest.mark.parametrize("bad", BAD_NOW, ids=repr)
+@pytest.mark.parametrize("bad", BAD_NOW, ids=lambda v: repr(v)[:24])
 @pytest.mark.parametrize("call", list(CALLS))
 def test_every_call_that_takes_now_refuses_a_clock_value_that_is_not_a_finite_number(call: str, bad: object) -> None:
     """``now`` stamps deadlines and leases: an operation stamped at NaN (or inf) never
@@ -437,10 +455,11 @@ BAD_FIELDS = [("ok", None, "a tuple of bools"), ("ok", "yes", "a tuple of bools"
               ("corrupt", "k", "a tuple of key strings"), ("corrupt", (b"k",), "a tuple of key strings"),
               ("nbytes", 1.5, "an int >= 0"), ("nbytes", -1, "an int >= 0"),
               ("seconds", math.nan, "a finite number >= 0"), ("seconds", -0.5, "a finite number >= 0"),
-              ("seconds", "1", "a finite number >= 0"), ("error", ValueError("x"), "a str or None")]
+              ("seconds", "1", "a finite number >= 0"), ("seconds", 10**400, "a finite number >= 0"),
+              ("error", ValueError("x"), "a str or None")]
 
 
-@pytest.mark.parametrize(("field", "bad", "expected"), BAD_FIELDS, ids=[f"{f}={v!r}" for f, v, _ in BAD_FIELDS])
+@pytest.mark.parametrize(("field", "bad", "expected"), BAD_FIELDS, ids=[f"{f}={v!r:.24}" for f, v, _ in BAD_FIELDS])
 def test_a_store_result_refuses_a_bad_field_when_it_is_built(field: str, bad: object, expected: str) -> None:
     """Like the other records, StoreResult checks its fields when built (ConfigError naming
     the op, the field and the value), so a store driver that builds one from a backend's
@@ -457,3 +476,75 @@ def test_a_store_result_takes_numpy_values_and_lists_as_plain_values() -> None:
     assert (r.ok, r.present, r.corrupt, r.nbytes, r.seconds) == ((True, False), 2, ("k",), 8, 1.0)
     assert [type(x) for x in (*r.ok, r.present, r.nbytes, r.seconds)] == [bool, bool, int, int, float]
     assert type(r.ok) is tuple and type(r.corrupt) is tuple
+
+
+class _RaisingKey:
+    """A unit key whose hash and ``==`` raise (an engine's key type with a bug)."""
+
+    def __hash__(self) -> int:
+        raise RuntimeError("broken key hash")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("broken key eq")
+
+
+@pytest.mark.parametrize(("units", "fragment"), [
+    ((["a"], ["b"]), "unit keys must be hashable, got ['a']"),
+    (("a", {"b": 1}), "unit keys must be hashable, got {'b': 1}"),
+    ((_RaisingKey(),), "a unit key's hash raised RuntimeError: broken key hash"),
+], ids=["lists", "dict", "raising-hash"])
+@pytest.mark.parametrize("call", ["prefetch", "offer"])
+def test_prefetch_and_offer_refuse_unit_keys_that_cannot_be_hashed_naming_the_key(
+        call: str, units: tuple[object, ...], fragment: str) -> None:
+    """Unit keys are hashed in the core's radix tree: a key that cannot be (a list) or whose
+    hash raises is refused with a UsageError naming it, as the facade's admit does (it was a
+    TypeError or the key's own exception from deep in the tree), before anything changes:
+    an owner's ended prefetch keeps its record (prefetch dropped it first)."""
+    store = stored(KEY)
+    t = h1_tier()
+    assert t.prefetch("r1", KEY, 0.0)
+    for _ in range(2):  # exists, then get
+        t.complete(answer_at_once(store, one_command(t)), 0.0)
+    assert t.fetched_units("r1") == 3
+    before = (dataclasses.asdict(t.stats), snapshot(t.core), t.outstanding())
+    with pytest.raises(UsageError) as e:
+        if call == "prefetch":
+            t.prefetch("r1", units, 0.0)  # type: ignore[arg-type]
+        else:
+            t.offer(units, 0.0)  # type: ignore[arg-type]
+    assert type(e.value) is UsageError and str(e.value) == f"l3 {call}: units: {fragment}"
+    assert (dataclasses.asdict(t.stats), snapshot(t.core), t.outstanding()) == before
+    assert t.fetched_units("r1") == 3 and t.poll_commands() == []
+
+
+@pytest.mark.parametrize("owner", [["r1"], None, 5, b"r1"], ids=repr)
+def test_forget_refuses_an_owner_that_is_not_a_request_id_string(owner: object) -> None:
+    """``forget`` drops a prefetch record: an owner that is no string is refused naming it
+    (a list raised TypeError: unhashable; None and 5 were taken silently), as cancel does."""
+    t = h1_tier()
+    with pytest.raises(UsageError) as e:
+        t.forget(owner)  # type: ignore[arg-type]
+    assert str(e.value) == f"l3 forget: owner must be a request id string, got {owner!r}"
+
+
+def test_error_kinds_are_bounded_later_ones_count_as_other_and_expiries_still_uncount() -> None:
+    """``stats.errors`` counts backend errors by kind (the text before the first ':'): a backend
+    whose messages carry a changing detail before any ':' (``timeout after 1234 ms``) added a
+    kind per message, without bound. The first ``MAX_ERROR_KINDS`` kinds get their own entry;
+    every later one counts under ``other``; the total is every error; an expiry after the
+    table is full is still no backend error (it is uncounted where it was counted)."""
+    from kvtier.fsm.l3.options import MAX_ERROR_KINDS
+
+    t = h1_tier()
+    n = MAX_ERROR_KINDS + 50
+    for i in range(n):
+        assert t.remove([f"k{i}"], 0.0) == 1
+        t.complete(StoreResult(one_command(t).op_id, error=f"timeout after {i} ms"), 0.0)
+    errors = dict(t.stats.errors)
+    assert len(errors) == MAX_ERROR_KINDS + 1 and errors["other"] == 50 and sum(errors.values()) == n
+    assert [k for k in errors if k != "other"] == [f"timeout after {i} ms" for i in range(MAX_ERROR_KINDS)]
+    assert t.stats.op_errors == n
+    assert t.remove(["late"], 0.0) == 1
+    t.poll_commands()
+    assert t.expire(5.0) == [1 + n]  # its deadline (1 s) passed: not the store's error
+    assert t.stats.errors == errors and t.stats.op_errors == n and t.stats.expired_ops == 1

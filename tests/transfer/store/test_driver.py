@@ -13,7 +13,8 @@ import pytest
 
 from kvtier.fsm.layout import CacheLayout
 from kvtier.fsm.records import CacheGroupSpec, ComponentSpec, Family, StoreCommand, StoreOp, StoreResult
-from kvtier.transfer.store import HostPageIO, StoreDriver
+from kvtier.fsm.errors import ConfigError, UsageError
+from kvtier.transfer.store import HostPageIO, StoreDriver, StoreError
 
 WAIT_S = 30.0  # a bound on each wait, never reached when the driver is right
 
@@ -128,3 +129,46 @@ def test_a_command_cancelled_before_it_runs_never_touches_its_pages(rig: tuple[H
     assert {i: (r.error, r.ok) for i, r in got.items()} == {1: ("cancelled", ()), 2: ("cancelled", ())}
     assert "cc" * 16 not in store.objects and ("put", ("cc" * 16,)) not in store.calls
     assert region[2].tolist() == [5] * 16 and region[3].sum() == 0
+
+
+@pytest.mark.parametrize("bad", [[None], [{"op_id": 1}], [_get(1), "get"], _get(1), None, "cmds"],
+                         ids=["None", "dict", "str-after-a-command", "one-command", "no-list", "str"])
+def test_submit_refuses_anything_but_a_list_of_store_commands_and_queues_nothing(
+        rig: tuple[HeldStore, StoreDriver, np.ndarray, HostPageIO], bad: object) -> None:
+    """A None in the list stopped the driver's thread (None is its stop sentinel) and any
+    other object killed it (AttributeError on the thread): every later operation was never
+    answered. submit refuses it with a UsageError naming it, queues none of the list, and
+    the driver goes on answering."""
+    store, driver, region, _ = rig
+    store.answer()
+    with pytest.raises(UsageError) as e:
+        driver.submit(bad)  # type: ignore[arg-type]
+    assert type(e.value) is UsageError and "store driver submit: " in str(e.value)
+    driver.submit([_get(7)])
+    [res] = _results(driver, 1).values()
+    assert (res.op_id, res.ok) == (7, (True, True)) and store.calls == [("get", KEYS)]
+
+
+def test_submit_after_close_is_refused_and_close_twice_closes_the_backend_once(
+        rig: tuple[HeldStore, StoreDriver, np.ndarray, HostPageIO]) -> None:
+    """After close the driver's thread is gone: a command submitted then was queued and never
+    answered. It raises StoreError; a second close does nothing."""
+    store, driver, _, _ = rig
+    closes: list[int] = []
+    store.close = lambda: closes.append(1)  # type: ignore[method-assign]
+    store.answer()
+    driver.close(WAIT_S)
+    with pytest.raises(StoreError, match="store driver is closed"):
+        driver.submit([_get(1)])
+    driver.close(WAIT_S)
+    assert closes == [1] and driver.poll() == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, None, "8"], ids=repr)
+def test_max_queued_must_be_an_int_of_at_least_1(bad: object) -> None:
+    """max_queued bounds the commands queued: 0 or -1 failed every operation at once, None
+    raised TypeError at the first submit; each is a ConfigError naming the value."""
+    io = HostPageIO(LAYOUT, {("g", "kv", 0): np.zeros((4, 16), np.uint8)})
+    with pytest.raises(ConfigError) as e:
+        StoreDriver(HeldStore(), io, max_queued=bad)  # type: ignore[arg-type]
+    assert str(e.value) == f"store driver: max_queued must be an int >= 1, got {bad!r}"

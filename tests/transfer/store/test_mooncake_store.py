@@ -134,6 +134,25 @@ def test_open_store_errors_are_clear(monkeypatch: pytest.MonkeyPatch) -> None:
         open_store("mooncake://127.0.0.1:1")
 
 
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"lease_s": True}, "mooncake lease_s must be a finite number of seconds >= 0, got True"),
+    ({"lease_s": float("inf")}, "mooncake lease_s must be a finite number of seconds >= 0, got inf"),
+    ({"lease_s": 10**400}, f"mooncake lease_s must be a finite number of seconds >= 0, got {10**400}"),
+    ({"buffer_mb": True}, "mooncake buffer_mb must be a positive integer, got True"),
+], ids=["lease-True", "lease-inf", "lease-10**400", "buffer-True"])
+def test_a_bad_lease_or_size_is_refused_before_the_client_is_made(kw: dict[str, object], message: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lease_s=True`` was taken as a 1 s lease and ``inf`` (``?lease_s=inf`` in a URL) as a
+    lease that never ends (no remove ever sent), ``buffer_mb=True`` as 1 MiB, and 10**400
+    raised OverflowError: each is refused naming the value, before any client is made."""
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # a client made would fail otherwise
+    with pytest.raises(ConfigError) as info:
+        MooncakeStore("127.0.0.1", 1, **kw)  # type: ignore[arg-type]
+    assert str(info.value) == message
+    with pytest.raises(ConfigError, match="lease_s must be a finite number"):
+        open_store("mooncake://127.0.0.1:1?lease_s=inf")
+
+
 def test_unreachable_master_fails_at_once() -> None:
     mooncake_binary()  # skips (or fails under KVTIER_REQUIRE_MOONCAKE) without the client
     t0 = time.monotonic()
