@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..node.node import NodeReceipt
     from ..records import StoreOp
 
-__all__ = ["MAX_ERROR_KINDS", "L3Outstanding", "L3Op", "L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
+__all__ = ["MAX_ERROR_KINDS", "error_kind", "L3Outstanding", "L3Op", "L3Options", "L3Stats", "L3Object", "Prefetch", "WRITE_POLICIES", "namespace", "chain_keys"]
 
 #: L3 write policies: put a request's host-visible prefix when it is offered (``host_write``),
 #: only chunks reused at least ``write_threshold`` times (``selective``), or the host tier's
@@ -26,6 +26,13 @@ WRITE_POLICIES = ("host_write", "selective", "host_eviction")
 #: Backend error kinds :attr:`L3Stats.errors` counts under their own name (the first ones to
 #: occur); every later kind counts under ``other``, so the table stays bounded.
 MAX_ERROR_KINDS = 32
+
+
+def error_kind(errors: dict[str, int], error: str) -> str:
+    """The :attr:`L3Stats.errors` entry ``error`` counts under: the text before its first ':'
+    (at most 60 characters), or ``other`` once ``errors`` holds :data:`MAX_ERROR_KINDS` kinds."""
+    kind = error.split(":", 1)[0][:60]
+    return kind if kind in errors or len(errors) < MAX_ERROR_KINDS else "other"
 
 
 @dataclass(frozen=True, slots=True)

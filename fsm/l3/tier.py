@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from ..checks import as_keys, as_time, check_key_sequence, plain_int
 from ..errors import ConfigError, UsageError
 from .walks import local_end, offer_items, victim_items
-from .options import (MAX_ERROR_KINDS, WRITE_POLICIES, L3Object, L3Op, L3Options, L3Outstanding, L3Stats, Prefetch, chain_keys,
+from .options import (WRITE_POLICIES, error_kind, L3Object, L3Op, L3Options, L3Outstanding, L3Stats, Prefetch, chain_keys,
                       namespace)
 from ..lifecycle.machines import l3_lifecycle
 from ..records import StoreCommand, StoreOp, StoreResult, store_result_fields
@@ -80,7 +80,6 @@ class L3Tier:
         self._hint: OrderedDict[str, None] = OrderedDict()
         self._pending_removes: list[str] = []
 
-    # ------------------------------------------------------------------ views
     @property
     def objects(self) -> dict[str, L3Object]:
         """Objects with something in flight or a lease (a snapshot)."""
@@ -167,7 +166,6 @@ class L3Tier:
         self._outbox = []
         return out
 
-    # ------------------------------------------------------------------ internals
     def _obj(self, key: str) -> L3Object:
         o = self._objects.get(key)
         if o is None:
@@ -202,7 +200,6 @@ class L3Tier:
         while len(self._hint) > self.options.hint_size:
             self._hint.popitem(last=False)
 
-    # ------------------------------------------------------------------ prefetch (get path)
     def prefetch(self, owner: str, units: Sequence[Hashable], now: float) -> bool:
         """Start a prefetch for ``owner`` (a waiting request): ask the store which chunks
         beyond the local hit of ``units`` it holds (one batch exists). The get follows when
@@ -308,7 +305,6 @@ class L3Tier:
             pf.fetched = acked
             pf.done = True
 
-    # ------------------------------------------------------------------ put path
     def _put_units(self, items: list[tuple[Node, int, str]], now: float) -> int:
         """Put (node, unit index within node, key) items, one operation; returns keys put."""
         if not items:
@@ -351,8 +347,7 @@ class L3Tier:
             Objects submitted.
 
         Raises:
-            UsageError: ``units`` not a sequence of hashable unit keys (named) or ``now`` not a
-                finite number; nothing changes.
+            UsageError: ``units`` not a sequence of hashable unit keys (named), or a bad ``now``.
         """
         now = as_time(now, "l3 offer: now")
         check_key_sequence(units, "l3 offer: units")
@@ -375,7 +370,6 @@ class L3Tier:
             else:
                 self.stats.put_failed += 1
 
-    # ------------------------------------------------------------------ remove
     def remove(self, keys: Sequence[str], now: float) -> int:
         """Remove objects from the store; objects under a read lease, or with an operation
         in flight, wait until it ends (:meth:`expire` submits them then).
@@ -414,7 +408,6 @@ class L3Tier:
         for i, o in enumerate(op.objects):
             self._fire(o, EV.remove_ack if i < len(oks) and oks[i] else EV.remove_fail)
 
-    # ------------------------------------------------------------------ completions
     def complete(self, result: StoreResult, now: float) -> None:
         """Take the result of a store operation (on the scheduler's thread).
 
@@ -442,7 +435,7 @@ class L3Tier:
         self.stats.seconds += result.seconds
         if result.error is not None:
             self.stats.op_errors += 1
-            kind = self._error_kind(result.error)
+            kind = error_kind(self.stats.errors, result.error)
             self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
         if op.kind is StoreOp.EXISTS:
             self.stats.get_seconds += result.seconds
@@ -486,24 +479,16 @@ class L3Tier:
                 self._remove(ready, now)
         return [op.op_id for op in expired]
 
-    def _error_kind(self, error: str) -> str:
-        """The :attr:`L3Stats.errors` entry of ``error``: the text before its first ':' (at
-        most 60 characters), or ``other`` once :data:`MAX_ERROR_KINDS` kinds are counted."""
-        kind = error.split(":", 1)[0][:60]
-        errors = self.stats.errors
-        return kind if kind in errors or len(errors) < MAX_ERROR_KINDS else "other"
-
     def _fail_now(self, op_id: int, now: float, error: str) -> None:
         """Fail operation ``op_id`` on the caller's side (deadline or cancel), counted as
         such, not as a backend error."""
         self._complete(StoreResult(op_id, error=error), now)
-        why = self._error_kind(error)  # where _complete counted it
+        why = error_kind(self.stats.errors, error)  # where _complete counted it
         self.stats.op_errors -= 1
         self.stats.errors[why] -= 1
         if not self.stats.errors[why]:
             del self.stats.errors[why]
 
-    # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
         """Check the ``l3_*`` invariants (:func:`kvtier.fsm.l3.checks.check_l3`).
 

@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 
-from kvtier.fsm.checks import as_int
 from kvtier.fsm.errors import ConfigError, UsageError
 from kvtier.fsm.records import StoreCommand, StoreOp, StoreResult
 
@@ -50,7 +49,9 @@ class StoreDriver:
     def __init__(self, backend: StoreBackend, io: HostPageIO, *, max_queued: int = 4096) -> None:
         self.backend = backend
         self.io = io
-        self.max_queued = as_int(max_queued, "store driver: max_queued", minimum=1, error=ConfigError)
+        if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
+            raise ConfigError(f"store driver: max_queued must be an int >= 1, got {max_queued!r}")
+        self.max_queued = max_queued
         self._closed = False
         self._todo: queue.Queue[StoreCommand | None] = queue.Queue()
         self._done: collections.deque[StoreResult] = collections.deque()

@@ -38,6 +38,7 @@ TCP (pack, staging, transport; as Redis), 2 over RDMA; ``copies`` records 3.
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from collections.abc import Sequence
@@ -46,7 +47,6 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from kvtier.fsm.checks import finite
 from kvtier.fsm.errors import ConfigError
 
 from .base import StoreError
@@ -63,6 +63,15 @@ NOT_FOUND = -704
 ALREADY_EXISTS = -705
 HAS_LEASE = -706
 RPC_FAIL = -900  # -900 and below: the master (or the HA layer) is unreachable
+
+
+def _finite(value: float) -> bool:
+    """``math.isfinite(value)``, and False for an int past a float's range (10**400); kept
+    here because ``transfer/`` imports only the core's records and errors."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 class _Client(Protocol):
@@ -119,7 +128,7 @@ class MooncakeStore:
     def __init__(self, host: str = "127.0.0.1", port: int = 50051, *, lease_s: float = 10.0,
                  segment_mb: int = 64, buffer_mb: int = 64, protocol: str = "tcp", rdma_devices: str = "",
                  local_hostname: str = "127.0.0.1", timeout_s: float = 2.0) -> None:
-        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not finite(lease_s) or lease_s < 0:
+        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not _finite(lease_s) or lease_s < 0:
             raise ConfigError(f"mooncake lease_s must be a finite number of seconds >= 0, got {lease_s!r}")
         if isinstance(segment_mb, bool) or not isinstance(segment_mb, int) or segment_mb < 16:
             raise ConfigError(f"mooncake segment_mb must be an integer >= 16 (Mooncake's minimum), got {segment_mb!r}")

@@ -37,7 +37,6 @@ record, a line past a limit, invalid or truncated gzip data); 2 the file cannot 
 from __future__ import annotations
 
 import json
-import reprlib
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from kvtier.fsm.checks import as_int
 from kvtier.fsm.lifecycle.names import DEVICE_READABLE, DEVICE_RESIDENT, HOST_PENDING, HOST_VISIBLE
 from kvtier.fsm.lifecycle.spec import INTERNAL, LifecycleSpec, TransitionSpec, load_spec
 
-from .logreader import LogFormatError, read_log, record_problem
+from .logreader import LogFormatError, brief, read_log, record_problem
 from ..replay.trace_lines import MAX_DECOMPRESSED_BYTES
 
 __all__ = ["MAX_CONTEXT", "CheckResult", "Violation", "check_log", "check_records", "read_log"]  # read_log: kvtier.cli.logreader
@@ -91,8 +90,8 @@ class Violation:
     def render(self) -> str:
         out = [f"line {self.line}: {self.rule}: {self.message}", "events leading to it:"]
         for ln, rec in self.context:
-            out.append(f"  {ln:>7}  {_brief(rec)}")
-        shown = _brief(self.record) if self.record else "(no record: the line is unreadable)"
+            out.append(f"  {ln:>7}  {brief(rec)}")
+        shown = brief(self.record) if self.record else "(no record: the line is unreadable)"
         out.append(f"> {self.line:>7}  {shown}")
         return "\n".join(out)
 
@@ -125,31 +124,6 @@ class CheckResult:
         if self.violation is None:
             return f"{head}: the log conforms to the spec and the invariants"
         return f"{head}\nREJECTED at {self.violation.render()}"
-
-
-def _brief(rec: dict[str, Any]) -> str:
-    if record_problem(rec) is not None:  # a malformed record: as it was read, cut short
-        try:
-            text = json.dumps(rec, separators=(",", ":"), default=repr)
-        except (ValueError, RecursionError):  # a circular or deeply nested object given to check_records
-            text = reprlib.repr(rec)
-        return text if len(text) <= 300 else text[:297] + "..."
-    k = rec.get("k")
-    if k in ("node", "request"):
-        g = rec.get("guards") or {}
-        gs = (" [" + ", ".join(f"{n}={'T' if v else 'F'}" for n, v in g.items()) + "]") if g else ""
-        return f"{k} {rec.get('id')!r}: {rec.get('ev')} {rec.get('from')} -> {rec.get('to')}{gs}"
-    if k == "call":
-        return f"call {rec.get('name')}({', '.join(str(a) for a in rec.get('args', []))})" \
-            if isinstance(rec.get("args"), list) else f"call {rec.get('name')} {rec.get('args')}"
-    if k == "completion":
-        extra = f" refused: {rec['refused']}" if rec.get("refused") else ""
-        return f"completion op {rec.get('op')} rank {rec.get('rank')} layer {rec.get('layer')} ok={rec.get('ok')}{extra}"
-    if k == "command":
-        return f"command op {rec.get('op')} {rec.get('dir')} request {rec.get('request')!r} nodes {rec.get('nodes')}"
-    if k == "settled":
-        return f"settled op {rec.get('op')} {rec.get('dir')} ok={rec.get('ok')} expired={rec.get('expired')}"
-    return json.dumps(rec, separators=(",", ":"))
 
 
 def _same_op(rec: dict[str, Any]) -> bool:

@@ -12,6 +12,7 @@ times its size), so ``kvtier check /dev/zero`` fails after 1 MiB instead of fill
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from kvtier.fsm.checks import as_int
 # the trace reader's line reader and limits, reused (not copied): one set of input limits
 from ..replay.trace_lines import MAX_DECOMPRESSED_BYTES, MAX_JSON_DEPTH, TraceFormatError, TraceLines, too_deep
 
-__all__ = ["FIELDS", "LogFormatError", "describe", "read_log", "record_problem"]
+__all__ = ["FIELDS", "LogFormatError", "brief", "describe", "read_log", "record_problem"]
 
 
 class LogFormatError(ValueError):
@@ -165,3 +166,29 @@ def record_problem(rec: object) -> str | None:
         if not test(value):
             return f"field {name!r} must be {want}, got {describe(value)}"
     return None
+
+
+def brief(rec: dict[str, Any]) -> str:
+    """One line for a record in a violation's context (a malformed one as read, cut at 300 characters)."""
+    if record_problem(rec) is not None:  # a malformed record: as it was read, cut short
+        try:
+            text = json.dumps(rec, separators=(",", ":"), default=repr)
+        except (ValueError, RecursionError):  # a circular or deeply nested object given to check_records
+            text = reprlib.repr(rec)
+        return text if len(text) <= 300 else text[:297] + "..."
+    k = rec.get("k")
+    if k in ("node", "request"):
+        g = rec.get("guards") or {}
+        gs = (" [" + ", ".join(f"{n}={'T' if v else 'F'}" for n, v in g.items()) + "]") if g else ""
+        return f"{k} {rec.get('id')!r}: {rec.get('ev')} {rec.get('from')} -> {rec.get('to')}{gs}"
+    if k == "call":
+        return f"call {rec.get('name')}({', '.join(str(a) for a in rec.get('args', []))})" \
+            if isinstance(rec.get("args"), list) else f"call {rec.get('name')} {rec.get('args')}"
+    if k == "completion":
+        extra = f" refused: {rec['refused']}" if rec.get("refused") else ""
+        return f"completion op {rec.get('op')} rank {rec.get('rank')} layer {rec.get('layer')} ok={rec.get('ok')}{extra}"
+    if k == "command":
+        return f"command op {rec.get('op')} {rec.get('dir')} request {rec.get('request')!r} nodes {rec.get('nodes')}"
+    if k == "settled":
+        return f"settled op {rec.get('op')} {rec.get('dir')} ok={rec.get('ok')} expired={rec.get('expired')}"
+    return json.dumps(rec, separators=(",", ":"))
