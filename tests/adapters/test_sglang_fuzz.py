@@ -32,7 +32,8 @@ def _run(machine, examples=40):
     from hypothesis.stateful import run_state_machine_as_test
 
     run_state_machine_as_test(machine, settings=settings(max_examples=examples, stateful_step_count=60,
-                                                         deadline=None, database=None))
+                                                         deadline=None, database=None,
+                                                         report_multiple_bugs=False))
 
 
 def test_an_evict_that_rounds_the_token_demand_down_fails_the_machines_evict_model(monkeypatch):
