@@ -232,6 +232,6 @@ CHILD_ENV = "KVTIER_FUZZ_CHILD"
 
 if __name__ == "__main__":  # pragma: no cover - the child process of kvtier fuzz
     # run the package's copy of this module (not ``__main__``'s), whose load flag the campaign reads
-    from kvtier.testing.sglang_cpu import run_child as _run
+    from .sglang_cpu import run_child as _run
 
     raise SystemExit(_run())
