@@ -118,6 +118,7 @@ def test_campaign_runs_reproducibly_and_reports() -> None:
     a, b = runs
     # the adapters' machines join where their engine imports (vLLM installed in this venv or not)
     adapters = {name for name in fuzz.ADAPTER_MACHINES if importlib.util.find_spec(name) is not None}
+    adapters |= {name for name in fuzz.CHILD_MACHINES if importlib.util.find_spec(name) is not None}
     assert a.ok and a.steps >= 1500 and a.checks > 0 and set(a.steps_by_machine) == {
         "core", "facade", "engine", "node", "request", "l3", "transfer", "l3tier", "misuse", "reference",
         "scheduler"} | adapters
@@ -221,6 +222,7 @@ def test_default_mix_adds_an_adapter_machine_only_where_its_module_imports(
     assert "sglang" not in fuzz.ADAPTER_MACHINES  # its modules import only under its marked tests
     monkeypatch.setattr(fuzz, "ADAPTER_MACHINES", {"broken": ("kvtier_no_such_machine_module", 0.04),
                                                    "json": ("json", 0.02)})
+    monkeypatch.setattr(fuzz, "CHILD_MACHINES", {})
     mix = fuzz.default_mix()
     assert "broken" not in mix and mix["json"] == 0.02
     assert {k: v for k, v in mix.items() if k != "json"} == fuzz.DEFAULT_MIX

@@ -10,10 +10,19 @@ indices freed, ``unlock``); scheduler steps deliver completions (``check_hicache
 the allocator's user evicts. Transfers complete zero to three steps late and fail at the
 campaign's fault rate (:class:`DelayedCompletions`).
 
+Each example draws its write policy, page size (1 or 2 tokens) and host pool, unless the
+class fixes them (:meth:`~kvtier.testing.base.KitMachine.configured`).
+
 After every step: the core's invariants, conservation of SGLang's KV pool (free + tree-owned
-+ requests' own indices = the pool, each index once) and every running request's prefix
-indices unchanged under its lock. At the end everything drains and nothing is left: no
-operation, lock or pin, and evicting the whole tree gives the allocator all its indices back.
++ requests' own indices = the pool, each index once), every running request's prefix
+indices unchanged under its lock, and the lock accounting of SGLang's contract
+(``protected_size`` is the distinct device tokens of the locked prefixes, ``evictable_size``
+the rest of the tree). Each ``evict(num_tokens)`` is held to the contract's model: it frees at
+least the demand rounded up to whole pages while the tree holds that much it can free without
+waiting for a transfer (checked by asking again, with the completions held back, for the rest:
+a call that freed less than the demand while more was free to take fails). At the end
+everything drains and nothing is left: no operation, lock or pin, and evicting the whole tree
+gives the allocator all its indices back.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import rule
+from hypothesis.stateful import initialize, rule
 
 from kvtier.fsm import Completion, TransferCommand, UsageError
 from kvtier.fsm.errors import InvariantViolation
@@ -42,12 +51,17 @@ class DelayedCompletions:
     def __init__(self, delay: Any, fail: Any) -> None:
         self.delay, self.fail = delay, fail
         self.pending: list[list[Any]] = []  # [collects left, op id, ok]
+        self.held = False  # while set, collects deliver nothing and time does not pass
+        self.delivered = 0  # completions delivered so far
 
     def submit(self, command: TransferCommand, device_indices: np.ndarray) -> None:
         self.pending.append([int(self.delay()), command.op_id, not self.fail()])
 
     def collect(self) -> list[Completion]:
+        if self.held:
+            return []
         out = [Completion(op, 0, ok) for left, op, ok in self.pending if left <= 0]
+        self.delivered += len(out)
         self.pending = [[left - 1, op, ok] for left, op, ok in self.pending if left > 0]
         return out
 
@@ -65,18 +79,36 @@ class SglangAdapterMachine(KitMachine):
     """Stateful test of the SGLang adapter on SGLang's pools (see the module docstring)."""
 
     kit_invariants = ("check_adapter",)
-    write_policy: ClassVar[str] = "write_through"
-    page_size: ClassVar[int] = 1
+    #: fixed by the class, or ``None``: each example draws it
+    write_policy: ClassVar[str | None] = None
+    page_size: ClassVar[int | None] = None
+    host_pages: ClassVar[int | None] = None
     pool_tokens: ClassVar[int] = 48
-    host_pages: ClassVar[int] = 32
 
     def __init__(self) -> None:
         super().__init__()
+        self.cache: Any = None
+        self.running: dict[int, _Running] = {}
+        self.next_id = 0
+        self.ps = 1
+        self.policy = "write_through"
+
+    @initialize(policy=st.sampled_from(["write_through", "write_back"]), page=st.sampled_from([1, 2]),
+                host=st.sampled_from([32, 6]))
+    @recorded
+    def setup(self, policy: str, page: int, host: int) -> None:
+        """Build the cache on fresh SGLang pools (the class's fixed choices win over the draw)."""
+        policy = self.write_policy or policy
+        page = self.page_size or page
+        host = self.host_pages or host
+        self.kit_set_args(policy=policy, page=page, host=host)
+        self.policy = policy
         from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # type: ignore[import-untyped, import-not-found, unused-ignore]
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # type: ignore[import-untyped, import-not-found, unused-ignore]
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-        ps, n = self.page_size, self.pool_tokens
+        ps, n = page, self.pool_tokens
+        self.ps = ps
         kv = MHATokenToKVPool(size=n, page_size=ps, dtype=torch.float32, head_num=1, head_dim=1, layer_num=1,
                               device="cpu", enable_memory_saver=False)
         if ps == 1:
@@ -92,10 +124,7 @@ class SglangAdapterMachine(KitMachine):
         self.delay = 0
         self.fail_roll = 999
         self.executor = DelayedCompletions(lambda: self.delay, lambda: self.kit_fail(self.fail_roll))
-        self.cache = KvtierRadixCache(params, host_pages=self.host_pages, write_policy=self.write_policy,
-                                      executor=self.executor)
-        self.running: dict[int, _Running] = {}
-        self.next_id = 0
+        self.cache = KvtierRadixCache(params, host_pages=host, write_policy=policy, executor=self.executor)
 
     # ------------------------------------------------------------------ helpers
     def _key(self, tokens: list[int]) -> Any:
@@ -122,7 +151,7 @@ class SglangAdapterMachine(KitMachine):
         self.delay, self.fail_roll = delay, roll
         rid = self.next_id
         self.next_id += 1
-        ps = self.page_size
+        ps = self.ps
         tokens = [family * 1000 + i for i in range(shared)] + [100_000 + rid * 100 + i for i in range(own)]
         tokens = tokens[: len(tokens) // ps * ps]
         if not tokens:
@@ -139,7 +168,7 @@ class SglangAdapterMachine(KitMachine):
         have = m.device_prefix_len
         need = len(tokens) - have
         if self.alloc.available_size() < need:
-            cache.evict(EvictParams(num_tokens=need - self.alloc.available_size()))
+            self._evict(need - self.alloc.available_size())
         new = self.alloc.alloc(need) if need else torch.empty(0, dtype=torch.int64)
         if new is None:
             cache.unlock(lock)
@@ -187,19 +216,45 @@ class SglangAdapterMachine(KitMachine):
     @rule(tokens=st.integers(1, 24))
     @recorded
     def evict(self, tokens: int) -> None:
+        self._evict(tokens)
+
+    def _evict(self, tokens: int) -> int:
+        """``evict(num_tokens=tokens)`` held to SGLang's contract: the allocator gets exactly
+        what it reports, and it frees at least ``tokens`` rounded up to whole pages unless
+        nothing more could be freed without waiting for a transfer. Where no completion was
+        delivered during the call (so the tree it left is the tree it saw), asking again for
+        the rest with the completions held back must free nothing."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-        before = self.alloc.available_size()
-        got = self.cache.evict(EvictParams(num_tokens=tokens)).num_tokens_evicted
+        before, delivered = self.alloc.available_size(), self.executor.delivered
+        got = int(self.cache.evict(EvictParams(num_tokens=tokens)).num_tokens_evicted)
         if self.alloc.available_size() != before + got:
             raise InvariantViolation("conservation", "the SGLang adapter",
                                      f"evict reported {got} tokens, the allocator got {self.alloc.available_size() - before}")
+        want = -(-tokens // self.ps) * self.ps
+        # under write_back an evict starts writebacks that a second call may already demote:
+        # the model holds write_through's evicts only
+        if got < want and self.executor.delivered == delivered and self.policy == "write_through":
+            self.executor.held = True
+            try:
+                more = int(self.cache.evict(EvictParams(num_tokens=want - got)).num_tokens_evicted)
+            finally:
+                self.executor.held = False
+            if more:
+                raise InvariantViolation("evict_frees_the_demand", "the SGLang adapter",
+                                         f"evict(num_tokens={tokens}) with pages of {self.ps} tokens freed {got} of "
+                                         f"the {want} it owed, yet asking again for the rest freed {more} more "
+                                         "with no transfer completed between")
+            got += more
+        return got
 
     # ------------------------------------------------------------------ checks
     def check_adapter(self) -> None:
         cache = self.cache
+        if cache is None:
+            return
         cache.core.check_invariants()
-        tree = [cache.path_device_indices(n)[-len(n.key) * self.page_size:] for n in cache._device_nodes()]
+        tree = [cache.path_device_indices(n)[-len(n.key) * self.ps:] for n in cache._device_nodes()]
         held = [torch.as_tensor(x, dtype=torch.int64) for x in tree] + [r.own for r in self.running.values()]
         used = torch.cat(held).tolist() if held else []
         if len(used) != len(set(used)) or len(used) + self.alloc.available_size() != self.pool_tokens:
@@ -214,10 +269,22 @@ class SglangAdapterMachine(KitMachine):
             if now != r.prefix:
                 raise InvariantViolation("borrowed_pages_stay", "the SGLang adapter",
                                          f"a locked prefix's indices changed: {r.prefix} -> {now}")
+        # SGLang's lock accounting: the locked prefixes' distinct device tokens are protected
+        locked = len({i for r in self.running.values() for i in r.prefix})
+        total = len(set(used)) - sum(len(r.own) for r in self.running.values())
+        if cache.protected_size() != locked or cache.evictable_size() != total - locked \
+                or cache.total_size() != total:
+            raise InvariantViolation("adapter_records", "the SGLang adapter",
+                                     f"sizes protected {cache.protected_size()}, evictable {cache.evictable_size()}, "
+                                     f"total {cache.total_size()}; the running requests lock {locked} distinct "
+                                     f"device tokens of the tree's {total}")
 
     def teardown(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
+        if self.cache is None:
+            super().teardown()
+            return
         self.fail_roll, self.delay = 999, 0
         self.executor.fail = lambda: False
         for i in range(len(self.running)):
@@ -227,8 +294,10 @@ class SglangAdapterMachine(KitMachine):
         cache = self.cache
         if cache.has_pending_cache_operations() or self.executor.pending:
             raise InvariantViolation("drained", "the SGLang adapter", "operations left after draining")
-        if any(n.lock_ref or n.host_pin or n.borrow_ref for n in cache.core.nodes()):
-            raise InvariantViolation("drained", "the SGLang adapter", "a lock or pin left after draining")
+        if any(n.lock_ref or n.host_pin or n.borrow_ref for n in cache.core.nodes()) or cache._locks \
+                or cache.protected_size():
+            raise InvariantViolation("drained", "the SGLang adapter", "a lock or pin left after draining "
+                                     f"(inc_lock_ref / dec_lock_ref unbalanced: {len(cache._locks)} nodes hold locks)")
         cache.evict(EvictParams(num_tokens=self.pool_tokens))
         if self.alloc.available_size() != self.pool_tokens:
             raise InvariantViolation("drained", "the SGLang adapter",

@@ -91,7 +91,8 @@ class VllmAdapterMachine(KitMachine):
                              self.groups, chunk_tokens=2 * T, worker=self.worker, max_model_len=T * 64)
         assert isinstance(self.engine.manager, KvtierOffloadingManager)
         self.manager = self.engine.manager
-        self.contract = OffloadContract(self.manager)  # vLLM's manager contract, checked on every call
+        # vLLM's manager contract, checked on every call
+        self.contract = OffloadContract(self.manager, probe_ctx=ReqContext(req_id="probe"))
         self.next_id = 0
 
     def _pick(self, i: int, phases: tuple[str, ...]) -> str | None:
@@ -131,6 +132,13 @@ class VllmAdapterMachine(KitMachine):
         rid = self._pick(i, ("running",))
         if rid is not None:
             self.engine.preempt(rid)
+
+    @rule(i=st.integers(0, 7))
+    @recorded
+    def complete_mixed(self, i: int) -> None:
+        """An engine completes one prepared store whole and part of another in one call: the
+        manager must refuse it and settle neither (:meth:`OffloadContract.complete_mixed`)."""
+        self.contract.complete_mixed(i)
 
     # ------------------------------------------------------------------ checks
     def check_adapter(self) -> None:

@@ -69,10 +69,13 @@ def _fuzz(args: argparse.Namespace, campaign: Any, replay_file: Any) -> int:
     if steps is None and args.minutes is None:
         steps = 10_000
     if args.machine:  # unknown or unimportable machines are bad input, before any output
+        from ..testing.fuzz import CHILD_MACHINES
         from ..testing.machines import KitMachine
         from ..testing.sequence import SequenceError, machine_class
 
         for name in args.machine:
+            if name in CHILD_MACHINES and len(args.machine) > 1:
+                continue  # run in a process of its own, which says whether it loads
             cls = machine_class(name)
             if not (isinstance(cls, type) and issubclass(cls, KitMachine)):
                 raise SequenceError(f"machine {name!r} is not a kvtier.testing state machine (a KitMachine "

@@ -31,15 +31,21 @@ from .coverage import UNREACHABLE_BY_PRODUCT, LifecycleCoverage
 from .machines import INVARIANTS, STATS, KitMachine
 from .sequence import EventSequence, ReplayResult, SequenceError, classify, machine_class, minimize, replay
 
-__all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "ADAPTER_MACHINES", "default_mix", "replay_file"]
+__all__ = ["CampaignResult", "campaign", "DEFAULT_MIX", "ADAPTER_MACHINES", "CHILD_MACHINES", "default_mix",
+           "replay_file"]
 
 #: machine name -> share of the step budget
 DEFAULT_MIX: dict[str, float] = {"core": 0.31, "facade": 0.31, "engine": 0.1, "node": 0.07, "request": 0.08, "l3": 0.05,
                                  "transfer": 0.02, "l3tier": 0.05, "misuse": 0.04, "reference": 0.04, "scheduler": 0.03}
 #: The adapters' machines that join the default mix where their engine imports (name -> the
-#: machine's module, share; :func:`default_mix`). SGLang's is not one: its modules import only
-#: with the placeholders of its marked tests (``kvtier fuzz --machine sglang`` runs it there).
+#: machine's module, share; :func:`default_mix`).
 ADAPTER_MACHINES: dict[str, tuple[str, float]] = {"vllm": ("kvtier.adapters.vllm_machine", 0.04)}
+#: The adapters' machines that run in a process of their own (name -> share): they join the
+#: default mix where their engine is installed. SGLang's cache modules import on a CPU box only
+#: with placeholder modules for its GPU dependencies (:mod:`kvtier.testing.sglang_cpu`), which
+#: would change what vLLM's modules import in the campaign's process; its child process runs the
+#: machine's share of the budget beside the campaign (:func:`campaign`).
+CHILD_MACHINES: dict[str, float] = {"sglang": 0.04}
 LIFECYCLE_DRIVERS = ("core", "facade", "engine")
 #: The machines that fire events at the spec's lifecycles directly (not the product).
 RAW_MACHINES = ("node", "request", "l3", "transfer")
@@ -64,6 +70,9 @@ class CampaignResult:
     #: steps run and seconds spent when the first failure came, before the shrinking
     first_failure_step: int | None = None
     first_failure_seconds: float | None = None
+    #: examples and checks of the machines run in processes of their own (:data:`CHILD_MACHINES`)
+    child_examples: int = 0
+    child_checks: int = 0
 
     @property
     def ok(self) -> bool:
@@ -137,7 +146,11 @@ def default_mix() -> dict[str, float]:
     module imports here (vLLM's where vLLM is installed: it drives the adapter inside vLLM's own
     connector code, with the same core invariants and a drain at the end of every example). An
     engine that is installed but does not import (a missing dependency) leaves its machine out
-    rather than failing the campaign."""
+    rather than failing the campaign. SGLang's machine (:data:`CHILD_MACHINES`) joins where
+    SGLang is installed; its child process leaves it out where SGLang's cache modules do not
+    load even with the placeholders."""
+    from .sglang_cpu import installed
+
     mix = dict(DEFAULT_MIX)
     for name, (module, share) in ADAPTER_MACHINES.items():
         try:
@@ -145,7 +158,96 @@ def default_mix() -> dict[str, float]:
         except ImportError:
             continue
         mix[name] = share
+    if installed():
+        mix.update(CHILD_MACHINES)
     return mix
+
+
+def _in_child(name: str, machines: dict[str, type[KitMachine]] | None) -> bool:
+    """Whether the campaign runs machine ``name`` in a process of its own (see
+    :data:`CHILD_MACHINES`): not where SGLang is loaded here already, nor where the caller gave
+    the machine's class."""
+    import os
+
+    from .sglang_cpu import CHILD_ENV, loaded
+
+    return (name in CHILD_MACHINES and not loaded() and not (machines or {}).get(name)
+            and not os.environ.get(CHILD_ENV))
+
+
+class _Child:
+    """A machine's share of a campaign run by ``python -m kvtier.testing.sglang_cpu``."""
+
+    def __init__(self, name: str, *, steps: int | None, minutes: float | None, seed_value: int, faults: float,
+                 world_size: int | None, save: Path, shrink: bool) -> None:
+        import subprocess
+        import tempfile
+
+        self.name, self.save = name, save
+        self.dir = tempfile.TemporaryDirectory(prefix=f"kvtier-fuzz-{name}-")
+        self.result = Path(self.dir.name) / "result.json"
+        self.saved = Path(self.dir.name) / "failure.json"
+        cmd = [sys.executable, "-m", "kvtier.testing.sglang_cpu", "--seed", str(seed_value), "--faults", str(faults),
+               "--save", str(self.saved), "--result", str(self.result)]
+        if steps is not None:
+            cmd += ["--steps", str(steps)]
+        if minutes is not None:
+            cmd += ["--minutes", str(minutes)]
+        if world_size is not None:
+            cmd += ["--world-size", str(world_size)]
+        if not shrink:
+            cmd.append("--no-shrink")
+        self.done = False
+        self.log = open(Path(self.dir.name) / "log.txt", "w+")
+        import os
+
+        from .sglang_cpu import CHILD_ENV
+
+        env = dict(os.environ, **{CHILD_ENV: "1"})
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def stop(self) -> None:
+        """End the child early (the campaign failed already)."""
+        if self.done:
+            return
+        self.done = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
+        self.log.close()
+        self.dir.cleanup()
+
+    def finish(self, res: CampaignResult, t0: float) -> None:
+        """Wait for the child and fold what it did into ``res`` (steps, checks, its failure)."""
+        import json
+
+        self.proc.wait()
+        try:
+            out = json.loads(self.result.read_text())
+        except (OSError, ValueError):
+            self.log.seek(0)
+            tail = self.log.read()[-4000:]
+            self.stop()
+            raise RuntimeError(f"kvtier fuzz: the {self.name} machine's process ended with status "
+                               f"{self.proc.returncode} and no result:\n{tail}") from None
+        if not out.get("available"):
+            res.steps_by_machine.pop(self.name, None)  # installed but not loadable: left out
+            self.stop()
+            return
+        res.steps += out["steps"]
+        res.steps_by_machine[self.name] = out["steps"]
+        res.child_examples += out["examples"]
+        res.child_checks += out["checks"]
+        if out.get("saved") and res.failure is None:
+            trace = EventSequence.load(out["saved"])
+            res.failure = trace
+            res.saved = trace.save(self.save)
+            res.failure_result = ReplayResult("violation", out["steps_run"], out["invariant"], out["message"],
+                                              out["failed_step"], out["detail"])
+            if out.get("first_failure_step") is not None:
+                res.first_failure_step = out["first_failure_step"]
+                res.first_failure_seconds = out["first_failure_seconds"]
+        self.stop()
 
 
 def _derive(campaign_seed: int, name: str, chunk: int) -> int:
@@ -185,7 +287,9 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     if not 0.0 <= faults <= 1.0:
         raise ValueError(f"faults must be between 0 and 1, got {faults}")
     mix = dict(mix or default_mix())
-    classes: dict[str, Any] = {name: (machines or {}).get(name) or machine_class(name) for name in mix}
+    children = [name for name in mix if _in_child(name, machines)]
+    classes: dict[str, Any] = {name: (machines or {}).get(name) or machine_class(name) for name in mix
+                               if name not in children}
     for name, cls in classes.items():
         if not (isinstance(cls, type) and issubclass(cls, KitMachine)):
             raise SequenceError(f"machine {name!r} is not a kvtier.testing state machine "
@@ -212,20 +316,27 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
                     else [Phase.explicit, Phase.generate])
     STATS.reset()
     chunk = 0
+    total_share = sum(mix.values()) or 1.0
+    spawned = [_Child(name, steps=None if steps is None else max(1, round(steps * mix[name] / total_share)),
+                      minutes=minutes, seed_value=seed_value, faults=faults, world_size=world_size,
+                      save=Path(save or "kvtier-fuzz-failure.json"), shrink=shrink) for name in children]
+    local = {name: share for name, share in mix.items() if name not in children}
+    budget = None if steps is None else steps - sum(max(1, round(steps * mix[n] / total_share)) for n in children)
+    local_steps = 0
     with res.coverage.recording():
-        while True:
-            if steps is not None and res.steps >= steps:
+        while local:
+            if budget is not None and local_steps >= budget:
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 break
             # the machine furthest behind its share runs next
-            name = min(mix, key=lambda n: res.steps_by_machine[n] / mix[n] if mix[n] else float("inf"))
+            name = min(local, key=lambda n: res.steps_by_machine[n] / local[n] if local[n] else float("inf"))
             cls = configured[name]
             # near the end of a step budget the chunks shrink, so that every machine of the
             # mix still gets its share of a small budget
             examples = chunk_examples
-            if steps is not None:
-                examples = max(1, min(chunk_examples, -(-(steps - res.steps) // (step_count * len(mix)))))
+            if budget is not None:
+                examples = max(1, min(chunk_examples, -(-(budget - local_steps) // (step_count * len(local)))))
             chunk_settings = base if examples == chunk_examples else settings(base, max_examples=examples)
             before = STATS.steps
             with res.coverage.attributed(name):
@@ -264,6 +375,7 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
                         raise
             ran = STATS.steps - before
             res.steps += ran
+            local_steps += ran
             res.steps_by_machine[name] += ran
             chunk += 1
             if bar is not None:
@@ -272,15 +384,23 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
                     bar.n = int(time.perf_counter() - t0)
                     bar.refresh()
                 bar.set_postfix_str(res.coverage.summary(), refresh=False)
+            for child in spawned:  # a child that failed ends the campaign
+                if not child.done and child.proc.poll() is not None and res.failure is None:
+                    child.finish(res, t0)
             if on_chunk is not None:
                 on_chunk(res)
             if res.failure is not None:
                 break
+    for child in spawned:
+        if res.failure is None and not child.done:
+            child.finish(res, t0)
+        else:
+            child.stop()
     if bar is not None:
         bar.close()
     res.seconds = time.perf_counter() - t0
-    res.examples = STATS.examples
-    res.checks = STATS.checks
+    res.examples = STATS.examples + res.child_examples
+    res.checks = STATS.checks + res.child_checks
     _ = out
     return res
 

@@ -360,7 +360,7 @@ class L3Steps(KitMachine):
             before, late = tier.outstanding(), tier.stats.absorbed_late_results
             tier.complete(res, self.now)
             if tier.stats.absorbed_late_results != late + 1 or tier.outstanding() != before:
-                raise InvariantViolation("l3_ends_by_deadline", f"op {p.cmd.op_id}",
+                raise InvariantViolation("l3_duplicate_answer_absorbed", f"op {p.cmd.op_id}",
                                          "a duplicate answer was not absorbed without a change")
         if not p.cancelled:
             if res.error is not None:

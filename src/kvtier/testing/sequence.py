@@ -10,6 +10,7 @@ did. The format's records and the machines' names are re-exported here, so
 from __future__ import annotations
 
 import importlib
+import sys
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -46,6 +47,16 @@ def machine_class(name: str) -> Callable[[], Any]:
     if found is not None:
         return found
     where = KIT_MACHINES.get(name, name)
+    if name == "sglang" and "vllm" not in sys.modules:
+        # SGLang's cache modules import on a CPU box only with placeholders for its GPU
+        # dependencies (kvtier.testing.sglang_cpu); not beside vLLM's modules
+        from .sglang_cpu import installed, load_sglang
+
+        if installed():
+            try:
+                load_sglang()
+            except ImportError:
+                pass
     if ":" not in where:
         raise SequenceError(f"unknown machine {name!r}; the kit's: {sorted(KIT_MACHINES)} (or register one, "
                             f"or use 'module:Class')")
