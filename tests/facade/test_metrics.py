@@ -88,6 +88,31 @@ def test_values_follow_the_cache_statistics() -> None:
     assert got[("kvtier:requests", (("state", "finished"),))] == 0  # forgotten once reported by poll()
 
 
+def test_pages_locked_counts_the_device_pages_a_running_request_holds() -> None:
+    """A request running on a reused device prefix that has no host copy yet (write_back, the
+    writeback acked only for the first request's own finish) locks that prefix's device pages:
+    ``kvtier:pages_locked`` is the locked nodes' device pages (4 units of one page), not their
+    host pages."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtier import Completion, TieredCache
+    from kvtier.fsm.presets import preset
+
+    cache = TieredCache(preset("llama-3-8b"), device_pages=16, host_pages=64, policy="write_back")
+    units = [("u", i) for i in range(4)]
+    cache.admit("a", units, prompt_tokens=70, chunk_tokens=80)
+    cache.step_done("a", 70)
+    cache.finish("a")
+    for c in cache.poll().commands:
+        cache.complete(Completion(c.op_id))
+    adm = cache.admit("b", units, prompt_tokens=70, chunk_tokens=80)
+    assert adm.hit_tokens == 64
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(KvtierCollector(cache))
+    got = _samples(generate_latest(reg).decode())
+    assert got[("kvtier:pages_locked", (("group", GROUP),))] == 4
+
+
 def test_serve_on_loopback_and_bad_port() -> None:
     server = serve(KvtierCollector(readme_cache()), 0)
     try:

@@ -33,3 +33,22 @@ def test_the_prompt_is_prefill_and_each_later_output_token_is_one_decode_token(n
     assert st.modeled_s == pytest.approx(expected, rel=1e-12)
     cache.check_invariants()
     assert cache.quiescent()
+
+
+def test_loadback_and_writeback_bytes_are_the_pages_moved_times_the_page_size() -> None:
+    """Two requests whose prefixes were pushed to the host load back in the same step: the run's
+    loadback bytes are its loadback pages times the one group's page bytes (2 MiB: 32 layers of
+    64 KiB), not a running total of the step's loadbacks; the same holds for writebacks."""
+    layout = preset("llama-3-8b")
+    (group,) = layout.groups
+    cache = TieredCache(layout, device_pages=24, host_pages=256, policy="write_through")
+    fill = [SchedRequest(f"w{i}", 0.0, 130, 1, tuple((f"p{i}", j) for j in range(8))) for i in range(3)]
+    push = [SchedRequest(f"x{i}", 1.0, 130, 1, tuple((f"q{i}", j) for j in range(8))) for i in range(3)]
+    back = [SchedRequest(f"r{i}", 2.0, 130, 1, tuple((f"p{i}", j) for j in range(8))) for i in range(2)]
+    st = ReferenceScheduler(cache, token_budget=512).run(fill + push + back)
+    assert st.finished == 8 and st.host_hit_tokens == 256
+    assert st.loadback_pages == 16 and group.page_bytes == 2 * 1024 * 1024
+    assert st.loadback_bytes == st.loadback_pages * group.page_bytes
+    assert st.writeback_pages > 0
+    assert st.writeback_bytes == st.writeback_pages * group.page_bytes
+    cache.check_invariants()
