@@ -74,3 +74,30 @@ def test_a_completion_before_poll_hands_out_its_command_is_refused() -> None:
     assert [cmd.op_id for cmd in c.poll().commands] == [b.loadback_op]
     ack(c, b.loadback_op)
     assert c.state("b") == "running" and c.layer_ready("b", 0)
+
+
+@pytest.mark.parametrize("finish_writeback", [None, True, False])
+def test_write_through_finish_writes_back_as_its_own_operation_by_default(finish_writeback: bool | None) -> None:
+    """Under write_through ``finish_writeback`` defaults to True: ``finish`` writes the request's
+    pages back as its own operation, and the request stays ``finishing`` until that writeback's
+    ack; with False it ends at once, its pages written back by the policy alone."""
+    from kvtier.fsm.presets import preset
+
+    cache = TieredCache(preset("llama-3-8b"), device_pages=16, host_pages=64, policy="write_through",
+                        finish_writeback=finish_writeback)
+    assert cache.finish_writeback is (finish_writeback is not False)
+    cache.admit("a", [("u", i) for i in range(4)], prompt_tokens=70, chunk_tokens=80)
+    cache.step_done("a", 70)
+    cache.finish("a")
+    cmds = cache.poll().commands
+    assert [c.direction for c in cmds] == [Direction.WRITEBACK]
+    if cache.finish_writeback:
+        assert cache.state("a") == "finishing"
+        cache.complete(Completion(cmds[0].op_id))
+        assert cache.state("a") == "finished"
+    else:
+        assert cache.state("a") == "finished"
+        cache.complete(Completion(cmds[0].op_id))
+    assert not cache.poll().commands
+    cache.check_invariants()
+    assert cache.quiescent()
