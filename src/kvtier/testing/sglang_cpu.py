@@ -97,7 +97,7 @@ class _Base(metaclass=_Meta):
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
-        from pydantic_core import core_schema
+        from pydantic_core import core_schema  # type: ignore[import-not-found,unused-ignore]
 
         return core_schema.any_schema()
 
