@@ -101,6 +101,10 @@ class CounterModel:
         self.node: Counter[str] = Counter()
         self.issued: Counter[str] = Counter()  # direction -> commands handed out
         self.pages: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()  # direction -> bytes of the commands handed out
+        # a page of a group moves every component on every layer (``CacheGroup.page_bytes``'s doc)
+        self.page_bytes = {g.name: sum(c.page_bytes for c in g.components) * len(g.layers)
+                           for g in cache.layout.groups}
         self.failed_ops: set[int] = set()  # ops some rank reported failed
         self.acked: dict[int, set[int]] = {}  # op -> ranks that acknowledged it ok
         self.op_dir: dict[int, str] = {}
@@ -137,7 +141,8 @@ class CounterModel:
         for c in out.commands:
             d = c.direction.value
             self.issued[d] += 1
-            self.pages[d] += c.pages
+            self.pages[d] += sum(len(t.src_pages) for t in c.transfers)
+            self.bytes[d] += sum(len(t.src_pages) * self.page_bytes[t.group] for t in c.transfers)
             self.op_dir[c.op_id] = d
         for ev in out.events:
             if ev.state == "aborted":
