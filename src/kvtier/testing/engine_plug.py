@@ -60,6 +60,7 @@ from .budget_model import check_split_of_pool
 from . import _views as views
 from .base import recorded
 from .engine_contract import EngineContract, pattern as _pattern
+from .engine_stats import EngineStatsModel
 from .facade_machine import FacadeMachine
 from .models import ModelViolation
 from .plugs import TransferBackend
@@ -170,6 +171,7 @@ class EngineTransfer(EngineContract, TransferBackend):
         self.held: list[int] = []  # ops submitted to every engine and not flushed yet (queued)
         self.hold_next = False  # hold every command submitted while set
         self.probes = 0
+        self.stats_models = [EngineStatsModel(layout, chunk_layers, r) for r in range(world_size)]
 
     # -- real bytes ------------------------------------------------------------------
     def write(self, side: str, group: str, page: int, value: Any) -> None:
@@ -245,6 +247,8 @@ class EngineTransfer(EngineContract, TransferBackend):
         quiet = _LOG.level
         _LOG.setLevel(logging.CRITICAL)  # injected issue failures are logged as exceptions
         queued = eng.queued
+        cmds = [self.commands[op] for op in queued]
+        faulty = self.backends[rank]._fail_in is not None
         try:
             eng.flush()
         except HazardError as exc:
@@ -253,6 +257,8 @@ class EngineTransfer(EngineContract, TransferBackend):
         finally:
             _LOG.setLevel(quiet)
             self.backends[rank].clear_fault()
+        self.stats_models[rank].flushed(cmds, faulty)  # (model_engine_stats)
+        self.stats_models[rank].check(eng.stats())
         self._collect(rank)
 
     def _collect(self, rank: int) -> None:
