@@ -27,10 +27,14 @@ calls answered and what :meth:`~kvtier.tiered.TieredCache.poll` reported:
 Each counter must move exactly when its event happens, by the right amount: a counter that
 counts a refused call, counts twice, takes the wrong size or the wrong reason fails with
 :class:`~kvtier.testing.models.ModelViolation` ``model_counters`` at the next check.
-:meth:`check_metrics` compares what the Prometheus collector (:mod:`kvtier.metrics`, when
-``prometheus_client`` is installed) exports with the same counts and with gauges computed
-from the pools and the tree; the abort rows by reason with the label bound applied to the
-counts (:mod:`kvtier.testing.label_bounds`, ``model_label_bounds``).
+:meth:`check_metrics` (after every :attr:`CounterModel.metrics_every` polls that reported
+something, and at the facade's drain) compares what the Prometheus collector
+(:mod:`kvtier.metrics`, when ``prometheus_client`` is installed) exports with the same counts
+and with gauges computed from the pools and the tree: pages used and free per tier and
+group, pinned pages (host pages of pinned nodes), locked pages (device pages of nodes with a
+lock), requests per state, operations in flight per direction, the totals of
+``cache.stats()`` (``model_metrics``); the abort rows by reason with the label bound applied
+to the counts (:mod:`kvtier.testing.label_bounds`, ``model_label_bounds``).
 """
 
 from __future__ import annotations
@@ -93,6 +97,9 @@ class CounterModel:
     """Independent counts of the events behind ``cache.stats()`` (module doc); ``watch``
     installs the wrappers on ``cache`` (an instance: its class is left alone)."""
 
+    #: the exporter is checked after every this many polls that reported something
+    metrics_every = 8
+
     def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         self.n: Counter[str] = Counter()
@@ -108,6 +115,7 @@ class CounterModel:
         self.failed_ops: set[int] = set()  # ops some rank reported failed
         self.acked: dict[int, set[int]] = {}  # op -> ranks that acknowledged it ok
         self.op_dir: dict[int, str] = {}
+        self.polls = 0  # polls that reported something
         self._watch()
 
     # -- the wrappers ------------------------------------------------------------------
@@ -149,6 +157,9 @@ class CounterModel:
                 self.aborts[ev.reason or "unknown"] += 1
         if out.events or out.commands:  # (an empty poll: the step's own check covers it)
             self.check(after_poll=True)
+            self.polls += 1
+            if self.polls % self.metrics_every == 0:  # (bounded cost: one collect per metrics_every polls)
+                self.check_metrics()
 
     def _completed(self, _: Any, c: Any) -> None:
         if c.layer is not None:
@@ -171,8 +182,9 @@ class CounterModel:
             self.node[name] += 1
 
     # -- the checks --------------------------------------------------------------------
-    def _fail(self, what: str) -> None:
-        raise ModelViolation("model_counters", "the cache's operator counters", what)
+    def _fail(self, what: str, invariant: str = "model_counters") -> None:
+        raise ModelViolation(invariant, "the cache's operator counters" if invariant == "model_counters"
+                             else "the Prometheus exporter (KvtierCollector)", what)
 
     def check(self, *, after_poll: bool = False) -> None:
         """Every counter against the model's count (the abort counts only ``after_poll``)."""
@@ -255,6 +267,11 @@ class CounterModel:
             ("kvtier:evictions_total", (("tier", "device"),)): self.node["device_evictions"],
             ("kvtier:evictions_total", (("tier", "host"),)): self.node["host_evictions"],
             ("kvtier:joined_loadbacks_total", ()): stats["joined_loadbacks"],
+            ("kvtier:late_completions_absorbed_total", ()): stats["absorbed_late_completions"],
+            ("kvtier:invariant_checks_total", ()): self.n["invariant_checks"],
+            ("kvtier:invariant_check_failures_total", ()): self.n["invariant_failures"],
+            ("kvtier:transfer_bytes_total", (("direction", "writeback"),)): 0,  # (no engine given)
+            ("kvtier:transfer_bytes_total", (("direction", "loadback"),)): 0,
             ("kvtier:transfer_pages_total", (("direction", "writeback"),)): stats["pages_written"],
             ("kvtier:transfer_pages_total", (("direction", "loadback"),)): stats["pages_loaded"],
         }
@@ -287,8 +304,12 @@ class CounterModel:
         for d in Direction:
             want[("kvtier:operations_in_flight", (("direction", d.value),))] = flying[d.value]
         states: Counter[str] = Counter(r.state for r in views.requests(self.cache).values())
+        for name, labels in got:
+            if name == "kvtier:requests":
+                want[(name, labels)] = states[dict(labels)["state"]]  # (a state no request is in: 0)
         for s, k in states.items():
             want[("kvtier:requests", (("state", s),))] = k
         for key, v in want.items():
             if got.get(key) != v:
-                self._fail(f"metric {key[0]}{dict(key[1])} exports {got.get((key[0], key[1]))}, the model counts {v}")
+                self._fail(f"metric {key[0]}{dict(key[1])} exports {got.get((key[0], key[1]))}, the model counts {v}",
+                           "model_metrics")
