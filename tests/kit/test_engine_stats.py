@@ -1,6 +1,7 @@
 """The transfer engine's ``stats()`` in the engine machine (``kvtier.testing.engine_stats``):
 the counters of the correct engine match the commands each flush took; an engine that counts
-a flush's pages or bytes wrong fails ``model_engine_stats``."""
+a flush's pages or bytes wrong fails ``model_engine_stats``; an exporter reporting other bytes
+than rank 0's engine copied fails ``model_metrics``."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def test_loadback_bytes_of_half_the_layers_are_caught(tmp_path: Path, monkeypatc
     res = _engine_campaign(tmp_path)
     assert not res.ok and res.failure_result is not None
     assert res.failure_result.invariant == "model_engine_stats" and "bytes is" in res.failure_result.message
+
+
+def test_an_exporter_reporting_the_bytes_of_every_rank_is_caught(tmp_path: Path, monkeypatch: Any) -> None:
+    import kvtier.metrics as metrics
+
+    real = metrics._engine_rows
+
+    def doubled(engine: Any) -> Any:  # planted: the bytes of two ranks, as if summed
+        return tuple((d, 2 * b, s) for d, b, s in real(engine))
+
+    monkeypatch.setattr(metrics, "_engine_rows", doubled)
+    res = _engine_campaign(tmp_path)
+    assert not res.ok and res.failure_result is not None
+    assert res.failure_result.invariant == "model_metrics" and "transfer_bytes_total" in res.failure_result.message

@@ -394,9 +394,11 @@ class EngineFacadeMachine(FacadeMachine):
         mode = ("runs", "rows", "runs", "index")[digest[4] % 4]
         # loadback chunks of one to three layers (a chunk's first and last layer differ: what
         # wait_layer must tell apart), and a share of commands held queued (cancelled there)
-        return EngineTransfer(world, self.cache.layout, dev, host, issue_seed=draw, issue_rate=self.kit_rate,
+        xfer = EngineTransfer(world, self.cache.layout, dev, host, issue_seed=draw, issue_rate=self.kit_rate,
                               plan_mode=mode, piece_bytes=(16, 32, 64, 128)[digest[5] % 4],
                               chunk_layers=(1, 2, 3)[digest[6] % 3], hold_rate=(0.0, 0.25, 0.5)[digest[7] % 3])
+        self.counters.engine = (xfer.engines[0], xfer.stats_models[0])  # the exporter reads rank 0's engine
+        return xfer
 
     def kit_canonical(self) -> Hashable:  # pragma: no cover - verify runs the dict backend
         raise NotImplementedError("kvtier verify runs the facade machine on the simulated backend")

@@ -69,6 +69,11 @@ class EngineStatsModel:
                 ex["chunks"] += chunks
                 ex["bytes"] += nbytes
 
+    def bytes_range(self, direction: str) -> tuple[int, int]:
+        """The bytes the engine copied in ``direction`` so far: (least, most); equal when no
+        flush had an issue failure armed."""
+        return self.exact[direction]["bytes"], self.most[direction]["bytes"]
+
     def check(self, stats: dict[str, Any]) -> None:
         """``stats``: the engine's ``stats()``; raises ``model_engine_stats`` on a mismatch."""
         for d in Direction:
