@@ -82,3 +82,43 @@ def test_an_abort_counted_under_the_wrong_reason_is_caught(monkeypatch: Any) -> 
     with pytest.raises(ModelViolation) as exc:
         _run(cache)
     assert exc.value.invariant == "model_counters" and "aborts" in str(exc.value)
+
+
+def _snapshot_patched(monkeypatch: Any, change: Any) -> None:
+    """The exporter reads its values through ``metrics._read``: ``change`` rewrites them (planted)."""
+    import dataclasses
+
+    import kvtier.metrics as metrics
+
+    real = metrics._read
+    monkeypatch.setattr(metrics, "_read", lambda cache, engine: dataclasses.replace(real(cache, engine),
+                                                                                   **change(real(cache, engine))))
+
+
+def test_the_exported_values_agree_after_every_poll_with_a_correct_cache() -> None:
+    cache = TieredCache(kit_layout(), 8, 8)
+    model = CounterModel(cache)
+    model.metrics_every = 1
+    _run(cache)
+    model.check_metrics()
+    assert model.polls >= 4 and model.pages["writeback"] > 0
+
+
+def test_operations_in_flight_exported_under_the_other_direction_are_caught(monkeypatch: Any) -> None:
+    _snapshot_patched(monkeypatch, lambda snap: {"in_flight": tuple(zip([d for d, _ in snap.in_flight],
+                                                                        [n for _, n in reversed(snap.in_flight)]))})
+    cache = TieredCache(kit_layout(), 8, 8)
+    CounterModel(cache).metrics_every = 1
+    with pytest.raises(ModelViolation) as exc:
+        _run(cache)
+    assert exc.value.invariant == "model_metrics" and "operations_in_flight" in str(exc.value)
+
+
+def test_free_pages_exported_as_the_pool_capacity_are_caught(monkeypatch: Any) -> None:
+    _snapshot_patched(monkeypatch, lambda snap: {"pools": tuple((t, g, used, used + free)
+                                                                for t, g, used, free in snap.pools)})
+    cache = TieredCache(kit_layout(), 8, 8)
+    CounterModel(cache).metrics_every = 1
+    with pytest.raises(ModelViolation) as exc:
+        _run(cache)
+    assert exc.value.invariant == "model_metrics" and "pages_free" in str(exc.value)

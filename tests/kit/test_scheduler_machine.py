@@ -192,3 +192,44 @@ def test_a_run_stats_counter_moved_wrongly_is_caught(monkeypatch: Any) -> None:
         m.kit_drain()
     assert exc.value.invariant == "model_counters"
     assert "retractions is" in str(exc.value)
+
+
+def test_the_run_stats_bytes_and_tokens_match_the_commands_and_forward_passes() -> None:
+    m = _failing_loadbacks()
+    m.kit_drain()
+    assert m.cache is not None
+    model = m.counters
+    assert model.bytes["writeback"] > 0 and model.bytes["loadback"] > 0
+    assert m.cache.computed["prefill"] > 0 and m.cache.computed["decode"] > 0
+
+
+def test_transfer_bytes_of_one_layer_only_are_caught(monkeypatch: Any) -> None:
+    m = _failing_loadbacks()
+
+    def one_layer(self: ReferenceScheduler, cmd: Any) -> int:  # planted: a page's bytes in one layer
+        groups = {g.name: g for g in self.cache.layout.groups}
+        return sum(t.pages * groups[t.group].layer_page_bytes for t in cmd.transfers)
+
+    monkeypatch.setattr(ReferenceScheduler, "_command_bytes", one_layer)
+    with pytest.raises(ModelViolation) as exc:
+        m.kit_drain()
+    assert exc.value.invariant == "model_scheduler_stats"
+    assert "_bytes is" in str(exc.value)
+
+
+def test_a_decode_token_counted_as_prefill_is_caught(monkeypatch: Any) -> None:
+    m = _machine(8, 8, 0, 0, [("abc", 1, 4), ("ab", 3, 3)], budget=6)
+    real = ReferenceScheduler._forward
+
+    def misclassed(self: ReferenceScheduler, batch: Any, load_s: float) -> None:  # planted: one decode as prefill
+        real(self, batch, load_s)
+        if self.stats.decode_tokens and not getattr(self, "_planted", False):
+            self._planted = True  # type: ignore[attr-defined]
+            self.stats.decode_tokens -= 1
+            self.stats.prefill_tokens += 1
+
+    monkeypatch.setattr(ReferenceScheduler, "_forward", misclassed)
+    with pytest.raises(ModelViolation) as exc:
+        m.kit_drain()
+    assert exc.value.invariant == "model_scheduler_stats"
+    assert "prefill_tokens is" in str(exc.value)

@@ -27,10 +27,14 @@ calls answered and what :meth:`~kvtier.tiered.TieredCache.poll` reported:
 Each counter must move exactly when its event happens, by the right amount: a counter that
 counts a refused call, counts twice, takes the wrong size or the wrong reason fails with
 :class:`~kvtier.testing.models.ModelViolation` ``model_counters`` at the next check.
-:meth:`check_metrics` compares what the Prometheus collector (:mod:`kvtier.metrics`, when
-``prometheus_client`` is installed) exports with the same counts and with gauges computed
-from the pools and the tree; the abort rows by reason with the label bound applied to the
-counts (:mod:`kvtier.testing.label_bounds`, ``model_label_bounds``).
+:meth:`check_metrics` (after every :attr:`CounterModel.metrics_every` polls that reported
+something, and at the facade's drain) compares what the Prometheus collector
+(:mod:`kvtier.metrics`, when ``prometheus_client`` is installed) exports with the same counts
+and with gauges computed from the pools and the tree: pages used and free per tier and
+group, pinned pages (host pages of pinned nodes), locked pages (device pages of nodes with a
+lock), requests per state, operations in flight per direction, the totals of
+``cache.stats()`` (``model_metrics``); the abort rows by reason with the label bound applied
+to the counts (:mod:`kvtier.testing.label_bounds`, ``model_label_bounds``).
 """
 
 from __future__ import annotations
@@ -93,6 +97,9 @@ class CounterModel:
     """Independent counts of the events behind ``cache.stats()`` (module doc); ``watch``
     installs the wrappers on ``cache`` (an instance: its class is left alone)."""
 
+    #: the exporter is checked after every this many polls that reported something
+    metrics_every = 8
+
     def __init__(self, cache: TieredCache) -> None:
         self.cache = cache
         self.n: Counter[str] = Counter()
@@ -101,9 +108,15 @@ class CounterModel:
         self.node: Counter[str] = Counter()
         self.issued: Counter[str] = Counter()  # direction -> commands handed out
         self.pages: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()  # direction -> bytes of the commands handed out
+        # a page of a group moves every component on every layer (``CacheGroup.page_bytes``'s doc)
+        self.page_bytes = {g.name: sum(c.page_bytes for c in g.components) * len(g.layers)
+                           for g in cache.layout.groups}
         self.failed_ops: set[int] = set()  # ops some rank reported failed
         self.acked: dict[int, set[int]] = {}  # op -> ranks that acknowledged it ok
         self.op_dir: dict[int, str] = {}
+        self.polls = 0  # polls that reported something
+        self.engine: tuple[Any, Any] | None = None  # (an engine the exporter reads, its EngineStatsModel)
         self._watch()
 
     # -- the wrappers ------------------------------------------------------------------
@@ -137,13 +150,17 @@ class CounterModel:
         for c in out.commands:
             d = c.direction.value
             self.issued[d] += 1
-            self.pages[d] += c.pages
+            self.pages[d] += sum(len(t.src_pages) for t in c.transfers)
+            self.bytes[d] += sum(len(t.src_pages) * self.page_bytes[t.group] for t in c.transfers)
             self.op_dir[c.op_id] = d
         for ev in out.events:
             if ev.state == "aborted":
                 self.aborts[ev.reason or "unknown"] += 1
         if out.events or out.commands:  # (an empty poll: the step's own check covers it)
             self.check(after_poll=True)
+            self.polls += 1
+            if self.polls % self.metrics_every == 0:  # (bounded cost: one collect per metrics_every polls)
+                self.check_metrics()
 
     def _completed(self, _: Any, c: Any) -> None:
         if c.layer is not None:
@@ -166,8 +183,9 @@ class CounterModel:
             self.node[name] += 1
 
     # -- the checks --------------------------------------------------------------------
-    def _fail(self, what: str) -> None:
-        raise ModelViolation("model_counters", "the cache's operator counters", what)
+    def _fail(self, what: str, invariant: str = "model_counters") -> None:
+        raise ModelViolation(invariant, "the cache's operator counters" if invariant == "model_counters"
+                             else "the Prometheus exporter (KvtierCollector)", what)
 
     def check(self, *, after_poll: bool = False) -> None:
         """Every counter against the model's count (the abort counts only ``after_poll``)."""
@@ -231,7 +249,8 @@ class CounterModel:
         except ImportError:  # pragma: no cover - the metrics extra is not installed
             return
         got: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        for fam in KvtierCollector(self.cache).collect():
+        engine, engine_model = self.engine if self.engine is not None else (None, None)
+        for fam in KvtierCollector(self.cache, engine).collect():
             for s in fam.samples:
                 if not s.name.endswith("_created"):
                     got[(s.name, tuple(sorted(s.labels.items())))] = s.value
@@ -250,6 +269,9 @@ class CounterModel:
             ("kvtier:evictions_total", (("tier", "device"),)): self.node["device_evictions"],
             ("kvtier:evictions_total", (("tier", "host"),)): self.node["host_evictions"],
             ("kvtier:joined_loadbacks_total", ()): stats["joined_loadbacks"],
+            ("kvtier:late_completions_absorbed_total", ()): stats["absorbed_late_completions"],
+            ("kvtier:invariant_checks_total", ()): self.n["invariant_checks"],
+            ("kvtier:invariant_check_failures_total", ()): self.n["invariant_failures"],
             ("kvtier:transfer_pages_total", (("direction", "writeback"),)): stats["pages_written"],
             ("kvtier:transfer_pages_total", (("direction", "loadback"),)): stats["pages_loaded"],
         }
@@ -282,8 +304,18 @@ class CounterModel:
         for d in Direction:
             want[("kvtier:operations_in_flight", (("direction", d.value),))] = flying[d.value]
         states: Counter[str] = Counter(r.state for r in views.requests(self.cache).values())
+        for name, labels in got:
+            if name == "kvtier:requests":
+                want[(name, labels)] = states[dict(labels)["state"]]  # (a state no request is in: 0)
         for s, k in states.items():
             want[("kvtier:requests", (("state", s),))] = k
+        for d in Direction:  # the engine's bytes (0 without one): exact unless a flush's issue failed
+            key = ("kvtier:transfer_bytes_total", (("direction", d.value),))
+            lo, hi = engine_model.bytes_range(d.value) if engine_model is not None else (0, 0)
+            if not (isinstance(got.get(key), float | int) and lo <= got[key] <= hi):
+                self._fail(f"metric {key[0]}{dict(key[1])} exports {got.get(key)}, the engine's flushes copied "
+                           f"{lo} to {hi} bytes", "model_metrics")
         for key, v in want.items():
             if got.get(key) != v:
-                self._fail(f"metric {key[0]}{dict(key[1])} exports {got.get((key[0], key[1]))}, the model counts {v}")
+                self._fail(f"metric {key[0]}{dict(key[1])} exports {got.get((key[0], key[1]))}, the model counts {v}",
+                           "model_metrics")

@@ -60,6 +60,7 @@ from .budget_model import check_split_of_pool
 from . import _views as views
 from .base import recorded
 from .engine_contract import EngineContract, pattern as _pattern
+from .engine_stats import EngineStatsModel
 from .facade_machine import FacadeMachine
 from .models import ModelViolation
 from .plugs import TransferBackend
@@ -170,6 +171,7 @@ class EngineTransfer(EngineContract, TransferBackend):
         self.held: list[int] = []  # ops submitted to every engine and not flushed yet (queued)
         self.hold_next = False  # hold every command submitted while set
         self.probes = 0
+        self.stats_models = [EngineStatsModel(layout, chunk_layers, r) for r in range(world_size)]
 
     # -- real bytes ------------------------------------------------------------------
     def write(self, side: str, group: str, page: int, value: Any) -> None:
@@ -245,6 +247,8 @@ class EngineTransfer(EngineContract, TransferBackend):
         quiet = _LOG.level
         _LOG.setLevel(logging.CRITICAL)  # injected issue failures are logged as exceptions
         queued = eng.queued
+        cmds = [self.commands[op] for op in queued]
+        faulty = self.backends[rank]._fail_in is not None
         try:
             eng.flush()
         except HazardError as exc:
@@ -253,6 +257,8 @@ class EngineTransfer(EngineContract, TransferBackend):
         finally:
             _LOG.setLevel(quiet)
             self.backends[rank].clear_fault()
+        self.stats_models[rank].flushed(cmds, faulty)  # (model_engine_stats)
+        self.stats_models[rank].check(eng.stats())
         self._collect(rank)
 
     def _collect(self, rank: int) -> None:
@@ -388,9 +394,11 @@ class EngineFacadeMachine(FacadeMachine):
         mode = ("runs", "rows", "runs", "index")[digest[4] % 4]
         # loadback chunks of one to three layers (a chunk's first and last layer differ: what
         # wait_layer must tell apart), and a share of commands held queued (cancelled there)
-        return EngineTransfer(world, self.cache.layout, dev, host, issue_seed=draw, issue_rate=self.kit_rate,
+        xfer = EngineTransfer(world, self.cache.layout, dev, host, issue_seed=draw, issue_rate=self.kit_rate,
                               plan_mode=mode, piece_bytes=(16, 32, 64, 128)[digest[5] % 4],
                               chunk_layers=(1, 2, 3)[digest[6] % 3], hold_rate=(0.0, 0.25, 0.5)[digest[7] % 3])
+        self.counters.engine = (xfer.engines[0], xfer.stats_models[0])  # the exporter reads rank 0's engine
+        return xfer
 
     def kit_canonical(self) -> Hashable:  # pragma: no cover - verify runs the dict backend
         raise NotImplementedError("kvtier verify runs the facade machine on the simulated backend")

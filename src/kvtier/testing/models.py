@@ -52,7 +52,8 @@ MODELS: tuple[str, ...] = ("model_layer_ready", "model_eviction_order", "model_l
                            "model_l3_options", "model_l3_counters", "model_l3_fetched", "model_admission",
                            "model_passes", "model_poll", "model_drain", "model_refusal", "model_reference",
                            "model_checkpoint", "model_writeback_queue", "model_counters", "model_scheduler_policy",
-                           "model_log_checker", "model_label_bounds", "model_budget")
+                           "model_log_checker", "model_label_bounds", "model_budget",
+                           "model_scheduler_stats", "model_engine_stats", "model_metrics")
 
 #: The request states in which ``layer_ready`` may answer true (``[request.calls]`` of the
 #: spec, restated here so that the model does not read it from the system under test).

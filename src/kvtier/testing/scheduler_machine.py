@@ -38,7 +38,10 @@ what a correct scheduler does, beyond what the cache refuses:
   beside the writebacks in flight (loadbacks never count), unless none is ready
   (``model_writeback_queue``, :func:`~kvtier.testing.facade_models.check_quota`);
 - :class:`~kvtier.scheduler.RunStats` and the cache's operator counters against independent
-  counts (``model_counters``, :mod:`kvtier.testing.counter_model`);
+  counts (``model_counters``, :mod:`kvtier.testing.counter_model`); its bytes and pages
+  moved per direction against the commands handed out (pages times each group's page bytes
+  from the layout), its prefill and decode tokens against the forward passes the executor
+  saw, classed by the KV each request must (re)compute (``model_scheduler_stats``);
 - the run ends within ``2 x`` (prompt + output tokens) + :data:`_MAX_IDLE` iterations, far
   below the scheduler's own bound of 16 per token (a retraction livelock fails quickly, so
   that its shrinking stays quick too).
@@ -107,6 +110,12 @@ class FaultyExecutor(InstantExecutor):
     def idle(self) -> bool:
         return not self._held and not self._pending
 
+    def forward(self, cache: TieredCache, batch: Any) -> None:
+        """The forward pass moves nothing; the machine's model counts the batch's tokens."""
+        watch = getattr(cache, "kit_forward", None)
+        if watch is not None:
+            watch(batch)
+
 
 class WatchedCache(TieredCache):
     """The cache, recording the scheduler's calls for the machine's checks (module doc)."""
@@ -134,6 +143,13 @@ class WatchedCache(TieredCache):
         self.hits = Counter[str]()
         self.retractions = 0
         self.at_retract: dict[str, int] = {}  # tokens with KV when it was retracted
+        self.computed: Counter[str] = Counter()  # forward tokens: "prefill" / "decode"
+
+    def kit_forward(self, batch: Any) -> None:
+        """A forward pass over ``batch`` ((request id, tokens with KV, tokens computed)):
+        a request below the KV it must (re)compute prefills, one at or past it decodes."""
+        for rid, tokens, n in batch:
+            self.computed["prefill" if tokens < self.kv_target.get(rid, self.prompt[rid]) else "decode"] += n
 
     def kit_iteration(self) -> None:
         """A new scheduler iteration begins (``on_step``)."""
@@ -409,3 +425,11 @@ class SchedulerMachine(KitMachine):
             if getattr(stats, k) != v:
                 raise ModelViolation("model_counters", "the reference scheduler's RunStats",
                                      f"{k} is {getattr(stats, k)}, the model counts {v}")
+        moved = {"loadback_bytes": model.bytes["loadback"], "writeback_bytes": model.bytes["writeback"],
+                 "loadback_pages": model.pages["loadback"], "writeback_pages": model.pages["writeback"],
+                 "prefill_tokens": cache.computed["prefill"], "decode_tokens": cache.computed["decode"]}
+        for k, v in moved.items():
+            if getattr(stats, k) != v:
+                raise ModelViolation("model_scheduler_stats", "the reference scheduler's RunStats",
+                                     f"{k} is {getattr(stats, k)}: the commands handed out and the forward "
+                                     f"passes add up to {v}")
