@@ -35,27 +35,24 @@ def test_the_engine_counters_match_the_commands_flushed(tmp_path: Path, monkeypa
     assert {d for d, pages, nbytes in seen if pages and nbytes} == set(Direction)
 
 
-def test_a_flush_whose_pages_count_one_too_many_is_caught(tmp_path: Path, monkeypatch: Any) -> None:
-    def one_more(self: TransferStats, direction: Direction, s: DirectionStats) -> None:  # planted
-        s.pages += 1
-        _REAL(self, direction, s)
+def _one_page_too_many(self: TransferStats, direction: Direction, s: DirectionStats) -> None:  # planted
+    s.pages += 1
+    _REAL(self, direction, s)
 
-    monkeypatch.setattr(TransferStats, "issued", one_more)
+
+def _loadback_bytes_halved(self: TransferStats, direction: Direction, s: DirectionStats) -> None:  # planted
+    if direction is Direction.LOADBACK:
+        s.bytes //= 2
+    _REAL(self, direction, s)
+
+
+@pytest.mark.parametrize(("planted", "counter"), [(_one_page_too_many, "pages"), (_loadback_bytes_halved, "bytes")],
+                         ids=["a flush counting one page too many", "loadback bytes of half the layers"])
+def test_a_wrong_engine_count_is_caught(tmp_path: Path, monkeypatch: Any, planted: Any, counter: str) -> None:
+    monkeypatch.setattr(TransferStats, "issued", planted)
     res = _engine_campaign(tmp_path)
     assert not res.ok and res.failure_result is not None
-    assert res.failure_result.invariant == "model_engine_stats" and "pages is" in res.failure_result.message
-
-
-def test_loadback_bytes_of_half_the_layers_are_caught(tmp_path: Path, monkeypatch: Any) -> None:
-    def halved(self: TransferStats, direction: Direction, s: DirectionStats) -> None:  # planted
-        if direction is Direction.LOADBACK:
-            s.bytes //= 2
-        _REAL(self, direction, s)
-
-    monkeypatch.setattr(TransferStats, "issued", halved)
-    res = _engine_campaign(tmp_path)
-    assert not res.ok and res.failure_result is not None
-    assert res.failure_result.invariant == "model_engine_stats" and "bytes is" in res.failure_result.message
+    assert res.failure_result.invariant == "model_engine_stats" and f"{counter} is" in res.failure_result.message
 
 
 def test_an_exporter_reporting_the_bytes_of_every_rank_is_caught(tmp_path: Path, monkeypatch: Any) -> None:
