@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.fsm import Direction
 
 from . import _views as views
+from .engine_stats import page_bytes_by_group
 from .label_bounds import check_abort_series
 from .models import ModelViolation
 
@@ -109,9 +110,7 @@ class CounterModel:
         self.issued: Counter[str] = Counter()  # direction -> commands handed out
         self.pages: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()  # direction -> bytes of the commands handed out
-        # a page of a group moves every component on every layer (``CacheGroup.page_bytes``'s doc)
-        self.page_bytes = {g.name: sum(c.page_bytes for c in g.components) * len(g.layers)
-                           for g in cache.layout.groups}
+        self.page_bytes = page_bytes_by_group(cache.layout)
         self.failed_ops: set[int] = set()  # ops some rank reported failed
         self.acked: dict[int, set[int]] = {}  # op -> ranks that acknowledged it ok
         self.op_dir: dict[int, str] = {}

@@ -26,10 +26,16 @@ from kvtier.fsm.layout import CacheLayout
 
 from .models import ModelViolation
 
-__all__ = ["EngineStatsModel"]
+__all__ = ["EngineStatsModel", "page_bytes_by_group"]
 
 _EXACT = ("flushes", "ops", "pages")
 _AT_MOST = ("chunks", "bytes")
+
+
+def page_bytes_by_group(layout: CacheLayout) -> dict[str, int]:
+    """Bytes one page of each cache group moves, from the layout's own parts: every component on
+    every layer of the group (``CacheGroup.page_bytes``'s doc), not the product's sum."""
+    return {g.name: sum(c.page_bytes for c in g.components) * len(g.layers) for g in layout.groups}
 
 
 class EngineStatsModel:
@@ -37,8 +43,7 @@ class EngineStatsModel:
 
     def __init__(self, layout: CacheLayout, chunk_layers: int, rank: int) -> None:
         self.groups = {g.name: g for g in layout.groups}
-        self.page_bytes = {g.name: sum(c.page_bytes for c in g.components) * len(g.layers)
-                           for g in layout.groups}
+        self.page_bytes = page_bytes_by_group(layout)
         self.chunk_layers, self.rank = chunk_layers, rank
         self.exact: dict[str, Counter[str]] = {d.value: Counter() for d in Direction}
         self.most: dict[str, Counter[str]] = {d.value: Counter() for d in Direction}
