@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -167,8 +171,6 @@ def _in_child(name: str, machines: dict[str, type[KitMachine]] | None) -> bool:
     """Whether the campaign runs machine ``name`` in a process of its own (see
     :data:`CHILD_MACHINES`): not where SGLang is loaded here already, nor where the caller gave
     the machine's class."""
-    import os
-
     from .sglang_cpu import CHILD_ENV, loaded
 
     return (name in CHILD_MACHINES and not loaded() and not (machines or {}).get(name)
@@ -180,9 +182,6 @@ class _Child:
 
     def __init__(self, name: str, *, steps: int | None, minutes: float | None, seed_value: int, faults: float,
                  world_size: int | None, save: Path, shrink: bool) -> None:
-        import subprocess
-        import tempfile
-
         self.name, self.save = name, save
         self.dir = tempfile.TemporaryDirectory(prefix=f"kvtier-fuzz-{name}-")
         self.result = Path(self.dir.name) / "result.json"
@@ -199,8 +198,6 @@ class _Child:
             cmd.append("--no-shrink")
         self.done = False
         self.log = open(Path(self.dir.name) / "log.txt", "w+")
-        import os
-
         from .sglang_cpu import CHILD_ENV
 
         env = dict(os.environ, **{CHILD_ENV: "1"})
@@ -219,8 +216,6 @@ class _Child:
 
     def finish(self, res: CampaignResult, t0: float) -> None:
         """Wait for the child and fold what it did into ``res`` (steps, checks, its failure)."""
-        import json
-
         self.proc.wait()
         try:
             out = json.loads(self.result.read_text())
@@ -317,11 +312,12 @@ def campaign(*, steps: int | None = None, minutes: float | None = None, seed_val
     STATS.reset()
     chunk = 0
     total_share = sum(mix.values()) or 1.0
-    spawned = [_Child(name, steps=None if steps is None else max(1, round(steps * mix[name] / total_share)),
-                      minutes=minutes, seed_value=seed_value, faults=faults, world_size=world_size,
-                      save=Path(save or "kvtier-fuzz-failure.json"), shrink=shrink) for name in children]
+    child_steps = {n: None if steps is None else max(1, round(steps * mix[n] / total_share)) for n in children}
+    spawned = [_Child(name, steps=n_steps, minutes=minutes, seed_value=seed_value, faults=faults,
+                      world_size=world_size, save=Path(save or "kvtier-fuzz-failure.json"), shrink=shrink)
+               for name, n_steps in child_steps.items()]
     local = {name: share for name, share in mix.items() if name not in children}
-    budget = None if steps is None else steps - sum(max(1, round(steps * mix[n] / total_share)) for n in children)
+    budget = None if steps is None else steps - sum(n or 0 for n in child_steps.values())
     local_steps = 0
     with res.coverage.recording():
         while local:
