@@ -21,16 +21,17 @@ and counters of keys. It raises :class:`~kvtier.fsm.errors.InvariantViolation`
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable
 from typing import Any
+
+from kvtier.fsm.errors import InvariantViolation
 
 #: keys evicted or failed that the probe and the model remember (the oldest are forgotten)
 GONE_CAP = 64
 #: blocks stored and blocks in flight whose lookups a call that must change nothing compares
 SAMPLE = 8
-
-from kvtier.fsm.errors import InvariantViolation
 
 __all__ = ["OffloadContract"]
 
@@ -79,7 +80,7 @@ class OffloadContract:
         """The lookup answers of a sample of the stored and in-flight blocks (unchecked)."""
         if self.probe_ctx is None:
             return None
-        keys = sorted(self.stored, key=repr)[:SAMPLE] + [k for k, n in self.storing.items() if n][:SAMPLE]
+        keys = heapq.nsmallest(SAMPLE, self.stored, key=repr) + [k for k, n in self.storing.items() if n][:SAMPLE]
         out = {}
         for k in keys:
             res = self._lookup_orig(k, self.probe_ctx)
