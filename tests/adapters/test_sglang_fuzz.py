@@ -49,7 +49,7 @@ def test_an_evict_that_rounds_the_token_demand_down_fails_the_machines_evict_mod
 
     monkeypatch.setattr(KvtierRadixCache, "evict", rounded_down)
     with pytest.raises(InvariantViolation, match="evict_frees_the_demand"):
-        _run(SglangAdapterMachine.configured(fault_rate=0.2, page_size=2))
+        _run(SglangAdapterMachine.configured(fault_rate=0.2, page_size=2, write_policy="write_through"))
 
 
 def test_a_dec_lock_ref_that_keeps_the_core_lock_fails_the_machines_lock_accounting(monkeypatch):

@@ -92,6 +92,25 @@ def test_insert_over_a_cached_prefix_reports_it_and_keeps_the_tree_copy():
     assert cache.load_back(m.last_device_node) is False  # no host tier
 
 
+def test_a_write_back_evict_writes_a_chain_level_by_level_and_frees_it_in_one_call():
+    """Under write_back a device leaf is written back (its parent first) before it is
+    demoted. Where the host cannot take the whole tree in one operation, the chain goes a
+    level a round; evict keeps going while copies move, so one call frees the demand, as
+    HiCache's evict does (the 5-token leaf does not fit beside the rest and is dropped)."""
+    cache, kv, alloc = build("write_back", device=16, host=6)
+    a = alloc.alloc(2)
+    cache.insert(InsertParams(key=RadixKey([1, 2]), value=a))
+    b = alloc.alloc(6)
+    value = torch.cat([a[:1], b[1:]])
+    assert cache.insert(InsertParams(key=RadixKey([1, 3, 4, 5, 6, 7]), value=value)).prefix_len == 1
+    alloc.free(b[:1])
+    assert (alloc.available_size(), cache.total_size()) == (9, 7)
+    assert cache.evict(EvictParams(num_tokens=16)).num_tokens_evicted == 7
+    assert (alloc.available_size(), cache.total_size(), cache.host_size()) == (16, 0, 2)
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2])))
+    assert (m.device_prefix_len, m.host_hit_length) == (0, 2)
+
+
 def test_bad_configuration_is_refused():
     with pytest.raises(ConfigError, match="write_policy"):
         KvtierRadixCache.create_simulated(write_policy="sometimes")
@@ -101,6 +120,14 @@ def test_bad_configuration_is_refused():
         KvtierRadixCache.create_simulated(enable_kv_cache_events=True)
     with pytest.raises(UsageError, match="RadixKey"):
         KvtierRadixCache.create_simulated().match_prefix(MatchPrefixParams(key=[1, 2]))
+
+
+@pytest.mark.parametrize("kwargs", [{"page_size": "4"}, {"page_size": 2.0}, {"page_size": True}, {"page_size": 0},
+                                    {"num_layers": "8"}, {"device_pages": 0}, {"write_threshold": 1.5}])
+def test_a_size_that_is_not_a_positive_int_is_refused_by_name(kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(ConfigError, match=f"{name} must be a positive int, got {value!r}"):
+        KvtierRadixCache.create_simulated(**kwargs)
 
 
 def _to_host(cache, alloc, tokens):

@@ -43,11 +43,14 @@ from kvtier.fsm.node import Node
 from kvtier.fsm.node.eviction import POLICIES
 from kvtier.fsm.node.ops import Settled
 
-from .sglang_host import HiCacheHooks, shadow_host_key
+from .sglang_host import HiCacheHooks, host_pages_of, shadow_host_key
 from .sglang_pages import (GROUP, DevicePageTable, Executor, InstantCompletions, check_token_count, kv_indices,
-                           sglang_layout)
+                           positive_int, sglang_layout)
 
 __all__ = ["KvtierRadixCache", "register"]
+
+#: evict()'s rounds at most (each evicts, hands out writebacks, takes completions back)
+_EVICT_ROUNDS = 64
 
 _WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 #: states a publish anchor's path may be in (the core's own anchor check: readable, not loading)
@@ -89,8 +92,10 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
             there, off otherwise.
 
     Raises:
-        ConfigError: a bad capacity, write policy or eviction policy, ``is_eagle``
-            (bigram keys), or hybrid tree components (SWA, Mamba).
+        ConfigError: a bad capacity, write policy or eviction policy, a ``page_size``,
+            ``num_layers``, ``device_pages`` or ``write_threshold`` that is not an int >= 1
+            (a numeric string or a float is refused, not converted), ``is_eagle`` (bigram
+            keys), or hybrid tree components (SWA, Mamba).
     """
 
     def __init__(self, params: Any, *, host_pages: int | None = None, write_policy: str = "write_through",
@@ -99,7 +104,10 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         self.disable = bool(params.disable)
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.page_size = int(params.page_size)
+        self.page_size = positive_int("page_size", params.page_size)
+        for name, v in (("num_layers", num_layers), ("device_pages", device_pages),
+                        ("write_threshold", write_threshold)):
+            positive_int(name, v)
         if getattr(params, "is_eagle", False):
             raise ConfigError("KvtierRadixCache: is_eagle (bigram keys) is not supported")
         comps = [getattr(c, "name", str(c)) for c in (getattr(params, "tree_components", None) or ())]
@@ -160,17 +168,8 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         the server's HiCache flags (host = ``hicache_ratio`` x device, or ``hicache_size``
         GB at the pool's bytes per token; no host tier without either)."""
         sa, params = ctx.server_args, ctx.params
-        alloc = params.token_to_kv_pool_allocator
-        dev_tokens = int(alloc.size) if alloc is not None else 0
-        host_tokens = 0
-        if getattr(sa, "hicache_size", 0):
-            kv = alloc.get_kvcache()
-            per_token = int(kv.get_kv_size_bytes()[0] + kv.get_kv_size_bytes()[1]) // max(1, dev_tokens)
-            host_tokens = int(sa.hicache_size * 1e9) // max(1, per_token)
-        elif getattr(sa, "hicache_ratio", 0):
-            host_tokens = int(dev_tokens * float(sa.hicache_ratio))
         layers = int(getattr(ctx.model_config, "num_hidden_layers", 1) or 1)
-        return cls(params, host_pages=host_tokens // int(params.page_size) or None,
+        return cls(params, host_pages=host_pages_of(sa, params.token_to_kv_pool_allocator, params.page_size),
                    write_policy=str(getattr(sa, "hicache_write_policy", "write_through")), num_layers=layers)
 
     # ------------------------------------------------------------------ state
@@ -188,6 +187,7 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         self._unbound: list[list[int]] = []  # core pages freed since the last _free_sglang (unbound there)
         self._last_locked: Node | None = None  # the node of the last inc_lock_ref (insert's anchor)
         self.loads_failed = 0
+        self._moved = 0  # commands handed to the executor and completions taken back (evict's progress)
         if self.core.exclusive:
             shadow_host_key(self.core.eviction)
         ledger = self.core.ledger
@@ -239,11 +239,13 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
             core.issue_writebacks()
         if core.has_commands():
             for cmd in core.poll_commands():
+                self._moved += 1
                 (t,) = cmd.transfers
                 dev = t.src_pages if cmd.direction is Direction.WRITEBACK else t.dst_pages
                 self.executor.submit(cmd, self.pages.token_indices(dev))
         if collect:
             for c in self.executor.collect():
+                self._moved += 1
                 for s in core.complete(c):
                     ld = self._loads.pop(s.op_id, None) if isinstance(s, Settled) else None
                     if ld is not None:
@@ -476,18 +478,22 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` device tokens from unlocked leaves in kvtier's
         eviction order (a node with a host copy is demoted; under ``write_back`` a node is
-        written back first, then demoted when its writeback completes, here through the
-        executor). The freed indices go back to SGLang's allocator."""
+        written back first, parent first, then demoted once written: the call goes on while
+        the executor takes copies and hands back completions, at most ``_EVICT_ROUNDS``
+        rounds). The freed indices go back to SGLang's allocator."""
         num = check_token_count(params.num_tokens)
         if self.disable or num <= 0:
             return EvictResult()
         want = -(-num // self.page_size) * self.page_size
         freed = self._pump(collect=True)  # writebacks that completed make their nodes demotable
         idle = 0
-        while freed < want and idle < 2:  # a parent is a leaf once its children went; under
-            # write_back a node is demoted by the pass after the one whose writeback completed
+        write_back = self.write_policy == "write_back"
+        for _ in range(_EVICT_ROUNDS):  # a parent is a leaf once its children went; under write_back a
+            if freed >= want or idle >= 2:  # chain is written a level a round, then demoted: there a
+                break  # round that frees nothing yet hands out or takes back a copy is progress
+            moved = self._moved
             self.core.evict_device({GROUP: (want - freed) // self.page_size})
             got = self._free_sglang() + self._pump(collect=True)
-            idle = 0 if got else idle + 1
+            idle = 0 if got or (write_back and self._moved != moved) else idle + 1
             freed += got
         return EvictResult(num_tokens_evicted=freed)

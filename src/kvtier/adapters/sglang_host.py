@@ -1,7 +1,8 @@
 """The HiCache hooks of :class:`~kvtier.adapters.sglang.KvtierRadixCache` (SGLang 0.5.23's
 ``UnifiedRadixCache`` names): admission's ``init_load_back`` and ``load_back``, the per-step
 ``ready_to_load_host_cache``, ``loading_check``, ``writing_check`` and ``check_hicache_events``;
-and the exclusive host tier's eviction key (:func:`shadow_host_key`).
+the host pages HiCache's flags ask for (:func:`host_pages_of`); and the exclusive host tier's
+eviction key (:func:`shadow_host_key`).
 
 SGLang's contract cannot say that a layer is ready (its ``layer_done_counter`` events are
 the HiCache controller's): the loadback's layer progress stays inside kvtier's core, and a
@@ -21,7 +22,22 @@ from kvtier.fsm.node import Node
 
 from .sglang_pages import GROUP
 
-__all__ = ["HiCacheHooks", "shadow_host_key"]
+__all__ = ["HiCacheHooks", "host_pages_of", "shadow_host_key"]
+
+
+def host_pages_of(server_args: Any, alloc: Any, page_size: int) -> int | None:
+    """Host pages for SGLang's HiCache flags: ``hicache_size`` GB at the device pool's bytes
+    per token, else ``hicache_ratio`` x the device pool's tokens; ``None`` (no host tier)
+    without either, or without an allocator."""
+    dev_tokens = int(alloc.size) if alloc is not None else 0
+    host_tokens = 0
+    if getattr(server_args, "hicache_size", 0) and alloc is not None:
+        kv = alloc.get_kvcache()
+        per_token = int(kv.get_kv_size_bytes()[0] + kv.get_kv_size_bytes()[1]) // max(1, dev_tokens)
+        host_tokens = int(server_args.hicache_size * 1e9) // max(1, per_token)
+    elif getattr(server_args, "hicache_ratio", 0):
+        host_tokens = int(dev_tokens * float(server_args.hicache_ratio))
+    return host_tokens // int(page_size) or None
 
 
 def shadow_host_key(index: Any) -> None:

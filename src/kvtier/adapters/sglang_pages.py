@@ -23,10 +23,21 @@ from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, ConfigError, D
 from kvtier.fsm.layout import CacheLayout
 
 __all__ = ["GROUP", "DevicePageTable", "Executor", "InstantCompletions", "KVPoolCopier", "check_token_count", "kv_indices",
-           "sglang_layout"]
+           "positive_int", "sglang_layout"]
 
 #: the core's one cache group: one page = one SGLang KV page (``page_size`` tokens)
 GROUP = "kv"
+
+
+def positive_int(name: str, v: Any) -> int:
+    """``v`` when it is an int >= 1 (not a bool, a float or a numeric string).
+
+    Raises:
+        ConfigError: naming ``name`` and the value.
+    """
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{name} must be a positive int, got {v!r}")
+    return v
 
 
 def sglang_layout(page_size: int, num_layers: int = 1, page_bytes: int = 1) -> CacheLayout:
@@ -41,8 +52,7 @@ def sglang_layout(page_size: int, num_layers: int = 1, page_bytes: int = 1) -> C
         ConfigError: a value that is not a positive int.
     """
     for name, v in (("page_size", page_size), ("num_layers", num_layers), ("page_bytes", page_bytes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        positive_int(name, v)
     g = CacheGroupSpec(GROUP, Family.HISTORY, page_size, 1, tuple(range(num_layers)), (ComponentSpec("kv", page_bytes),))
     return CacheLayout("sglang-kv-pages", (g,), num_layers, source="SGLang token-to-KV pool (kvtier.adapters.sglang)")
 
