@@ -127,3 +127,21 @@ def test_dec_lock_ref_on_a_node_never_locked_or_twice_raises_and_changes_nothing
     with pytest.raises(UsageError, match="holds no lock of this cache"):
         cache.dec_lock_ref(node)
     assert _sizes(cache) == (4, 0, 4)
+
+
+def test_dec_lock_ref_with_another_caches_node_of_the_same_id_raises_and_keeps_this_caches_lock() -> None:
+    """Node ids start at 1 in every cache: an engine that runs two trees (one per model or
+    per data-parallel rank) and passes the wrong one's node must not release this cache's lock."""
+    from kvtier.fsm import UsageError
+
+    cache, node = _filled()
+    other, other_node = _filled()
+    assert other_node.node_id == node.node_id
+    cache.inc_lock_ref(node)
+    other.inc_lock_ref(other_node)
+    with pytest.raises(UsageError, match="holds no lock of this cache"):
+        cache.dec_lock_ref(other_node)
+    assert _sizes(cache) == (0, 4, 4) and node.lock_ref == 1
+    cache.dec_lock_ref(node)
+    other.dec_lock_ref(other_node)
+    assert _sizes(cache) == (4, 0, 4) and _sizes(other) == (4, 0, 4)

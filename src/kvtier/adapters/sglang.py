@@ -396,13 +396,13 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         """Release one lock taken on ``node`` by :meth:`inc_lock_ref`.
 
         Raises:
-            UsageError: ``node`` holds no lock taken here.
+            UsageError: ``node`` holds no lock taken here (or is another cache's node).
         """
         if self.disable or node is self.core.root:
             return DecLockRefResult(delta=0)
         if not isinstance(node, Node):
             raise UsageError(f"dec_lock_ref: node must be a node of this cache (match_prefix's), got {node!r}")
-        held = self._locks.get(node.node_id)
+        held = self._locks.get(node.node_id) if self.core.tree.has(node) else None  # (ids repeat across caches)
         if not held:
             raise UsageError(f"dec_lock_ref: node {node.node_id} holds no lock of this cache")
         self.core.unlock(held.pop())
