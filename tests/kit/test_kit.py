@@ -95,6 +95,20 @@ def test_replay_checks_every_step_and_names_the_invariant() -> None:
         replay(bad)
 
 
+@pytest.mark.parametrize(("args", "fragment"), [
+    (dict(req=0, key=["a"], chunk=2, tail=False, bogus=1), "unexpected keyword argument 'bogus'"),
+    (dict(req=0, key=["a"], chunk=2), "missing a required argument: 'tail'"),
+])
+def test_a_step_whose_arguments_do_not_fit_its_rule_is_bad_input_not_a_violation(
+        args: dict[str, object], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    seq = EventSequence("facade", [FacadeMachine.verify_setup(), Step.of("admit", args)])
+    with pytest.raises(SequenceError, match=r"step 2: rule 'admit' of machine 'facade' takes \['req', 'key', 'chunk'"):
+        replay(seq)
+    path = seq.save(tmp_path / "s.json")
+    assert main(["fuzz", "--replay", str(path)]) == 2
+    assert fragment in capsys.readouterr().err
+
+
 def test_coverage_items_come_from_the_spec() -> None:
     spec = load_spec()
     cov = LifecycleCoverage(spec)

@@ -10,6 +10,7 @@ did. The format's records and the machines' names are re-exported here, so
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -177,7 +178,8 @@ def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
     kit's and the machine's own ``@invariant()`` methods (:func:`check_all`).
 
     Raises:
-        SequenceError: the machine has no rule a step names.
+        SequenceError: the machine has no rule a step names, or a step's arguments do not
+            fit the rule's parameters (a name it does not take, or one it needs missing).
     """
     machine = (factory or machine_class(seq.machine))()
     steps_run = 0
@@ -187,6 +189,7 @@ def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
             fn = getattr(type(machine), step.rule, None)
             if fn is None or not callable(fn) or step.rule.startswith("_"):
                 raise SequenceError(f"step {i}: machine {seq.machine!r} has no rule {step.rule!r}")
+            _check_args(seq.machine, i, step, fn)
             steps_run = i
             if on_step is not None:
                 on_step(i, step)
@@ -211,6 +214,17 @@ def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
         except Exception:  # noqa: BLE001
             pass
     return ReplayResult("pass", steps_run)
+
+
+def _check_args(machine: str, i: int, step: Step, fn: Callable[..., Any]) -> None:
+    """Raise :class:`SequenceError` unless ``step.args`` bind to rule ``fn``'s parameters."""
+    sig = inspect.signature(fn)
+    try:
+        sig.bind(None, **step.args)
+    except TypeError as exc:
+        params = list(sig.parameters)[1:]
+        raise SequenceError(f"step {i}: rule {step.rule!r} of machine {machine!r} takes {params}, "
+                            f"got arguments {sorted(step.args)}: {exc}") from None
 
 
 def steps_from(pairs: Iterable[tuple[str, Mapping[str, Any]]]) -> list[Step]:
