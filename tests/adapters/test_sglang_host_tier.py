@@ -130,6 +130,13 @@ def test_a_size_that_is_not_a_positive_int_is_refused_by_name(kwargs):
         KvtierRadixCache.create_simulated(**kwargs)
 
 
+def test_numpy_integer_sizes_are_taken_as_ints():
+    import numpy as np
+
+    cache = KvtierRadixCache.create_simulated(page_size=np.int64(2), num_layers=np.int32(4))
+    assert (cache.page_size, type(cache.page_size), cache.num_layers) == (2, int, 4)
+
+
 def _to_host(cache, alloc, tokens):
     cache.insert(InsertParams(key=RadixKey(tokens), value=alloc.alloc(len(tokens))))
     cache.check_hicache_events()

@@ -105,9 +105,8 @@ class KvtierRadixCache(HiCacheHooks, BasePrefixCache):  # type: ignore[misc, unu
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = positive_int("page_size", params.page_size)
-        for name, v in (("num_layers", num_layers), ("device_pages", device_pages),
-                        ("write_threshold", write_threshold)):
-            positive_int(name, v)
+        num_layers, device_pages, write_threshold = (positive_int(name, v) for name, v in (
+            ("num_layers", num_layers), ("device_pages", device_pages), ("write_threshold", write_threshold)))
         if getattr(params, "is_eagle", False):
             raise ConfigError("KvtierRadixCache: is_eagle (bigram keys) is not supported")
         comps = [getattr(c, "name", str(c)) for c in (getattr(params, "tree_components", None) or ())]

@@ -30,14 +30,15 @@ GROUP = "kv"
 
 
 def positive_int(name: str, v: Any) -> int:
-    """``v`` when it is an int >= 1 (not a bool, a float or a numeric string).
+    """``v`` as an int when it is an integer >= 1 (a Python or NumPy integer; not a bool,
+    a float or a numeric string).
 
     Raises:
         ConfigError: naming ``name`` and the value.
     """
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
         raise ConfigError(f"{name} must be a positive int, got {v!r}")
-    return v
+    return int(v)
 
 
 def sglang_layout(page_size: int, num_layers: int = 1, page_bytes: int = 1) -> CacheLayout:
