@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvtier.fsm import CacheGroupSpec, ComponentSpec, Completion, ConfigError, Direction, Family, TransferCommand, UsageError
+from kvtier.fsm.checks import plain_int
 from kvtier.fsm.layout import CacheLayout
 
 __all__ = ["GROUP", "DevicePageTable", "Executor", "InstantCompletions", "KVPoolCopier", "check_token_count", "kv_indices",
@@ -36,9 +37,10 @@ def positive_int(name: str, v: Any) -> int:
     Raises:
         ConfigError: naming ``name`` and the value.
     """
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+    got = plain_int(v)
+    if got is None or got < 1:
         raise ConfigError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
+    return got
 
 
 def sglang_layout(page_size: int, num_layers: int = 1, page_bytes: int = 1) -> CacheLayout:

@@ -9,6 +9,7 @@ did. The format's records and the machines' names are re-exported here, so
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -216,9 +217,13 @@ def replay(seq: EventSequence, factory: Callable[[], Any] | None = None,
     return ReplayResult("pass", steps_run)
 
 
+#: a rule's signature, read once per rule (minimize replays every candidate sequence)
+_signature = functools.lru_cache(maxsize=512)(inspect.signature)
+
+
 def _check_args(machine: str, i: int, step: Step, fn: Callable[..., Any]) -> None:
     """Raise :class:`SequenceError` unless ``step.args`` bind to rule ``fn``'s parameters."""
-    sig = inspect.signature(fn)
+    sig = _signature(fn)
     try:
         sig.bind(None, **step.args)
     except TypeError as exc:
